@@ -1,0 +1,1 @@
+"""harbor_async: async-native episode engine for Harbor sandboxes."""
