@@ -1,0 +1,82 @@
+"""Backend names: Harbor's environment types, this project's short names, import paths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harbor_async.errors import AsyncLibraryError, BackendError
+
+#: This project's Harbor environments, selectable by short name.
+SHORT_NAMES: dict[str, str] = {
+    "local": "harbor_async.backends.local:LocalEnvironment",
+    "simulated": "harbor_async.backends.simulated:SimulatedEnvironment",
+}
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A resolved backend: exactly one of a Harbor environment type or an import path."""
+
+    name: str
+    type: str | None = None
+    import_path: str | None = None
+
+    def environment_class(self) -> type:
+        """The Harbor environment class (imports it; vendor SDKs load only here)."""
+        from harbor.environments.factory import _load_environment_class
+        from harbor.models.environment_type import EnvironmentType
+        from harbor.utils.import_path import import_class
+
+        try:
+            if self.import_path is not None:
+                return import_class(self.import_path, label="environment")
+            return _load_environment_class(EnvironmentType(self.type))
+        except Exception as exc:  # ImportError, AttributeError, missing vendor SDK ...
+            raise BackendError(f"backend {self.name!r} cannot be loaded: {exc}") from exc
+
+    def check_async_library(self) -> None:
+        """Fail clearly when an asyncio-only Harbor backend is driven under trio.
+
+        Harbor's own environments call asyncio directly; this project's backends
+        are written with anyio and declare ``ANYIO_NATIVE = True``.
+        """
+        import sniffio
+
+        library = sniffio.current_async_library()
+        if library == "asyncio":
+            return
+        if not getattr(self.environment_class(), "ANYIO_NATIVE", False):
+            raise AsyncLibraryError(
+                f"Harbor backend {self.name!r} runs only on asyncio, not on {library}; "
+                "run the engine on its loop thread (asyncio) or use the 'local' or "
+                "'simulated' backend"
+            )
+
+
+def resolve_backend(name: str) -> BackendSpec:
+    """Resolve ``name`` (``docker``, ``local``, ``pkg.mod:Class`` ...) to a :class:`BackendSpec`.
+
+    Raises:
+        BackendError: the name is neither a Harbor type, a short name of this
+            project, nor an import path.
+    """
+    from harbor.models.environment_type import EnvironmentType
+
+    if not isinstance(name, str) or not name.strip():
+        raise BackendError(f"backend must be a non-empty string, got {name!r}")
+    name = name.strip()
+    if name in SHORT_NAMES:
+        return BackendSpec(name=name, import_path=SHORT_NAMES[name])
+    if ":" in name:
+        module, _, cls = name.partition(":")
+        if not module or not cls:
+            raise BackendError(f"backend import path {name!r} must look like 'package.module:Class'")
+        return BackendSpec(name=name, import_path=name)
+    try:
+        return BackendSpec(name=name, type=EnvironmentType(name).value)
+    except ValueError:
+        known = sorted([*SHORT_NAMES, *(t.value for t in EnvironmentType)])
+        raise BackendError(
+            f"unknown backend {name!r}; use one of {', '.join(known)} "
+            "or an import path 'package.module:Class'"
+        ) from None

@@ -1,0 +1,225 @@
+"""A Harbor environment with no processes: configurable latencies and faults.
+
+For benchmarks at cloud latencies and for fault injection. Every phase sleeps
+for a draw from its latency distribution; faults are drawn from a seeded RNG
+shared by all simulated sandboxes of one seed, so a run with the same seed and
+the same call order sees the same faults.
+
+Latencies are given as seconds (``0.5``) or as a distribution string:
+``"uniform:LOW:HIGH"``, ``"lognormal:MEDIAN:SIGMA"`` or ``"exp:MEAN"``.
+
+The verifier's test script is recognised by its path under ``/tests/``: that
+exec takes the verify latency (and may fail), and the verifier then reads the
+configured ``reward``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import anyio
+from harbor.environments.base import BaseEnvironment, ExecResult, SandboxBuildFailedError
+from harbor.environments.capabilities import EnvironmentCapabilities
+
+
+class SimulatedTransientError(ConnectionError):
+    """A start failure that a retry can fix (like a provider's 503)."""
+
+    transient = True
+
+
+@dataclass(frozen=True)
+class Latency:
+    """A latency distribution in seconds."""
+
+    kind: str = "fixed"
+    a: float = 0.0
+    b: float = 0.0
+
+    @classmethod
+    def parse(cls, spec: float | int | str | Latency) -> Latency:
+        """Parse ``0.5``, ``"uniform:0.1:0.3"``, ``"lognormal:0.5:0.25"`` or ``"exp:0.2"``."""
+        if isinstance(spec, Latency):
+            return spec
+        if isinstance(spec, (int, float)):
+            if spec < 0:
+                raise ValueError(f"latency must be >= 0, got {spec}")
+            return cls("fixed", float(spec))
+        kind, *params = str(spec).split(":")
+        try:
+            values = [float(p) for p in params]
+        except ValueError:
+            raise ValueError(f"bad latency {spec!r}: parameters must be numbers") from None
+        arity = {"fixed": 1, "uniform": 2, "lognormal": 2, "exp": 1}
+        if kind not in arity:
+            if not params:
+                return cls.parse(float(kind))
+            raise ValueError(f"bad latency {spec!r}: use seconds, uniform:LOW:HIGH, lognormal:MEDIAN:SIGMA or exp:MEAN")
+        if len(values) != arity[kind] or any(v < 0 for v in values):
+            raise ValueError(f"bad latency {spec!r}: {kind} takes {arity[kind]} non-negative numbers")
+        return cls(kind, *values)
+
+    def sample(self, rng: random.Random) -> float:
+        """Draw one latency."""
+        if self.kind == "uniform":
+            return rng.uniform(self.a, self.b)
+        if self.kind == "lognormal":
+            return self.a * math.exp(rng.gauss(0.0, self.b)) if self.a else 0.0
+        if self.kind == "exp":
+            return rng.expovariate(1.0 / self.a) if self.a else 0.0
+        return self.a
+
+
+class SimulatedEnvironment(BaseEnvironment):
+    """A Harbor environment that only sleeps and fails on purpose.
+
+    Constructor keyword arguments (all optional), via Harbor's ``--ek`` or the
+    engine's ``backend_kwargs``: ``start_latency``, ``exec_latency``,
+    ``verify_latency``, ``stop_latency`` (see module doc), ``reward`` (the
+    verifier's reward, default 1.0), ``start_failure_rate`` (transient),
+    ``start_permanent_failure_rate``, ``fail_first_starts`` (the first N starts
+    of each task fail transiently), ``exec_hang_rate``, ``verify_failure_rate``,
+    ``stop_failure_rate``, ``seed``.
+    """
+
+    ANYIO_NATIVE: ClassVar[bool] = True
+
+    # Observations across all instances, for tests and benchmarks.
+    live_now: ClassVar[int] = 0
+    peak_live: ClassVar[int] = 0
+    start_times: ClassVar[list[float]] = []
+    _starts_by_task: ClassVar[dict[str, int]] = defaultdict(int)
+    _rngs: ClassVar[dict[Any, random.Random]] = {}
+
+    def __init__(
+        self,
+        *args: Any,
+        start_latency: float | str = 0.0,
+        exec_latency: float | str = 0.0,
+        verify_latency: float | str = 0.0,
+        stop_latency: float | str = 0.0,
+        reward: float = 1.0,
+        start_failure_rate: float = 0.0,
+        start_permanent_failure_rate: float = 0.0,
+        fail_first_starts: int = 0,
+        exec_hang_rate: float = 0.0,
+        verify_failure_rate: float = 0.0,
+        stop_failure_rate: float = 0.0,
+        seed: int | None = 0,
+        run_label: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._latency = {
+            "start": Latency.parse(start_latency),
+            "exec": Latency.parse(exec_latency),
+            "verify": Latency.parse(verify_latency),
+            "stop": Latency.parse(stop_latency),
+        }
+        self._reward = float(reward)
+        self._rates = {
+            "start": float(start_failure_rate),
+            "start_permanent": float(start_permanent_failure_rate),
+            "exec_hang": float(exec_hang_rate),
+            "verify": float(verify_failure_rate),
+            "stop": float(stop_failure_rate),
+        }
+        for name, rate in self._rates.items():
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"{name} failure rate must be within [0, 1], got {rate}")
+        self._fail_first_starts = int(fail_first_starts)
+        if seed not in self._rngs:
+            self._rngs[seed] = random.Random(seed)
+        self._rng = self._rngs[seed]
+        self._running = False
+        self._verified = False
+        super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def type() -> str:
+        return "simulated"
+
+    @property
+    def capabilities(self) -> EnvironmentCapabilities:
+        return EnvironmentCapabilities(disable_internet=True)
+
+    def _validate_definition(self) -> None:
+        """Nothing to validate: no image is built."""
+
+    @classmethod
+    def reset_observations(cls) -> None:
+        """Clear the cross-instance counters (tests call this first)."""
+        cls.live_now = 0
+        cls.peak_live = 0
+        cls.start_times = []
+        cls._starts_by_task.clear()
+        cls._rngs.clear()
+
+    def _chance(self, name: str) -> bool:
+        rate = self._rates[name]
+        return rate > 0 and self._rng.random() < rate
+
+    async def _sleep(self, phase: str) -> None:
+        await anyio.sleep(self._latency[phase].sample(self._rng))
+
+    async def start(self, force_build: bool) -> None:
+        type(self).start_times.append(anyio.current_time())
+        counts = type(self)._starts_by_task
+        counts[self.environment_name] += 1
+        await self._sleep("start")
+        if self._chance("start_permanent"):
+            raise SandboxBuildFailedError(f"simulated permanent start failure ({self.session_id})")
+        if counts[self.environment_name] <= self._fail_first_starts or self._chance("start"):
+            raise SimulatedTransientError(f"simulated transient start failure ({self.session_id})")
+        self._running = True
+        cls = type(self)
+        cls.live_now += 1
+        cls.peak_live = max(cls.peak_live, cls.live_now)
+
+    async def stop(self, delete: bool) -> None:
+        await self._sleep("stop")
+        was_running, self._running = self._running, False
+        if was_running:
+            type(self).live_now -= 1
+        if self._chance("stop"):
+            raise RuntimeError(f"simulated stop failure ({self.session_id})")
+
+    async def exec(
+        self,
+        command: str,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: int | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
+        if not self._running:
+            raise RuntimeError("simulated sandbox is not running")
+        if "/tests/" in command and "chmod" not in command:
+            await self._sleep("verify")
+            self._verified = not self._chance("verify")
+            return ExecResult(stdout="", stderr="", return_code=0)
+        if self._chance("exec_hang"):
+            await anyio.sleep_forever()
+        await self._sleep("exec")
+        return ExecResult(stdout="", stderr="", return_code=0)
+
+    async def upload_file(self, source_path: Path | str, target_path: str) -> None:
+        """Uploads are accepted and dropped."""
+
+    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
+        """Uploads are accepted and dropped."""
+
+    async def download_file(self, source_path: str, target_path: Path | str) -> None:
+        Path(target_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(target_path).write_text("")
+
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        """The verifier dir comes back with the reward when the test script ran and passed."""
+        target = Path(target_dir)
+        target.mkdir(parents=True, exist_ok=True)
+        if source_dir.rstrip("/").endswith("/logs/verifier") and self._verified:
+            (target / "reward.txt").write_text(f"{self._reward}\n")

@@ -1,0 +1,264 @@
+"""The engine: a task group of sandbox lifecycles with limits, a ledger and clean teardown."""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import structlog
+from anyio.abc import TaskGroup, TaskStatus
+
+from harbor_async.backends import BackendSpec, resolve_backend
+from harbor_async.errors import HarborAsyncError, SandboxError
+from harbor_async.logs import configure_logging
+from harbor_async.policy import Limits, RateLimiter, RetryPolicy, Timeouts
+from harbor_async.sandbox import TRUNCATION_MARKER, Sandbox, SandboxState
+from harbor_async.stats import EngineStats, StatsRecorder
+
+if TYPE_CHECKING:
+    from harbor.models.task.task import Task
+
+    from harbor_async.errors import Phase
+
+
+def new_run_label() -> str:
+    """A short label unique to this run, carried by every sandbox it creates."""
+    return f"ha{os.getpid()}x{uuid.uuid4().hex[:6]}"
+
+
+class EngineClosedError(HarborAsyncError, RuntimeError):
+    """The engine is closing or closed and takes no new sandboxes."""
+
+
+class Engine:
+    """Runs Harbor sandbox lifecycles as structured-concurrency tasks.
+
+    Use it as ``async with Engine(...) as engine:`` in async code, or let
+    :func:`harbor_async.loop.open_engine` run it on the shared loop thread.
+    Leaving the block (or :meth:`aclose`) stops every live sandbox.
+
+    Args:
+        limits: live sandboxes, create rate, concurrent execs.
+        timeouts: per-phase budgets and the episode deadline.
+        retry: the start retry policy.
+        max_output: characters of exec output kept (``None``: all).
+        truncation_marker: appended to cut output.
+        run_label: label carried by every sandbox (default: a fresh one).
+        backend_kwargs: extra constructor arguments for every Harbor environment.
+    """
+
+    def __init__(
+        self,
+        *,
+        limits: Limits | None = None,
+        timeouts: Timeouts | None = None,
+        retry: RetryPolicy | None = None,
+        max_output: int | None = 8000,
+        truncation_marker: str = TRUNCATION_MARKER,
+        run_label: str | None = None,
+        backend_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        configure_logging()
+        self.limits = limits or Limits()
+        self.timeouts = timeouts or Timeouts()
+        self.retry = retry or RetryPolicy()
+        self.max_output = max_output
+        self.truncation_marker = truncation_marker
+        self.run_label = run_label or new_run_label()
+        self.backend_kwargs = dict(backend_kwargs or {})
+        self._ledger: dict[str, Sandbox] = {}
+        self._stats = StatsRecorder()
+        self._log = structlog.get_logger("harbor_async").bind(run=self.run_label)
+        self._tg: TaskGroup | None = None
+        self._stack: AsyncExitStack | None = None
+        self._closing = False
+        self._closed: anyio.Event | None = None
+        self._drained = anyio.Event()
+        self._close_requested: anyio.Event | None = None
+        self._live: anyio.CapacityLimiter | None = None
+        self._execs: anyio.CapacityLimiter | None = None
+        self._rate: RateLimiter | None = None
+
+    # ── lifecycle of the engine itself ──────────────────────────────────
+
+    async def __aenter__(self) -> Engine:
+        if self._stack is not None:
+            raise RuntimeError("an Engine can be entered only once")
+        self._closed = anyio.Event()
+        self._close_requested = anyio.Event()
+        self._live = anyio.CapacityLimiter(self.limits.live_sandboxes or math.inf)
+        self._execs = (
+            anyio.CapacityLimiter(self.limits.concurrent_execs) if self.limits.concurrent_execs else None
+        )
+        self._rate = RateLimiter(self.limits.creates_per_second)
+        self._stack = AsyncExitStack()
+        self._tg = await self._stack.enter_async_context(anyio.create_task_group())
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        try:
+            await self.aclose()
+        finally:
+            stack, self._stack = self._stack, None
+            if self._tg is not None:
+                self._tg.cancel_scope.cancel()
+            if stack is not None:
+                await stack.__aexit__(*exc_info)
+            if self._closed is not None:
+                self._closed.set()
+
+    async def serve(self, *, task_status: TaskStatus[Engine] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run the engine until :meth:`request_close`; for ``portal.start_task``."""
+        async with self:
+            task_status.started(self)
+            await self._close_requested.wait()
+
+    def request_close(self) -> None:
+        """Ask :meth:`serve` to close the engine (call on the loop)."""
+        if self._close_requested is not None:
+            self._close_requested.set()
+
+    async def aclose(self) -> None:
+        """Stop every live sandbox (shielded, bounded by the stop budget); idempotent."""
+        if self._closing:
+            with anyio.CancelScope(shield=True):
+                await self._drained.wait()
+            return
+        self._closing = True
+        with anyio.CancelScope(shield=True):
+            sandboxes = list(self._ledger.values())
+            if sandboxes:
+                self._log.info("engine.close", live=len(sandboxes))
+            async with anyio.create_task_group() as tg:
+                for sandbox in sandboxes:
+                    tg.start_soon(sandbox.stop)
+            self._drained.set()
+        self.request_close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the engine takes no more sandboxes."""
+        return self._closing
+
+    # ── sandboxes ───────────────────────────────────────────────────────
+
+    def launch(
+        self,
+        task: Task | str | Path,
+        backend: str | BackendSpec = "local",
+        *,
+        backend_kwargs: Mapping[str, Any] | None = None,
+        episode_timeout: float | None = None,
+    ) -> Sandbox:
+        """Schedule a sandbox's start in the background and return it at once.
+
+        Call on the loop. The start waits for a live-sandbox slot and a create
+        turn, then retries transient failures; :meth:`Sandbox.wait_started`
+        returns when it is up (or raises its start error).
+        """
+        if self._tg is None or self._closing:
+            raise EngineClosedError("the engine is not running (closed, or not entered)")
+        if isinstance(task, (str, Path)):
+            from harbor_async.tasks import load_task
+
+            task = load_task(task)
+        spec = backend if isinstance(backend, BackendSpec) else resolve_backend(backend)
+        sandbox = Sandbox(
+            self,
+            task,
+            spec,
+            backend_kwargs={**self.backend_kwargs, **(backend_kwargs or {})},
+            episode_timeout=episode_timeout,
+        )
+        self._ledger[sandbox.id] = sandbox
+        self._stats.launched += 1
+        self._tg.start_soon(self._run_start, sandbox, name=f"start {sandbox.id}")
+        return sandbox
+
+    def stop_soon(self, sandbox: Sandbox) -> None:
+        """Schedule ``sandbox``'s stop in the background (call on the loop)."""
+        if sandbox.done:
+            return
+        if self._tg is None:
+            raise EngineClosedError("the engine is not running")
+        self._tg.start_soon(sandbox.stop, name=f"stop {sandbox.id}")
+
+    @asynccontextmanager
+    async def episode(
+        self,
+        task: Task | str | Path,
+        backend: str | BackendSpec = "local",
+        **kwargs: Any,
+    ) -> AsyncIterator[Sandbox]:
+        """A started sandbox for the block; stopped on the way out, even on cancellation."""
+        sandbox = self.launch(task, backend, **kwargs)
+        try:
+            await sandbox.wait_started()
+            yield sandbox
+        finally:
+            await sandbox.stop()
+
+    def live_sandboxes(self) -> list[Sandbox]:
+        """The ledger: every sandbox launched and not yet confirmed stopped."""
+        return list(self._ledger.values())
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the counters and latency percentiles."""
+        return self._stats.snapshot()
+
+    # ── used by Sandbox ─────────────────────────────────────────────────
+
+    async def _run_start(self, sandbox: Sandbox) -> None:
+        with anyio.CancelScope() as scope:
+            sandbox._start_scope = scope
+            try:
+                await self._live.acquire_on_behalf_of(sandbox)
+            except BaseException as exc:
+                sandbox._abandon_start(exc)
+                raise
+            sandbox._holds_slot = True
+            self._stats.add_live(+1)
+            await sandbox._start()
+        if sandbox.state is SandboxState.RUNNING:
+            self._stats.started += 1
+        else:
+            self._stats.failed += 1
+            if sandbox.start_error is not None:
+                self._log.warning("start failed", sandbox=sandbox.id, error=str(sandbox.start_error))
+            await sandbox.stop()  # gives the slot back; the start already cleaned up
+
+    async def wait_create_turn(self) -> None:
+        """Wait for the create-rate limiter."""
+        await self._rate.wait()
+
+    def exec_slot(self):
+        """An async context holding one of the concurrent-exec slots (if limited)."""
+        return self._execs if self._execs is not None else nullcontext()
+
+    def release(self, sandbox: Sandbox) -> None:
+        """Give back ``sandbox``'s live slot and drop it from the ledger."""
+        if getattr(sandbox, "_holds_slot", False):
+            sandbox._holds_slot = False
+            self._live.release_on_behalf_of(sandbox)
+            self._stats.add_live(-1)
+            self._stats.stopped += 1
+        self._ledger.pop(sandbox.id, None)
+
+    def note_retry(self, sandbox: Sandbox) -> None:
+        """Count a start retry."""
+        self._stats.retried += 1
+
+    def note_stop_failure(self, sandbox: Sandbox, error: SandboxError) -> None:
+        """Count and log a stop that failed or timed out (the sandbox may have leaked)."""
+        self._stats.stop_failures += 1
+        self._log.error("stop failed; the sandbox may be left behind", sandbox=sandbox.id, error=str(error))
+
+    def record_phase(self, phase: Phase, seconds: float, outcome: str) -> None:
+        """Record one phase's latency for the stats."""
+        self._stats.record(phase.value, seconds, outcome == "ok")

@@ -1,0 +1,119 @@
+"""Typed errors raised by the engine.
+
+Every sandbox error carries the phase it happened in, the task, the sandbox id
+and the attempt number, so that a failure in a batch of hundreds of episodes
+can be traced to one sandbox without reading logs.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Phase(StrEnum):
+    """The lifecycle phases of a sandbox, each with its own time budget."""
+
+    START = "start"
+    EXEC = "exec"
+    VERIFY = "verify"
+    STOP = "stop"
+    AGENT = "agent"
+
+
+class HarborAsyncError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class LoopThreadError(HarborAsyncError, RuntimeError):
+    """A blocking call was made from the loop thread itself (it would deadlock)."""
+
+
+class BackendError(HarborAsyncError, ValueError):
+    """The backend name or import path cannot be resolved to a Harbor environment."""
+
+
+class AsyncLibraryError(HarborAsyncError, RuntimeError):
+    """A Harbor backend that only runs on asyncio was used under another async library."""
+
+
+class SandboxError(HarborAsyncError):
+    """A sandbox lifecycle phase failed.
+
+    Attributes:
+        phase: the lifecycle phase that failed.
+        task: the task name.
+        sandbox_id: the engine's id of the sandbox.
+        attempt: the attempt number (1-based; only start retries).
+    """
+
+    kind = "failed"
+
+    def __init__(
+        self,
+        phase: Phase,
+        task: str,
+        sandbox_id: str,
+        detail: str = "",
+        *,
+        attempt: int = 1,
+    ) -> None:
+        self.phase = Phase(phase)
+        self.task = task
+        self.sandbox_id = sandbox_id
+        self.detail = detail
+        self.attempt = attempt
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        where = f"task {self.task!r}, sandbox {self.sandbox_id}"
+        if self.attempt > 1:
+            where += f", attempt {self.attempt}"
+        text = f"{self.phase.value} {self.kind} ({where})"
+        return f"{text}: {self.detail}" if self.detail else text
+
+    def __reduce__(self):  # keep the error picklable across processes
+        return (
+            _rebuild_sandbox_error,
+            (type(self), self.phase, self.task, self.sandbox_id, self.detail, self.attempt),
+        )
+
+
+def _rebuild_sandbox_error(cls, phase, task, sandbox_id, detail, attempt):
+    return cls(phase, task, sandbox_id, detail, attempt=attempt)
+
+
+class SandboxTimeout(SandboxError, TimeoutError):
+    """A phase ran past its own budget or past the episode deadline."""
+
+    kind = "timed out"
+
+
+class StartError(SandboxError):
+    """The sandbox could not be started (after any retries)."""
+
+
+class ExecError(SandboxError):
+    """A command could not be run in the sandbox (not a non-zero exit code)."""
+
+
+class VerifyError(SandboxError):
+    """The task's verifier could not produce a reward."""
+
+
+class StopError(SandboxError):
+    """The sandbox could not be stopped cleanly."""
+
+
+class SandboxClosedError(SandboxError):
+    """The sandbox was already stopped (or never started) when it was used."""
+
+    kind = "unavailable"
+
+
+PHASE_ERRORS: dict[Phase, type[SandboxError]] = {
+    Phase.START: StartError,
+    Phase.EXEC: ExecError,
+    Phase.VERIFY: VerifyError,
+    Phase.STOP: StopError,
+    Phase.AGENT: ExecError,
+}

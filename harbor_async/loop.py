@@ -1,0 +1,218 @@
+"""The one loop thread: an anyio (asyncio) event loop behind a BlockingPortal.
+
+Every Harbor object lives on this loop. Synchronous code (the TRL shim, the
+CLI) reaches it with :func:`call` (blocks for the result) or :func:`submit`
+(returns a ``concurrent.futures.Future``). The thread is a daemon started on
+first use; at interpreter exit (and on SIGTERM) it stops every engine's live
+sandboxes within a bounded time and never hangs the exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import signal
+import sys
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
+
+import anyio
+from anyio.from_thread import BlockingPortal
+
+from harbor_async.engine import Engine
+from harbor_async.errors import LoopThreadError
+
+T = TypeVar("T")
+
+#: Seconds the exit handler waits for engines to stop their sandboxes.
+EXIT_BUDGET = 60.0
+
+
+class LoopThread:
+    """A daemon thread running one asyncio event loop, reachable through a portal."""
+
+    def __init__(self, name: str = "harbor-async-loop") -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._portal: BlockingPortal | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._engines: list[Engine] = []
+
+    # ── thread ──────────────────────────────────────────────────────────
+
+    def _main(self) -> None:
+        async def serve() -> None:
+            async with BlockingPortal() as portal:
+                self._portal = portal
+                self._ready.set()
+                await portal.sleep_until_stopped()
+
+        try:
+            anyio.run(serve, backend="asyncio")
+        except BaseException as exc:  # surfaced to the caller waiting in start()
+            self._error = exc
+        finally:
+            self._portal = None
+            self._ready.set()
+
+    def start(self) -> BlockingPortal:
+        """Start the thread if needed; return its portal."""
+        with self._lock:
+            if self._portal is not None and self._thread is not None and self._thread.is_alive():
+                return self._portal
+            self._ready.clear()
+            self._error = None
+            self._thread = threading.Thread(target=self._main, name=self._name, daemon=True)
+            self._thread.start()
+            self._ready.wait()
+            if self._portal is None:
+                raise RuntimeError(f"the loop thread failed to start: {self._error!r}")
+            return self._portal
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread and its loop are up."""
+        return self._portal is not None and self._thread is not None and self._thread.is_alive()
+
+    def in_loop_thread(self) -> bool:
+        """Whether the caller runs on the loop thread itself."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def _check_caller(self, what: str) -> None:
+        if self.in_loop_thread():
+            raise LoopThreadError(
+                f"{what} blocks for the loop thread's result and was called from the loop "
+                "thread itself, which would deadlock; await the coroutine directly instead"
+            )
+
+    # ── calls ───────────────────────────────────────────────────────────
+
+    def call(self, fn: Callable[..., Awaitable[T] | T], *args: Any, timeout: float | None = None) -> T:
+        """Run ``fn(*args)`` on the loop and block for its result.
+
+        ``timeout`` bounds the wait (``TimeoutError``); the call itself is then
+        cancelled on the loop.
+        """
+        self._check_caller("call()")
+        if timeout is None:
+            return self.start().call(fn, *args)
+        future = self.submit(fn, *args)
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            future.cancel()
+            raise TimeoutError(f"no result from the loop thread within {timeout} s") from None
+
+    def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
+        """Schedule ``fn(*args)`` on the loop; return a future at once."""
+        if self.in_loop_thread():
+            raise LoopThreadError("submit() is for other threads; on the loop thread, spawn a task")
+        return self.start().start_task_soon(fn, *args)
+
+    # ── engines ─────────────────────────────────────────────────────────
+
+    def open_engine(self, **kwargs: Any) -> Engine:
+        """Create an :class:`Engine` with ``kwargs`` and run it on the loop until closed."""
+        self._check_caller("open_engine()")
+        portal = self.start()
+
+        async def make() -> Engine:
+            return Engine(**kwargs)
+
+        engine = portal.call(make)
+        _, started = portal.start_task(engine.serve, name=f"engine {engine.run_label}")
+        with self._lock:
+            self._engines.append(engine)
+        return started
+
+    def close_engine(self, engine: Engine, timeout: float | None = EXIT_BUDGET) -> None:
+        """Stop ``engine``'s sandboxes and end it (blocks up to ``timeout``)."""
+        with self._lock:
+            if engine in self._engines:
+                self._engines.remove(engine)
+        if self.running:
+            self.call(engine.aclose, timeout=timeout)
+
+    def close(self, timeout: float = EXIT_BUDGET) -> None:
+        """Close every engine (bounded by ``timeout``), then stop the loop thread."""
+        if not self.running:
+            return
+        with self._lock:
+            engines, self._engines = list(self._engines), []
+        if engines:
+            future = self.submit(_close_all, engines)
+            try:
+                future.result(timeout)
+            except FutureTimeout:
+                print(
+                    f"harbor-async: sandboxes still stopping after {timeout:.0f} s at exit; "
+                    "run `harbor-async sandboxes reap` to remove leftovers",
+                    file=sys.stderr,
+                )
+            except Exception as exc:  # an exit handler must not raise
+                print(f"harbor-async: error while stopping sandboxes at exit: {exc!r}", file=sys.stderr)
+        portal, thread = self._portal, self._thread
+        if portal is not None:
+            try:
+                portal.call(portal.stop, True)
+            except Exception:  # the loop may already be gone
+                pass
+        if thread is not None:
+            thread.join(timeout=5)
+
+
+async def _close_all(engines: list[Engine]) -> None:
+    async with anyio.create_task_group() as tg:
+        for engine in engines:
+            tg.start_soon(engine.aclose)
+
+
+_default: LoopThread | None = None
+_default_lock = threading.Lock()
+
+
+def get_loop() -> LoopThread:
+    """The process-wide loop thread (created on first use, closed at exit)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = LoopThread()
+            atexit.register(_default.close)
+            _install_sigterm_handler()
+        return _default
+
+
+def call(fn: Callable[..., Awaitable[T]], *args: Any, timeout: float | None = None) -> T:
+    """Run ``fn(*args)`` on the shared loop thread and block for the result."""
+    return get_loop().call(fn, *args, timeout=timeout)
+
+
+def submit(fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
+    """Schedule ``fn(*args)`` on the shared loop thread; return a future."""
+    return get_loop().submit(fn, *args)
+
+
+def open_engine(**kwargs: Any) -> Engine:
+    """An :class:`Engine` running on the shared loop thread (closed at exit)."""
+    return get_loop().open_engine(**kwargs)
+
+
+def _install_sigterm_handler() -> None:
+    """Turn SIGTERM into a normal exit so that atexit stops the sandboxes.
+
+    Only when nobody else handles SIGTERM and only from the main thread (signal
+    handlers cannot be installed elsewhere).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)

@@ -1,0 +1,131 @@
+"""Timeouts, retry policy and limits: the knobs of the engine, with sound defaults."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import anyio
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+from harbor_async.errors import BackendError, SandboxError
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Per-phase time budgets in seconds (``None``: no limit for that phase).
+
+    ``episode`` bounds the whole life of a sandbox, from the start request to the
+    verifier's reward; every phase gets the smaller of its own budget and what is
+    left of the episode. ``stop`` is separate: teardown always gets its own budget,
+    even after the episode deadline has passed.
+    """
+
+    start: float | None = 600.0
+    exec: float | None = 180.0
+    verify: float | None = 600.0
+    stop: float | None = 120.0
+    episode: float | None = None
+
+
+# Errors that say the task or the configuration is wrong: retrying cannot help.
+_PERMANENT_TYPES: tuple[type[BaseException], ...] = (
+    FileNotFoundError,
+    NotADirectoryError,
+    PermissionError,
+    ImportError,
+    BackendError,
+    ValueError,
+    TypeError,
+    NotImplementedError,
+)
+_PERMANENT_WORDS = re.compile(
+    r"quota|not found|no such image|manifest unknown|pull access denied|"
+    r"invalid|unauthori[sz]ed|forbidden|permission denied|build failed",
+    re.IGNORECASE,
+)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a start failure is worth retrying.
+
+    Harbor's backends raise many error types; a failure is permanent when its
+    type or message says the task, image, credentials or quota are wrong, and
+    transient otherwise (network blips, daemon hiccups, slow providers).
+    """
+    from harbor.environments.base import SandboxBuildFailedError
+
+    if isinstance(exc, SandboxError):
+        return False
+    if isinstance(exc, (SandboxBuildFailedError, *_PERMANENT_TYPES)):
+        return False
+    if getattr(exc, "transient", None) is not None:
+        return bool(exc.transient)
+    return not _PERMANENT_WORDS.search(str(exc))
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Jittered exponential backoff for sandbox creation.
+
+    Only the start phase is retried: an exec may have had side effects in the
+    sandbox, so it is never repeated behind the caller's back.
+    """
+
+    attempts: int = 3
+    initial_wait: float = 0.5
+    max_wait: float = 10.0
+    max_total: float | None = 120.0
+
+    def retrying(self) -> AsyncRetrying:
+        """A tenacity ``AsyncRetrying`` that sleeps with anyio (asyncio or trio)."""
+        stop = stop_after_attempt(max(1, self.attempts))
+        if self.max_total is not None:
+            stop = stop | stop_after_delay(self.max_total)
+        return AsyncRetrying(
+            stop=stop,
+            wait=wait_random_exponential(multiplier=self.initial_wait, max=self.max_wait),
+            retry=retry_if_exception(is_transient),
+            sleep=anyio.sleep,
+            reraise=True,
+        )
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Concurrency limits (``None``: unlimited).
+
+    ``live_sandboxes`` counts a sandbox from its create call until its stop is
+    confirmed, so a slow teardown still holds its slot.
+    """
+
+    live_sandboxes: int | None = 64
+    creates_per_second: float | None = None
+    concurrent_execs: int | None = None
+
+
+@dataclass
+class RateLimiter:
+    """Spaces calls at least ``1 / rate`` seconds apart, first come first served."""
+
+    rate: float | None
+    _lock: anyio.Lock = field(default_factory=anyio.Lock, init=False)
+    _next: float = field(default=-math.inf, init=False)
+
+    async def wait(self) -> None:
+        """Wait for this caller's turn."""
+        if not self.rate:
+            return
+        async with self._lock:
+            now = anyio.current_time()
+            if self._next > now:
+                await anyio.sleep(self._next - now)
+                now = self._next
+            self._next = now + 1.0 / self.rate

@@ -1,0 +1,439 @@
+"""One Harbor environment's lifecycle: start, exec, upload/download, verify, stop.
+
+A :class:`Sandbox` is created by the :class:`~harbor_async.engine.Engine`, which
+owns its limits, timeouts, retries, statistics and ledger. Every method runs on
+the engine's event loop; every Harbor object is created, used and closed there.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import structlog
+
+from harbor_async.backends import BackendSpec
+from harbor_async.errors import (
+    PHASE_ERRORS,
+    Phase,
+    SandboxClosedError,
+    SandboxError,
+    SandboxTimeout,
+    StartError,
+)
+
+if TYPE_CHECKING:
+    from harbor.environments.base import BaseEnvironment
+    from harbor.models.task.task import Task
+
+    from harbor_async.engine import Engine
+
+#: TRL's marker for cut output, kept so that prompts match TRL's env exactly.
+TRUNCATION_MARKER = "\n... [truncated]"
+
+
+class SandboxState(StrEnum):
+    """Where a sandbox is in its lifecycle."""
+
+    PENDING = "pending"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class ExecOutput:
+    """The result of one command.
+
+    ``output`` is stdout followed by stderr, cut to the engine's limit with a
+    marker; ``stdout``/``stderr`` are the untruncated streams.
+    """
+
+    output: str
+    stdout: str
+    stderr: str
+    exit_code: int
+    truncated: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The verifier's verdict: the scalar reward and every key it wrote."""
+
+    reward: float
+    rewards: dict[str, float | int]
+    seconds: float
+
+
+@dataclass
+class PhaseTimes:
+    """Seconds spent in each phase of one sandbox (summed over retries and calls)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, phase: Phase, seconds: float) -> None:
+        """Add ``seconds`` to ``phase``."""
+        self.seconds[phase.value] = self.seconds.get(phase.value, 0.0) + seconds
+
+
+def scalar_reward(rewards: dict[str, float | int]) -> float:
+    """The scalar Harbor rewards reduce to: ``reward`` if present, else the first key."""
+    if not rewards:
+        return 0.0
+    return float(rewards.get("reward", next(iter(rewards.values()))))
+
+
+def truncate_output(text: str, limit: int | None, marker: str = TRUNCATION_MARKER) -> tuple[str, bool]:
+    """Cut ``text`` to ``limit`` characters plus ``marker``; ``None`` keeps it whole."""
+    if limit is None or len(text) <= limit:
+        return text, False
+    return text[:limit] + marker, True
+
+
+class Sandbox:
+    """The lifecycle of one Harbor environment for one task.
+
+    Created by :meth:`Engine.launch`; use :meth:`wait_started`, :meth:`exec`,
+    :meth:`verify` and :meth:`stop` from the engine's loop.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        task: Task,
+        backend: BackendSpec,
+        *,
+        backend_kwargs: dict[str, Any] | None = None,
+        episode_timeout: float | None = None,
+    ) -> None:
+        self.engine = engine
+        self.task = task
+        self.task_name: str = task.name
+        self.backend = backend
+        self.id = f"{engine.run_label}-{uuid.uuid4().hex[:10]}"
+        self.state = SandboxState.PENDING
+        self.attempts = 0
+        self.times = PhaseTimes()
+        self.start_error: SandboxError | None = None
+        self._backend_kwargs = dict(backend_kwargs or {})
+        episode = episode_timeout if episode_timeout is not None else engine.timeouts.episode
+        self._deadline = anyio.current_time() + episode if episode is not None else math.inf
+        self._env: BaseEnvironment | None = None
+        self._trial_dir: Path | None = None
+        self._started = anyio.Event()
+        self._stopped = anyio.Event()
+        self._stop_claimed = False
+        self._holds_slot = False
+        self._start_scope: anyio.CancelScope | None = None
+        self._log = structlog.get_logger("harbor_async").bind(
+            task=self.task_name, sandbox=self.id, backend=backend.name
+        )
+
+    # ── public API ──────────────────────────────────────────────────────
+
+    @property
+    def environment(self) -> BaseEnvironment:
+        """The live Harbor environment (raises if the sandbox is not running)."""
+        if self._env is None or self.state is not SandboxState.RUNNING:
+            raise SandboxClosedError(Phase.EXEC, self.task_name, self.id, f"sandbox is {self.state}")
+        return self._env
+
+    @property
+    def trial_dir(self) -> Path | None:
+        """Harbor's trial directory on the host (removed at stop)."""
+        return self._trial_dir
+
+    @property
+    def done(self) -> bool:
+        """Whether the sandbox is stopped (or failed to start and holds nothing)."""
+        return self._stopped.is_set()
+
+    async def wait_started(self) -> None:
+        """Wait until the start finished; raise its error if it failed."""
+        await self._started.wait()
+        if self.start_error is not None:
+            raise self.start_error
+        if self.state is not SandboxState.RUNNING:
+            raise SandboxClosedError(Phase.EXEC, self.task_name, self.id, f"sandbox is {self.state}")
+
+    async def exec(
+        self,
+        command: str,
+        *,
+        timeout: float | None = None,
+        max_output: int | None | Literal["default"] = "default",
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        user: str | int | None = None,
+    ) -> ExecOutput:
+        """Run ``command`` in the sandbox and return its output and exit code.
+
+        A non-zero exit code is a result, not an error. Running past ``timeout``
+        (default: the engine's exec budget) raises :class:`SandboxTimeout`; the
+        command is never retried.
+        """
+        await self.wait_started()
+        environment = self.environment
+        limit = self.engine.max_output if max_output == "default" else max_output
+        budget = timeout if timeout is not None else self.engine.timeouts.exec
+        async with self.engine.exec_slot():
+            async with self._phase(Phase.EXEC, budget=budget, grace=5.0) as seconds:
+                timeout_sec = None if budget is None else max(1, math.ceil(budget))
+                result = await environment.exec(
+                    command, cwd=cwd, env=env, timeout_sec=timeout_sec, user=user
+                )
+        stdout, stderr = result.stdout or "", result.stderr or ""
+        output, truncated = truncate_output(stdout + stderr, limit, self.engine.truncation_marker)
+        return ExecOutput(output, stdout, stderr, result.return_code, truncated, seconds())
+
+    async def upload(self, source: Path | str, target: str) -> None:
+        """Copy a host file or folder into the sandbox."""
+        await self.wait_started()
+        source = Path(source)
+        async with self._phase(Phase.EXEC, budget=self.engine.timeouts.exec):
+            if source.is_dir():
+                await self.environment.upload_dir(source, target)
+            else:
+                await self.environment.upload_file(source, target)
+
+    async def download(self, source: str, target: Path | str, *, directory: bool = False) -> None:
+        """Copy a sandbox file (or folder, with ``directory=True``) to the host."""
+        await self.wait_started()
+        async with self._phase(Phase.EXEC, budget=self.engine.timeouts.exec):
+            if directory:
+                await self.environment.download_dir(source, target)
+            else:
+                await self.environment.download_file(source, target)
+
+    async def verify(self) -> VerifyResult:
+        """Run the task's verifier with Harbor's own verifier; return the reward."""
+        from harbor.models.trial.config import VerifierConfig
+        from harbor.models.trial.paths import EnvironmentPaths
+        from harbor.verifier.factory import VerifierFactory
+
+        await self.wait_started()
+        environment = self.environment
+        async with self._phase(Phase.VERIFY, budget=self.engine.timeouts.verify) as seconds:
+            # test.sh redirects into the verifier dir; the shell cannot create its parent.
+            env_paths = EnvironmentPaths.for_os(environment.os)
+            await environment.empty_dirs([env_paths.verifier_dir], chmod=True)
+            verifier = VerifierFactory.create_verifier_from_config(
+                VerifierConfig(),
+                task=self.task,
+                trial_paths=self._trial_paths(),
+                environment=environment,
+                override_env=self.task.config.verifier.env or None,
+            )
+            result = await verifier.verify()
+        rewards = dict(result.rewards or {})
+        return VerifyResult(scalar_reward(rewards), rewards, seconds())
+
+    async def run_agent(self, agent: str = "oracle") -> None:
+        """Run one of Harbor's agents that needs no model (``oracle`` or ``nop``)."""
+        from harbor.agents.nop import NopAgent
+        from harbor.agents.oracle import OracleAgent
+        from harbor.models.agent.context import AgentContext
+
+        await self.wait_started()
+        environment = self.environment
+        paths = self._trial_paths()
+        if agent == "oracle":
+            runner = OracleAgent(
+                logs_dir=paths.agent_dir,
+                task_dir=self.task.paths.task_dir,
+                trial_paths=paths,
+                agent_timeout_sec=self.engine.timeouts.agent,
+            )
+        elif agent in ("nop", "none"):
+            runner = NopAgent(logs_dir=paths.agent_dir)
+        else:
+            raise ValueError(f"unknown agent {agent!r}; use 'oracle' or 'none'")
+        async with self._phase(Phase.AGENT, budget=self.engine.timeouts.agent):
+            await runner.run(self.task.instruction, environment, AgentContext())
+
+    async def stop(self) -> None:
+        """Stop the sandbox and remove its trial directory; idempotent.
+
+        Runs shielded with its own budget: cancelling the caller (or an episode
+        deadline that has passed) never skips the teardown.
+        """
+        with anyio.CancelScope(shield=True):
+            if self._stop_claimed:
+                await self._stopped.wait()
+                return
+            self._stop_claimed = True
+            try:
+                if not self._started.is_set():
+                    # Stopped before it was up: cancel the start; it cleans up after itself.
+                    if self._start_scope is not None:
+                        self._start_scope.cancel()
+                    await self._started.wait()
+                if self._env is not None:
+                    self.state = SandboxState.STOPPING
+                    try:
+                        async with self._phase(Phase.STOP, budget=self.engine.timeouts.stop):
+                            await self._env.stop(delete=True)
+                    except SandboxError as exc:
+                        self.engine.note_stop_failure(self, exc)
+                    self._env = None
+                if self.state is not SandboxState.FAILED:
+                    self.state = SandboxState.STOPPED
+            finally:
+                self._remove_trial_dir()
+                self.engine.release(self)
+                self._stopped.set()
+
+    # ── engine-facing: the start with retries ─────────────────────────────
+
+    async def _start(self) -> None:
+        """Create and start the environment, retrying transient failures."""
+        self.state = SandboxState.STARTING
+        try:
+            self.backend.check_async_library()
+            async for attempt in self.engine.retry.retrying():
+                with attempt:
+                    self.attempts = attempt.retry_state.attempt_number
+                    if self.attempts > 1:
+                        self.engine.note_retry(self)
+                    await self._start_once()
+        except BaseException as exc:
+            self.state = SandboxState.FAILED
+            self.start_error = self._as_error(Phase.START, exc)
+            if not isinstance(exc, Exception):  # cancellation: let it through
+                raise
+        else:
+            self.state = SandboxState.RUNNING
+        finally:
+            self._started.set()
+
+    def _abandon_start(self, exc: BaseException) -> None:
+        """Mark a start that never began (cancelled while waiting for a slot)."""
+        self.state = SandboxState.FAILED
+        self.start_error = self._as_error(Phase.START, exc)
+        self._started.set()
+
+    async def _start_once(self) -> None:
+        from harbor.environments.factory import EnvironmentFactory
+        from harbor.models.trial.config import EnvironmentConfig as TrialEnvironmentConfig
+
+        await self.engine.wait_create_turn()
+        async with self._phase(Phase.START, budget=self.engine.timeouts.start, wrap=False):
+            self._trial_dir = Path(tempfile.mkdtemp(prefix=f"harbor-async-{self.id}-"))
+            paths = self._trial_paths()
+            paths.mkdir()
+            kwargs = {"run_label": self.engine.run_label, **self._backend_kwargs}
+            try:
+                self._env = EnvironmentFactory.create_environment_from_config(
+                    config=TrialEnvironmentConfig(
+                        type=self.backend.type, import_path=self.backend.import_path, kwargs=kwargs
+                    ),
+                    environment_dir=self.task.paths.environment_dir,
+                    environment_name=self.task.short_name,
+                    session_id=self.id,
+                    trial_paths=paths,
+                    task_env_config=self.task.config.environment,
+                )
+                await self._env.start(force_build=False)
+                await self._env.run_healthcheck()
+            except BaseException:
+                await self._discard_failed_start()
+                raise
+
+    async def _discard_failed_start(self) -> None:
+        """Tear down what a failed start attempt left, so a retry starts clean."""
+        with anyio.CancelScope(shield=True):
+            env, self._env = self._env, None
+            if env is not None:
+                with anyio.move_on_after(self.engine.timeouts.stop or math.inf):
+                    try:
+                        await env.stop(delete=True)
+                    except Exception as exc:  # the start error is the one that matters
+                        self._log.warning("stop after failed start failed", error=repr(exc))
+            self._remove_trial_dir()
+
+    # ── helpers ─────────────────────────────────────────────────────────
+
+    def _trial_paths(self):
+        from harbor.models.trial.paths import TrialPaths
+
+        if self._trial_dir is None:
+            raise SandboxClosedError(Phase.EXEC, self.task_name, self.id, "sandbox has no trial directory")
+        return TrialPaths(trial_dir=self._trial_dir)
+
+    def _remove_trial_dir(self) -> None:
+        if self._trial_dir is not None:
+            shutil.rmtree(self._trial_dir, ignore_errors=True)
+            self._trial_dir = None
+
+    def _budget(self, phase: Phase, budget: float | None) -> float:
+        """The phase budget, cut to what is left of the episode (teardown excepted)."""
+        limit = math.inf if budget is None else budget
+        if phase is Phase.STOP:
+            return limit
+        return min(limit, self._deadline - anyio.current_time())
+
+    def _as_error(self, phase: Phase, exc: BaseException, budget: float | None = None) -> SandboxError:
+        if isinstance(exc, SandboxError):
+            return exc
+        if isinstance(exc, TimeoutError):
+            detail = f"no result within {budget:.3g} s" if budget is not None else str(exc)
+            if self._deadline - anyio.current_time() <= 0 and phase is not Phase.STOP:
+                detail += " (episode deadline)"
+            return SandboxTimeout(phase, self.task_name, self.id, detail, attempt=max(self.attempts, 1))
+        if isinstance(exc, RuntimeError) and "timed out" in str(exc).lower():
+            return SandboxTimeout(phase, self.task_name, self.id, str(exc), attempt=max(self.attempts, 1))
+        if isinstance(exc, anyio.get_cancelled_exc_class()):
+            detail = "cancelled before it finished"
+        else:
+            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return PHASE_ERRORS[phase](phase, self.task_name, self.id, detail, attempt=max(self.attempts, 1))
+
+    @asynccontextmanager
+    async def _phase(
+        self, phase: Phase, *, budget: float | None, grace: float = 0.0, wrap: bool = True
+    ) -> AsyncIterator[Any]:
+        """Time, log and bound one phase; with ``wrap``, turn errors into typed ones.
+
+        Yields a callable returning the seconds the phase took so far.
+        ``grace`` lets a backend's own timeout (which reports more precisely)
+        fire before the engine's cancel scope does.
+        """
+        limit = self._budget(phase, budget)
+        begin = anyio.current_time()
+        elapsed = lambda: anyio.current_time() - begin  # noqa: E731
+        outcome = "ok"
+        try:
+            if limit <= 0:
+                raise TimeoutError("the episode deadline has passed")
+            with anyio.fail_after(limit + grace if math.isfinite(limit) else None, shield=phase is Phase.STOP):
+                yield elapsed
+        except BaseException as exc:
+            outcome = "timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
+            if not isinstance(exc, Exception) or not wrap:
+                raise
+            raise self._as_error(phase, exc, budget=limit) from exc
+        finally:
+            seconds = elapsed()
+            self.times.add(phase, seconds)
+            self.engine.record_phase(phase, seconds, outcome)
+            log = self._log.debug if outcome == "ok" else self._log.warning
+            log("phase", phase=phase.value, attempt=max(self.attempts, 1), seconds=round(seconds, 4), outcome=outcome)
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} task={self.task_name!r} backend={self.backend.name!r} {self.state}>"
+
+
+# StartError is re-exported for callers that catch start failures specifically.
+__all__ = ["ExecOutput", "Sandbox", "SandboxState", "StartError", "VerifyResult", "scalar_reward"]
