@@ -169,6 +169,7 @@ class Engine:
 
             task = load_task(task)
         spec = backend if isinstance(backend, BackendSpec) else resolve_backend(backend)
+        spec.check_async_library()  # a bad import path or library fails here, not in the background
         sandbox = Sandbox(
             self,
             task,

@@ -22,6 +22,8 @@ from harbor_async.errors import BackendError, SandboxError
 class Timeouts:
     """Per-phase time budgets in seconds (``None``: no limit for that phase).
 
+    ``agent`` bounds a model-free Harbor agent's run (the oracle's solve.sh).
+
     ``episode`` bounds the whole life of a sandbox, from the start request to the
     verifier's reward; every phase gets the smaller of its own budget and what is
     left of the episode. ``stop`` is separate: teardown always gets its own budget,
@@ -30,6 +32,7 @@ class Timeouts:
 
     start: float | None = 600.0
     exec: float | None = 180.0
+    agent: float | None = 1800.0
     verify: float | None = 600.0
     stop: float | None = 120.0
     episode: float | None = None
@@ -103,7 +106,9 @@ class Limits:
     """Concurrency limits (``None``: unlimited).
 
     ``live_sandboxes`` counts a sandbox from its create call until its stop is
-    confirmed, so a slow teardown still holds its slot.
+    confirmed, so a slow teardown still holds its slot. ``concurrent_execs``
+    bounds the commands, uploads, downloads, agent runs and verifier runs in
+    flight across all sandboxes.
     """
 
     live_sandboxes: int | None = 64

@@ -127,6 +127,7 @@ class Sandbox:
         self.attempts = 0
         self.times = PhaseTimes()
         self.start_error: SandboxError | None = None
+        self.stop_error: SandboxError | None = None
         self._backend_kwargs = dict(backend_kwargs or {})
         episode = episode_timeout if episode_timeout is not None else engine.timeouts.episode
         self._deadline = anyio.current_time() + episode if episode is not None else math.inf
@@ -189,8 +190,9 @@ class Sandbox:
         limit = self.engine.max_output if max_output == "default" else max_output
         budget = timeout if timeout is not None else self.engine.timeouts.exec
         async with self.engine.exec_slot():
-            async with self._phase(Phase.EXEC, budget=budget, grace=5.0) as seconds:
-                timeout_sec = None if budget is None else max(1, math.ceil(budget))
+            async with self._phase(Phase.EXEC, budget=budget) as seconds:
+                # The engine's scope is exact; the backend's own timeout is a backstop.
+                timeout_sec = None if budget is None else math.ceil(budget) + 1
                 result = await environment.exec(
                     command, cwd=cwd, env=env, timeout_sec=timeout_sec, user=user
                 )
@@ -202,7 +204,7 @@ class Sandbox:
         """Copy a host file or folder into the sandbox."""
         await self.wait_started()
         source = Path(source)
-        async with self._phase(Phase.EXEC, budget=self.engine.timeouts.exec):
+        async with self.engine.exec_slot(), self._phase(Phase.EXEC, budget=self.engine.timeouts.exec):
             if source.is_dir():
                 await self.environment.upload_dir(source, target)
             else:
@@ -211,7 +213,7 @@ class Sandbox:
     async def download(self, source: str, target: Path | str, *, directory: bool = False) -> None:
         """Copy a sandbox file (or folder, with ``directory=True``) to the host."""
         await self.wait_started()
-        async with self._phase(Phase.EXEC, budget=self.engine.timeouts.exec):
+        async with self.engine.exec_slot(), self._phase(Phase.EXEC, budget=self.engine.timeouts.exec):
             if directory:
                 await self.environment.download_dir(source, target)
             else:
@@ -225,7 +227,10 @@ class Sandbox:
 
         await self.wait_started()
         environment = self.environment
-        async with self._phase(Phase.VERIFY, budget=self.engine.timeouts.verify) as seconds:
+        async with (
+            self.engine.exec_slot(),
+            self._phase(Phase.VERIFY, budget=self.engine.timeouts.verify) as seconds,
+        ):
             # test.sh redirects into the verifier dir; the shell cannot create its parent.
             env_paths = EnvironmentPaths.for_os(environment.os)
             await environment.empty_dirs([env_paths.verifier_dir], chmod=True)
@@ -260,7 +265,7 @@ class Sandbox:
             runner = NopAgent(logs_dir=paths.agent_dir)
         else:
             raise ValueError(f"unknown agent {agent!r}; use 'oracle' or 'none'")
-        async with self._phase(Phase.AGENT, budget=self.engine.timeouts.agent):
+        async with self.engine.exec_slot(), self._phase(Phase.AGENT, budget=self.engine.timeouts.agent):
             await runner.run(self.task.instruction, environment, AgentContext())
 
     async def stop(self) -> None:
@@ -286,6 +291,7 @@ class Sandbox:
                         async with self._phase(Phase.STOP, budget=self.engine.timeouts.stop):
                             await self._env.stop(delete=True)
                     except SandboxError as exc:
+                        self.stop_error = exc
                         self.engine.note_stop_failure(self, exc)
                     self._env = None
                 if self.state is not SandboxState.FAILED:
@@ -301,7 +307,6 @@ class Sandbox:
         """Create and start the environment, retrying transient failures."""
         self.state = SandboxState.STARTING
         try:
-            self.backend.check_async_library()
             async for attempt in self.engine.retry.retrying():
                 with attempt:
                     self.attempts = attempt.retry_state.attempt_number
@@ -385,30 +390,34 @@ class Sandbox:
         return min(limit, self._deadline - anyio.current_time())
 
     def _as_error(self, phase: Phase, exc: BaseException, budget: float | None = None) -> SandboxError:
+        """Turn any exception from ``phase`` into the typed error, chained to it."""
         if isinstance(exc, SandboxError):
             return exc
+        attempt = max(self.attempts, 1)
+        error: SandboxError
         if isinstance(exc, TimeoutError):
             detail = f"no result within {budget:.3g} s" if budget is not None else str(exc)
             if self._deadline - anyio.current_time() <= 0 and phase is not Phase.STOP:
                 detail += " (episode deadline)"
-            return SandboxTimeout(phase, self.task_name, self.id, detail, attempt=max(self.attempts, 1))
-        if isinstance(exc, RuntimeError) and "timed out" in str(exc).lower():
-            return SandboxTimeout(phase, self.task_name, self.id, str(exc), attempt=max(self.attempts, 1))
-        if isinstance(exc, anyio.get_cancelled_exc_class()):
-            detail = "cancelled before it finished"
+            error = SandboxTimeout(phase, self.task_name, self.id, detail, attempt=attempt)
+        elif isinstance(exc, RuntimeError) and "timed out" in str(exc).lower():
+            error = SandboxTimeout(phase, self.task_name, self.id, str(exc), attempt=attempt)
         else:
-            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        return PHASE_ERRORS[phase](phase, self.task_name, self.id, detail, attempt=max(self.attempts, 1))
+            if isinstance(exc, anyio.get_cancelled_exc_class()):
+                detail = "cancelled before it finished"
+            else:
+                detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            error = PHASE_ERRORS[phase](phase, self.task_name, self.id, detail, attempt=attempt)
+        error.__cause__ = exc
+        return error
 
     @asynccontextmanager
     async def _phase(
-        self, phase: Phase, *, budget: float | None, grace: float = 0.0, wrap: bool = True
+        self, phase: Phase, *, budget: float | None, wrap: bool = True
     ) -> AsyncIterator[Any]:
         """Time, log and bound one phase; with ``wrap``, turn errors into typed ones.
 
         Yields a callable returning the seconds the phase took so far.
-        ``grace`` lets a backend's own timeout (which reports more precisely)
-        fire before the engine's cancel scope does.
         """
         limit = self._budget(phase, budget)
         begin = anyio.current_time()
@@ -417,7 +426,7 @@ class Sandbox:
         try:
             if limit <= 0:
                 raise TimeoutError("the episode deadline has passed")
-            with anyio.fail_after(limit + grace if math.isfinite(limit) else None, shield=phase is Phase.STOP):
+            with anyio.fail_after(limit if math.isfinite(limit) else None, shield=phase is Phase.STOP):
                 yield elapsed
         except BaseException as exc:
             outcome = "timeout" if isinstance(exc, TimeoutError) else type(exc).__name__

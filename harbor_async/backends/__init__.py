@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 from harbor_async.errors import AsyncLibraryError, BackendError
 
@@ -23,34 +24,43 @@ class BackendSpec:
 
     def environment_class(self) -> type:
         """The Harbor environment class (imports it; vendor SDKs load only here)."""
-        from harbor.environments.factory import _load_environment_class
-        from harbor.models.environment_type import EnvironmentType
-        from harbor.utils.import_path import import_class
-
-        try:
-            if self.import_path is not None:
-                return import_class(self.import_path, label="environment")
-            return _load_environment_class(EnvironmentType(self.type))
-        except Exception as exc:  # ImportError, AttributeError, missing vendor SDK ...
-            raise BackendError(f"backend {self.name!r} cannot be loaded: {exc}") from exc
+        return _environment_class(self)
 
     def check_async_library(self) -> None:
-        """Fail clearly when an asyncio-only Harbor backend is driven under trio.
+        """Load the class; fail clearly when an asyncio-only backend is driven under trio.
 
         Harbor's own environments call asyncio directly; this project's backends
         are written with anyio and declare ``ANYIO_NATIVE = True``.
         """
         import sniffio
 
+        cls = self.environment_class()
         library = sniffio.current_async_library()
-        if library == "asyncio":
-            return
-        if not getattr(self.environment_class(), "ANYIO_NATIVE", False):
+        if library != "asyncio" and not getattr(cls, "ANYIO_NATIVE", False):
             raise AsyncLibraryError(
                 f"Harbor backend {self.name!r} runs only on asyncio, not on {library}; "
                 "run the engine on its loop thread (asyncio) or use the 'local' or "
                 "'simulated' backend"
             )
+
+
+@cache
+def _environment_class(spec: BackendSpec) -> type:
+    from harbor.environments.base import BaseEnvironment
+    from harbor.environments.factory import _load_environment_class
+    from harbor.models.environment_type import EnvironmentType
+    from harbor.utils.import_path import import_class
+
+    try:
+        if spec.import_path is not None:
+            cls = import_class(spec.import_path, label="environment")
+        else:
+            cls = _load_environment_class(EnvironmentType(spec.type))
+    except Exception as exc:  # ImportError, AttributeError, missing vendor SDK ...
+        raise BackendError(f"backend {spec.name!r} cannot be loaded: {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, BaseEnvironment)):
+        raise BackendError(f"backend {spec.name!r} is not a Harbor BaseEnvironment subclass: {cls!r}")
+    return cls
 
 
 def resolve_backend(name: str) -> BackendSpec:

@@ -93,6 +93,8 @@ class SimulatedEnvironment(BaseEnvironment):
     live_now: ClassVar[int] = 0
     peak_live: ClassVar[int] = 0
     start_times: ClassVar[list[float]] = []
+    execs_now: ClassVar[int] = 0
+    peak_execs: ClassVar[int] = 0
     _starts_by_task: ClassVar[dict[str, int]] = defaultdict(int)
     _rngs: ClassVar[dict[Any, random.Random]] = {}
 
@@ -156,6 +158,8 @@ class SimulatedEnvironment(BaseEnvironment):
         cls.live_now = 0
         cls.peak_live = 0
         cls.start_times = []
+        cls.execs_now = 0
+        cls.peak_execs = 0
         cls._starts_by_task.clear()
         cls._rngs.clear()
 
@@ -181,10 +185,12 @@ class SimulatedEnvironment(BaseEnvironment):
         cls.peak_live = max(cls.peak_live, cls.live_now)
 
     async def stop(self, delete: bool) -> None:
-        await self._sleep("stop")
-        was_running, self._running = self._running, False
-        if was_running:
-            type(self).live_now -= 1
+        try:
+            await self._sleep("stop")
+        finally:  # the delete request went out even if the caller stopped waiting
+            was_running, self._running = self._running, False
+            if was_running:
+                type(self).live_now -= 1
         if self._chance("stop"):
             raise RuntimeError(f"simulated stop failure ({self.session_id})")
 
@@ -202,9 +208,15 @@ class SimulatedEnvironment(BaseEnvironment):
             await self._sleep("verify")
             self._verified = not self._chance("verify")
             return ExecResult(stdout="", stderr="", return_code=0)
-        if self._chance("exec_hang"):
-            await anyio.sleep_forever()
-        await self._sleep("exec")
+        cls = type(self)
+        cls.execs_now += 1
+        cls.peak_execs = max(cls.peak_execs, cls.execs_now)
+        try:
+            if self._chance("exec_hang"):
+                await anyio.sleep_forever()
+            await self._sleep("exec")
+        finally:
+            cls.execs_now -= 1
         return ExecResult(stdout="", stderr="", return_code=0)
 
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:

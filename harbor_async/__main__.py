@@ -1,0 +1,3 @@
+from harbor_async.cli import main
+
+main()
