@@ -42,8 +42,13 @@ def _simulated_observations():
 
 
 def _bwrap_pids() -> set[str]:
-    found = subprocess.run(["pgrep", "-x", "bwrap"], capture_output=True, text=True)
-    return set(found.stdout.split())
+    """Live bubblewrap processes (zombies waiting for init to reap them hold nothing)."""
+    found = subprocess.run(["ps", "-eo", "pid=,stat=,comm="], capture_output=True, text=True)
+    return {
+        pid
+        for pid, stat, comm in (line.split(None, 2) for line in found.stdout.splitlines() if line.strip())
+        if comm.strip() == "bwrap" and not stat.startswith("Z")
+    }
 
 
 def _sandbox_dirs() -> set[Path]:

@@ -1,0 +1,15 @@
+#!/bin/sh
+# Verifier: /workdir/answer.txt must hold the number of *.log files under /workdir/logs.
+# Never fails hard: a missing or malformed answer scores 0.
+mkdir -p /logs/verifier
+echo 0 > /logs/verifier/reward.txt
+expected=5
+answer=""
+if [ -f /workdir/answer.txt ]; then
+    answer=$(tr -d '[:space:]' < /workdir/answer.txt)
+fi
+if [ "$answer" = "$expected" ]; then
+    echo 1 > /logs/verifier/reward.txt
+fi
+echo "expected=$expected got=$answer reward=$(cat /logs/verifier/reward.txt)"
+exit 0

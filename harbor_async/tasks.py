@@ -1,0 +1,418 @@
+"""Task suites: a local tree or a Hugging Face dataset repo -> validated Harbor tasks.
+
+A *suite* is a folder of Harbor task folders, laid out either as
+``<root>/tasks/<name>/task.toml`` (the Hugging Face dataset layout TRL's
+``HarborSpec`` reads) or as ``<root>/<name>/task.toml``. A *source* is one of:
+
+- ``None``: the example suite bundled with this package;
+- a local path (``str`` or :class:`~pathlib.Path`) to such a tree;
+- a Hugging Face dataset repo id, ``"org/name"`` (optionally ``"org/name@revision"``
+  or with an ``hf://`` prefix), downloaded with
+  ``huggingface_hub.snapshot_download(repo, repo_type="dataset", allow_patterns=["tasks/**"])``.
+
+Every task is parsed with Harbor's own :class:`harbor.models.task.task.Task`, so a
+task that loads here also loads in Harbor. Tasks are ordered by folder name, the
+order TRL's ``HarborSpec`` uses, so ``num_tasks`` / ``indices`` select the same
+tasks as there. A broken task never breaks the suite: it is reported in
+:attr:`TaskSuite.invalid` with its reason, logged as a warning, and left out.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+import tomllib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+from harbor.models.task.config import TaskConfig
+from harbor.models.task.task import Task
+from pydantic import ValidationError
+
+from harbor_async.errors import HarborAsyncError
+
+__all__ = [
+    "EmptySuiteError",
+    "InvalidTask",
+    "SuiteNotFoundError",
+    "TaskLoadError",
+    "TaskSuite",
+    "load_suite",
+    "load_task",
+]
+
+log = structlog.get_logger(__name__)
+
+#: The only part of a dataset repo that is downloaded.
+HUB_ALLOW_PATTERNS: list[str] = ["tasks/**"]
+
+_HF_PREFIX = "hf://"
+# A Hub repo id: "org/name", each part alphanumeric plus . _ - (no leading dot or dash).
+_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class SuiteNotFoundError(HarborAsyncError, FileNotFoundError):
+    """The suite source is neither an existing local directory nor a reachable Hub dataset."""
+
+
+class EmptySuiteError(HarborAsyncError, ValueError):
+    """The suite (or the selected part of it) holds no valid task.
+
+    Attributes:
+        root: the folder that was searched for task folders.
+        invalid: the tasks that were found but failed validation, with reasons.
+    """
+
+    def __init__(self, root: Path, invalid: Sequence[InvalidTask] = ()) -> None:
+        self.root = root
+        self.invalid = list(invalid)
+        if self.invalid:
+            reasons = "\n".join(f"  - {t.path.name}: {t.reason}" for t in self.invalid)
+            msg = f"no valid task in suite {root}; {len(self.invalid)} invalid:\n{reasons}"
+        else:
+            msg = (
+                f"no tasks found under {root} (expected <root>/tasks/<name>/task.toml "
+                "or <root>/<name>/task.toml)"
+            )
+            if (root / "task.toml").is_file():
+                msg += "; this folder is a single task: load it with load_task()"
+        super().__init__(msg)
+
+
+class TaskLoadError(HarborAsyncError, ValueError):
+    """One task folder is not a valid Harbor task.
+
+    Attributes:
+        path: the task folder.
+        reason: why it is invalid, in one line.
+    """
+
+    def __init__(self, path: Path | str, reason: str) -> None:
+        self.path = Path(path)
+        self.reason = reason
+        super().__init__(f"invalid task {self.path}: {reason}")
+
+    def __reduce__(self):  # keep it picklable (two-argument constructor)
+        return (type(self), (self.path, self.reason))
+
+
+@dataclass(frozen=True)
+class InvalidTask:
+    """A task folder that was found in a suite but left out, and why."""
+
+    path: Path
+    reason: str
+
+
+@dataclass
+class TaskSuite:
+    """The valid tasks of a suite, in suite order, plus the ones left out.
+
+    Attributes:
+        root: the folder holding the task folders (``<suite>/tasks`` for the
+            ``tasks/`` layout); passing it back to :func:`load_suite` loads the
+            same suite.
+        tasks: the valid tasks as Harbor :class:`~harbor.models.task.task.Task`
+            objects, sorted by folder name (or in ``indices`` order).
+        invalid: task folders that failed validation, with their reasons.
+    """
+
+    root: Path
+    tasks: list[Task]
+    invalid: list[InvalidTask] = field(default_factory=list)
+
+    @property
+    def task_dirs(self) -> list[Path]:
+        """The absolute task folders, in suite order (what TRL's ``reset(task_dir)`` takes)."""
+        return [task.task_dir for task in self.tasks]
+
+    @property
+    def names(self) -> list[str]:
+        """Harbor's task names (``[task].name`` if set, else the folder name), in suite order."""
+        return [task.name for task in self.tasks]
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __iter__(self) -> Iterator[Task]:
+        return iter(self.tasks)
+
+    def __getitem__(self, index: int) -> Task:
+        return self.tasks[index]
+
+
+# ── single task ─────────────────────────────────────────────────────────────
+
+
+def _validation_summary(error: ValidationError) -> str:
+    parts = []
+    for err in error.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+def load_task(path: Path | str) -> Task:
+    """Load and validate one task folder with Harbor's ``Task`` model.
+
+    Checks, in order: the folder exists; ``task.toml`` exists, is valid TOML and
+    validates as Harbor's ``TaskConfig``; there is an ``environment/`` folder (or
+    ``[environment].docker_image``); ``instruction.md`` exists and is not empty;
+    then Harbor's own checks (a verifier script such as ``tests/test.sh``, input
+    paths staying inside the task).
+
+    Args:
+        path: the task folder (the one holding ``task.toml``).
+
+    Returns:
+        The Harbor task.
+
+    Raises:
+        TaskLoadError: with the folder and a one-line reason when any check fails.
+    """
+    task_dir = Path(path).expanduser()
+    if not task_dir.is_dir():
+        reason = "not a directory" if task_dir.exists() else "no such directory"
+        raise TaskLoadError(task_dir, reason)
+
+    config_path = task_dir / "task.toml"
+    if not config_path.is_file():
+        raise TaskLoadError(task_dir, "missing task.toml")
+    try:
+        data = tomllib.loads(config_path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise TaskLoadError(task_dir, f"invalid TOML in task.toml: {e}") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise TaskLoadError(task_dir, f"cannot read task.toml: {e}") from e
+    try:
+        config = TaskConfig.model_validate(data)
+    except ValidationError as e:
+        raise TaskLoadError(task_dir, f"invalid task.toml: {_validation_summary(e)}") from e
+    except (ValueError, TypeError) as e:
+        raise TaskLoadError(task_dir, f"invalid task.toml: {e}") from e
+
+    if not config.environment.docker_image and not (task_dir / "environment").is_dir():
+        raise TaskLoadError(task_dir, "missing environment/ folder (and no [environment].docker_image)")
+    if not config.steps:
+        instruction = task_dir / "instruction.md"
+        if not instruction.is_file():
+            raise TaskLoadError(task_dir, "missing instruction.md")
+        try:
+            if not instruction.read_text(encoding="utf-8").strip():
+                raise TaskLoadError(task_dir, "instruction.md is empty")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TaskLoadError(task_dir, f"cannot read instruction.md: {e}") from e
+
+    try:
+        return Task(task_dir)
+    except ValidationError as e:
+        raise TaskLoadError(task_dir, f"invalid task: {_validation_summary(e)}") from e
+    except (OSError, ValueError, RuntimeError, TypeError) as e:
+        raise TaskLoadError(task_dir, str(e) or type(e).__name__) from e
+
+
+# ── suite sources ───────────────────────────────────────────────────────────
+
+
+def _parse_hub_source(source: str) -> tuple[str, str | None] | None:
+    """Return (repo_id, revision) when ``source`` names a Hub dataset, else None."""
+    explicit = source.startswith(_HF_PREFIX)
+    spec = source[len(_HF_PREFIX) :] if explicit else source
+    if explicit and spec.startswith("datasets/"):
+        spec = spec[len("datasets/") :]
+    repo_id, _, revision = spec.partition("@")
+    if explicit and repo_id:
+        return repo_id, revision or None
+    if _REPO_ID_RE.match(repo_id) and ".." not in repo_id:
+        return repo_id, revision or None
+    return None
+
+
+def _download_hub_suite(repo_id: str, revision: str | None) -> Path:
+    """Download the ``tasks/`` tree of a Hub dataset repo; return the snapshot folder."""
+    import huggingface_hub  # imported here: the hub client is only needed for this path
+
+    log.info("downloading task suite", repo_id=repo_id, revision=revision)
+    try:
+        path = huggingface_hub.snapshot_download(
+            repo_id,
+            repo_type="dataset",
+            revision=revision,
+            allow_patterns=HUB_ALLOW_PATTERNS,
+        )
+    except Exception as e:  # network, auth, missing repo: all mean "suite not found"
+        raise SuiteNotFoundError(
+            f"task suite {repo_id!r} is not a local path, and downloading it as a Hugging Face "
+            f"dataset failed: {type(e).__name__}: {e}"
+        ) from e
+    root = Path(path)
+    if not (root / "tasks").is_dir():
+        raise SuiteNotFoundError(
+            f"Hugging Face dataset {repo_id!r} has no tasks/ folder (downloaded to {root})"
+        )
+    return root
+
+
+def _resolve_source(source: str | Path | None) -> Path:
+    """Turn a suite source into a local directory (downloading a Hub dataset if named)."""
+    if source is None:
+        from harbor_async.suites import example_suite_path
+
+        return example_suite_path()
+    if isinstance(source, str):
+        if not source.strip():
+            raise SuiteNotFoundError("task suite source is empty")
+        if source.startswith(_HF_PREFIX):
+            hub = _parse_hub_source(source)
+            if hub is None:
+                raise SuiteNotFoundError(f"no dataset repo id in {source!r}")
+            return _download_hub_suite(*hub)
+        local = Path(source).expanduser()
+        if not local.exists():
+            # Only a string shaped like "org/name" goes to the Hub; "./x", "/x", "~/x",
+            # "x" and "a/b/c" are local paths that do not exist.
+            hub = _parse_hub_source(source)
+            if hub is not None:
+                return _download_hub_suite(*hub)
+            raise SuiteNotFoundError(
+                f"task suite path {source!r} does not exist (and is not a Hugging Face "
+                "dataset id of the form 'org/name')"
+            )
+    else:
+        local = Path(source).expanduser()
+    if not local.exists():
+        raise SuiteNotFoundError(f"task suite path {str(local)!r} does not exist")
+    if not local.is_dir():
+        raise SuiteNotFoundError(f"task suite path {str(local)!r} is not a directory")
+    return local
+
+
+def _tasks_root(suite_dir: Path) -> Path:
+    """The folder holding the task folders: ``<suite>/tasks`` if present, else the suite itself."""
+    nested = suite_dir / "tasks"
+    return nested if nested.is_dir() else suite_dir
+
+
+def _scan(tasks_root: Path) -> tuple[list[Path], list[InvalidTask]]:
+    """Task folders (with task.toml), sorted by name, and folders that look like broken tasks."""
+    candidates: list[Path] = []
+    broken: list[InvalidTask] = []
+    for child in sorted(tasks_root.iterdir(), key=lambda p: p.name):
+        if not child.is_dir() or child.name.startswith(".") or child.name == "__pycache__":
+            continue
+        if (child / "task.toml").is_file():
+            candidates.append(child)
+        elif (child / "instruction.md").exists():
+            broken.append(InvalidTask(child.resolve(), "missing task.toml"))
+    return candidates, broken
+
+
+def _select(
+    candidates: list[Path],
+    tasks_root: Path,
+    num_tasks: int | None,
+    indices: Sequence[int] | None,
+) -> list[Path]:
+    n = len(candidates)
+    if indices is not None:
+        if isinstance(indices, (str, bytes)):
+            raise TypeError("indices must be a sequence of integers")
+        if len(indices) == 0:
+            raise ValueError("indices is empty: select at least one task")
+        chosen = []
+        for raw in indices:
+            i = operator.index(raw)
+            if not -n <= i < n:
+                raise IndexError(
+                    f"task index {i} is out of range: suite {tasks_root} has {n} task(s) "
+                    f"(valid indices 0..{n - 1})"
+                    if n
+                    else f"task index {i} is out of range: suite {tasks_root} has no tasks"
+                )
+            chosen.append(candidates[i])
+        return chosen
+    if num_tasks is not None:
+        num_tasks = operator.index(num_tasks)
+        if num_tasks < 1:
+            raise ValueError(f"num_tasks must be at least 1, got {num_tasks}")
+        return candidates[:num_tasks]
+    return candidates
+
+
+def load_suite(
+    source: str | Path | None = None,
+    *,
+    num_tasks: int | None = None,
+    indices: Sequence[int] | None = None,
+) -> TaskSuite:
+    """Load a task suite and validate its tasks with Harbor's ``Task`` model.
+
+    Args:
+        source: ``None`` for the bundled example suite; a local folder laid out as
+            ``<root>/tasks/<name>/task.toml`` or ``<root>/<name>/task.toml``; or a
+            Hugging Face dataset repo id ``"org/name"`` (``"org/name@revision"``,
+            ``"hf://org/name"`` also accepted), of which only ``tasks/**`` is
+            downloaded. A string is a repo id only when no such local path exists
+            and it looks like one; ``"./x"``, ``"/x"`` or ``"~/x"`` are always local.
+        num_tasks: keep only the first ``num_tasks`` task folders (at least 1).
+        indices: keep the task folders at these positions, in this order
+            (repeats allowed, negative positions count from the end).
+            Mutually exclusive with ``num_tasks``.
+
+    Positions refer to the task folders (those with a ``task.toml``) sorted by
+    folder name, exactly as in TRL's ``HarborSpec``; only the selected folders are
+    validated, and a selected folder that fails validation is left out (so the
+    suite can hold fewer tasks than selected). Folders that hold an
+    ``instruction.md`` but no ``task.toml`` are always reported as invalid.
+
+    Returns:
+        The suite: valid tasks in order, and the invalid ones with reasons (each
+        also logged as a warning).
+
+    Raises:
+        ValueError: both ``num_tasks`` and ``indices`` given, ``num_tasks < 1``, or
+            empty ``indices``.
+        IndexError: an index outside the suite, naming the index and the suite size.
+        SuiteNotFoundError: the local path does not exist, or the Hub download failed.
+        EmptySuiteError: no valid task in the (selected part of the) suite; the
+            message lists each invalid task's reason.
+    """
+    if num_tasks is not None and indices is not None:
+        raise ValueError("pass num_tasks or indices, not both")
+
+    suite_dir = _resolve_source(source)
+    tasks_root = _tasks_root(suite_dir).resolve()
+    candidates, invalid = _scan(tasks_root)
+    if not candidates and not invalid:
+        raise EmptySuiteError(tasks_root)
+    selected = _select(candidates, tasks_root, num_tasks, indices)
+
+    tasks: list[Task] = []
+    loaded: dict[Path, Task] = {}
+    failed: dict[Path, InvalidTask] = {}
+    for task_dir in selected:
+        if task_dir in loaded:
+            tasks.append(loaded[task_dir])
+            continue
+        if task_dir in failed:
+            continue
+        try:
+            task = load_task(task_dir)
+        except TaskLoadError as e:
+            failed[task_dir] = InvalidTask(task_dir.resolve(), e.reason)
+            continue
+        except Exception as e:  # noqa: BLE001 - a broken task must never break the suite
+            failed[task_dir] = InvalidTask(task_dir.resolve(), f"{type(e).__name__}: {e}")
+            continue
+        loaded[task_dir] = task
+        tasks.append(task)
+    invalid.extend(failed.values())
+    invalid.sort(key=lambda t: t.path.name)
+
+    for bad in invalid:
+        log.warning("invalid task left out of suite", path=str(bad.path), reason=bad.reason)
+    if not tasks:
+        raise EmptySuiteError(tasks_root, invalid)
+    return TaskSuite(root=tasks_root, tasks=tasks, invalid=invalid)
