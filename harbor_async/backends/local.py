@@ -127,7 +127,7 @@ class DockerfileSpec:
 
 
 _SILENT = {"FROM", "ARG", "LABEL", "MAINTAINER"}
-_HEREDOC = re.compile(r"<<-?\s*([\"']?)(\w+)\1")
+_HEREDOC = re.compile(r"<<-?([\"']?)([A-Za-z_]\w*)\1")
 _VAR = re.compile(r"\\\$|\$(?:\{(\w+)(?::([-+])([^}]*))?\}|(\w+))")
 _ARCHIVE = re.compile(r"\.(tar|tgz|tbz2?|txz|tar\.(gz|bz2|xz|zst))$")
 
@@ -171,7 +171,8 @@ def _logical_lines(text: str) -> list[tuple[int, str]]:
         parts = []
         result.append((start, instruction))
         # A heredoc body (RUN <<EOF ... EOF) is data, not instructions.
-        for match in _HEREDOC.finditer(instruction):
+        heredocs = _HEREDOC.finditer(instruction) if re.match(r"(?i)(RUN|COPY|ADD)\s", instruction) else ()
+        for match in heredocs:
             while index < len(raw) and raw[index].strip() != match.group(2):
                 index += 1
             index += 1
@@ -185,7 +186,7 @@ def _env_pairs(rest: str) -> list[tuple[str, str]]:
     tokens = shlex.split(rest)
     if tokens and "=" in tokens[0]:
         return [(t.partition("=")[0], t.partition("=")[2]) for t in tokens]
-    key, _, value = rest.strip().partition(" ")
+    key, value = (re.split(r"\s+", rest.strip(), maxsplit=1) + [""])[:2]
     return [(key, " ".join(shlex.split(value)))]
 
 
@@ -200,9 +201,8 @@ def parse_dockerfile(text: str, base_env: dict[str, str] | None = None) -> Docke
     spec = DockerfileSpec()
     args: dict[str, str] = {}
     for number, line in _logical_lines(text):
-        keyword, _, rest = line.partition(" ")
+        keyword, rest = (re.split(r"\s+", line, maxsplit=1) + [""])[:2]
         keyword = keyword.upper()
-        rest = rest.strip()
         variables = {**(base_env or {}), **args, **spec.env}
         try:
             if keyword == "FROM":  # a new stage: only the last one is the image
@@ -306,7 +306,9 @@ class LocalEnvironment(BaseEnvironment):
         self._spec = DockerfileSpec()
         self._workdir = "/"
         self._running: dict[int, Process] = {}
+        self._launching = 0  # execs whose bwrap is being spawned, not yet in _running
         self._started = False
+        self._marker_live = False  # the marker may be (re)written: between start and stop
         self._warned_user = False
         self._created_at = ""
         super().__init__(
@@ -391,6 +393,7 @@ class LocalEnvironment(BaseEnvironment):
             self._base.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._root.mkdir(mode=0o700)
         self._created_at = datetime.now(UTC).isoformat()
+        self._marker_live = True
         self._write_marker()
         for name in SANDBOX_DIRS:
             (self._fs / name).mkdir(parents=True, exist_ok=True)
@@ -432,13 +435,22 @@ class LocalEnvironment(BaseEnvironment):
         Idempotent. With ``delete=False`` the folder stays for inspection.
         """
         self._started = False
+        # An exec finishing during the removal must not write its marker back.
+        self._marker_live = False
         with anyio.CancelScope(shield=True):  # teardown must finish even when cancelled
+            # A bwrap being launched now would create mount points while the
+            # folder is removed; launches take milliseconds, so wait for them.
+            while self._launching:
+                await anyio.sleep(0.005)
             for process in list(self._running.values()):
                 _kill_tree(process)
             for process in list(self._running.values()):
                 await process.wait()
             if delete:
-                await anyio.to_thread.run_sync(_remove_tree, self._root)
+                try:
+                    await anyio.to_thread.run_sync(_remove_tree, self._root)
+                except RuntimeError:  # no new threads at interpreter shutdown
+                    _remove_tree(self._root)
             elif self._root.exists():
                 self.logger.info("local sandbox kept at %s", self._root)
 
@@ -469,11 +481,13 @@ class LocalEnvironment(BaseEnvironment):
         variables = {**BASE_ENV, **self._spec.env, **(self._merge_env(env) or {})}
         workdir = posixpath.join(self._workdir, cwd or self._workdir)
         argv = self._bwrap_argv(variables, workdir, command)
-        # Own session: the whole group can be killed without touching ours.
-        process = await anyio.open_process(
-            argv, stdin=subprocess.DEVNULL, start_new_session=True
-        )
-        self._running[process.pid] = process
+        self._launching += 1
+        try:
+            # Own session: the whole group can be killed without touching ours.
+            process = await anyio.open_process(argv, stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            self._launching -= 1
+        self._running[process.pid] = process  # no await since the launch: stop() sees it
         self._write_marker()
         out: list[bytes] = []
         err: list[bytes] = []
@@ -503,8 +517,10 @@ class LocalEnvironment(BaseEnvironment):
         bwrap = shutil.which("bwrap")
         if bwrap is None:
             raise RuntimeError("bubblewrap is not installed (apt-get install bubblewrap)")
+        # --as-pid-1: the shell is the namespace's init. bwrap's own init would
+        # outlive the outer bwrap for a moment and become the host init's zombie.
         argv = [
-            bwrap, "--unshare-all", "--die-with-parent", "--new-session",
+            bwrap, "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session",
             "--hostname", BASE_ENV["HOSTNAME"], "--bind", str(self._fs), "/",
         ]  # fmt: skip
         for name in SYSTEM_DIRS:
@@ -664,7 +680,7 @@ class LocalEnvironment(BaseEnvironment):
 
     def _write_marker(self) -> None:
         """Record who owns this sandbox and which bwrap processes run in it, for a reaper."""
-        if not self._root.is_dir():
+        if not self._marker_live:
             return
         marker = {
             "run_label": self.run_label,

@@ -1,0 +1,153 @@
+"""The loop thread: calls from other threads, deadlock guard, engines, and a clean exit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import anyio
+import pytest
+
+from harbor_async.errors import LoopThreadError, StartError
+from harbor_async.loop import LoopThread
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def loop():
+    thread = LoopThread(name="test-loop")
+    yield thread
+    thread.close(timeout=30)
+    assert not thread.running
+
+
+def test_call_and_submit_run_on_one_loop_thread(loop):
+    async def where() -> str:
+        await anyio.sleep(0)
+        return threading.current_thread().name
+
+    assert loop.call(where) == "test-loop"
+    futures = [loop.submit(where) for _ in range(20)]
+    assert {f.result(5) for f in futures} == {"test-loop"}
+
+
+def test_calls_from_many_threads(loop):
+    async def double(x: int) -> int:
+        await anyio.sleep(0.001)
+        return 2 * x
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda x: loop.call(double, x), range(64)))
+    assert results == [2 * x for x in range(64)]
+
+
+def test_blocking_call_from_the_loop_thread_is_a_clear_error(loop):
+    async def inner() -> int:
+        return 1
+
+    async def reenter() -> int:
+        return loop.call(inner)
+
+    with pytest.raises(LoopThreadError, match="would deadlock"):
+        loop.call(reenter)
+
+
+def test_call_timeout_is_bounded(loop):
+    with pytest.raises(TimeoutError, match="within 0.2 s"):
+        loop.call(anyio.sleep, 30, timeout=0.2)
+
+
+def test_engine_on_the_loop_thread(loop, example_tasks):
+    engine = loop.open_engine(backend_kwargs=dict(start_latency=0.01))
+
+    async def episode() -> float:
+        async with engine.episode(example_tasks[0], "simulated") as sandbox:
+            await sandbox.exec("true")
+            return (await sandbox.verify()).reward
+
+    assert loop.call(episode) == 1.0
+
+    async def launch():
+        return engine.launch(example_tasks[1], "simulated")
+
+    sandbox = loop.call(launch)
+    loop.call(sandbox.wait_started)
+    assert not sandbox.done
+    loop.close_engine(engine)
+    assert sandbox.done
+    assert loop.call(engine.live_sandboxes) == []
+
+
+def test_start_error_surfaces_through_the_portal(loop, example_tasks):
+    engine = loop.open_engine(backend_kwargs=dict(start_permanent_failure_rate=1.0))
+
+    async def launch():
+        return engine.launch(example_tasks[0], "simulated")
+
+    sandbox = loop.call(launch)
+    with pytest.raises(StartError):
+        loop.call(sandbox.wait_started)
+    loop.close_engine(engine)
+
+
+EXIT_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from harbor_async import loop
+    from harbor_async.suites import example_suite_path
+    from harbor_async.tasks import load_suite
+
+    os.environ["HARBOR_ASYNC_LOCAL_ROOT"] = sys.argv[1]
+    task = load_suite(example_suite_path()).tasks[0]
+    engine = loop.open_engine()
+
+    async def launch():
+        return engine.launch(task, "local")
+
+    sandboxes = [loop.call(launch) for _ in range(3)]
+    for sandbox in sandboxes:
+        loop.call(sandbox.wait_started)
+
+    async def background():
+        await sandboxes[0].exec("sleep 1000", timeout=2000)
+
+    loop.submit(background)  # a command still running at exit
+    print("READY", flush=True)
+    if sys.argv[2] == "wait":
+        time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["exit", "sigterm", "sigint"])
+def test_process_exit_stops_live_sandboxes_and_never_hangs(tmp_path, how):
+    root = tmp_path / "sandboxes"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EXIT_SCRIPT, str(root), "exit" if how == "exit" else "wait"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    assert proc.stdout.readline().strip() == "READY"
+    assert len(list(root.glob("harbor-async-*"))) == 3
+    if how != "exit":
+        time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGTERM if how == "sigterm" else signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the process hung at exit")
+    stderr = proc.stderr.read()
+    assert list(root.glob("harbor-async-*")) == [], stderr
+    left = subprocess.run(["pgrep", "-f", f"bwrap.*{root}"], capture_output=True, text=True).stdout
+    assert left == "", f"bubblewrap processes left: {left}"
