@@ -9,7 +9,9 @@ sandboxes within a bounded time and never hangs the exit.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import inspect
 import signal
 import sys
 import threading
@@ -38,6 +40,7 @@ class LoopThread:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._portal: BlockingPortal | None = None
+        self._aio_loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._engines: list[Engine] = []
@@ -47,6 +50,7 @@ class LoopThread:
     def _main(self) -> None:
         async def serve() -> None:
             async with BlockingPortal() as portal:
+                self._aio_loop = asyncio.get_running_loop()
                 self._portal = portal
                 self._ready.set()
                 await portal.sleep_until_stopped()
@@ -98,8 +102,6 @@ class LoopThread:
         cancelled on the loop.
         """
         self._check_caller("call()")
-        if timeout is None:
-            return self.start().call(fn, *args)
         future = self.submit(fn, *args)
         try:
             return future.result(timeout)
@@ -107,11 +109,20 @@ class LoopThread:
             future.cancel()
             raise TimeoutError(f"no result from the loop thread within {timeout} s") from None
 
-    def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
-        """Schedule ``fn(*args)`` on the loop; return a future at once."""
+    def submit(self, fn: Callable[..., Awaitable[T] | T], *args: Any) -> Future[T]:
+        """Schedule ``fn(*args)`` on the loop; return a future at once.
+
+        A coroutine function goes straight to asyncio's
+        ``run_coroutine_threadsafe`` (one thread hand-off, which is what every
+        shim tool call pays); a plain callable runs on the loop through the
+        portal.
+        """
         if self.in_loop_thread():
             raise LoopThreadError("submit() is for other threads; on the loop thread, spawn a task")
-        return self.start().start_task_soon(fn, *args)
+        portal = self.start()
+        if inspect.iscoroutinefunction(fn):
+            return asyncio.run_coroutine_threadsafe(fn(*args), self._aio_loop)
+        return portal.start_task_soon(fn, *args)
 
     # ── engines ─────────────────────────────────────────────────────────
 

@@ -163,7 +163,8 @@ class Sandbox:
 
     async def wait_started(self) -> None:
         """Wait until the start finished; raise its error if it failed."""
-        await self._started.wait()
+        if not self._started.is_set():  # skip the checkpoint on the hot path
+            await self._started.wait()
         if self.start_error is not None:
             raise self.start_error
         if self.state is not SandboxState.RUNNING:
@@ -429,15 +430,19 @@ class Sandbox:
             with anyio.fail_after(limit if math.isfinite(limit) else None, shield=phase is Phase.STOP):
                 yield elapsed
         except BaseException as exc:
-            outcome = "timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
+            if isinstance(exc, anyio.get_cancelled_exc_class()):
+                outcome = "cancelled"  # the caller gave up; not the phase's failure
+            else:
+                outcome = "timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
             if not isinstance(exc, Exception) or not wrap:
                 raise
             raise self._as_error(phase, exc, budget=limit) from exc
         finally:
             seconds = elapsed()
             self.times.add(phase, seconds)
-            self.engine.record_phase(phase, seconds, outcome)
-            log = self._log.debug if outcome == "ok" else self._log.warning
+            if outcome != "cancelled":
+                self.engine.record_phase(phase, seconds, outcome)
+            log = self._log.debug if outcome in ("ok", "cancelled") else self._log.warning
             log("phase", phase=phase.value, attempt=max(self.attempts, 1), seconds=round(seconds, 4), outcome=outcome)
 
     def __repr__(self) -> str:

@@ -1,0 +1,177 @@
+"""Engine overhead on the simulated backend with zero latency.
+
+- Portal round trip: one exec through the loop thread from another thread (what
+  every shim tool call does) against the same exec awaited on the loop.
+- Capacity: the largest number of live simulated sandboxes one loop thread
+  holds, each with an agent issuing about one exec per second, while a probe
+  call through the portal still costs under 1 ms (p50).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import anyio
+
+from harbor_async.loop import LoopThread
+from harbor_async.sandbox import Sandbox
+from harbor_async.stats import percentile
+from harbor_async.tasks import load_suite
+
+
+@dataclass
+class RoundTrip:
+    """Latency of one exec, in microseconds."""
+
+    calls: int
+    direct_p50_us: float
+    direct_p99_us: float
+    portal_p50_us: float
+    portal_p99_us: float
+    overhead_p50_us: float
+    overhead_p99_us: float
+
+
+@dataclass
+class CapacityStep:
+    """The probe's portal latency with ``sandboxes`` live sandboxes under load."""
+
+    sandboxes: int
+    probe_p50_us: float
+    probe_p99_us: float
+    under_1ms: bool
+
+
+@dataclass
+class OverheadResult:
+    """Round trip and capacity figures."""
+
+    round_trip: RoundTrip
+    capacity: list[CapacityStep] = field(default_factory=list)
+    max_sandboxes_under_1ms: int = 0
+
+    def to_dict(self) -> dict:
+        """Plain-JSON form."""
+        return asdict(self)
+
+
+def _us(values: list[float], q: float) -> float:
+    return round(percentile(values, q) * 1e6, 1)
+
+
+def _start_probe(loop: LoopThread, task) -> Sandbox:
+    engine = loop.open_engine(limits=_no_limits())
+
+    async def launch() -> Sandbox:
+        return engine.launch(task, "simulated")
+
+    sandbox = loop.call(launch)
+    loop.call(sandbox.wait_started)
+    return sandbox
+
+
+def _no_limits():
+    from harbor_async.policy import Limits
+
+    return Limits(live_sandboxes=None)
+
+
+def measure_round_trip(loop: LoopThread, probe: Sandbox, calls: int) -> RoundTrip:
+    """Time ``calls`` execs awaited on the loop and ``calls`` made through the portal."""
+
+    async def direct() -> list[float]:
+        times = []
+        for _ in range(calls):
+            begin = time.perf_counter()
+            await probe.exec("true")
+            times.append(time.perf_counter() - begin)
+        return times
+
+    for _ in range(50):  # warm up both paths
+        loop.call(probe.exec, "true")
+    direct_times = loop.call(direct)
+    portal_times = []
+    for _ in range(calls):
+        begin = time.perf_counter()
+        loop.call(probe.exec, "true")
+        portal_times.append(time.perf_counter() - begin)
+    return RoundTrip(
+        calls=calls,
+        direct_p50_us=_us(direct_times, 50),
+        direct_p99_us=_us(direct_times, 99),
+        portal_p50_us=_us(portal_times, 50),
+        portal_p99_us=_us(portal_times, 99),
+        overhead_p50_us=round(_us(portal_times, 50) - _us(direct_times, 50), 1),
+        overhead_p99_us=round(_us(portal_times, 99) - _us(direct_times, 99), 1),
+    )
+
+
+def measure_capacity(
+    loop: LoopThread, probe: Sandbox, tasks, sizes: list[int], probe_calls: int = 300
+) -> list[CapacityStep]:
+    """For each size, hold that many live sandboxes under agent-like load and probe the portal."""
+    steps = []
+    for size in sizes:
+        engine = loop.open_engine(
+            limits=_no_limits(), backend_kwargs={"exec_latency": "uniform:0.01:0.05"}
+        )
+
+        async def launch_all() -> list[Sandbox]:
+            sandboxes = [engine.launch(tasks[i % len(tasks)], "simulated") for i in range(size)]
+            for sandbox in sandboxes:
+                await sandbox.wait_started()
+            return sandboxes
+
+        sandboxes = loop.call(launch_all)
+
+        async def load(done: list) -> None:
+            event = anyio.Event()
+            done.append(event)
+
+            async def agent(sandbox: Sandbox, seed: int) -> None:
+                import random
+
+                rng = random.Random(seed)
+                while not event.is_set():
+                    await anyio.sleep(rng.uniform(0.5, 1.5))  # the model thinking
+                    await sandbox.exec("true")
+
+            async with anyio.create_task_group() as tg:
+                for i, sandbox in enumerate(sandboxes):
+                    tg.start_soon(agent, sandbox, i)
+                await event.wait()
+                tg.cancel_scope.cancel()
+
+        handle: list = []  # the stop event, created on the loop
+        future = loop.submit(load, handle)
+        time.sleep(1.5)  # let the agents spread out
+        times = []
+        for _ in range(probe_calls):
+            begin = time.perf_counter()
+            loop.call(probe.exec, "true")
+            times.append(time.perf_counter() - begin)
+            time.sleep(0.002)
+        loop.call(handle[0].set)
+        future.result(60)
+        loop.close_engine(engine)
+        step = CapacityStep(size, _us(times, 50), _us(times, 99), percentile(times, 50) < 1e-3)
+        steps.append(step)
+        if not step.under_1ms:
+            break
+    return steps
+
+
+def run_overhead(calls: int = 2000, sizes: list[int] | None = None, suite: str | None = None) -> OverheadResult:
+    """Measure the portal round trip and the loop thread's capacity."""
+    sizes = sizes or [250, 500, 1000, 2000, 4000]
+    tasks = load_suite(suite).tasks
+    loop = LoopThread(name="bench-loop")
+    try:
+        probe = _start_probe(loop, tasks[0])
+        round_trip = measure_round_trip(loop, probe, calls)
+        capacity = measure_capacity(loop, probe, tasks, sizes)
+    finally:
+        loop.close()
+    held = [s.sandboxes for s in capacity if s.under_1ms]
+    return OverheadResult(round_trip, capacity, max(held, default=0))

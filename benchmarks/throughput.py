@@ -1,0 +1,152 @@
+"""Sandbox throughput: N episodes (start, exec, verify, stop) at concurrency C on one backend.
+
+Reports episodes per second, per-phase latency percentiles from the engine's
+stats, the peak number of live sandboxes, and the peak memory per live sandbox
+(resident memory of this process's growth plus every process it spawned, plus
+Docker containers of this run, divided by the sandboxes live at that moment).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import anyio
+import psutil
+
+from harbor_async.engine import Engine
+from harbor_async.policy import Limits
+from harbor_async.tasks import load_suite
+
+
+@dataclass
+class ThroughputResult:
+    """One throughput run's figures."""
+
+    backend: str
+    episodes: int
+    concurrency: int
+    seconds: float
+    episodes_per_second: float
+    failures: int
+    peak_live: int
+    peak_memory_per_sandbox_mib: float | None
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """Plain-JSON form."""
+        return asdict(self)
+
+
+def _docker_memory_mib(run_label: str) -> float:
+    """Memory used by this run's containers (0 when Docker is absent)."""
+    try:
+        out = subprocess.run(
+            ["docker", "stats", "--no-stream", "--format", "{{.Name}} {{.MemUsage}}"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0.0
+    total = 0.0
+    units = {"B": 1 / 2**20, "KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0}
+    for line in out.splitlines():
+        name, _, usage = line.partition(" ")
+        if run_label.lower() not in name.lower():
+            continue
+        used = usage.split("/")[0].strip()
+        for unit, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
+            if used.endswith(unit):
+                total += float(used[: -len(unit)]) * factor
+                break
+    return total
+
+
+class MemorySampler:
+    """Samples memory while sandboxes are live; keeps the largest per-sandbox figure."""
+
+    def __init__(self, engine: Engine, backend: str) -> None:
+        self._engine = engine
+        self._docker = backend == "docker"
+        self._me = psutil.Process()
+        self._baseline = self._me.memory_info().rss
+        self.per_sandbox_mib: float | None = None
+
+    def _sample(self) -> tuple[int, float]:
+        live = len(self._engine.live_sandboxes())
+        rss = max(0, self._me.memory_info().rss - self._baseline)
+        for child in self._me.children(recursive=True):
+            try:
+                rss += child.memory_info().rss
+            except psutil.Error:  # it ended while we looked
+                pass
+        mib = rss / 2**20
+        if self._docker:
+            mib += _docker_memory_mib(self._engine.run_label)
+        return live, mib
+
+    async def run(self, interval: float = 0.1) -> None:
+        """Sample until cancelled."""
+        while True:
+            live, mib = await anyio.to_thread.run_sync(self._sample)
+            if live:
+                figure = mib / live
+                self.per_sandbox_mib = max(self.per_sandbox_mib or 0.0, figure)
+            await anyio.sleep(interval)
+
+
+async def run_throughput(
+    *,
+    episodes: int = 64,
+    concurrency: int = 16,
+    backend: str = "local",
+    suite: str | None = None,
+    command: str = "echo hello",
+    backend_kwargs: dict[str, Any] | None = None,
+    sample_memory: bool = True,
+) -> ThroughputResult:
+    """Run ``episodes`` episodes, ``concurrency`` at a time, and measure them."""
+    tasks = load_suite(suite).tasks
+    failures = 0
+    async with Engine(limits=Limits(live_sandboxes=concurrency), backend_kwargs=backend_kwargs) as engine:
+        sampler = MemorySampler(engine, backend)
+        limiter = anyio.CapacityLimiter(concurrency)
+
+        async def episode(i: int) -> None:
+            nonlocal failures
+            async with limiter:
+                try:
+                    async with engine.episode(tasks[i % len(tasks)], backend) as sandbox:
+                        await sandbox.exec(command)
+                        await sandbox.verify()
+                except Exception:  # counted; the benchmark measures the rest
+                    failures += 1
+
+        begin = anyio.current_time()
+        async with anyio.create_task_group() as outer:
+            if sample_memory:
+                outer.start_soon(sampler.run)
+            async with anyio.create_task_group() as tg:
+                for i in range(episodes):
+                    tg.start_soon(episode, i)
+            outer.cancel_scope.cancel()
+        seconds = anyio.current_time() - begin
+        stats = engine.stats()
+    return ThroughputResult(
+        backend=backend,
+        episodes=episodes,
+        concurrency=concurrency,
+        seconds=round(seconds, 4),
+        episodes_per_second=round(episodes / seconds, 3),
+        failures=failures,
+        peak_live=stats.peak_live,
+        peak_memory_per_sandbox_mib=(
+            round(sampler.per_sandbox_mib, 2) if sampler.per_sandbox_mib is not None else None
+        ),
+        phases={
+            name: {"p50": p.p50, "p95": p.p95, "p99": p.p99, "count": p.count}
+            for name, p in stats.phases.items()
+        },
+    )
