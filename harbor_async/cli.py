@@ -13,7 +13,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from benchmarks.cli import bench_app
 from harbor_async.backends import resolve_backend
+from harbor_async.cli_sandboxes import sandboxes_app
 from harbor_async.engine import Engine
 from harbor_async.errors import HarborAsyncError
 from harbor_async.logs import configure_logging
@@ -27,8 +29,11 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+app.add_typer(sandboxes_app, name="sandboxes")
 out = Console()
 err = Console(stderr=True, soft_wrap=True)
+
+app.add_typer(bench_app, name="bench")
 
 SuiteArg = Annotated[
     str | None,

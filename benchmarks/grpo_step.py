@@ -1,0 +1,148 @@
+"""Environment time of GRPO steps: TRL's own Harbor env against the shim, in one run.
+
+Replays what ``GRPOTrainer`` does to its environments in one training step:
+B ``reset()`` calls one after another; T turns in which each rollout's tool
+call runs one after another (as ``_tool_call_loop`` does); the reward function
+over all B environments; then the next step's resets. Model time is left out:
+only the time spent in environment calls counts.
+
+TRL's env (``trl.experimental.harbor.HarborBashEnv``) hands ``environment_type``
+to Harbor as a type name only; on the ``local`` and ``simulated`` backends it is
+driven through :mod:`shim.reference`, the smallest subclass that changes
+nothing but how the Harbor environment is created (by import path).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from harbor_async.tasks import load_suite
+
+IMPLEMENTATIONS = ("trl", "shim")
+
+#: Simulated cloud latencies (seconds) from the issue: start, exec, verify, stop.
+CLOUD_LATENCIES = {"start_latency": 0.5, "exec_latency": 0.05, "verify_latency": 1.0, "stop_latency": 0.5}
+
+
+@dataclass
+class StepTimes:
+    """Seconds of environment time in one step, by part."""
+
+    reset: float
+    tools: float
+    rewards: float
+
+    @property
+    def total(self) -> float:
+        """The step's environment time."""
+        return self.reset + self.tools + self.rewards
+
+
+@dataclass
+class GrpoRun:
+    """One implementation on one backend at one batch size."""
+
+    implementation: str
+    backend: str
+    batch: int
+    turns: int
+    steps: list[StepTimes] = field(default_factory=list)
+    teardown: float = 0.0
+    mean_reward: float = 0.0
+
+    @property
+    def later_step_mean(self) -> float:
+        """Mean environment time of the steps after the first (the steady state)."""
+        later = self.steps[1:] or self.steps
+        return sum(s.total for s in later) / len(later)
+
+    def to_dict(self) -> dict:
+        """Plain-JSON form, with totals."""
+        data = asdict(self)
+        data["step_totals"] = [round(s.total, 4) for s in self.steps]
+        data["later_step_mean"] = round(self.later_step_mean, 4)
+        return data
+
+
+def _commands(turns: int, gold: str | None) -> list[str]:
+    """The scripted tool calls of one rollout: look around, then submit."""
+    answer = (gold or "unknown").replace("'", "")
+    looks = ["ls -la /workdir", "head -n 5 /workdir/* 2>/dev/null | head -n 20", "pwd"]
+    return [looks[t % len(looks)] for t in range(turns - 1)] + [f"printf '%s' '{answer}' > /workdir/answer.txt"]
+
+
+def _make_envs(implementation: str, backend: str, batch: int, backend_kwargs: dict[str, Any]) -> tuple[list, Callable]:
+    """``batch`` envs of one implementation and its reward function over them."""
+    if implementation == "trl":
+        from trl.experimental.harbor._spec import _outcome_reward_func
+
+        from shim.reference import ReferenceHarborBashEnv
+
+        envs = [ReferenceHarborBashEnv(environment_type=backend, backend_kwargs=backend_kwargs) for _ in range(batch)]
+        return envs, _outcome_reward_func
+    if implementation == "shim":
+        from shim import HarborBashEnv
+        from shim.rewards import _outcome_reward_func
+
+        envs = [
+            HarborBashEnv(environment_type=backend, backend_kwargs=backend_kwargs, max_live_sandboxes=2 * batch + 8)
+            for _ in range(batch)
+        ]
+        return envs, _outcome_reward_func
+    raise ValueError(f"unknown implementation {implementation!r}; use one of {IMPLEMENTATIONS}")
+
+
+def _close(implementation: str, envs: Sequence[Any]) -> None:
+    if implementation == "trl":
+        from shim.reference import close_reference_env
+
+        for env in envs:
+            close_reference_env(env)
+    else:
+        for env in envs:
+            env.close()
+
+
+def run_grpo_steps(
+    implementation: str,
+    *,
+    backend: str,
+    batch: int,
+    turns: int = 3,
+    steps: int = 3,
+    suite: str | None = None,
+    backend_kwargs: dict[str, Any] | None = None,
+    on_step: Callable[[int, StepTimes], None] | None = None,
+) -> GrpoRun:
+    """Replay ``steps`` GRPO steps of ``batch`` rollouts and time the environment calls."""
+    tasks = load_suite(suite).tasks
+    envs, reward_func = _make_envs(implementation, backend, batch, dict(backend_kwargs or {}))
+    run = GrpoRun(implementation, backend, batch, turns)
+    rewards: list[float] = []
+    try:
+        for step in range(steps):
+            picks = [tasks[(step * batch + i) % len(tasks)] for i in range(batch)]
+            begin = time.perf_counter()
+            for env, task in zip(envs, picks, strict=True):
+                env.reset(task_dir=str(task.task_dir))
+            after_reset = time.perf_counter()
+            scripts = [_commands(turns, task.config.metadata.get("gold_answer")) for task in picks]
+            for turn in range(turns):
+                for env, script in zip(envs, scripts, strict=True):
+                    env.bash(script[turn])
+            after_tools = time.perf_counter()
+            rewards = reward_func(environments=envs)
+            end = time.perf_counter()
+            times = StepTimes(after_reset - begin, after_tools - after_reset, end - after_tools)
+            run.steps.append(times)
+            if on_step is not None:
+                on_step(step, times)
+    finally:
+        begin = time.perf_counter()
+        _close(implementation, envs)
+        run.teardown = time.perf_counter() - begin
+    run.mean_reward = sum(rewards) / len(rewards) if rewards else 0.0
+    return run

@@ -1,0 +1,122 @@
+"""Benchmark output: rich tables, a JSON file with every figure and the machine, a PNG plot."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.grpo_step import GrpoRun
+from benchmarks.machine import describe_machine
+from benchmarks.overhead import OverheadResult
+from benchmarks.throughput import ThroughputResult
+
+
+def write_json(path: Path, kind: str, results: dict) -> Path:
+    """Write ``results`` with the machine description to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"benchmark": kind, "machine": describe_machine(), **results}, indent=2))
+    return path
+
+
+def throughput_table(results: Sequence[ThroughputResult]) -> Table:
+    """One row per run: rate, phase latencies, peaks."""
+    table = Table(title="sandbox throughput")
+    for column in ("backend", "episodes", "conc.", "ep/s", "fail", "peak live", "MiB/sandbox"):
+        table.add_column(column, justify="right")
+    for phase in ("start", "exec", "verify", "stop"):
+        table.add_column(f"{phase} p50/p95/p99 ms", justify="right")
+    for r in results:
+        mem = "-" if r.peak_memory_per_sandbox_mib is None else f"{r.peak_memory_per_sandbox_mib:.1f}"
+        cells = []
+        for phase in ("start", "exec", "verify", "stop"):
+            p = r.phases.get(phase)
+            cells.append("-" if p is None else f"{p['p50'] * 1e3:.0f}/{p['p95'] * 1e3:.0f}/{p['p99'] * 1e3:.0f}")
+        table.add_row(
+            r.backend, str(r.episodes), str(r.concurrency), f"{r.episodes_per_second:.2f}",
+            str(r.failures), str(r.peak_live), mem, *cells,
+        )  # fmt: skip
+    return table
+
+
+def overhead_table(result: OverheadResult) -> Table:
+    """The portal round trip and the capacity ramp."""
+    rt = result.round_trip
+    table = Table(title="engine overhead (simulated, zero latency)")
+    table.add_column("measure")
+    table.add_column("p50 µs", justify="right")
+    table.add_column("p99 µs", justify="right")
+    table.add_row("exec awaited on the loop", f"{rt.direct_p50_us:.1f}", f"{rt.direct_p99_us:.1f}")
+    table.add_row("exec through the portal (a shim call)", f"{rt.portal_p50_us:.1f}", f"{rt.portal_p99_us:.1f}")
+    table.add_row("portal overhead", f"{rt.overhead_p50_us:.1f}", f"{rt.overhead_p99_us:.1f}")
+    for step in result.capacity:
+        mark = "" if step.under_1ms else "  (over 1 ms)"
+        table.add_row(f"probe with {step.sandboxes} live sandboxes{mark}", f"{step.probe_p50_us:.1f}", f"{step.probe_p99_us:.1f}")
+    return table
+
+
+def grpo_table(runs: Sequence[GrpoRun]) -> Table:
+    """Per backend and batch size: both implementations' step times and the ratio."""
+    table = Table(title="GRPO step: environment seconds per step (TRL env vs shim)")
+    for column in ("backend", "B", "T", "impl", "first step", "later steps", "reset", "tools", "rewards", "ratio shim/TRL"):
+        table.add_column(column, justify="right")
+    by_key: dict[tuple[str, int], dict[str, GrpoRun]] = {}
+    for run in runs:
+        by_key.setdefault((run.backend, run.batch), {})[run.implementation] = run
+    for (backend, batch), pair in by_key.items():
+        for impl in ("trl", "shim"):
+            run = pair.get(impl)
+            if run is None:
+                continue
+            later = run.steps[1:] or run.steps
+            part = lambda name: sum(getattr(s, name) for s in later) / len(later)  # noqa: E731
+            ratio = ""
+            if impl == "shim" and "trl" in pair:
+                ratio = f"1/{pair['trl'].later_step_mean / run.later_step_mean:.1f}"
+            table.add_row(
+                backend, str(batch), str(run.turns), impl, f"{run.steps[0].total:.2f}",
+                f"{run.later_step_mean:.2f}", f"{part('reset'):.2f}", f"{part('tools'):.2f}",
+                f"{part('rewards'):.2f}", ratio,
+            )  # fmt: skip
+    return table
+
+
+def plot_grpo(runs: Sequence[GrpoRun], path: Path, title: str) -> Path | None:
+    """Step time against batch size, one line per implementation and backend; None if nothing to plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    for run in runs:
+        series.setdefault(f"{run.implementation} ({run.backend})", []).append((run.batch, run.later_step_mean))
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, points in sorted(series.items()):
+        points.sort()
+        ax.plot([b for b, _ in points], [s for _, s in points], marker="o", label=label)
+    ax.set_xlabel("batch size B (rollouts per step)")
+    ax.set_ylabel("environment seconds per step (after the first)")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def print_tables(*tables: Table) -> None:
+    """Print tables to stdout."""
+    console = Console()
+    if not console.is_terminal:  # a log file or pipe: keep every column readable
+        console = Console(width=170)
+    for table in tables:
+        console.print(table)
