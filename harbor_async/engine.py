@@ -15,7 +15,7 @@ import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
 from harbor_async.backends import BackendSpec, resolve_backend
-from harbor_async.errors import HarborAsyncError, SandboxError
+from harbor_async.errors import HarborAsyncError, Phase, SandboxError, SandboxTimeout
 from harbor_async.logs import configure_logging
 from harbor_async.policy import Limits, RateLimiter, RetryPolicy, Timeouts
 from harbor_async.sandbox import TRUNCATION_MARKER, Sandbox, SandboxState
@@ -23,8 +23,6 @@ from harbor_async.stats import EngineStats, StatsRecorder
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
-
-    from harbor_async.errors import Phase
 
 
 def new_run_label() -> str:
@@ -51,6 +49,8 @@ class Engine:
         truncation_marker: appended to cut output.
         run_label: label carried by every sandbox (default: a fresh one).
         backend_kwargs: extra constructor arguments for every Harbor environment.
+        reap_stale: at start, remove the sandboxes (docker and local) that dead
+            processes left on this machine (:func:`harbor_async.reaper.reap_stale`).
     """
 
     def __init__(
@@ -63,6 +63,7 @@ class Engine:
         truncation_marker: str = TRUNCATION_MARKER,
         run_label: str | None = None,
         backend_kwargs: Mapping[str, Any] | None = None,
+        reap_stale: bool = False,
     ) -> None:
         configure_logging()
         self.limits = limits or Limits()
@@ -72,6 +73,7 @@ class Engine:
         self.truncation_marker = truncation_marker
         self.run_label = run_label or new_run_label()
         self.backend_kwargs = dict(backend_kwargs or {})
+        self.reap_stale = reap_stale
         self._ledger: dict[str, Sandbox] = {}
         self._stats = StatsRecorder()
         self._log = structlog.get_logger("harbor_async").bind(run=self.run_label)
@@ -97,6 +99,11 @@ class Engine:
             anyio.CapacityLimiter(self.limits.concurrent_execs) if self.limits.concurrent_execs else None
         )
         self._rate = RateLimiter(self.limits.creates_per_second)
+        if self.reap_stale:
+            from harbor_async.reaper import reap_stale
+
+            roots = [self.backend_kwargs["sandbox_root"]] if self.backend_kwargs.get("sandbox_root") else []
+            await anyio.to_thread.run_sync(reap_stale, roots)
         self._stack = AsyncExitStack()
         self._tg = await self._stack.enter_async_context(anyio.create_task_group())
         return self
@@ -218,14 +225,27 @@ class Engine:
     async def _run_start(self, sandbox: Sandbox) -> None:
         with anyio.CancelScope() as scope:
             sandbox._start_scope = scope
+            wait = sandbox._budget(Phase.START, self.timeouts.slot)
             try:
-                await self._live.acquire_on_behalf_of(sandbox)
+                with anyio.fail_after(wait if math.isfinite(wait) else None):
+                    await self._live.acquire_on_behalf_of(sandbox)
+            except TimeoutError:
+                # Slots free only when sandboxes stop: a batch larger than the limit
+                # whose sandboxes stop late would otherwise wait forever.
+                sandbox._abandon_start(
+                    SandboxTimeout(
+                        Phase.START, sandbox.task_name, sandbox.id,
+                        f"no live-sandbox slot within {max(wait, 0):.3g} s "
+                        f"(limit: {self.limits.live_sandboxes} live sandboxes)",
+                    )  # fmt: skip
+                )
             except BaseException as exc:
                 sandbox._abandon_start(exc)
                 raise
-            sandbox._holds_slot = True
-            self._stats.add_live(+1)
-            await sandbox._start()
+            else:
+                sandbox._holds_slot = True
+                self._stats.add_live(+1)
+                await sandbox._start()
         if sandbox.state is SandboxState.RUNNING:
             self._stats.started += 1
         else:

@@ -22,7 +22,8 @@ from harbor_async.errors import BackendError, SandboxError
 class Timeouts:
     """Per-phase time budgets in seconds (``None``: no limit for that phase).
 
-    ``agent`` bounds a model-free Harbor agent's run (the oracle's solve.sh).
+    ``agent`` bounds a model-free Harbor agent's run (the oracle's solve.sh);
+    ``slot`` bounds the wait for a live-sandbox slot before a start.
 
     ``episode`` bounds the whole life of a sandbox, from the start request to the
     verifier's reward; every phase gets the smaller of its own budget and what is
@@ -35,6 +36,7 @@ class Timeouts:
     agent: float | None = 1800.0
     verify: float | None = 600.0
     stop: float | None = 120.0
+    slot: float | None = 600.0
     episode: float | None = None
 
 

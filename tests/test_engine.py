@@ -212,3 +212,15 @@ async def test_asyncio_only_harbor_backend_under_trio_is_a_clear_error(example_t
         with pytest.raises(AsyncLibraryError, match="'docker' runs only on asyncio, not on trio"):
             eng.launch(example_tasks[0], "docker")
         assert eng.live_sandboxes() == []
+
+
+async def test_waiting_for_a_live_slot_is_bounded(example_tasks):
+    async with engine(limits=Limits(live_sandboxes=1), timeouts=Timeouts(slot=0.2)) as eng:
+        holder = eng.launch(example_tasks[0], "simulated")
+        await holder.wait_started()
+        waiter = eng.launch(example_tasks[1], "simulated")
+        with pytest.raises(SandboxTimeout, match=r"no live-sandbox slot within 0.2 s \(limit: 1 live"):
+            await waiter.wait_started()
+        assert waiter.done and holder.state.value == "running"
+        await holder.stop()
+        assert eng.live_sandboxes() == []

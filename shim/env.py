@@ -1,0 +1,477 @@
+"""``HarborEnv`` and ``HarborBashEnv``: TRL's environment API, run on the shared engine.
+
+Drop-in for ``trl.experimental.harbor.HarborEnv``: same constructor argument,
+``reset``, ``reward``, ``_exec``, ``_setup`` and ``PROMPT_SUFFIX``, same prompt
+and tool-output text. What changes is where the work happens:
+
+- ``reset()`` returns the instruction at once. It reads the task from disk and
+  hands the previous sandbox's stop and the new sandbox's start (plus TRL's
+  setup steps and the harness ``_setup()``) to the loop thread, without
+  waiting. The first tool call waits for them. A batch of resets made one after
+  another therefore starts all its sandboxes at once.
+- Tool calls work from any thread, with a per-call timeout; a start failure or
+  a timeout comes back as an error message the model reads, not an exception.
+- ``close()`` stops the env's sandboxes and waits for them. It is not a tool:
+  TRL lists every public *function* of the class as a tool, and ``close`` is a
+  descriptor (see :class:`not_a_tool`).
+
+TRL discovers tools with ``inspect.getmembers(type(env), inspect.isfunction)``,
+skipping ``reset``, ``get_reward`` and names starting with ``_``; each tool
+needs type hints and a Google-style docstring with an ``Args:`` section.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import types
+import uuid
+import weakref
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar, Unpack
+
+import sniffio
+
+from harbor_async.backends import resolve_backend
+from harbor_async.sandbox import SandboxState
+from harbor_async.tasks import load_task
+from shim import runtime
+from shim.episode import (
+    BASE_SETUP_COMMAND,
+    PREPARING,
+    Episode,
+    retire_episodes,
+    stop_episodes,
+)
+from shim.options import EngineOptions, EngineOptionsKwargs
+
+if TYPE_CHECKING:
+    from harbor.environments.base import BaseEnvironment
+    from harbor.models.task.task import Task
+
+R = TypeVar("R")
+
+#: Backends whose image build drops the Dockerfile's COPY'd files, so TRL's env
+#: uploads them after the start (E2B's ``from_dockerfile``). Other backends
+#: honour COPY, and the per-file uploads would only cost round trips.
+BACKENDS_DROPPING_COPY = frozenset({"e2b"})
+
+
+class not_a_tool(Generic[R]):
+    """A method that TRL does not expose as a tool.
+
+    TRL turns every public *function* of an env class into a tool.
+    ``functools.partialmethod`` does not help (on Python 3.12 it returns a
+    plain function when read from the class); this descriptor returns itself
+    from the class and a bound method from an instance, so
+    ``inspect.isfunction(type(env).close)`` is ``False`` and ``env.close()``
+    works.
+    """
+
+    def __init__(self, func: Callable[..., R]) -> None:
+        self.__func__ = func
+        functools.update_wrapper(self, func)  # type: ignore[arg-type]
+
+    def __get__(self, instance: object | None, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        return types.MethodType(self.__func__, instance)
+
+
+def _command_error(command: object, timeout: object) -> str | None:
+    """An error message for arguments of the wrong type (the model wrote them), else None."""
+    if not isinstance(command, str):
+        return f"Error: `command` must be a string, got {type(command).__name__}: {command!r}."
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        return f"Error: `timeout` must be a positive number of seconds, got {timeout!r}."
+    return None
+
+
+class HarborEnv:
+    """Base TRL environment backed by a Harbor sandbox + verifier, run on the shared engine.
+
+    Subclasses define the tool methods (the harness). The lifecycle TRL drives
+    per rollout: ``reset(task_dir)`` (schedule the task's sandbox, return its
+    instruction) -> tool methods (exec into the sandbox) -> ``reward`` (run the
+    verifier once, lazily, after the rollout).
+
+    Args:
+        environment_type: the backend: a Harbor type (``"docker"``, ``"e2b"``,
+            ``"daytona"``, ...), this project's ``"local"`` (bubblewrap) or
+            ``"simulated"``, or an import path ``"package.module:Class"`` of a
+            Harbor ``BaseEnvironment``. A name that cannot be loaded raises
+            :class:`~harbor_async.errors.BackendError` (a ``ValueError``) here.
+        backend_kwargs: extra constructor arguments for every Harbor
+            environment this env creates (Harbor's ``--ek``).
+        **engine_options: limits, timeouts and retries; see
+            :class:`~shim.options.EngineOptions`. Envs with equal options share
+            one engine, so limits hold across the batch.
+    """
+
+    #: Extra guidance appended to the task instruction by the harness subclass.
+    PROMPT_SUFFIX: str = ""
+
+    def __init__(
+        self,
+        environment_type: str = "docker",
+        *,
+        backend_kwargs: Mapping[str, Any] | None = None,
+        **engine_options: Unpack[EngineOptionsKwargs],
+    ) -> None:
+        self._environment_type = environment_type
+        self._backend = resolve_backend(environment_type)
+        # Import the backend class now (no sandbox starts): a typo or a missing
+        # vendor SDK fails at construction, not in the middle of a batch.
+        self._backend.environment_class()
+        self._options = EngineOptions.from_kwargs(dict(engine_options))
+        self._backend_kwargs: dict[str, Any] = dict(backend_kwargs or {})
+        self._episode: Episode | None = None
+        # Episodes whose sandbox may still be alive; shared with the finalizer,
+        # which must not hold the env itself.
+        self._episodes: list[Episode] = []
+        self._state_lock = threading.Lock()
+        runtime.prepare_exit_handlers()
+        self._finalizer = weakref.finalize(self, _abandon, self._episodes)
+        # At exit the loop module stops every engine's sandboxes; a finalizer
+        # running then could only race it.
+        self._finalizer.atexit = False
+
+    def _configure(self, options: EngineOptions, backend_kwargs: Mapping[str, Any]) -> None:
+        """Apply engine options after construction (the spec's factory uses this).
+
+        TRL-style harness subclasses often define ``__init__(self,
+        environment_type="docker")`` only, so the factory cannot pass the
+        options to the constructor.
+        """
+        self._options = options
+        self._backend_kwargs = dict(backend_kwargs)
+
+    # ── TRL's API ────────────────────────────────────────────────────────
+
+    def reset(self, task_dir: str | None = None, **kwargs: Any) -> str:
+        """Start a rollout on ``task_dir`` and return its instruction + ``PROMPT_SUFFIX`` at once.
+
+        The previous sandbox is stopped and the new one started in the
+        background; the first tool call (or the reward) waits for the start.
+        Other keyword arguments (the dataset row's columns) are ignored, as in TRL.
+
+        Raises:
+            ValueError: no ``task_dir``; or
+                :class:`~harbor_async.tasks.TaskLoadError` (a ``ValueError``)
+                when the folder is missing or not a valid Harbor task. The
+                previous sandbox is stopped either way.
+        """
+        if task_dir is None:
+            raise ValueError("HarborEnv.reset requires `task_dir` (provided by the dataset row).")
+        with self._state_lock:
+            previous, self._episode = self._episode, None
+            self._episodes[:] = [e for e in self._episodes if not e.finished]
+        try:
+            task = _load_task_cached(task_dir)
+        except BaseException:
+            if previous is not None:
+                runtime.submit(previous.retire)
+            raise
+        engine = runtime.engine_for(self._options)
+        episode = Episode(task, engine, self._backend, self._backend_kwargs)
+        episode.owner = weakref.ref(self)
+        with self._state_lock:
+            self._episode = episode
+            self._episodes.append(episode)
+        future = runtime.submit(episode.run, previous, self._prepare)
+        future.add_done_callback(_report_unexpected)
+        return task.instruction + self.PROMPT_SUFFIX
+
+    @property
+    def reward(self) -> float:
+        """The verifier's reward for the current rollout (verified once, lazily, then cached).
+
+        A fresh env that was never reset reads 0.0 without touching any backend
+        (or even starting the loop thread). A sandbox that failed to start, or
+        a verifier that failed, reads 0.0 as well. Verifying stops the sandbox
+        in the background. ``spec.reward_funcs`` verifies a whole batch at once.
+        """
+        episode = self._episode
+        if episode is None:
+            return 0.0
+        if episode.reward is not None:
+            return episode.reward
+        return runtime.call(episode.verify)
+
+    def _exec(self, command: str, timeout: float | None = None) -> str:
+        """Run a shell command in the sandbox; return combined stdout+stderr (truncated to 8k).
+
+        Callable from any thread except the loop thread (use :meth:`_aexec` in
+        async code and in ``_setup``). Waits for the sandbox's start on the
+        first call. ``timeout`` (seconds, default ``exec_timeout``, 180) bounds
+        the command alone. A command that times out, a sandbox that could not
+        start and arguments of the wrong type return an ``"Error: ..."`` message
+        for the model instead of raising.
+        """
+        if (message := _command_error(command, timeout)) is not None:
+            return message
+        episode = self._current()
+        if episode is None:
+            return "Error: no task is loaded; reset() must be called first."
+        return runtime.call(episode.exec, command, self._timeout(timeout))
+
+    async def _aexec(self, command: str, timeout: float | None = None) -> str:
+        """:meth:`_exec` for async tools and ``_setup``: awaits without blocking the caller's loop.
+
+        Works on any asyncio loop (TRL's async tool loop, AsyncGRPOTrainer's
+        rollout worker) and on the shim's own loop thread.
+        """
+        if (message := _command_error(command, timeout)) is not None:
+            return message
+        episode = self._current()
+        if episode is None:
+            return "Error: no task is loaded; reset() must be called first."
+        timeout = self._timeout(timeout)
+        if runtime.in_loop_thread():
+            return await episode.exec(command, timeout)
+        return await _await_loop(runtime.submit(episode.exec, command, timeout))
+
+    async def _areward(self) -> float:
+        """:attr:`reward` for async callers (the env-owned ``get_reward`` path)."""
+        episode = self._episode
+        if episode is None:
+            return 0.0
+        if episode.reward is not None:
+            return episode.reward
+        if runtime.in_loop_thread():
+            return await episode.verify()
+        return await _await_loop(runtime.submit(episode.verify))
+
+    async def _setup(self) -> None:
+        """Harness-specific sandbox preparation, run once per ``reset`` after the sandbox is up.
+
+        Runs on the shim's loop thread (await, never block): use ``await
+        self._aexec(...)`` or the Harbor environment ``self._env`` (``await
+        self._env.upload_file(...)``). If it raises, the episode's tool calls
+        return an error message and its reward is 0.0. The default is a no-op.
+        """
+
+    async def _upload_build_files(self) -> None:
+        """Replicate the task Dockerfile's ``COPY`` directives into the sandbox (TRL's E2B fix).
+
+        Run only for the backends in :data:`BACKENDS_DROPPING_COPY`. Handles the
+        common ``COPY <src> <dst>`` form; flags / globs / ``--from`` are skipped.
+        """
+        env, task = self._env, self._task
+        if env is None or task is None:
+            return
+        dockerfile = task.paths.environment_dir / "Dockerfile"
+        if not dockerfile.exists():
+            return
+        for line in dockerfile.read_text().splitlines():
+            s = line.strip()
+            if not s.upper().startswith("COPY ") or "--from" in s:
+                continue
+            parts = [p for p in s[len("COPY ") :].split() if not p.startswith("--")]
+            if len(parts) < 2:
+                continue
+            *srcs, dst = parts
+            for src in srcs:
+                local = task.paths.environment_dir / src
+                if not local.is_file():
+                    continue
+                remote = dst if (len(srcs) == 1 and not dst.endswith("/")) else dst.rstrip("/") + "/" + Path(src).name
+                parent = remote.rsplit("/", 1)[0] or "/"
+                tmp = "/tmp/" + uuid.uuid4().hex
+                await env.upload_file(local, tmp)
+                await env.exec(f"mkdir -p {parent} && mv {tmp} {remote}", user="root")
+
+    # ── teardown ─────────────────────────────────────────────────────────
+
+    def _close(self) -> None:
+        """Stop every sandbox of this env and wait for the stops (idempotent).
+
+        Bounded by the stop budget (twice ``stop_timeout`` when a start has to
+        be cancelled first). The env stays usable: a later ``reset`` starts a
+        new sandbox.
+        """
+        episodes = self._detach_episodes()
+        if episodes and runtime.loop_running():
+            runtime.call(stop_episodes, episodes, timeout=_close_budget(self._options))
+
+    close = not_a_tool(_close)
+
+    def _detach_episodes(self) -> list[Episode]:
+        """Take every episode with a possibly live sandbox; the env forgets them."""
+        with self._state_lock:
+            episodes = list(self._episodes)
+            self._episodes.clear()
+            self._episode = None
+        return episodes
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._close()
+
+    # ── harness helpers ──────────────────────────────────────────────────
+
+    @property
+    def _env(self) -> BaseEnvironment | None:
+        """The live Harbor environment of the current rollout (``None`` before it started).
+
+        Inside ``_setup`` it is the sandbox being prepared, even if the trainer
+        has already moved on to the next ``reset``.
+        """
+        episode = self._current()
+        if episode is None or episode.sandbox is None:
+            return None
+        sandbox = episode.sandbox
+        return sandbox._env if sandbox.state is SandboxState.RUNNING else None
+
+    @property
+    def _task(self) -> Task | None:
+        """The Harbor task of the current rollout."""
+        episode = self._current()
+        return None if episode is None else episode.task
+
+    @property
+    def sandbox_error(self) -> str | None:
+        """Why the current rollout's sandbox cannot run commands or was scored 0.0 without a verdict."""
+        episode = self._episode
+        if episode is None:
+            return None
+        error = episode.error or episode.reward_error
+        return None if error is None else f"{type(error).__name__}: {error}"
+
+    def _current(self) -> Episode | None:
+        preparing = PREPARING.get()
+        if preparing is not None and preparing.owner is not None and preparing.owner() is self:
+            return preparing
+        return self._episode
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self._options.exec_timeout if timeout is None else float(timeout)
+
+    async def _prepare(self, episode: Episode) -> None:
+        """TRL's steps after the start (on the loop): COPY re-upload where needed, base folders, ``_setup``.
+
+        The engine's start already ran the task's healthcheck.
+        """
+        assert episode.sandbox is not None
+        if self._backend.type in BACKENDS_DROPPING_COPY:
+            await self._upload_build_files()
+        await episode.sandbox.exec(BASE_SETUP_COMMAND)
+        await self._setup()
+
+    def __repr__(self) -> str:
+        episode = self._episode
+        task = episode.task.name if episode is not None else None
+        return f"<{type(self).__name__} backend={self._environment_type!r} task={task!r}>"
+
+
+_BASH_PROMPT_SUFFIX = (
+    "\n\nYou have a single `bash` tool: run a shell command in the sandbox and get its stdout+stderr. "
+    "The dataset files are in /home/user/input/. Python 3 + pandas + numpy + scikit-learn are "
+    "preinstalled. **Submit your final answer by writing it to /workdir/answer.txt via the `bash` "
+    'tool**, e.g. `echo -n "<value>" > /workdir/answer.txt`. Stating the answer in prose does NOT submit '
+    "it; only writing the file counts. Keep the answer short, and do not end your turn without submitting."
+)
+
+
+class HarborBashEnv(HarborEnv):
+    """Single-`bash`-tool harness; submit by writing `/workdir/answer.txt`."""
+
+    PROMPT_SUFFIX = _BASH_PROMPT_SUFFIX
+
+    def bash(self, command: str) -> str:
+        """
+        Run a shell command in the sandbox and return its combined stdout+stderr. The shell is non-stateful between
+        calls. Use it to explore files (ls, head, cat), run Python (`python3 -c "..."`), and submit the answer (`echo
+        -n "<value>" > /workdir/answer.txt`).
+
+        Args:
+            command: The shell command to run.
+
+        Returns:
+            The command's combined stdout and stderr.
+        """
+        return self._exec(command)
+
+
+#: Built-in harnesses, selectable by name in ``HarborSpec(agent=...)``.
+AGENTS: dict[str, type[HarborEnv]] = {"bash": HarborBashEnv}
+
+
+# ── helpers ─────────────────────────────────────────────────────────────
+
+_TASK_CACHE_SIZE = 4096
+_task_cache: dict[str, tuple[tuple[int, ...], Task]] = {}
+_task_cache_lock = threading.Lock()
+
+
+def _task_signature(task_dir: Path) -> tuple[int, ...]:
+    """Changes when task.toml or instruction.md changes (raises OSError when one is missing)."""
+    toml, instruction = (task_dir / "task.toml").stat(), (task_dir / "instruction.md").stat()
+    return (toml.st_mtime_ns, toml.st_size, instruction.st_mtime_ns, instruction.st_size)
+
+
+def _load_task_cached(task_dir: str | Path) -> Task:
+    """:func:`~harbor_async.tasks.load_task`, remembered per folder while its files are unchanged.
+
+    Harbor's parsing and validation take about 2 ms a task; a GRPO batch resets
+    the same few tasks over and over, and ``reset()`` should return at once.
+    A Task is only read after loading, so one instance serves every sandbox.
+    """
+    key = str(Path(task_dir).expanduser().absolute())
+    try:
+        signature = _task_signature(Path(key))
+    except OSError:
+        return load_task(task_dir)  # missing files: its error says which
+    with _task_cache_lock:
+        cached = _task_cache.get(key)
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    task = load_task(task_dir)
+    with _task_cache_lock:
+        if len(_task_cache) >= _TASK_CACHE_SIZE:
+            _task_cache.pop(next(iter(_task_cache)))  # oldest entry
+        _task_cache[key] = (signature, task)
+    return task
+
+
+async def _await_loop(future: Any) -> Any:
+    """Await a loop-thread future from another event loop without blocking it."""
+    if sniffio.current_async_library() == "asyncio":
+        # Cancelling the awaiting task cancels the future, hence the work on the loop thread.
+        return await asyncio.wrap_future(future)
+    import anyio
+
+    return await anyio.to_thread.run_sync(future.result)
+
+
+def _close_budget(options: EngineOptions) -> float | None:
+    # A stop may first cancel a start, whose cleanup has its own stop budget.
+    return None if options.stop_timeout is None else 2 * options.stop_timeout + 10
+
+
+def _abandon(episodes: list[Episode]) -> None:
+    """Finalizer of a garbage-collected env: schedule its stops, never wait (TRL's env hangs here)."""
+    if not episodes:
+        return
+    pending = list(episodes)
+    try:
+        if not runtime.loop_running():
+            return
+        if runtime.in_loop_thread():
+            retire_episodes(pending)
+        else:
+            runtime.submit(retire_episodes, pending)
+    except Exception:  # noqa: BLE001, S110 - a finalizer must never raise; the exit handler stops what is left
+        pass
+
+
+def _report_unexpected(future: Any) -> None:
+    # Episode.run keeps every failure as a value; anything raised here is a bug worth seeing.
+    if not future.cancelled() and future.exception() is not None:
+        import structlog
+
+        structlog.get_logger("harbor_async.shim").error("episode task crashed", error=repr(future.exception()))

@@ -1,0 +1,262 @@
+"""One rollout of one env, driven on the loop thread: start, harness setup, commands, reward, stop.
+
+``reset()`` creates an :class:`Episode` on the trainer thread and hands
+:meth:`Episode.run` to the loop thread without waiting: the sandbox starts and
+the harness prepares it in the background while the trainer generates. Tool
+calls and the reward wait on the loop for that preparation, never on the
+trainer thread's own clock. Failures become values here (an error message for
+a tool call, a 0.0 reward), so that one bad sandbox never crashes a batch.
+
+Every method below except the constructor runs on the loop thread.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import structlog
+
+from harbor_async.engine import EngineClosedError
+from harbor_async.errors import Phase, SandboxClosedError, SandboxError, SandboxTimeout, StartError
+
+if TYPE_CHECKING:
+    from harbor.models.task.task import Task
+
+    from harbor_async.backends import BackendSpec
+    from harbor_async.engine import Engine
+    from harbor_async.sandbox import Sandbox
+
+log = structlog.get_logger("harbor_async.shim")
+
+#: The episode whose harness setup is running in the current task: lets
+#: ``HarborEnv._env`` inside ``_setup()`` mean that episode's sandbox even if the
+#: trainer has already called ``reset()`` again (context variables are per task).
+PREPARING: contextvars.ContextVar[Episode | None] = contextvars.ContextVar("shim_preparing", default=None)
+
+#: Commands TRL's env runs after every start, before the harness setup.
+BASE_SETUP_COMMAND = "mkdir -p /workdir /home/user/input"
+
+
+class Episode:
+    """The state of one ``reset()``: the task, its sandbox, the setup outcome and the reward.
+
+    Attributes:
+        task: the Harbor task.
+        sandbox: the engine's sandbox (``None`` until :meth:`run` launched it).
+        error: why no command can run in this episode (a start or setup
+            failure, or the episode was closed first); ``None`` when ready.
+        reward: the verifier's reward, once verified (then cached).
+        reward_error: why the reward is 0.0 without a verdict (failed start or
+            verifier), if so.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        engine: Engine,
+        backend: BackendSpec,
+        backend_kwargs: dict[str, Any],
+    ) -> None:
+        self.task = task
+        self.engine = engine
+        self.backend = backend
+        self.backend_kwargs = backend_kwargs
+        self.sandbox: Sandbox | None = None
+        self.error: BaseException | None = None
+        self.reward: float | None = None
+        self.reward_error: BaseException | None = None
+        self.owner: Any = None  # a weak reference to the env, for PREPARING lookups
+        self._retired = False
+        self._launched = False
+        self._ready: anyio.Event | None = None
+        self._scope: anyio.CancelScope | None = None
+        self._verify_lock: anyio.Lock | None = None
+
+    # ── state readable from any thread ───────────────────────────────────
+
+    @property
+    def finished(self) -> bool:
+        """Whether nothing of this episode is left to stop (read from any thread)."""
+        if self.sandbox is not None:
+            return self.sandbox.done
+        return self._retired
+
+    # ── loop side ────────────────────────────────────────────────────────
+
+    def _ready_event(self) -> anyio.Event:
+        # Created on first use on the loop: an anyio Event needs the running loop.
+        if self._ready is None:
+            self._ready = anyio.Event()
+        return self._ready
+
+    async def run(
+        self,
+        previous: Episode | None,
+        prepare: Callable[[Episode], Awaitable[None]],
+    ) -> None:
+        """Retire the previous episode, launch the sandbox, wait for it, run the harness setup.
+
+        Submitted by ``reset()``; never raises: a failure is kept in :attr:`error`.
+        """
+        ready = self._ready_event()
+        try:
+            if previous is not None:
+                previous.retire()
+            if self._retired:  # closed before the loop got here
+                self.error = SandboxClosedError(Phase.START, self.task.name, "-", "the episode was closed")
+                return
+            try:
+                self.sandbox = self.engine.launch(self.task, self.backend, backend_kwargs=self.backend_kwargs)
+            except Exception as exc:  # noqa: BLE001 - bad backend, closed engine: the start never began
+                self.error = exc
+                log.warning("sandbox launch failed", task=self.task.name, error=str(exc))
+                return
+            self._launched = True
+            with anyio.CancelScope() as self._scope:
+                try:
+                    await self.sandbox.wait_started()
+                    token = PREPARING.set(self)
+                    try:
+                        # TRL counts its setup steps as part of the start: same budget.
+                        with anyio.fail_after(self.engine.timeouts.start):
+                            await prepare(self)
+                    finally:
+                        PREPARING.reset(token)
+                except Exception as exc:  # noqa: BLE001 - any setup failure only ends this episode
+                    self.error = exc
+                    if not isinstance(exc, SandboxError):
+                        log.warning("harness setup failed", task=self.task.name, error=repr(exc))
+                    # An unusable sandbox gives its slot back now, not at the reward.
+                    self._stop_soon()
+            if self._scope.cancelled_caught and self.error is None:
+                self.error = SandboxClosedError(
+                    Phase.START, self.task.name, self.sandbox.id, "the episode ended before its sandbox was ready"
+                )
+        finally:
+            ready.set()
+
+    async def wait_ready(self) -> None:
+        """Wait until :meth:`run` has finished (the sandbox is prepared, or failed)."""
+        await self._ready_event().wait()
+
+    def retire(self) -> None:
+        """End the episode: cancel a start or setup in progress, stop the sandbox in the background."""
+        self._retired = True
+        if self._scope is not None:
+            self._scope.cancel()
+        self._stop_soon()
+
+    def _stop_soon(self) -> None:
+        if self.sandbox is None:
+            return
+        try:
+            self.engine.stop_soon(self.sandbox)
+        except EngineClosedError:
+            pass  # the engine's own close stops (or stopped) every sandbox it holds
+
+    async def stop(self) -> None:
+        """Retire the episode and wait until its sandbox is stopped (shielded, bounded by the stop budget)."""
+        self.retire()
+        if self.sandbox is not None:
+            await self.sandbox.stop()
+
+    async def exec(self, command: str, timeout: float | None) -> str:
+        """Run a tool command; return TRL's output string, or an error message for the model.
+
+        Inside the harness setup (``_setup`` awaiting ``_aexec``) the command runs
+        at once: waiting for the setup to finish would wait for itself.
+        """
+        if PREPARING.get() is not self:
+            await self.wait_ready()
+        if self.error is not None:
+            return describe_unavailable(self.error)
+        assert self.sandbox is not None
+        try:
+            result = await self.sandbox.exec(command, timeout=timeout)
+        except SandboxTimeout as exc:
+            if "episode deadline" in exc.detail:
+                return "Error: the episode's time limit was reached; the command was stopped."
+            return f"Error: the command timed out after {_seconds(timeout)} and was stopped."
+        except SandboxClosedError as exc:
+            return describe_unavailable(exc)
+        except SandboxError as exc:
+            return f"Error: the command could not be run ({exc})."
+        # TRL's format: stdout then stderr, cut at 8000 characters (by the engine), or a placeholder.
+        return result.output or f"(empty output, rc={result.exit_code})"
+
+    async def verify(self) -> float:
+        """The verifier's reward, computed once; the sandbox is stopped in the background right after.
+
+        A start, setup or verifier failure gives 0.0 (kept in :attr:`reward_error`)
+        rather than an exception, so one broken sandbox does not fail the batch.
+        """
+        if self.reward is not None:
+            return self.reward
+        if self._verify_lock is None:
+            self._verify_lock = anyio.Lock()
+        async with self._verify_lock:  # concurrent readers share one verification
+            if self.reward is not None:
+                return self.reward
+            await self.wait_ready()
+            if self.error is not None:
+                reward, self.reward_error = 0.0, self.error
+            else:
+                assert self.sandbox is not None
+                try:
+                    reward = (await self.sandbox.verify()).reward
+                except SandboxError as exc:
+                    reward, self.reward_error = 0.0, exc
+                    log.warning("verification failed; reward 0.0", task=self.task.name, error=str(exc))
+            self.reward = reward
+            self._stop_soon()
+            return reward
+
+
+async def verify_episodes(episodes: Sequence[Episode]) -> list[float]:
+    """Verify every episode concurrently (one loop call for a whole batch); rewards in order."""
+    rewards: list[float] = [0.0] * len(episodes)
+
+    async def one(index: int, episode: Episode) -> None:
+        rewards[index] = await episode.verify()
+
+    async with anyio.create_task_group() as tg:
+        for index, episode in enumerate(episodes):
+            tg.start_soon(one, index, episode)
+    return rewards
+
+
+async def stop_episodes(episodes: Sequence[Episode]) -> None:
+    """Stop every episode's sandbox concurrently and wait for all of them."""
+    async with anyio.create_task_group() as tg:
+        for episode in episodes:
+            tg.start_soon(episode.stop)
+
+
+def retire_episodes(episodes: Sequence[Episode]) -> None:
+    """Schedule every episode's stop without waiting (for finalizers)."""
+    for episode in episodes:
+        episode.retire()
+
+
+def describe_unavailable(error: BaseException) -> str:
+    """The tool-call message for an episode whose sandbox cannot run commands."""
+    if isinstance(error, StartError) or (isinstance(error, SandboxTimeout) and error.phase is Phase.START):
+        return (
+            f"Error: the sandbox for this task could not be started, so no command can run in this episode ({error})."
+        )
+    if isinstance(error, SandboxClosedError):
+        return f"Error: the sandbox of this episode is no longer available ({error})."
+    return (
+        "Error: the sandbox for this task could not be prepared, so no command can run "
+        f"in this episode ({type(error).__name__}: {error})."
+    )
+
+
+def _seconds(value: float | None) -> str:
+    if value is None or not math.isfinite(value):
+        return "its time limit"
+    return f"{value:g} s"

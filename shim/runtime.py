@@ -1,0 +1,85 @@
+"""The shim's link to the async core: one shared engine per option set, on the one loop thread.
+
+Every env of the process reaches the loop thread of :mod:`harbor_async.loop`.
+Envs built with equal :class:`~shim.options.EngineOptions` share one
+:class:`~harbor_async.engine.Engine`, so ``max_live_sandboxes`` and the other
+limits hold across the whole batch (a per-env engine would multiply them).
+Engines are opened on first use and closed at interpreter exit (or on SIGTERM)
+by the loop module, which stops their live sandboxes within a bounded time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from harbor_async import loop as _loop
+from harbor_async.engine import Engine
+from shim.options import EngineOptions
+
+T = TypeVar("T")
+
+_engines: dict[EngineOptions, Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def prepare_exit_handlers() -> None:
+    """Register the loop module's exit and SIGTERM handlers without starting its thread.
+
+    Called when an env is constructed: that is usually the main thread, the only
+    one that may install a signal handler, whereas the first ``reset()`` may run
+    in a worker thread (AsyncGRPOTrainer's tool pool).
+    """
+    _loop.get_loop()
+
+
+def loop_running() -> bool:
+    """Whether the loop thread is up (nothing to stop when it is not)."""
+    return _loop.get_loop().running
+
+
+def in_loop_thread() -> bool:
+    """Whether the caller runs on the loop thread itself."""
+    return _loop.get_loop().in_loop_thread()
+
+
+def call(fn: Callable[..., Awaitable[T] | T], *args: Any, timeout: float | None = None) -> T:
+    """Run ``fn(*args)`` on the loop thread and block for its result.
+
+    Every blocking call of the shim goes through here (tests count them).
+    """
+    return _loop.get_loop().call(fn, *args, timeout=timeout)
+
+
+def submit(fn: Callable[..., Awaitable[T] | T], *args: Any) -> Future[T]:
+    """Schedule ``fn(*args)`` on the loop thread; return its future at once."""
+    return _loop.get_loop().submit(fn, *args)
+
+
+def engine_for(options: EngineOptions) -> Engine:
+    """The shared engine for ``options``: opened on first use, reopened if it was closed."""
+    with _engines_lock:
+        engine = _engines.get(options)
+        if engine is None or engine.closed:
+            engine = _loop.open_engine(**options.engine_kwargs())
+            _engines[options] = engine
+        return engine
+
+
+def engines() -> list[Engine]:
+    """Every engine the shim opened and that is not closed (for diagnostics and tests)."""
+    with _engines_lock:
+        return [engine for engine in _engines.values() if not engine.closed]
+
+
+def live_sandbox_count() -> int:
+    """Sandboxes the shim's engines have launched and not yet confirmed stopped."""
+    if not loop_running():
+        return 0
+
+    def count() -> int:  # read the ledgers on the loop, where they change
+        return sum(len(engine.live_sandboxes()) for engine in engines())
+
+    return call(count)

@@ -1,0 +1,288 @@
+"""``HarborSpec``: one object that wires a Harbor task suite into a TRL trainer.
+
+Drop-in for ``trl.experimental.harbor.HarborSpec``::
+
+    from shim import HarborSpec   # was: from trl.experimental.harbor import HarborSpec
+
+    spec = HarborSpec("org/suite", agent="bash", environment_type="docker", num_tasks=64)
+    trainer = GRPOTrainer(
+        model=...,
+        args=GRPOConfig(...),
+        train_dataset=spec.train_dataset,
+        environment_factory=spec.environment_factory,
+        reward_funcs=spec.reward_funcs,
+    )
+    trainer.train()
+    spec.close()
+
+``train_dataset`` has the same columns and values as TRL's for the same suite;
+``environment_factory`` is a picklable ``functools.partial``; ``reward_funcs``
+verifies a whole batch concurrently. Beyond TRL: engine options (limits,
+timeouts, retries) as keyword arguments, this project's backends by short name
+(``local``, ``simulated``) or any import path, the env-owned reward path for
+AsyncGRPOTrainer (``env_reward=True``), and ``close()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import tomllib
+import uuid
+import weakref
+from collections.abc import Callable, Mapping
+from functools import cached_property, partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self, Unpack
+
+from harbor_async.backends import resolve_backend
+from harbor_async.tasks import load_suite
+from shim import runtime
+from shim.env import AGENTS, HarborEnv, _close_budget
+from shim.episode import stop_episodes
+from shim.options import EngineOptions, EngineOptionsKwargs
+from shim.rewards import _outcome_reward_func, with_env_reward
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+#: Envs made by each spec's factory, by the spec's token (weakly: the trainer owns them).
+_SPEC_ENVS: dict[str, weakref.WeakSet[HarborEnv]] = {}
+
+#: task.toml [metadata] keys folded into the dataset rows, by column name (TRL's choice).
+_META_COLUMNS: dict[str, str] = {
+    "gold_answer": "gold_answer",
+    "reward_mode": "reward_mode_initial",
+    "difficulty_level": "difficulty_level",
+    "kaggle_dataset": "kaggle_dataset_name",
+}
+
+
+def _resolve_agent(agent: str | type[HarborEnv]) -> type[HarborEnv]:
+    """Resolve ``agent=`` to a ``HarborEnv`` subclass, with TRL's rules and errors.
+
+    Accepts a ``HarborEnv`` subclass, a built-in name (``"bash"``), a module
+    import path (``"pkg.module:Class"``) or a file path (``"path/to/file.py:Class"``).
+    """
+    if isinstance(agent, type):
+        cls = agent
+    elif agent in AGENTS:
+        cls = AGENTS[agent]
+    elif ":" in agent:
+        target, _, cls_name = agent.rpartition(":")  # rpartition: keep a Windows drive ("D:\...") whole
+        if target.endswith(".py") or os.path.sep in target:  # file path: load the module from the file
+            spec = importlib.util.spec_from_file_location(Path(target).stem, target)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+        cls = getattr(module, cls_name)
+    else:
+        raise ValueError(
+            f"Unknown agent {agent!r}; use a built-in name ({sorted(AGENTS)}), an import path "
+            "'pkg.module:Class', a file path 'path/to/file.py:Class', or a HarborEnv subclass."
+        )
+    if not (isinstance(cls, type) and issubclass(cls, HarborEnv)):
+        raise TypeError(f"agent {agent!r} must resolve to a HarborEnv subclass, got {cls!r}")
+    return cls
+
+
+def _read_task_meta(task_dir: Path) -> dict[str, Any]:
+    """TRL's metadata columns from ``task.toml`` (``None`` where absent)."""
+    try:
+        config = tomllib.loads((task_dir / "task.toml").read_text())
+    except Exception:  # noqa: BLE001 - as TRL: unreadable metadata is no metadata
+        return {}
+    meta = config.get("metadata", {})
+    return {column: meta.get(key) for column, key in _META_COLUMNS.items()}
+
+
+def _task_candidates(root: Path) -> list[Path]:
+    """The task folders of a suite root in suite order (the rule of ``load_suite``'s scan)."""
+    return sorted(
+        (
+            child
+            for child in root.iterdir()
+            if child.is_dir()
+            and not child.name.startswith(".")
+            and child.name != "__pycache__"
+            and (child / "task.toml").is_file()
+        ),
+        key=lambda p: p.name,
+    )
+
+
+def _make_env(
+    cls: type[HarborEnv],
+    environment_type: str,
+    options: EngineOptions,
+    backend_kwargs: Mapping[str, Any],
+    env_reward: bool,
+    token: str | None = None,
+) -> HarborEnv:
+    """The environment factory's body (module level, so the partial pickles)."""
+    env_cls = with_env_reward(cls) if env_reward else cls
+    env = env_cls(environment_type=environment_type)
+    env._configure(options, backend_kwargs)
+    if token is not None:
+        _SPEC_ENVS.setdefault(token, weakref.WeakSet()).add(env)
+    return env
+
+
+class HarborSpec:
+    """Single spec object that wires a Harbor task suite into a TRL trainer.
+
+    Args:
+        dataset: a Hugging Face dataset repo id holding a Harbor task tree, or a
+            local folder holding ``tasks/<name>/task.toml`` (or ``<name>/task.toml``).
+        agent: the harness, i.e. the tool surface: a built-in name (``"bash"``),
+            ``"package.module:Class"``, ``"path/to/file.py:Class"`` or a
+            :class:`~shim.env.HarborEnv` subclass. Unknown names raise
+            ``ValueError``; anything that is not a ``HarborEnv`` subclass ``TypeError``.
+        environment_type: the backend: a Harbor type (``"docker"``, ``"e2b"``,
+            ...), ``"local"`` (bubblewrap), ``"simulated"``, or an import path
+            ``"package.module:Class"``. Checked here: an unknown name or a
+            class that does not load raises ``ValueError``.
+        num_tasks: keep the first ``num_tasks`` tasks (sorted by folder name).
+        indices: keep the tasks at these positions. Exclusive with ``num_tasks``
+            (``ValueError``).
+        include_metadata: fold ``task.toml`` metadata (``gold_answer``,
+            ``reward_mode``, ``difficulty_level``, ``kaggle_dataset``) into the rows.
+        env_reward: ``True`` makes the factory's envs own their reward through
+            an async ``get_reward()`` and leaves ``reward_funcs`` empty (for
+            AsyncGRPOTrainer, see :mod:`shim.rewards`). ``None`` (default):
+            ``True`` only if the harness class defines ``get_reward`` itself.
+        backend_kwargs: extra constructor arguments for every Harbor environment.
+        **engine_options: limits, timeouts and retries shared by the envs; see
+            :class:`~shim.options.EngineOptions` (``max_live_sandboxes``,
+            ``creates_per_second``, ``concurrent_execs``, ``start_timeout``,
+            ``exec_timeout``, ``verify_timeout``, ``stop_timeout``,
+            ``episode_timeout``, ``start_attempts``).
+    """
+
+    def __init__(
+        self,
+        dataset: str | os.PathLike[str],
+        *,
+        agent: str | type[HarborEnv] = "bash",
+        environment_type: str = "docker",
+        num_tasks: int | None = None,
+        indices: list[int] | None = None,
+        include_metadata: bool = True,
+        env_reward: bool | None = None,
+        backend_kwargs: Mapping[str, Any] | None = None,
+        **engine_options: Unpack[EngineOptionsKwargs],
+    ) -> None:
+        if num_tasks is not None and indices is not None:
+            raise ValueError("Provide num_tasks or indices, not both.")
+        self._dataset = dataset
+        self._environment_type = environment_type
+        self._num_tasks = num_tasks
+        self._indices = indices
+        self._include_metadata = include_metadata
+        self._env_cls = _resolve_agent(agent)
+        owns_reward = callable(getattr(self._env_cls, "get_reward", None))
+        if env_reward is False and owns_reward:
+            raise ValueError(
+                f"agent {self._env_cls.__name__} defines get_reward, which TRL always counts; with "
+                "env_reward=False the reward would be counted twice (get_reward + reward_funcs)"
+            )
+        self._env_reward = owns_reward if env_reward is None else bool(env_reward)
+        self._options = EngineOptions.from_kwargs(dict(engine_options))
+        self._backend_kwargs = dict(backend_kwargs or {})
+        resolve_backend(environment_type).environment_class()  # fail here, not mid-training
+        self._token = uuid.uuid4().hex
+
+    # ── public surface ───────────────────────────────────────────────────
+
+    @cached_property
+    def _selection(self) -> list[tuple[int, Path]]:
+        """(task_index, task folder) per row: TRL's selection, validated by Harbor.
+
+        A folder that is not a valid Harbor task is left out with a warning
+        (TRL would keep it and fail at its ``reset``); ``task_index`` stays its
+        position in the suite. Task folders are absolute.
+        """
+        suite = load_suite(self._dataset, num_tasks=self._num_tasks, indices=self._indices)
+        valid = {task.task_dir.resolve() for task in suite.tasks}
+        candidates = _task_candidates(suite.root)
+        if self._indices is not None:
+            picks = [(index, candidates[index]) for index in self._indices]
+        else:
+            picks = list(enumerate(candidates[: self._num_tasks] if self._num_tasks is not None else candidates))
+        return [(index, path) for index, path in picks if path.resolve() in valid]
+
+    @cached_property
+    def train_dataset(self) -> Dataset:
+        """A ``datasets.Dataset`` of tasks. Plugs into TRL's ``train_dataset=``.
+
+        Columns: ``prompt`` (an empty user message; TRL appends the env's
+        instruction from ``reset``), ``task_dir`` (passed to ``reset``),
+        ``task_index`` (position in the sorted suite, matching ``indices``),
+        and the task metadata when ``include_metadata``.
+        """
+        from datasets import Dataset  # imported here: heavy, and only the trainer needs it
+
+        selection = self._selection
+        rows: dict[str, list[Any]] = {
+            "prompt": [[{"role": "user", "content": ""}] for _ in selection],
+            "task_dir": [str(path) for _, path in selection],
+            "task_index": [index for index, _ in selection],
+        }
+        if self._include_metadata:
+            metas = [_read_task_meta(path) for _, path in selection]
+            for column in _META_COLUMNS:
+                rows[column] = [meta.get(column) for meta in metas]
+        return Dataset.from_dict(rows)
+
+    @cached_property
+    def environment_factory(self) -> Callable[[], HarborEnv]:
+        """Zero-argument callable returning a fresh env. Plugs into TRL's ``environment_factory=``.
+
+        A ``functools.partial`` of a module-level function (not a closure), so
+        it pickles: AsyncGRPOTrainer sends it to a spawned rollout process.
+        """
+        return partial(
+            _make_env,
+            self._env_cls,
+            self._environment_type,
+            self._options,
+            self._backend_kwargs,
+            self._env_reward,
+            self._token,
+        )
+
+    @property
+    def reward_funcs(self) -> Callable[..., list[float]] | list[Callable[..., list[float]]]:
+        """The verifier's outcome reward. Plugs into TRL's ``reward_funcs=``.
+
+        A single function that verifies the batch concurrently; an empty list
+        (a new one each time: TRL appends to it) when the envs own their reward
+        (``env_reward``), so that no reward is counted twice.
+        """
+        if self._env_reward:
+            return []
+        return _outcome_reward_func
+
+    @property
+    def env_reward(self) -> bool:
+        """Whether the factory's envs own their reward (``get_reward``)."""
+        return self._env_reward
+
+    def close(self) -> None:
+        """Stop every sandbox of every env this spec's factory made, and wait (idempotent).
+
+        Bounded by the stop budget. The envs stay usable (a later ``reset``
+        starts anew). Interpreter exit and SIGTERM stop all sandboxes anyway.
+        """
+        envs = list(_SPEC_ENVS.get(self._token, ()))
+        episodes = [episode for env in envs for episode in env._detach_episodes()]
+        if episodes and runtime.loop_running():
+            runtime.call(stop_episodes, episodes, timeout=_close_budget(self._options))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
