@@ -29,8 +29,8 @@ class EngineOptions:
             generation batch, plus the previous batch's sandboxes while they
             stop): GRPOTrainer verifies, and so frees slots, only after every
             rollout of the batch has finished its tool calls, so a rollout
-            waiting for a slot held by its own batch would wait for good (the
-            engine does not bound the wait for a slot).
+            waiting for a slot held by its own batch would wait until the
+            engine's slot timeout (600 s) and then see a start error.
         creates_per_second: at most this many sandbox creations per second
             (provider rate limits). ``None``: unlimited.
         concurrent_execs: commands and verifier runs in flight at once across
