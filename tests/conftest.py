@@ -9,10 +9,24 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async.backends.simulated import SimulatedEnvironment
-from harbor_async.suites import example_suite_path
+# Every test session gets its own temporary folder and local-sandbox root, so the
+# leak check sees this session's sandboxes only (other runs may share the machine).
+SESSION_DIR = Path(tempfile.mkdtemp(prefix="harbor-async-tests-"))
+(SESSION_DIR / "tmp").mkdir()
+os.environ["TMPDIR"] = str(SESSION_DIR / "tmp")
+tempfile.tempdir = None  # forget the cached default so the new TMPDIR applies
+os.environ.setdefault("HARBOR_ASYNC_LOCAL_ROOT", str(SESSION_DIR / "local"))
+LOCAL_ROOT = Path(os.environ["HARBOR_ASYNC_LOCAL_ROOT"])
 
-LOCAL_ROOT = Path(os.environ.get("HARBOR_ASYNC_LOCAL_ROOT", "/tmp/harbor-async-local"))
+from harbor_async.backends.simulated import SimulatedEnvironment  # noqa: E402
+from harbor_async.suites import example_suite_path  # noqa: E402
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remove the session folder (leaks were reported by the per-test check)."""
+    import shutil
+
+    shutil.rmtree(SESSION_DIR, ignore_errors=True)
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -42,13 +56,14 @@ def _simulated_observations():
 
 
 def _bwrap_pids() -> set[str]:
-    """Live bubblewrap processes (zombies waiting for init to reap them hold nothing)."""
-    found = subprocess.run(["ps", "-eo", "pid=,stat=,comm="], capture_output=True, text=True)
-    return {
-        pid
-        for pid, stat, comm in (line.split(None, 2) for line in found.stdout.splitlines() if line.strip())
-        if comm.strip() == "bwrap" and not stat.startswith("Z")
-    }
+    """Live bubblewrap processes of this session's sandboxes (zombies hold nothing)."""
+    found = subprocess.run(["ps", "-eo", "pid=,stat=,comm=,args="], capture_output=True, text=True)
+    pids = set()
+    for line in found.stdout.splitlines():
+        parts = line.split(None, 3)
+        if len(parts) == 4 and parts[2] == "bwrap" and not parts[1].startswith("Z") and str(SESSION_DIR) in parts[3]:
+            pids.add(parts[0])
+    return pids
 
 
 def _sandbox_dirs() -> set[Path]:
@@ -65,3 +80,65 @@ def no_leaked_sandboxes():
     assert SimulatedEnvironment.live_now == 0, "a simulated sandbox was left running"
     assert _bwrap_pids() - pids_before == set(), "a bubblewrap process was left running"
     assert _sandbox_dirs() - dirs_before == set(), "a sandbox folder was left behind"
+
+
+# ── real Docker ─────────────────────────────────────────────────────────────
+
+#: The base image of the bundled suite's Dockerfiles, built offline by .ci/docker-setup.
+DOCKER_BASE_IMAGE = "debian:bookworm-slim"
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _docker_problem() -> str | None:
+    """Why the docker-marked tests cannot run here, or None when they can."""
+    import shutil
+
+    if shutil.which("docker") is None:
+        return "no docker CLI on PATH"
+    checks = (
+        (["docker", "info", "--format", "{{.ServerVersion}}"], "the Docker daemon does not answer"),
+        (["docker", "compose", "version", "--short"], "Compose v2 ('docker compose') is missing"),
+        (["docker", "image", "inspect", DOCKER_BASE_IMAGE], f"the base image {DOCKER_BASE_IMAGE} is missing"),
+    )
+    for argv, problem in checks:
+        try:
+            found = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"{problem} ({exc})"
+        if found.returncode != 0:
+            detail = (found.stderr or found.stdout).strip().splitlines()
+            return f"{problem}: {detail[-1] if detail else 'exit ' + str(found.returncode)}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def docker_daemon() -> str:
+    """A Docker daemon with Compose v2 and the suite's base image; returns its version.
+
+    Missing: the test is skipped with the reason, or, with ``CI=true``, fails
+    (CI must run the docker tests, never skip them). ``bash .ci/docker-setup``
+    (as root) provisions all three.
+    """
+    problem = _docker_problem()
+    if problem is not None:
+        message = f"docker tests need a running Docker daemon: {problem}; run `bash .ci/docker-setup` as root"
+        if _in_ci():
+            pytest.fail(f"CI=true: {message}", pytrace=False)
+        pytest.skip(message)
+    found = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True)
+    return found.stdout.strip()
+
+
+@pytest.fixture
+def leak_probe():
+    """The leak check's probes, for tests that check teardown in the middle of a test.
+
+    ``bwrap_pids()``: ids of running ``bwrap`` processes; ``sandbox_dirs()``:
+    trial and local-sandbox folders that exist now.
+    """
+    import types
+
+    return types.SimpleNamespace(bwrap_pids=_bwrap_pids, sandbox_dirs=_sandbox_dirs)

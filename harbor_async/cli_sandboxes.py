@@ -1,0 +1,147 @@
+"""``harbor-async sandboxes list | reap``: sandboxes that killed runs left behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from harbor_async.logs import configure_logging
+from harbor_async.reaper import BACKENDS, SandboxInfo, format_age, list_sandboxes, parse_duration, reap
+
+sandboxes_app = typer.Typer(
+    name="sandboxes",
+    help="List and remove sandboxes of harbor-async runs (docker and local), e.g. what a killed run left.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+if not out.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
+    out = Console(width=200)
+err = Console(stderr=True, soft_wrap=True)
+
+BackendOpt = Annotated[str, typer.Option("--backend", "-b", help=f"One of: {', '.join(BACKENDS)}.")]
+RootOpt = Annotated[
+    list[Path] | None,
+    typer.Option("--local-root", help="Local-backend base folder besides $HARBOR_ASYNC_LOCAL_ROOT (repeatable)."),
+]
+LabelOpt = Annotated[str | None, typer.Option("--run-label", help="Only the sandboxes of this run label.")]
+
+
+def _check(backend: str) -> None:
+    if backend not in BACKENDS:
+        err.print(f"[bold red]error:[/] --backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        raise typer.Exit(2)
+
+
+def _alive(info: SandboxInfo) -> str:
+    return {True: "yes", False: "no", None: "?"}[info.owner_alive]
+
+
+def _table(title: str, sandboxes: list[SandboxInfo], reasons: dict[int, str] | None = None) -> Table:
+    table = Table(title=title)
+    table.add_column("backend")
+    table.add_column("id", no_wrap=True)
+    table.add_column("run label", no_wrap=True)
+    table.add_column("owner pid", justify="right")
+    table.add_column("alive?", justify="center")
+    table.add_column("age", justify="right")
+    table.add_column("holds")
+    if reasons is not None:
+        table.add_column("why kept")
+    for info in sandboxes:
+        kinds: dict[str, int] = {}
+        for resource in info.resources:
+            kinds[resource.kind] = kinds.get(resource.kind, 0) + 1
+        holds = ", ".join(
+            kind if n == 1 else f"{n} {kind}{'es' if kind.endswith('s') else 's'}" for kind, n in kinds.items()
+        )
+        row = [
+            info.backend, info.id, info.run_label or "?", str(info.owner_pid or "?"),
+            _alive(info), format_age(info.age), holds,
+        ]  # fmt: skip
+        if reasons is not None:
+            row.append(reasons.get(id(info), ""))
+        table.add_row(*row)
+    return table
+
+
+@sandboxes_app.command("list")
+def list_command(
+    backend: BackendOpt = "all",
+    local_root: RootOpt = None,
+    run_label: LabelOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per sandbox instead of a table.")] = False,
+) -> None:
+    """List the sandboxes of harbor-async runs on this machine, live or left behind."""
+    _check(backend)
+    configure_logging()
+    problems: list[str] = []
+    found = list_sandboxes(backend, roots=local_root or (), run_label=run_label, errors=problems)
+    for problem in problems:
+        err.print(f"[yellow]not scanned:[/] {problem}")
+    if as_json:
+        for info in found:
+            typer.echo(json.dumps(info.to_dict()))
+        return
+    if not found:
+        out.print("no sandboxes")
+        return
+    out.print(_table("sandboxes", found))
+    dead = sum(1 for s in found if not s.owner_alive)
+    out.print(f"{len(found)} sandboxes, {dead} without a live owner (`harbor-async sandboxes reap` removes those)")
+
+
+@sandboxes_app.command("reap")
+def reap_command(
+    older_than: Annotated[
+        str | None,
+        typer.Option(
+            "--older-than", help="Only sandboxes at least this old: 90s, 10m, 2h, 1d (also admits unknown owners)."
+        ),
+    ] = None,
+    backend: BackendOpt = "all",
+    force: Annotated[
+        bool, typer.Option("--force", help="Also remove sandboxes whose owning process is still alive.")
+    ] = False,
+    local_root: RootOpt = None,
+    run_label: LabelOpt = None,
+) -> None:
+    """Remove sandboxes whose owning process is dead.
+
+    Docker: containers, networks, volumes, images and compose processes of the
+    sandbox's compose project. Local: its folder and bwrap processes. Both:
+    Harbor's trial folder.
+
+    A sandbox whose owner is unknown (no pid recorded, or one of another pid
+    namespace) is removed only with --older-than or --force.
+
+    Exits 1 when something could not be removed (or, with --backend docker,
+    when Docker could not be scanned).
+    """
+    _check(backend)
+    configure_logging()
+    try:
+        age = parse_duration(older_than) if older_than is not None else None
+    except ValueError as exc:
+        err.print(f"[bold red]error:[/] --older-than: {exc}")
+        raise typer.Exit(2) from None
+    report = reap(age, include_live_owners=force, backend=backend, roots=local_root or (), run_label=run_label)
+    if report.reaped:
+        out.print(_table("reaped", report.reaped))
+    if report.skipped:
+        reasons = {id(info): why for info, why in report.skipped}
+        out.print(_table("kept", [info for info, _ in report.skipped], reasons))
+    for problem in report.unscanned:
+        err.print(f"[yellow]not scanned:[/] {problem}")
+    for problem in report.errors:
+        err.print(f"[bold red]problem:[/] {problem}")
+    out.print(f"reaped {len(report.reaped)}, kept {len(report.skipped)}, problems {len(report.errors)}")
+    # Asked for docker explicitly and it could not be looked at: that is a failure too.
+    if not report.ok or (backend == "docker" and report.unscanned):
+        raise typer.Exit(1)

@@ -1,0 +1,908 @@
+"""Find and remove sandboxes that killed harbor-async processes left behind.
+
+Every sandbox the engine creates is named ``<run label>-<10 hex>`` (the
+session id Harbor receives), and the default run label is
+``ha<pid>x<6 hex>``: the name alone says which process owns the sandbox.
+
+What a sandbox leaves on this machine, by backend:
+
+- ``docker``: Harbor names the compose project after the session id, so the
+  project's containers (``<project>-main-1``), networks (``<project>_default``),
+  volumes (``<project>_*``) and built images (``<project>-main``) all carry it,
+  and compose labels containers, networks and volumes with
+  ``com.docker.compose.project``. Harbor's own compose files carry no labels
+  of ours, so the owner pid comes from the project name (or from the
+  container's ``io.harbor-async.owner-pid`` / ``io.harbor-async.pid-ns`` labels
+  when a compose overlay sets them) and the creation time from Docker's own
+  ``Created``. The ``docker compose`` processes a killed owner left running (a
+  build, an ``up`` or an ``exec`` in flight) are found by their
+  ``--project-name`` and killed first, so that they cannot recreate what is
+  being removed; so are Harbor's temporary compose override folders.
+- ``local``: a folder ``<root>/harbor-async-<run label>-<session id>`` holding
+  ``.harbor-async.json`` (run label, session id, owner pid, creation time, the
+  pids of its processes) and the ``bwrap`` processes whose ``--bind`` source is
+  that folder's ``fs/``.
+- every backend: Harbor's trial folder ``$TMPDIR/harbor-async-<session id>-*``
+  (looked for in the reaper's ``$TMPDIR`` and in ``/tmp``).
+
+A sandbox's owner is alive when its pid runs a process that started before the
+sandbox was created (a reused pid started later is not the owner); when the pid
+was recorded inside a container, a process with that pid in a nested pid
+namespace counts too; and when a process of the sandbox (a bwrap, a ``docker
+compose`` command) still has a live parent. ``reap`` leaves sandboxes of live
+owners alone unless forced, and those of unknown owners (no pid recorded, or a
+pid of another pid namespace per a marker's ``pid_ns`` or a container's label)
+unless given ``older_than`` or forced.
+
+Limits: the Docker part assumes the daemon runs on this machine; with a remote
+``DOCKER_HOST`` every docker sandbox counts as owned by a live process, so only
+``force`` removes them. A reaper running *inside* a pid namespace cannot see the
+owners outside it: without the ``pid_ns`` record it takes them for dead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+
+log = structlog.get_logger("harbor_async.reaper")
+
+#: Same values as in :mod:`harbor_async.backends.local` (not imported: that
+#: module imports Harbor, and the reaper must stay quick to load).
+LOCAL_ROOT_ENV = "HARBOR_ASYNC_LOCAL_ROOT"
+DEFAULT_LOCAL_ROOT = "/tmp/harbor-async-local"
+MARKER_NAME = ".harbor-async.json"
+
+Backend = Literal["docker", "local", "all"]
+BACKENDS: tuple[str, ...] = ("docker", "local", "all")
+
+#: A session id of the engine with its default run label: ``ha<pid>x<6 hex>-<10 hex>``.
+SESSION_RE = re.compile(r"(?P<label>ha(?P<pid>\d+)x[0-9a-f]{6})-[0-9a-f]{10}")
+_SESSION_FULL = re.compile(rf"^{SESSION_RE.pattern}$")
+#: A docker object named after a compose project of ours: the project, then ``-`` or ``_``.
+_DOCKER_NAME = re.compile(rf"^/?(?P<session>{SESSION_RE.pattern})(?:[-_].*)?$")
+#: Harbor's trial folder made by :class:`harbor_async.sandbox.Sandbox` (``mkdtemp`` suffix).
+_TRIAL_DIR = re.compile(rf"^harbor-async-(?P<session>{SESSION_RE.pattern})-[A-Za-z0-9_]{{8}}$")
+#: Compose override files Harbor writes into ``tempfile.TemporaryDirectory()`` folders.
+_HARBOR_COMPOSE_FILES = re.compile(
+    r"^(docker-compose-(mounts|environment|egress-control-services)\.json"
+    r"|.*-docker-compose-resources\.json|compose\.json)$"
+)
+_TMP_FOLDER = re.compile(r"^(tmp[A-Za-z0-9_]{8}|harbor-docker-stream-[A-Za-z0-9_]{8})$")
+COMPOSE_PROJECT_LABEL = "com.docker.compose.project"
+#: Optional labels of a sandbox's container (a compose overlay can set them);
+#: when present they take precedence over the pid in the project name.
+LABEL_OWNER_PID = "io.harbor-async.owner-pid"
+LABEL_PID_NS = "io.harbor-async.pid-ns"
+LABEL_RUN = "io.harbor-async.run-label"
+DOCKER_TIMEOUT = 60.0
+
+
+class ReaperError(RuntimeError):
+    """A sandbox could not be listed or removed."""
+
+
+@dataclass(frozen=True)
+class Resource:
+    """One thing a sandbox holds: ``kind`` is container, network, volume, image,
+    process, folder, trial-dir or compose-dir; ``ref`` its id, name, pid or path."""
+
+    kind: str
+    ref: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.ref}" + (f" ({self.detail})" if self.detail else "")
+
+
+@dataclass
+class SandboxInfo:
+    """A sandbox found on this machine, with what it holds and who owns it.
+
+    ``owner_alive`` is ``None`` when the owner is unknown (no pid recorded, or
+    a pid of another pid namespace).
+    """
+
+    backend: str  # "docker", "local" or "trial" (only a trial folder is left)
+    id: str
+    run_label: str | None
+    owner_pid: int | None
+    created_at: datetime | None
+    owner_alive: bool | None = None
+    resources: list[Resource] = field(default_factory=list)
+    #: a process of the sandbox has a live parent: its owner runs (whatever pid it recorded)
+    owned_by_live_process: bool = field(default=False, repr=False)
+    #: the recorded owner pid is of another pid namespace (unknown here)
+    foreign_pid: bool = field(default=False, repr=False)
+
+    @property
+    def age(self) -> timedelta | None:
+        """Time since creation (``None`` if unknown)."""
+        if self.created_at is None:
+            return None
+        return datetime.now(UTC) - self.created_at
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form."""
+        age = self.age
+        return {
+            "backend": self.backend,
+            "id": self.id,
+            "run_label": self.run_label,
+            "owner_pid": self.owner_pid,
+            "owner_alive": self.owner_alive,
+            "created_at": self.created_at.isoformat() if self.created_at else None,
+            "age_seconds": round(age.total_seconds(), 1) if age is not None else None,
+            "resources": [str(r) for r in self.resources],
+        }
+
+
+@dataclass
+class ReapReport:
+    """What :func:`reap` removed, left alone, failed to remove, and could not scan."""
+
+    reaped: list[SandboxInfo] = field(default_factory=list)
+    skipped: list[tuple[SandboxInfo, str]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    #: backends that could not be scanned (Docker installed, daemon down ...)
+    unscanned: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Whether every chosen sandbox was removed."""
+        return not self.errors
+
+
+# ─── processes ──────────────────────────────────────────────────────────────
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state letter, start time in clock ticks since boot, parent pid) of ``pid``, or None."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()
+    try:
+        return fields[0], int(fields[19]), int(fields[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _parent_pid(pid: int) -> int | None:
+    found = _proc_stat(pid)
+    return None if found is None or found[0] in ("Z", "X") else found[2]
+
+
+def _has_live_parent(pids: Iterable[int]) -> bool:
+    """Whether a process among ``pids`` has a live parent outside the group that
+    is not init: the sandbox's owner, whatever pid it recorded.
+
+    The owner may have recorded its pid in another pid namespace (a container
+    sharing this machine's Docker daemon or /tmp), where the number means
+    nothing here; a process it spawned still points at it. A killed owner's
+    processes are re-parented to init (``--die-with-parent`` bwraps die with it).
+    """
+    group = set(pids)
+    for pid in group:
+        parent = _parent_pid(pid)
+        if parent is None or parent in group or parent <= 1:
+            continue
+        if process_start_time(parent) is not None and _comm(parent) not in ("systemd", "init", "tini", "docker-init"):
+            return True
+    return False
+
+
+def _boot_time() -> float:
+    try:
+        for line in Path("/proc/stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except OSError:
+        pass
+    return 0.0
+
+
+def process_start_time(pid: int) -> datetime | None:
+    """When process ``pid`` started (None if it does not exist or is a zombie)."""
+    found = _proc_stat(pid)
+    if found is None or found[0] in ("Z", "X"):
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    return datetime.fromtimestamp(_boot_time() + found[1] / ticks, UTC)
+
+
+def _started_in_time(started: datetime | None, created_at: datetime | None) -> bool:
+    if started is None:
+        return False
+    # btime has a resolution of one second, Docker's "Created" is exact.
+    return created_at is None or started <= created_at + timedelta(seconds=2)
+
+
+def _nested_pids() -> dict[int, list[int]]:
+    """pid as seen inside a nested pid namespace -> the pids here of the processes that have it."""
+    table: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("NSpid:"):
+                for inner in line.split()[2:]:  # the first is the pid here
+                    table.setdefault(int(inner), []).append(int(entry.name))
+                break
+    return table
+
+
+def owner_alive(
+    pid: int | None, created_at: datetime | None, nested: dict[int, list[int]] | None = None
+) -> bool | None:
+    """Whether ``pid`` still runs the process that created a sandbox at ``created_at``.
+
+    A process that started after the sandbox was created reuses the pid and is
+    not the owner. The pid may also have been recorded inside a container (a
+    nested pid namespace): a live process that has that pid there and started
+    in time counts as the owner too (when in doubt, keep). ``nested``: a
+    :func:`_nested_pids` table to reuse. ``None``: no pid is known.
+    """
+    if pid is None:
+        return None
+    if pid == os.getpid():
+        return True
+    if _started_in_time(process_start_time(pid), created_at):
+        return True
+    candidates = (nested if nested is not None else _nested_pids()).get(pid, [])
+    return any(_started_in_time(process_start_time(host), created_at) for host in candidates)
+
+
+def _processes() -> Iterable[tuple[int, str, list[str]]]:
+    """(pid, state, argv) of every live process."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        found = _proc_stat(pid)
+        if found is None or found[0] in ("Z", "X"):
+            continue
+        try:
+            raw = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        argv = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+        if argv:
+            yield pid, found[0], argv
+
+
+def _kill(pids: Iterable[int], *, wait: float = 5.0) -> list[int]:
+    """SIGKILL each pid (and its process group if it leads one); wait until gone.
+
+    Returns the pids still alive after ``wait`` seconds.
+    """
+    pids = [p for p in set(pids) if p != os.getpid()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) == pid and pid != os.getpgrp():
+                os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait
+    left = pids
+    while left and time.monotonic() < deadline:
+        time.sleep(0.02)
+        left = [p for p in left if process_start_time(p) is not None]
+    return left
+
+
+# ─── time and folders ───────────────────────────────────────────────────────
+
+
+def _parse_time(text: str | None) -> datetime | None:
+    """An RFC 3339 time as Docker or the local marker writes it (nanoseconds allowed)."""
+    if not text:
+        return None
+    text = text.strip()
+    text = re.sub(r"(\.\d{6})\d+", r"\1", text)  # Python keeps microseconds
+    text = re.sub(r"Z$", "+00:00", text)
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    if value.year < 1971:  # Docker's zero time: unknown
+        return None
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def _mtime(path: Path) -> datetime | None:
+    try:
+        return datetime.fromtimestamp(path.stat().st_mtime, UTC)
+    except OSError:
+        return None
+
+
+def remove_tree(path: Path) -> None:
+    """rmtree that also removes what a sandbox made unwritable (chmod 000 folders)."""
+
+    def retry_writable(function: Any, failed: str, _exc: BaseException) -> None:
+        parent = os.path.dirname(failed)
+        os.chmod(parent, stat.S_IRWXU)
+        if os.path.isdir(failed) and not os.path.islink(failed):
+            os.chmod(failed, stat.S_IRWXU)
+        function(failed)
+
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path, onexc=retry_writable)
+
+
+def _earliest(*times: datetime | None) -> datetime | None:
+    known = [t for t in times if t is not None]
+    return min(known) if known else None
+
+
+def _owner_from_session(session: str) -> tuple[str | None, int | None]:
+    match = _SESSION_FULL.match(session)
+    if match is None:
+        return None, None
+    return match["label"], int(match["pid"])
+
+
+# ─── docker ─────────────────────────────────────────────────────────────────
+
+
+def docker_is_local() -> bool:
+    """Whether the Docker daemon is on this machine (``DOCKER_HOST`` unset or a unix socket)."""
+    host = os.environ.get("DOCKER_HOST", "")
+    return not host or host.startswith("unix://")
+
+
+def _docker(*args: str, timeout: float = DOCKER_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _docker_lines(*args: str) -> list[list[str]]:
+    result = _docker(*args)
+    if result.returncode != 0:
+        raise ReaperError(f"docker {' '.join(args[:2])} failed: {result.stderr.strip() or result.stdout.strip()}")
+    return [line.split("\t") for line in result.stdout.splitlines() if line.strip()]
+
+
+def _docker_created(kind: str, refs: Sequence[str], template: str) -> dict[str, datetime | None]:
+    """Creation time of each object (objects gone meanwhile are left out)."""
+    created: dict[str, datetime | None] = {}
+    if not refs:
+        return created
+    result = _docker(kind, "inspect", "--format", f"{{{{.{template}}}}}", *refs)
+    # One line per object that still exists, in order; on a partial failure inspect one by one.
+    lines = result.stdout.splitlines()
+    if result.returncode == 0 and len(lines) == len(refs):
+        return {ref: _parse_time(line) for ref, line in zip(refs, lines, strict=True)}
+    for ref in refs:
+        one = _docker(kind, "inspect", "--format", f"{{{{.{template}}}}}", ref)
+        if one.returncode == 0:
+            created[ref] = _parse_time(one.stdout.strip())
+    return created
+
+
+def _session_of(name: str, project_label: str = "") -> str | None:
+    for candidate in (project_label, name):
+        match = _DOCKER_NAME.match(candidate or "")
+        if match is not None:
+            return match["session"]
+    return None
+
+
+def _compose_project_of(argv: list[str]) -> str | None:
+    """The ``--project-name``/``-p`` of a ``docker compose`` command line."""
+    if not any(os.path.basename(a) in ("docker-compose", "compose") or a == "compose" for a in argv[:3]):
+        return None
+    for index, arg in enumerate(argv[:-1]):
+        if arg in ("--project-name", "-p"):
+            return argv[index + 1]
+        if arg.startswith("--project-name="):
+            return arg.partition("=")[2]
+    return None
+
+
+def _compose_config_files(argv: list[str]) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-f", "--file")]
+
+
+def _temp_dirs() -> list[Path]:
+    """Where the owner's temporary folders may be: our temp dir, and /tmp (its TMPDIR may differ)."""
+    return list(dict.fromkeys(Path(p).resolve() for p in (tempfile.gettempdir(), "/tmp")))
+
+
+def _harbor_compose_dirs(files: Iterable[str]) -> set[Path]:
+    """Harbor's temporary folders of generated compose overrides among ``files``."""
+    temps = set(_temp_dirs())
+    found: set[Path] = set()
+    for name in files:
+        path = Path(name)
+        folder = path.parent
+        if folder.parent in temps and _TMP_FOLDER.match(folder.name) and _HARBOR_COMPOSE_FILES.match(path.name):
+            found.add(folder)
+    return found
+
+
+def _scan_docker() -> dict[str, SandboxInfo]:
+    """Every docker object and compose process named after an engine session."""
+    found: dict[str, SandboxInfo] = {}
+    times: dict[str, list[datetime | None]] = {}
+
+    def add(session: str, resource: Resource, created: datetime | None = None) -> None:
+        info = found.get(session)
+        if info is None:
+            label, pid = _owner_from_session(session)
+            info = found[session] = SandboxInfo("docker", session, label, pid, None)
+            times[session] = []
+        info.resources.append(resource)
+        times[session].append(created)
+
+    label = f'{{{{.Label "{COMPOSE_PROJECT_LABEL}"}}}}'
+    labels = "\t".join(
+        f'{{{{.Label "{name}"}}}}'
+        for name in ("com.docker.compose.project.config_files", LABEL_OWNER_PID, LABEL_PID_NS, LABEL_RUN)
+    )
+    containers = [
+        (row + [""] * 7)[:7]
+        for row in _docker_lines(
+            "ps", "-a", "--no-trunc", "--format", f"{{{{.ID}}}}\t{{{{.Names}}}}\t{label}\t{labels}"
+        )
+    ]
+    ours = [row for row in containers if _session_of(row[1], row[2])]
+    created = _docker_created("container", [c[0] for c in ours], "Created")
+    for cid, name, project, files, owner, namespace, run in ours:
+        session = _session_of(name, project)
+        assert session is not None
+        add(session, Resource("container", cid[:12], name), created.get(cid))
+        info = found[session]
+        if owner.isdigit():
+            info.owner_pid = int(owner)
+        if run:
+            info.run_label = run
+        if namespace and namespace != _pid_namespace():
+            info.foreign_pid = True
+        for folder in _harbor_compose_dirs(files.split(",") if files else []):
+            add(session, Resource("compose-dir", str(folder)))
+
+    networks = [
+        (row[0], row[1], row[2] if len(row) > 2 else "")
+        for row in _docker_lines("network", "ls", "--no-trunc", "--format", f"{{{{.ID}}}}\t{{{{.Name}}}}\t{label}")
+    ]
+    ours_n = [(nid, name, project) for nid, name, project in networks if _session_of(name, project)]
+    created = _docker_created("network", [n[0] for n in ours_n], "Created")
+    for nid, name, project in ours_n:
+        add(_session_of(name, project) or "", Resource("network", name), created.get(nid))
+
+    volumes = [
+        (row[0], row[1] if len(row) > 1 else "")
+        for row in _docker_lines("volume", "ls", "--format", f"{{{{.Name}}}}\t{label}")
+    ]
+    ours_v = [(name, project) for name, project in volumes if _session_of(name, project)]
+    created = _docker_created("volume", [v[0] for v in ours_v], "CreatedAt")
+    for name, project in ours_v:
+        add(_session_of(name, project) or "", Resource("volume", name), created.get(name))
+
+    images = [
+        (f"{row[0]}:{row[1]}" if row[1] != "<none>" else row[2], row[0])
+        for row in _docker_lines("images", "--no-trunc", "--format", "{{.Repository}}\t{{.Tag}}\t{{.ID}}")
+    ]
+    ours_i = [(ref, repo) for ref, repo in images if _session_of(repo)]
+    created = _docker_created("image", [i[0] for i in ours_i], "Created")
+    for ref, repo in ours_i:
+        add(_session_of(repo) or "", Resource("image", ref), created.get(ref))
+
+    for pid, _state, argv in _processes():
+        project = _compose_project_of(argv)
+        session = _session_of(project) if project else None
+        if session is not None:
+            add(session, Resource("process", str(pid), " ".join(argv[:4])), process_start_time(pid))
+            for folder in _harbor_compose_dirs(_compose_config_files(argv)):
+                add(session, Resource("compose-dir", str(folder)))
+
+    for session, info in found.items():
+        info.created_at = _earliest(*times[session])
+        info.owned_by_live_process = _has_live_parent(int(r.ref) for r in info.resources if r.kind == "process")
+        # Duplicates (two containers naming the same compose folder): keep one.
+        info.resources = list(dict.fromkeys(info.resources))
+    return found
+
+
+def _remove_docker(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
+    """Kill their compose processes, then remove containers, networks, volumes, images."""
+    by_kind: dict[str, list[str]] = {}
+    for info in sandboxes:
+        for resource in info.resources:
+            by_kind.setdefault(resource.kind, []).append(resource.ref)
+    killed = by_kind.get("process", [])
+    left = _kill(int(p) for p in killed)
+    if left:
+        errors.append(f"compose processes {left} survived SIGKILL")
+    if killed:
+        # A request the killed compose had sent (create a container ...) still
+        # completes in the daemon: let it land, then take what exists now.
+        time.sleep(0.5)
+        sessions = {info.id for info in sandboxes}
+        fresh = [info for session, info in _scan_docker().items() if session in sessions]
+        by_kind = {}
+        for info in fresh:
+            for resource in info.resources:
+                by_kind.setdefault(resource.kind, []).append(resource.ref)
+    steps = (
+        ("container", ("rm", "--force", "--volumes"), "No such container"),
+        ("network", ("network", "rm"), "No such network"),
+        ("volume", ("volume", "rm", "--force"), "No such volume"),
+        ("image", ("image", "rm", "--force"), "No such image"),
+    )
+    for kind, command, gone in steps:
+        refs = by_kind.get(kind, [])
+        if not refs:
+            continue
+        result = _docker(*command, *refs)
+        if result.returncode != 0:
+            problems = [line for line in result.stderr.splitlines() if line.strip() and gone not in line]
+            if problems:
+                errors.append(f"docker {' '.join(command)}: {'; '.join(problems)}")
+    for folder in by_kind.get("compose-dir", []):
+        remove_tree(Path(folder))
+
+
+# ─── local (bubblewrap) ─────────────────────────────────────────────────────
+
+
+def local_roots(extra: Iterable[str | Path] = ()) -> list[Path]:
+    """The local backend's base folders: ``$HARBOR_ASYNC_LOCAL_ROOT`` (or its default) and ``extra``."""
+    roots = [Path(os.environ.get(LOCAL_ROOT_ENV) or DEFAULT_LOCAL_ROOT), *map(Path, extra)]
+    return list(dict.fromkeys(r.absolute() for r in roots))
+
+
+def _read_marker(folder: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((folder / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _bwrap_processes() -> list[tuple[int, list[str]]]:
+    return [
+        (pid, argv)
+        for pid, _state, argv in _processes()
+        if os.path.basename(argv[0]) == "bwrap" or _comm(pid) == "bwrap"
+    ]
+
+
+def _scan_local(roots: Sequence[Path]) -> dict[str, SandboxInfo]:
+    found: dict[str, SandboxInfo] = {}
+    bwraps = _bwrap_processes()
+    for root in roots:
+        try:
+            folders = sorted(p for p in root.iterdir() if p.name.startswith("harbor-async-") and p.is_dir())
+        except OSError:
+            continue
+        for folder in folders:
+            marker = _read_marker(folder)
+            session = str(marker.get("session_id") or "")
+            match = SESSION_RE.search(folder.name)
+            if not session and match is not None:
+                session = match.group(0)
+            session = session or folder.name
+            label, pid = _owner_from_session(session)
+            label = marker.get("run_label") or label
+            owner = marker.get("owner_pid")
+            pid = owner if isinstance(owner, int) else pid
+            created = _parse_time(marker.get("created_at")) or _mtime(folder)
+            info = SandboxInfo("local", session, label, pid, created)
+            fs = str(folder / "fs")
+            pids = {bpid for bpid, argv in bwraps if fs in argv}
+            # The marker's pids (bwrap, or nsenter joining the sandbox): only if
+            # they still run that program and started after the sandbox (not a reused pid).
+            for mpid in marker.get("pids") or []:
+                started = process_start_time(mpid) if isinstance(mpid, int) else None
+                if (
+                    started is not None
+                    and _comm(mpid) in ("bwrap", "nsenter")
+                    and (created is None or started >= created - timedelta(seconds=2))
+                ):
+                    pids.add(mpid)
+            for bpid in sorted(pids):
+                info.resources.append(Resource("process", str(bpid), _comm(bpid)))
+            info.owned_by_live_process = _has_live_parent(pids)
+            namespace = marker.get("pid_ns")
+            info.foreign_pid = bool(namespace) and namespace != _pid_namespace()
+            info.resources.append(Resource("folder", str(folder)))
+            # Two roots may hold the same session id: key by folder.
+            found[str(folder)] = info
+    return found
+
+
+def _remove_local(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
+    pids = [int(r.ref) for info in sandboxes for r in info.resources if r.kind == "process"]
+    left = _kill(pids)
+    if left:
+        errors.append(f"bwrap processes {left} survived SIGKILL")
+    for info in sandboxes:
+        for resource in info.resources:
+            if resource.kind == "folder":
+                try:
+                    remove_tree(Path(resource.ref))
+                except OSError as exc:
+                    errors.append(f"cannot remove {resource.ref}: {exc}")
+
+
+# ─── trial folders ──────────────────────────────────────────────────────────
+
+
+def _scan_trial_dirs() -> dict[str, list[tuple[Path, datetime | None]]]:
+    found: dict[str, list[tuple[Path, datetime | None]]] = {}
+    entries: list[Path] = []
+    for temp in _temp_dirs():
+        try:
+            entries.extend(temp.iterdir())
+        except OSError:
+            continue
+    for entry in entries:
+        match = _TRIAL_DIR.match(entry.name)
+        if match is not None and entry.is_dir():
+            found.setdefault(match["session"], []).append((entry, _mtime(entry)))
+    return found
+
+
+# ─── public API ─────────────────────────────────────────────────────────────
+
+
+def _alive(info: SandboxInfo, nested: dict[int, list[int]]) -> bool | None:
+    if info.owned_by_live_process:
+        return True
+    if info.foreign_pid:
+        return None
+    return owner_alive(info.owner_pid, info.created_at, nested)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
+def list_sandboxes(
+    backend: Backend | str = "all",
+    *,
+    roots: Iterable[str | Path] = (),
+    run_label: str | None = None,
+    errors: list[str] | None = None,
+) -> list[SandboxInfo]:
+    """Every sandbox harbor-async runs left on this machine (live ones included).
+
+    Args:
+        backend: ``docker``, ``local`` or ``all``. Trial folders of no other
+            sandbox are listed (as backend ``trial``) only with ``all``.
+        roots: local-backend base folders besides ``$HARBOR_ASYNC_LOCAL_ROOT``.
+        run_label: only sandboxes of this run.
+        errors: collects what could not be scanned (Docker absent, daemon
+            down ...); without it those are logged.
+
+    Sorted oldest first.
+    """
+    _check_backend(backend)
+    problems: list[str] = [] if errors is None else errors
+    sandboxes: list[SandboxInfo] = []
+    by_session: dict[str, SandboxInfo] = {}
+    trials = _scan_trial_dirs()
+    nested = _nested_pids()
+    if backend in ("docker", "all") and shutil.which("docker"):
+        try:
+            docker = _scan_docker()
+        except (ReaperError, OSError, subprocess.TimeoutExpired) as exc:
+            problems.append(f"docker: {exc}")
+            docker = {}
+        remote = not docker_is_local()
+        for info in docker.values():
+            info.owner_alive = True if remote else _alive(info, nested)
+            sandboxes.append(info)
+            by_session[info.id] = info
+    if backend in ("local", "all"):
+        for info in _scan_local(local_roots(roots)).values():
+            info.owner_alive = _alive(info, nested)
+            sandboxes.append(info)
+            by_session.setdefault(info.id, info)
+    for session, folders in trials.items():
+        info = by_session.get(session)
+        if info is None:
+            if backend != "all":
+                continue
+            label, pid = _owner_from_session(session)
+            info = SandboxInfo("trial", session, label, pid, _earliest(*(t for _, t in folders)))
+            info.owner_alive = owner_alive(pid, info.created_at, nested)
+            sandboxes.append(info)
+        info.resources.extend(Resource("trial-dir", str(path)) for path, _ in folders)
+    if run_label is not None:
+        sandboxes = [s for s in sandboxes if s.run_label == run_label]
+    if errors is None:
+        for problem in problems:
+            log.warning("sandboxes not scanned", problem=problem)
+    far_past = datetime.min.replace(tzinfo=UTC)
+    return sorted(sandboxes, key=lambda s: (s.created_at or far_past, s.backend, s.id))
+
+
+def reap(
+    older_than: timedelta | None = None,
+    include_live_owners: bool = False,
+    *,
+    backend: Backend | str = "all",
+    roots: Iterable[str | Path] = (),
+    run_label: str | None = None,
+    rounds: int = 3,
+) -> ReapReport:
+    """Remove the sandboxes that killed runs left behind.
+
+    Args:
+        older_than: only sandboxes created at least this long ago.
+        include_live_owners: also remove sandboxes whose owning process still
+            runs (``--force``): that process loses them.
+        backend, roots, run_label: as for :func:`list_sandboxes`.
+        rounds: scans after the removal; a compose command killed mid-request
+            can make Docker finish creating an object after the first scan.
+
+    Returns what was removed, what was left alone (and why) and what failed.
+    """
+    roots = list(roots)
+    report = ReapReport()
+    chosen: dict[tuple[str, str], SandboxInfo] = {}
+    for info in list_sandboxes(backend, roots=roots, run_label=run_label, errors=report.unscanned):
+        reason = _keep_reason(info, older_than, include_live_owners)
+        if reason is None:
+            chosen[(info.backend, info.id if info.backend != "local" else _folder_of(info))] = info
+        else:
+            report.skipped.append((info, reason))
+    if not chosen:
+        return report
+    doomed_sessions = {info.id for info in chosen.values()}
+    doomed_folders = {_folder_of(i) for i in chosen.values() if i.backend == "local"}
+    pending = list(chosen.values())
+    for round_ in range(max(rounds, 1)):
+        errors: list[str] = []
+        _remove(pending, errors)
+        # Scan again: what is left of the chosen sandboxes, or came back.
+        time.sleep(0.05 if round_ == 0 else 0.5)
+        rescan: list[str] = []
+        pending = [
+            info
+            for info in list_sandboxes(backend, roots=roots, errors=rescan)
+            if (info.backend == "local" and _folder_of(info) in doomed_folders)
+            or (info.backend != "local" and info.id in doomed_sessions)
+        ]
+        if rescan:  # cannot tell what is left
+            report.errors.extend(errors + rescan)
+            break
+        if not pending:
+            break
+        if round_ == max(rounds, 1) - 1:
+            report.errors.extend(errors)
+            report.errors.extend(
+                f"{info.backend} sandbox {info.id} still holds {', '.join(map(str, info.resources))}"
+                for info in pending
+            )
+    report.reaped = list(chosen.values())
+    for info in report.reaped:
+        log.info(
+            "reaped sandbox",
+            backend=info.backend, sandbox=info.id, owner_pid=info.owner_pid, resources=len(info.resources),
+        )  # fmt: skip
+    return report
+
+
+def _folder_of(info: SandboxInfo) -> str:
+    return next((r.ref for r in info.resources if r.kind == "folder"), info.id)
+
+
+def _keep_reason(info: SandboxInfo, older_than: timedelta | None, force: bool) -> str | None:
+    """Why ``info`` must be left alone, or None to reap it."""
+    age = info.age
+    if older_than is not None and (age is None or age < older_than):
+        return f"younger than {older_than}"
+    if force:
+        return None
+    if info.owner_alive:
+        return f"owner pid {info.owner_pid} is alive"
+    if info.owner_alive is None and older_than is None:
+        return "owner unknown (reap it with --older-than or --force)"
+    return None
+
+
+def _remove(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
+    docker = [s for s in sandboxes if s.backend == "docker"]
+    local = [s for s in sandboxes if s.backend == "local"]
+    if docker:
+        try:
+            _remove_docker(docker, errors)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            errors.append(f"docker: {exc}")
+    if local:
+        _remove_local(local, errors)
+    for info in sandboxes:
+        for resource in info.resources:
+            if resource.kind == "trial-dir":
+                try:
+                    remove_tree(Path(resource.ref))
+                except OSError as exc:
+                    errors.append(f"cannot remove {resource.ref}: {exc}")
+
+
+def reap_stale(roots: Iterable[str | Path] = ()) -> ReapReport:
+    """What an engine runs at start with ``reap_stale=True``: reap every sandbox
+    of this machine whose owner is dead. Never raises; problems are logged."""
+    try:
+        report = reap(None, include_live_owners=False, roots=roots)
+    except Exception as exc:  # a start-up convenience must not stop the engine
+        log.warning("reaping stale sandboxes failed", error=repr(exc))
+        return ReapReport(errors=[repr(exc)])
+    if report.reaped:
+        log.warning("reaped sandboxes left by dead runs", count=len(report.reaped), ids=[s.id for s in report.reaped])
+    for problem in report.errors:
+        log.warning("reaping stale sandboxes", problem=problem)
+    for problem in report.unscanned:
+        log.info("stale sandboxes not scanned", problem=problem)
+    return report
+
+
+def parse_duration(text: str) -> timedelta:
+    """``90``, ``90s``, ``10m``, ``2h``, ``1d``, ``1h30m`` -> a timedelta.
+
+    Raises:
+        ValueError: not a duration.
+    """
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+    text = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return timedelta(seconds=float(text))
+    parts = re.findall(r"(\d+(?:\.\d+)?)([smhdw])", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 90s, 10m, 2h, 1d)")
+    return timedelta(seconds=sum(float(n) * units[u] for n, u in parts))
+
+
+def format_age(age: timedelta | None) -> str:
+    """``42s``, ``7m``, ``3h12m``, ``2d4h``; ``?`` when unknown."""
+    if age is None:
+        return "?"
+    seconds = max(int(age.total_seconds()), 0)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600}h"

@@ -1,0 +1,54 @@
+"""A process to kill -9 in the middle of a batch of sandboxes (used by the reaper tests).
+
+    python tests/engine_child.py --backend docker --count 6 --ready 3 [--exec "sleep 600"]
+
+Launches ``--count`` sandboxes of the bundled suite at once; as soon as
+``--ready`` of them run (each then starts ``--exec`` in the background, if
+given), prints one line ``READY <run label> <id>,<id>,...`` (every launched
+sandbox's id) and waits forever: the others are still starting when it is killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import anyio
+from harbor_async.engine import Engine
+from harbor_async.policy import RetryPolicy, Timeouts
+from harbor_async.suites import example_suite_path
+from harbor_async.tasks import load_suite
+
+
+async def main(args: argparse.Namespace) -> None:
+    tasks = load_suite(example_suite_path()).tasks
+    async with Engine(timeouts=Timeouts(exec=None), retry=RetryPolicy(attempts=1)) as engine:
+        sandboxes = [engine.launch(tasks[i % len(tasks)], args.backend) for i in range(args.count)]
+        running = 0
+        enough = anyio.Event()
+
+        async def up(sandbox) -> None:
+            nonlocal running
+            await sandbox.wait_started()
+            if args.exec:
+                engine._tg.start_soon(sandbox.exec, args.exec)
+                await anyio.sleep(0.3)  # let the command start
+            running += 1
+            if running >= args.ready:
+                enough.set()
+
+        async with anyio.create_task_group() as tg:
+            for sandbox in sandboxes:
+                tg.start_soon(up, sandbox)
+            await enough.wait()
+            print("READY", engine.run_label, ",".join(s.id for s in sandboxes), flush=True)
+            await anyio.sleep(3600)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", default="local")
+    parser.add_argument("--count", type=int, default=4)
+    parser.add_argument("--ready", type=int, default=2)
+    parser.add_argument("--exec", default="")
+    anyio.run(main, parser.parse_args(sys.argv[1:]))

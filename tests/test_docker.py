@@ -1,0 +1,354 @@
+"""Harbor's real ``docker`` backend: the bundled suite, commands inside containers,
+start/stop timings, teardown off the critical path, and the reaper after kill -9.
+
+Needs a Docker daemon with Compose v2 and the ``debian:bookworm-slim`` image
+(``bash .ci/docker-setup`` as root). Without one these tests are skipped, and
+with ``CI=true`` they fail (see the ``docker_daemon`` fixture in conftest.py).
+No registry is contacted: the suite's Dockerfiles build FROM the local image.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+from harbor_async import reaper
+from harbor_async.engine import Engine
+from harbor_async.policy import Limits
+from harbor_async.runner import run_suite
+from harbor_async.sandbox import SandboxState
+
+REPO = Path(__file__).resolve().parents[1]
+CHILD = Path(__file__).with_name("engine_child.py")
+#: Prefix of every sandbox (compose project) this pytest process creates.
+OUR_PREFIX = f"ha{os.getpid()}x"
+
+pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("docker_daemon")]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Harbor's docker backend runs on asyncio only."""
+    return "asyncio"
+
+
+# ─── helpers (plain docker CLI, independent of the reaper under test) ───────
+
+
+def _lines(*argv: str) -> list[str]:
+    found = subprocess.run(["docker", *argv], capture_output=True, text=True, timeout=60)
+    assert found.returncode == 0, f"docker {' '.join(argv)}: {found.stderr}"
+    return [line for line in found.stdout.splitlines() if line.strip()]
+
+
+def docker_leftovers(prefix: str) -> dict[str, list[str]]:
+    """Every container, network, volume, image, compose project and compose
+    process whose name starts with ``prefix``; empty lists left out."""
+    projects = json.loads(
+        subprocess.run(
+            ["docker", "compose", "ls", "--all", "--format", "json"], capture_output=True, text=True, timeout=60
+        ).stdout
+        or "[]"
+    )
+    processes = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            text = [a.decode(errors="replace") for a in argv]
+            if state != "Z" and "compose" in text[:3] and any(a.startswith(prefix) for a in text):
+                processes.append(f"{entry.name} {' '.join(text[:4])}")
+    found = {
+        "containers": [n for n in _lines("ps", "-a", "--format", "{{.Names}}") if n.startswith(prefix)],
+        "networks": [n for n in _lines("network", "ls", "--format", "{{.Name}}") if n.startswith(prefix)],
+        "volumes": [n for n in _lines("volume", "ls", "--format", "{{.Name}}") if n.startswith(prefix)],
+        "images": [n for n in _lines("images", "--format", "{{.Repository}}") if n.startswith(prefix)],
+        "projects": [p["Name"] for p in projects if p["Name"].startswith(prefix)],
+        "compose processes": processes,
+        "trial dirs": [str(p) for p in Path(tempfile.gettempdir()).glob(f"harbor-async-{prefix}*")],
+    }
+    return {kind: names for kind, names in found.items() if names}
+
+
+def container_of(project: str) -> str:
+    """The id (12 hex) of the main container of compose project ``project``."""
+    ids = _lines("ps", "--filter", f"label=com.docker.compose.project={project}", "--format", "{{.ID}}")
+    assert len(ids) == 1, f"expected one container in project {project}, found {ids}"
+    return ids[0][:12]
+
+
+@pytest.fixture
+def report(request: pytest.FixtureRequest):
+    """Write a line to the terminal, past output capturing (for the timings).
+
+    Not ``capsys``: an engine created first in a test holding ``capsys`` would
+    bind structlog to a stream that is closed after that test.
+    """
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+
+    def write(line: str) -> None:
+        if reporter is None or capture is None:
+            return
+        with capture.global_and_fixture_disabled():
+            reporter.write_line("")
+            reporter.write_line(line)
+
+    return write
+
+
+@pytest.fixture(autouse=True)
+def no_docker_sandbox_of_ours_left(docker_daemon):
+    """After every test: nothing named after this process's engines is left in Docker."""
+    yield
+    assert docker_leftovers(OUR_PREFIX) == {}
+
+
+def _harbor_async(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "harbor_async", *args],
+        capture_output=True, text=True, cwd=REPO, timeout=timeout,
+    )  # fmt: skip
+
+
+def _read_ready(proc: subprocess.Popen[str], timeout: float) -> list[str]:
+    """The child's ``READY <label> <ids>`` line, split (fails after ``timeout``)."""
+    assert proc.stdout is not None
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if selector.select(timeout=max(deadline - time.monotonic(), 0.01)):
+            line = proc.stdout.readline()
+            if line.startswith("READY"):
+                return line.split()
+            if not line and proc.poll() is not None:
+                break
+    proc.kill()
+    raise AssertionError(f"the engine child never got ready (exit {proc.poll()})")
+
+
+# ─── Harbor's DockerEnvironment takes the engine's extra keyword ──────────────
+
+
+def test_docker_environment_accepts_the_run_label_keyword(example_tasks, tmp_path):
+    from harbor.environments.docker.docker import DockerEnvironment
+    from harbor.environments.factory import EnvironmentFactory
+    from harbor.models.trial.config import EnvironmentConfig
+    from harbor.models.trial.paths import TrialPaths
+
+    task = example_tasks[0]
+    paths = TrialPaths(trial_dir=tmp_path)
+    paths.mkdir()
+    env = EnvironmentFactory.create_environment_from_config(
+        config=EnvironmentConfig(type="docker", kwargs={"run_label": "ha1x000000"}),
+        environment_dir=task.paths.environment_dir,
+        environment_name=task.short_name,
+        session_id="ha1x000000-0123456789",
+        trial_paths=paths,
+        task_env_config=task.config.environment,
+    )
+    assert isinstance(env, DockerEnvironment)
+    assert env.session_id == "ha1x000000-0123456789"
+
+
+# ─── the bundled suite through the engine ─────────────────────────────────────
+
+
+@pytest.mark.anyio
+async def test_bundled_suite_scores_one_on_docker(example_tasks, report):
+    async with Engine(limits=Limits(live_sandboxes=len(example_tasks))) as engine:
+        records = await run_suite(engine, example_tasks, "docker", agent="oracle", concurrency=len(example_tasks))
+        assert engine.live_sandboxes() == []
+        stats = engine.stats()
+    assert len(records) == len(example_tasks) >= 8
+    assert {r.task: r.error for r in records} == {t.name: None for t in example_tasks}
+    assert {r.task: r.reward for r in records} == {t.name: 1.0 for t in example_tasks}
+    assert all(r.sandbox.startswith(engine.run_label) for r in records)
+    assert stats.started == stats.stopped == len(example_tasks)
+    assert docker_leftovers(engine.run_label) == {}
+    starts = sorted(r.seconds["start"] for r in records)
+    stops = sorted(r.seconds["stop"] for r in records)
+    report(
+        f"[docker] suite of {len(records)} at once: start {starts[0]:.1f}-{starts[-1]:.1f} s, "
+        f"stop {stops[0]:.1f}-{stops[-1]:.1f} s"
+    )
+
+
+@pytest.mark.anyio
+async def test_commands_run_inside_the_tasks_container(example_tasks):
+    task = next(t for t in example_tasks if t.name.endswith("env-inventory-lookup"))
+    async with Engine() as engine, engine.episode(task, "docker") as sandbox:
+        from harbor.environments.docker.docker import DockerEnvironment
+
+        assert isinstance(sandbox.environment, DockerEnvironment)
+        container = container_of(sandbox.id)
+        out = await sandbox.exec(
+            'cat /etc/hostname; test -f /.dockerenv && echo dockerenv; pwd; echo "$INVENTORY_FILE"; '
+            "head -n 1 /workdir/data/inventory.csv"
+        )
+        hostname, marker, cwd, variable, header = out.stdout.splitlines()
+        # The hostname of a container is its id: the command ran in this sandbox's container.
+        assert hostname == container
+        assert marker == "dockerenv"
+        # The image was built from the task's Dockerfile (WORKDIR, ENV, COPY).
+        assert (cwd, variable) == ("/workdir", "/workdir/data/inventory.csv")
+        assert header.count(",") >= 2
+        result = await sandbox.verify()
+        assert result.reward == 0.0  # nothing solved yet: the verifier really judged
+
+        # The reaper sees this sandbox, owned by this live process, and leaves it alone.
+        report = await anyio.to_thread.run_sync(
+            lambda: reaper.reap(backend="docker", run_label=engine.run_label)
+        )
+        assert report.reaped == []
+        [(info, why)] = report.skipped
+        assert (info.id, info.owner_pid, info.owner_alive) == (sandbox.id, os.getpid(), True)
+        assert "alive" in why
+        assert {r.kind for r in info.resources} >= {"container", "network", "image", "trial-dir"}
+        assert container_of(sandbox.id) == container
+    assert sandbox.state is SandboxState.STOPPED
+    assert docker_leftovers(sandbox.id) == {}
+
+
+# ─── through the TRL shim ─────────────────────────────────────────────────────
+
+
+def test_shim_bash_env_on_docker(example_tasks):
+    shim = pytest.importorskip("shim", reason="the TRL shim is not importable here")
+    task = next(t for t in example_tasks if t.name.endswith("csv-column-sum"))
+    other = next(t for t in example_tasks if t.name.endswith("word-frequency"))
+    env = shim.HarborBashEnv(environment_type="docker")
+    try:
+        instruction = env.reset(task_dir=str(task.paths.task_dir))
+        assert instruction.startswith(task.instruction.strip()[:40])
+        hostname, marker = env.bash("cat /etc/hostname; test -f /.dockerenv && echo dockerenv").split()
+        first = env._episode
+        assert first is not None and first.sandbox is not None
+        assert hostname == container_of(first.sandbox.id)
+        assert marker == "dockerenv"
+        # The oracle's solution, typed through the bash tool, then the verifier's reward.
+        env.bash((task.paths.solution_dir / "solve.sh").read_text())
+        assert env.reward == 1.0
+
+        # The next reset returns before the previous sandbox's stop (about 10 s) is done.
+        env.reset(task_dir=str(other.paths.task_dir))
+        assert not first.sandbox.done
+        assert env.bash("cat /etc/hostname").strip() == container_of(env._episode.sandbox.id)
+        assert env.reward == 0.0  # unsolved
+    finally:
+        env.close()
+    assert docker_leftovers(OUR_PREFIX) == {}
+
+
+# ─── timings and teardown off the critical path ──────────────────────────────
+
+
+@pytest.mark.anyio
+async def test_measure_docker_start_and_stop(example_tasks, report, tmp_path):
+    """Logs how long Harbor's docker start and stop take here (no timing is asserted).
+
+    Also with a compose overlay giving the container an init (``init: true``):
+    Harbor's container runs ``sh -c "sleep infinity"`` as PID 1, which ignores
+    SIGTERM, so ``compose down`` waits out Docker's 10 s grace period; with an
+    init the container stops at once.
+    """
+    task = example_tasks[0]
+    overlay = tmp_path / "init.yaml"
+    overlay.write_text("services:\n  main:\n    init: true\n")
+    variants = {"harbor default": {}, "init: true overlay": {"extra_docker_compose": [str(overlay)]}}
+    measured: dict[str, tuple[list[float], list[float]]] = {}
+    for name, backend_kwargs in variants.items():
+        starts, stops = [], []
+        async with Engine(backend_kwargs=backend_kwargs) as engine:
+            for _ in range(2):
+                sandbox = engine.launch(task, "docker")
+                await sandbox.wait_started()
+                pid1 = (await sandbox.exec("cat /proc/1/comm")).output.strip()
+                assert pid1 == ("docker-init" if backend_kwargs else "sh")
+                await sandbox.stop()
+                assert sandbox.state is SandboxState.STOPPED and sandbox.stop_error is None
+                assert docker_leftovers(sandbox.id) == {}
+                starts.append(sandbox.times.seconds["start"])
+                stops.append(sandbox.times.seconds["stop"])
+        measured[name] = (starts, stops)
+    for name, (starts, stops) in measured.items():
+        report(
+            f"[docker] one sandbox at a time, {name}: start {', '.join(f'{s:.2f}' for s in starts)} s; "
+            f"stop (compose down --rmi local --volumes) {', '.join(f'{s:.2f}' for s in stops)} s"
+        )
+    assert all(len(starts) == len(stops) == 2 for starts, stops in measured.values())
+
+
+@pytest.mark.anyio
+async def test_stop_soon_returns_before_the_stop_is_done(example_tasks, report):
+    first_task, next_task = example_tasks[0], example_tasks[1]
+    async with Engine() as engine:
+        first = engine.launch(first_task, "docker")
+        await first.wait_started()
+        began = anyio.current_time()
+        engine.stop_soon(first)
+        returned_after = anyio.current_time() - began
+        # The call returned; the stop runs in the background.
+        assert not first.done
+        assert first in engine.live_sandboxes()
+
+        # The next episode starts and runs commands meanwhile.
+        second = engine.launch(next_task, "docker")
+        await second.wait_started()
+        assert (await second.exec("echo ok")).output.strip() == "ok"
+        first_still_stopping = not first.done
+
+        await first.stop()  # idempotent: waits for the background stop
+        assert first.done and first.state is SandboxState.STOPPED and first.stop_error is None
+        assert docker_leftovers(first.id) == {}
+        await second.stop()
+    report(
+        f"[docker] stop_soon returned in {returned_after * 1000:.1f} ms; the stop took "
+        f"{first.times.seconds['stop']:.1f} s; next sandbox was up while it ran: {first_still_stopping}"
+    )
+
+
+# ─── kill -9 in the middle of a batch, then reap ─────────────────────────────
+
+
+def test_reap_after_kill_9_in_the_middle_of_a_docker_batch():
+    proc = subprocess.Popen(
+        [sys.executable, str(CHILD), "--backend", "docker", "--count", "6", "--ready", "3", "--exec", "sleep 600"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
+    )  # fmt: skip
+    try:
+        # Three sandboxes run a command, three are still starting: kill -9 now.
+        _, label, ids = _read_ready(proc, timeout=180)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert len(ids.split(",")) == 6
+    assert len(docker_leftovers(label).get("containers", [])) >= 3
+
+    listed = _harbor_async("sandboxes", "list", "--json", "--run-label", label)
+    assert listed.returncode == 0, listed.stderr
+    entries = [json.loads(line) for line in listed.stdout.splitlines() if line.startswith("{")]
+    assert len([e for e in entries if e["backend"] == "docker"]) >= 3
+    assert all(e["owner_alive"] is False and e["owner_pid"] == proc.pid for e in entries)
+
+    # Scoped to this run: a plain reap would also take what other runs' dead owners left.
+    reaped = _harbor_async("sandboxes", "reap", "--run-label", label)
+    assert reaped.returncode == 0, reaped.stdout + reaped.stderr
+    assert int(re.search(r"reaped (\d+)", reaped.stdout)[1]) >= len(entries)
+    assert docker_leftovers(label) == {}
+    assert reaper.list_sandboxes(run_label=label) == []
