@@ -14,6 +14,20 @@ import sys
 import structlog
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is at write time.
+
+    Test runners and notebooks swap ``sys.stderr``; a stream captured at
+    configure time may be closed by the time a sandbox logs.
+    """
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str | None = None, fmt: str | None = None, *, force: bool = False) -> None:
     """Configure structlog for this process (no-op if configured, unless ``force``)."""
     if structlog.is_configured() and not force:
@@ -36,6 +50,6 @@ def configure_logging(level: str | None = None, fmt: str | None = None, *, force
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=False,
     )

@@ -72,3 +72,20 @@ def test_backend_names():
         resolve_backend("nope")
     with pytest.raises(BackendError, match="not a Harbor BaseEnvironment"):
         resolve_backend("pathlib:Path").environment_class()
+
+
+def test_logs_follow_the_current_stderr(capsys):
+    import structlog
+
+    from harbor_async.logs import configure_logging
+
+    configure_logging("info", "json", force=True)
+    try:
+        structlog.get_logger("harbor_async").info("phase", phase="exec", seconds=0.1)
+        first = capsys.readouterr().err
+        structlog.get_logger("harbor_async").warning("phase", phase="stop", outcome="timeout")
+        second = capsys.readouterr().err
+    finally:
+        configure_logging(force=True)
+    assert '"phase": "exec"' in first and '"level": "info"' in first
+    assert '"outcome": "timeout"' in second
