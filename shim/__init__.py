@@ -20,4 +20,6 @@ from shim.env import AGENTS, HarborBashEnv, HarborEnv
 from shim.options import EngineOptions
 from shim.spec import HarborSpec
 
+import shim.harnesses  # noqa: E402,F401 - registers the "python" and "terminal" harnesses in AGENTS
+
 __all__ = ["AGENTS", "EngineOptions", "HarborBashEnv", "HarborEnv", "HarborSpec"]

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from harbor.models.agent.context import AgentContext
 from harbor.models.task.task import Task
 from harbor.models.trial.config import EnvironmentConfig as TrialEnvironmentConfig
 from harbor.models.trial.paths import EnvironmentPaths, TrialPaths
+from harbor.environments.base import SandboxBuildFailedError
 from harbor.verifier.verifier import Verifier
 
 from harbor_async.backends.local import (
@@ -236,6 +238,9 @@ async def test_start_is_fast_and_writes_a_marker(tmp_path: Path, task_dir: Path)
         marker = json.loads((env.root / ".harbor-async.json").read_text())
         assert (marker["run_label"], marker["session_id"], marker["pids"]) == ("bench", "s1", [])
         assert marker["owner_pid"] == os.getpid()
+        # the keeper: the sandbox's long-lived bwrap and its PID 1 (the init shell)
+        assert Path(f"/proc/{marker['keeper_pid']}/comm").read_text().strip() == "bwrap"
+        assert Path(f"/proc/{marker['keeper_init_pid']}/comm").read_text().strip() == "sh"
         seen: list[int] = []
         async with anyio.create_task_group() as group:
             group.start_soon(env.exec, "sleep 1")
@@ -243,8 +248,8 @@ async def test_start_is_fast_and_writes_a_marker(tmp_path: Path, task_dir: Path)
                 while not seen:
                     await anyio.sleep(0.05)
                     seen = json.loads((env.root / ".harbor-async.json").read_text())["pids"]
-            # the recorded pid is the running bwrap of that exec
-            assert Path(f"/proc/{seen[0]}/comm").read_text().strip() == "bwrap"
+            # the recorded pid is the nsenter that joined that exec to the sandbox
+            assert Path(f"/proc/{seen[0]}/comm").read_text().strip() == "nsenter"
         assert json.loads((env.root / ".harbor-async.json").read_text())["pids"] == []
     finally:
         await env.stop(delete=True)
@@ -288,10 +293,15 @@ async def test_no_network(env: LocalEnvironment) -> None:
 
 @pytest.mark.anyio
 async def test_own_pid_namespace(env: LocalEnvironment) -> None:
-    result = await env.exec("echo $$; ls /proc | grep -c '^[0-9]'")
-    shell_pid, n_processes = map(int, result.stdout.split())
-    assert shell_pid <= 3  # bwrap's init is pid 1
-    assert n_processes <= 4  # init, bash, ls, grep: none of the host's
+    result = await env.exec("echo $$; cat /proc/1/comm; grep -h '^Name:' /proc/[0-9]*/status | cut -f2")
+    shell_pid, init, *names = result.stdout.split()
+    assert int(shell_pid) < 100  # pids of the sandbox's own namespace, not the host's
+    assert init == "sh"  # PID 1 is the keeper's init
+    # besides the init and its sleep: this shell, grep and cut; none of the host's
+    assert {"bash", "grep", "cut"} <= set(names) <= {"sh", "sleep", "bash", "grep", "cut"}, names
+    # this pytest is invisible, by pid and by command line
+    assert (await env.exec(f"test -e /proc/{os.getpid()}/status")).return_code == 1
+    assert (await env.exec("grep -l 'py[t]est' /proc/[0-9]*/cmdline")).return_code == 1
 
 
 @pytest.mark.anyio
@@ -314,6 +324,201 @@ async def test_cancelled_exec_kills_the_process_tree(env: LocalEnvironment) -> N
     assert scope.cancelled_caught
     await anyio.sleep(0.2)
     assert host_processes("sleep 172[78]") == []
+
+
+# -- a persistent sandbox: background processes live between execs -----------------
+
+
+def joined_execs() -> list[str]:
+    """Host nsenter processes of this test process's sandboxes (they name our namespace files)."""
+    return host_processes(f"/proc/{os.getpid()}/fd/")
+
+
+@pytest.mark.anyio
+async def test_background_processes_survive_between_execs(env: LocalEnvironment) -> None:
+    started = time.monotonic()
+    first = await env.exec(
+        "nohup sleep 1801 > /tmp/nohup.log 2>&1 & echo $!;"
+        "setsid sleep 1802 &"  # keeps the exec's stdout open: the exec must not wait for it
+        "sh -c 'while :; do echo tick-1803; sleep 0.02; done' &"  # writes to stdout for ever
+        "echo started"
+    )
+    assert time.monotonic() - started < 3
+    pid, *lines = first.stdout.splitlines()
+    assert "started" in lines and set(lines) <= {"started", "tick-1803"}  # the writer's first ticks
+    await anyio.sleep(0.5)  # the writer keeps writing after its exec returned
+    later = await env.exec(
+        f"kill -0 {pid} && echo alive; cat /proc/{pid}/cmdline | tr '\\0' ' '; echo;"
+        "pgrep -f 'sleep 1802' >/dev/null && echo setsid-alive;"
+        "pgrep -f 'tick-1803' >/dev/null && echo writer-alive;"
+        "ps -eo args | grep -c '^sleep 180[12]'"
+    )
+    assert later.stdout.splitlines() == ["alive", "sleep 1801 ", "setsid-alive", "writer-alive", "2"]
+    # the host sees them too: they are real processes of the sandbox
+    assert len(host_processes("sleep 180[12]")) == 2
+    killed = await env.exec(f"kill {pid}; sleep 0.2; kill -0 {pid} 2>/dev/null || echo gone")
+    assert killed.stdout == "gone\n"
+    assert host_processes("sleep 1801") == []
+
+
+@pytest.mark.anyio
+async def test_finished_background_processes_are_reaped(env: LocalEnvironment) -> None:
+    await env.exec("(sleep 0.1 &); (setsid sleep 0.1 &); sleep 0.05 & true")
+    await anyio.sleep(0.5)
+    zombies = await env.exec("grep -l '^State:.*Z' /proc/[0-9]*/status")
+    assert (zombies.return_code, zombies.stdout) == (1, None)  # the keeper's init reaped the orphans
+
+
+@pytest.mark.anyio
+async def test_commands_cannot_kill_the_sandboxs_init(env: LocalEnvironment) -> None:
+    for signal_name in ("KILL", "STOP", "TERM", "INT", "HUP", "QUIT", "USR1", "USR2", "ALRM", "PIPE"):
+        await env.exec(f"kill -{signal_name} 1")
+    await env.exec("kill -9 -1")  # every process but init and the caller
+    result = await env.exec("echo alive; cat /proc/1/comm")
+    assert result.stdout == "alive\nsh\n"
+
+
+@pytest.mark.anyio
+async def test_background_server_is_reachable_inside_only(env: LocalEnvironment) -> None:
+    with socket.socket() as probe:  # a port that is free on the host now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    await env.exec(f"nohup python3 -m http.server {port} --bind 127.0.0.1 > /tmp/http.log 2>&1 &")
+    fetch = (
+        f"for i in $(seq 50); do exec 3<>/dev/tcp/127.0.0.1/{port} && break; sleep 0.1; done 2>/dev/null;"
+        "printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3; head -1 <&3"
+    )
+    response = await env.exec(fetch, timeout_sec=20)
+    assert response.stdout.startswith("HTTP/1.0 200"), response
+    # the sandbox's loopback is its own: the host cannot reach the server
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+@pytest.mark.anyio
+async def test_exec_has_the_keepers_privileges(env: LocalEnvironment) -> None:
+    fields = "^(Cap(Inh|Prm|Eff|Bnd|Amb)|NoNewPrivs|Uid|Gid):"
+    mine = await env.exec(f"grep -E '{fields}' /proc/self/status")
+    init = await env.exec(f"grep -E '{fields}' /proc/1/status")
+    assert mine.stdout == init.stdout  # what bwrap gave the keeper, nothing more
+    assert "NoNewPrivs:\t1" in mine.stdout
+    # and a clean environment: only what the sandbox defines
+    environment = await env.exec("env | cut -d= -f1 | sort")
+    assert environment.stdout.split() == sorted(["GREETING", "HOME", "HOSTNAME", "PATH", "PWD", "SHLVL", "_"])
+
+
+@pytest.mark.anyio
+async def test_timeout_kills_only_the_execs_own_tree(env: LocalEnvironment) -> None:
+    await env.exec("nohup sleep 1811 > /dev/null 2>&1 &")
+    with pytest.raises(ExecTimeoutError):
+        await env.exec("sleep 1812 & setsid sleep 1813 & (setsid sleep 1814 > /dev/null &); sleep 1815", timeout_sec=1)
+    await anyio.sleep(0.2)
+    # its group, its session and its descendants died; the earlier exec's process lives
+    assert host_processes("sleep 181[235]") == []
+    assert len(host_processes("sleep 1811")) == 1
+    survivors = await env.exec("ps -eo args | grep '^sleep 181' | sort")
+    # a double fork leaves the tree at once (as in Docker): a daemon survives
+    assert survivors.stdout.splitlines() == ["sleep 1811", "sleep 1814"]
+    assert joined_execs() == []  # no nsenter left behind
+
+
+@pytest.mark.anyio
+async def test_cancel_kills_only_the_execs_own_tree(env: LocalEnvironment) -> None:
+    await env.exec("nohup sleep 1841 > /dev/null 2>&1 &")
+    with anyio.move_on_after(0.5) as scope:  # how the engine times execs out
+        await env.exec("sleep 1842 & setsid sleep 1843 & sleep 1844")
+    assert scope.cancelled_caught
+    await anyio.sleep(0.2)
+    assert host_processes("sleep 184[234]") == []
+    assert len(host_processes("sleep 1841")) == 1
+    assert joined_execs() == []
+    assert (await env.exec("pgrep -c -f 'sleep 184'")).stdout == "1\n"
+
+
+@pytest.mark.anyio
+async def test_stop_kills_background_processes(tmp_path: Path, task_dir: Path) -> None:
+    env = make_env(tmp_path, task_dir, session="bg-stop")
+    await env.start(force_build=False)
+    root = env.root
+    marker = json.loads((root / ".harbor-async.json").read_text())
+    await env.exec(
+        "nohup sleep 1821 > /dev/null 2>&1 & setsid sleep 1822 & (setsid sleep 1823 > /dev/null 2>&1 &);"
+        "sh -c 'while :; do echo tick-1824; sleep 0.02; done' &"
+    )
+    running: list[object] = []
+
+    async def busy_exec() -> None:
+        running.append(await env.exec("sleep 1825"))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(busy_exec)
+        await anyio.sleep(0.3)
+        assert len(host_processes("sleep 182[1-5]|tick-1824")) == 6
+        with anyio.fail_after(5):
+            await env.stop(delete=True)
+    assert running[0].return_code == 137
+    # nothing left: no process of the sandbox, no bwrap, no nsenter, no folder
+    assert host_processes("sleep 182[1-5]|tick-1824") == []
+    assert host_processes(str(root)) == []
+    assert joined_execs() == []
+    for pid in (marker["keeper_pid"], marker["keeper_init_pid"]):
+        assert not Path(f"/proc/{pid}").exists()
+    assert not root.exists()
+
+
+def zombie_children() -> list[int]:
+    """This process's children that are zombies (exited, never reaped)."""
+    zombies = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] == "Z" and int(fields[1]) == os.getpid():
+            zombies.append(int(stat_file.parent.name))
+    return zombies
+
+
+@pytest.mark.anyio
+async def test_killed_execs_leave_no_zombie_and_stop_is_prompt(tmp_path: Path, task_dir: Path) -> None:
+    # As a child subreaper, this process adopts what a killed exec hands out of the
+    # sandbox; a sandbox process adopted (and never reaped) out here would keep the
+    # PID namespace from ending, as under a container init that does not reap.
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_child_subreaper = 36
+    assert libc.prctl(pr_set_child_subreaper, 1, 0, 0, 0) == 0
+    try:
+        env = make_env(tmp_path, task_dir, session="zombies")
+        await env.start(force_build=False)
+        marker = json.loads((env.root / ".harbor-async.json").read_text())
+        with pytest.raises(ExecTimeoutError):
+            await env.exec("sleep 1861 & setsid sleep 1862 & sleep 1863", timeout_sec=1)
+        with anyio.move_on_after(0.3):
+            await env.exec("sleep 1864 & sleep 1865")
+        assert (await env.exec("echo alive")).stdout == "alive\n"
+        started = time.monotonic()
+        await env.stop(delete=True)
+        assert time.monotonic() - started < 2
+        assert zombie_children() == []
+        assert not Path(f"/proc/{marker['keeper_init_pid']}").exists()
+        assert host_processes("sleep 186[1-5]") == []
+    finally:
+        libc.prctl(pr_set_child_subreaper, 0, 0, 0, 0)
+
+
+@pytest.mark.anyio
+async def test_start_fails_clearly_without_util_linux(tmp_path: Path, task_dir: Path, monkeypatch) -> None:
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "setpriv" else real_which(name, *a, **k))
+    env = make_env(tmp_path, task_dir, session="no-setpriv")
+    with pytest.raises(SandboxBuildFailedError, match="nsenter and setpriv from util-linux.*setpriv"):
+        await env.start(force_build=False)
+    await env.stop(delete=True)  # what the engine does after a failed start
+    assert not env.root.exists()
+    with pytest.raises(RuntimeError, match="not started"):
+        await env.exec("true")
 
 
 @pytest.mark.anyio
@@ -441,6 +646,57 @@ def test_works_under_trio(tmp_path: Path, task_dir: Path) -> None:
 
     assert anyio.run(scenario, backend="trio") == "some data\n"
     assert host_processes("sleep 1747") == []
+
+
+def test_sandbox_outlives_the_thread_that_started_it(tmp_path: Path, task_dir: Path, monkeypatch) -> None:
+    # trio forks in worker threads that retire when idle; bwrap's --die-with-parent
+    # is tied to the forking thread, so a keeper forked there would die with it.
+    import trio._core._thread_cache as thread_cache
+
+    monkeypatch.setattr(thread_cache, "IDLE_TIMEOUT", 0.1)  # retire idle workers at once
+
+    async def scenario() -> tuple[str, str]:
+        env = make_env(tmp_path, task_dir, session="trio-idle")
+        await env.start(force_build=False)
+        try:
+            await env.exec("nohup sleep 1871 > /dev/null 2>&1 &")
+            await anyio.sleep(1.5)  # every worker thread of the start has retired
+            alive = await env.exec("pgrep -c -f 'sleep 1871'")
+            return alive.stdout, (await env.exec("echo still here")).stdout
+        finally:
+            await env.stop(delete=True)
+
+    assert anyio.run(scenario, backend="trio") == ("1\n", "still here\n")
+    assert host_processes("sleep 1871") == []
+
+
+@pytest.mark.anyio
+async def test_exec_after_the_keeper_died_is_a_clear_error(tmp_path: Path, task_dir: Path) -> None:
+    env = make_env(tmp_path, task_dir, session="keeper-died")
+    await env.start(force_build=False)
+    marker = json.loads((env.root / ".harbor-async.json").read_text())
+    os.kill(marker["keeper_init_pid"], signal.SIGKILL)  # as the OOM killer might
+    await anyio.sleep(0.2)
+    with pytest.raises(RuntimeError, match="is gone: its init process"):
+        await env.exec("true")
+    await env.stop(delete=True)
+    assert not env.root.exists() and host_processes(str(env.root)) == []
+
+
+@pytest.mark.anyio
+async def test_an_environment_dropped_without_stop_ends_its_sandbox(tmp_path: Path, task_dir: Path) -> None:
+    import gc
+
+    env = make_env(tmp_path, task_dir, session="dropped")
+    await env.start(force_build=False)
+    await env.exec("nohup sleep 1881 > /dev/null 2>&1 &")
+    root, init_pid = env.root, json.loads((env.root / ".harbor-async.json").read_text())["keeper_init_pid"]
+    del env
+    gc.collect()
+    with anyio.fail_after(5):
+        while Path(f"/proc/{init_pid}").exists() or host_processes("sleep 1881"):
+            await anyio.sleep(0.05)
+    shutil.rmtree(root)  # only stop() removes the folder
 
 
 # -- Harbor's own agent and verifier --------------------------------------------------
