@@ -1,1 +1,64 @@
-"""harbor_async: async-native episode engine for Harbor sandboxes."""
+"""harbor_async: an async-native episode engine for Harbor sandboxes.
+
+The public API in one place::
+
+    from harbor_async import Engine, Limits, Timeouts, RetryPolicy, load_suite
+
+    async with Engine(limits=Limits(live_sandboxes=16)) as engine:
+        async with engine.episode(task, "local") as sandbox:
+            print((await sandbox.exec("ls")).output)
+            print((await sandbox.verify()).reward)
+"""
+
+from harbor_async.engine import Engine, EngineClosedError
+from harbor_async.errors import (
+    AsyncLibraryError,
+    BackendError,
+    ExecError,
+    HarborAsyncError,
+    LoopThreadError,
+    Phase,
+    SandboxClosedError,
+    SandboxError,
+    SandboxTimeout,
+    StartError,
+    StopError,
+    VerifyError,
+)
+from harbor_async.loop import call, get_loop, open_engine, submit
+from harbor_async.policy import Limits, RetryPolicy, Timeouts
+from harbor_async.sandbox import ExecOutput, Sandbox, SandboxState, VerifyResult
+from harbor_async.stats import EngineStats
+from harbor_async.tasks import TaskSuite, load_suite, load_task
+
+__all__ = [
+    "AsyncLibraryError",
+    "BackendError",
+    "Engine",
+    "EngineClosedError",
+    "EngineStats",
+    "ExecError",
+    "ExecOutput",
+    "HarborAsyncError",
+    "Limits",
+    "LoopThreadError",
+    "Phase",
+    "RetryPolicy",
+    "Sandbox",
+    "SandboxClosedError",
+    "SandboxError",
+    "SandboxState",
+    "SandboxTimeout",
+    "StartError",
+    "StopError",
+    "TaskSuite",
+    "Timeouts",
+    "VerifyError",
+    "VerifyResult",
+    "call",
+    "get_loop",
+    "open_engine",
+    "submit",
+    "load_suite",
+    "load_task",
+]

@@ -48,7 +48,6 @@ import os
 import re
 import shutil
 import signal
-import stat
 import subprocess
 import tempfile
 import time
@@ -59,6 +58,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import structlog
+
+from harbor_async.files import remove_tree
 
 log = structlog.get_logger("harbor_async.reaper")
 
@@ -335,22 +336,6 @@ def _mtime(path: Path) -> datetime | None:
         return datetime.fromtimestamp(path.stat().st_mtime, UTC)
     except OSError:
         return None
-
-
-def remove_tree(path: Path) -> None:
-    """rmtree that also removes what a sandbox made unwritable (chmod 000 folders)."""
-
-    def retry_writable(function: Any, failed: str, _exc: BaseException) -> None:
-        parent = os.path.dirname(failed)
-        os.chmod(parent, stat.S_IRWXU)
-        if os.path.isdir(failed) and not os.path.islink(failed):
-            os.chmod(failed, stat.S_IRWXU)
-        function(failed)
-
-    if path.is_symlink():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path, onexc=retry_writable)
 
 
 def _earliest(*times: datetime | None) -> datetime | None:

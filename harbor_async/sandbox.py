@@ -28,7 +28,6 @@ from harbor_async.errors import (
     SandboxClosedError,
     SandboxError,
     SandboxTimeout,
-    StartError,
 )
 
 if TYPE_CHECKING:
@@ -448,6 +447,3 @@ class Sandbox:
     def __repr__(self) -> str:
         return f"<Sandbox {self.id} task={self.task_name!r} backend={self.backend.name!r} {self.state}>"
 
-
-# StartError is re-exported for callers that catch start failures specifically.
-__all__ = ["ExecOutput", "Sandbox", "SandboxState", "StartError", "VerifyResult", "scalar_reward"]

@@ -11,13 +11,34 @@ sandbox's id) and waits forever: the others are still starting when it is killed
 from __future__ import annotations
 
 import argparse
+import selectors
+import subprocess
 import sys
+import time
 
 import anyio
+
 from harbor_async.engine import Engine
 from harbor_async.policy import RetryPolicy, Timeouts
 from harbor_async.suites import example_suite_path
 from harbor_async.tasks import load_suite
+
+
+def read_ready(proc: subprocess.Popen[str], timeout: float) -> list[str]:
+    """The child's ``READY <label> <ids>`` line, split (fails after ``timeout``)."""
+    assert proc.stdout is not None
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if selector.select(timeout=max(deadline - time.monotonic(), 0.01)):
+            line = proc.stdout.readline()
+            if line.startswith("READY"):
+                return line.split()
+            if not line and proc.poll() is not None:
+                break
+    proc.kill()
+    raise AssertionError(f"the engine child never got ready (exit {proc.poll()})")
 
 
 async def main(args: argparse.Namespace) -> None:

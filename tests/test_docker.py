@@ -12,21 +12,21 @@ from __future__ import annotations
 import json
 import os
 import re
-import selectors
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import anyio
 import pytest
+
 from harbor_async import reaper
 from harbor_async.engine import Engine
 from harbor_async.policy import Limits
 from harbor_async.runner import run_suite
 from harbor_async.sandbox import SandboxState
+from tests.engine_child import read_ready
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).with_name("engine_child.py")
@@ -122,23 +122,6 @@ def _harbor_async(*args: str, timeout: float = 180) -> subprocess.CompletedProce
         [sys.executable, "-m", "harbor_async", *args],
         capture_output=True, text=True, cwd=REPO, timeout=timeout,
     )  # fmt: skip
-
-
-def _read_ready(proc: subprocess.Popen[str], timeout: float) -> list[str]:
-    """The child's ``READY <label> <ids>`` line, split (fails after ``timeout``)."""
-    assert proc.stdout is not None
-    selector = selectors.DefaultSelector()
-    selector.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if selector.select(timeout=max(deadline - time.monotonic(), 0.01)):
-            line = proc.stdout.readline()
-            if line.startswith("READY"):
-                return line.split()
-            if not line and proc.poll() is not None:
-                break
-    proc.kill()
-    raise AssertionError(f"the engine child never got ready (exit {proc.poll()})")
 
 
 # ─── Harbor's DockerEnvironment takes the engine's extra keyword ──────────────
@@ -332,7 +315,7 @@ def test_reap_after_kill_9_in_the_middle_of_a_docker_batch():
     )  # fmt: skip
     try:
         # Three sandboxes run a command, three are still starting: kill -9 now.
-        _, label, ids = _read_ready(proc, timeout=180)
+        _, label, ids = read_ready(proc, timeout=180)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)

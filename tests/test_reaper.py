@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import selectors
 import shutil
 import signal
 import subprocess
@@ -17,8 +16,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+
 from harbor_async import reaper
 from harbor_async.engine import Engine
+from tests.engine_child import read_ready
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).with_name("engine_child.py")
@@ -40,22 +41,6 @@ def _harbor_async(*args: str, env: dict[str, str] | None = None) -> subprocess.C
         [sys.executable, "-m", "harbor_async", *args],
         capture_output=True, text=True, cwd=REPO, timeout=120, env=env,
     )  # fmt: skip
-
-
-def _read_ready(proc: subprocess.Popen[str], timeout: float) -> list[str]:
-    assert proc.stdout is not None
-    selector = selectors.DefaultSelector()
-    selector.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if selector.select(timeout=max(deadline - time.monotonic(), 0.01)):
-            line = proc.stdout.readline()
-            if line.startswith("READY"):
-                return line.split()
-            if not line and proc.poll() is not None:
-                break
-    proc.kill()
-    raise AssertionError(f"the engine child never got ready (exit {proc.poll()})")
 
 
 def _live_processes_mentioning(text: str) -> list[str]:
@@ -299,7 +284,7 @@ def test_reap_after_kill_9_in_the_middle_of_a_local_batch():
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
     )  # fmt: skip
     try:
-        _, label, ids = _read_ready(proc, timeout=120)
+        _, label, ids = read_ready(proc, timeout=120)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -336,7 +321,7 @@ async def test_engine_reap_stale_removes_what_a_killed_run_left(tmp_path, monkey
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO, env=env,
     )  # fmt: skip
     try:
-        _, label, _ids = _read_ready(proc, timeout=120)
+        _, label, _ids = read_ready(proc, timeout=120)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import anyio
 import pytest
 
 from harbor_async.engine import Engine

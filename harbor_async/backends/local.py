@@ -52,7 +52,6 @@ import select
 import shlex
 import shutil
 import signal
-import stat
 import subprocess
 import threading
 import time
@@ -78,6 +77,8 @@ from harbor.environments.capabilities import (
 )
 from harbor.models.task.config import EnvironmentConfig, HealthcheckConfig
 from harbor.models.trial.paths import TrialPaths
+
+from harbor_async.files import remove_tree
 
 DEFAULT_SANDBOX_ROOT = "/tmp/harbor-async-local"
 SANDBOX_ROOT_ENV = "HARBOR_ASYNC_LOCAL_ROOT"
@@ -518,7 +519,7 @@ class LocalEnvironment(BaseEnvironment):
     def _build_tree(self) -> None:
         if self._root.exists():  # left by a killed run with the same label and session
             self.logger.warning("removing stale local sandbox %s", self._root)
-            _remove_tree(self._root)
+            remove_tree(self._root)
         if not self._base.exists():
             # 0700: set-uid files made inside must not be reachable by other host users.
             self._base.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -584,9 +585,9 @@ class LocalEnvironment(BaseEnvironment):
             await self._end_keeper()
             if delete:
                 try:
-                    await anyio.to_thread.run_sync(_remove_tree, self._root)
+                    await anyio.to_thread.run_sync(remove_tree, self._root)
                 except RuntimeError:  # no new threads at interpreter shutdown
-                    _remove_tree(self._root)
+                    remove_tree(self._root)
             elif self._root.exists():
                 self.logger.info("local sandbox kept at %s", self._root)
 
@@ -829,7 +830,7 @@ class LocalEnvironment(BaseEnvironment):
                     # Resolve only the parent: an existing link there is replaced, not followed.
                     link = self._host_path(base, writable=True) / name
                     if link.is_dir() and not link.is_symlink():
-                        _remove_tree(link)
+                        remove_tree(link)
                     link.unlink(missing_ok=True)
                     link.symlink_to(os.readlink(entry))
                 elif entry.is_dir():
@@ -1276,17 +1277,3 @@ def _pidfd_signal(fd: int, signum: int) -> None:
         signal.pidfd_send_signal(fd, signum)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _remove_tree(path: Path) -> None:
-    """rmtree that also removes what the sandbox made unwritable (chmod 000 folders)."""
-
-    def retry_writable(function: Any, failed: str, _exc: BaseException) -> None:
-        parent = os.path.dirname(failed)
-        os.chmod(parent, stat.S_IRWXU)
-        if os.path.isdir(failed) and not os.path.islink(failed):
-            os.chmod(failed, stat.S_IRWXU)
-        function(failed)
-
-    if path.exists() or path.is_symlink():
-        shutil.rmtree(path, onexc=retry_writable)
