@@ -22,6 +22,7 @@ import anyio
 import structlog
 
 from harbor_async.backends import BackendSpec
+from harbor_async.backends.docker_overlay import wants_overlay, write_overlay
 from harbor_async.errors import (
     PHASE_ERRORS,
     Phase,
@@ -339,10 +340,16 @@ class Sandbox:
             paths = self._trial_paths()
             paths.mkdir()
             kwargs = {"run_label": self.engine.run_label, **self._backend_kwargs}
+            overlays = []
+            if self.engine.docker_overlay and wants_overlay(self.backend.type, self.task.config.environment.env, kwargs):
+                overlays.append(write_overlay(self._trial_dir, self.engine.run_label, self.id))
             try:
                 self._env = EnvironmentFactory.create_environment_from_config(
                     config=TrialEnvironmentConfig(
-                        type=self.backend.type, import_path=self.backend.import_path, kwargs=kwargs
+                        type=self.backend.type,
+                        import_path=self.backend.import_path,
+                        kwargs=kwargs,
+                        extra_docker_compose=overlays,
                     ),
                     environment_dir=self.task.paths.environment_dir,
                     environment_name=self.task.short_name,

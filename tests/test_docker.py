@@ -187,6 +187,17 @@ async def test_commands_run_inside_the_tasks_container(example_tasks):
         # The hostname of a container is its id: the command ran in this sandbox's container.
         assert hostname == container
         assert marker == "dockerenv"
+        # The engine's overlay: an init as PID 1, and labels naming the run, sandbox and owner.
+        assert (await sandbox.exec("cat /proc/1/comm")).output.strip() == "docker-init"
+        labels = json.loads(
+            subprocess.run(
+                ["docker", "inspect", "--format", "{{json .Config.Labels}}", container],
+                capture_output=True, text=True, check=True,
+            ).stdout
+        )  # fmt: skip
+        assert labels["io.harbor-async.run-label"] == engine.run_label
+        assert labels["io.harbor-async.sandbox"] == sandbox.id
+        assert labels["io.harbor-async.owner-pid"] == str(os.getpid())
         # The image was built from the task's Dockerfile (WORKDIR, ENV, COPY).
         assert (cwd, variable) == ("/workdir", "/workdir/data/inventory.csv")
         assert header.count(",") >= 2
@@ -244,24 +255,22 @@ def test_shim_bash_env_on_docker(example_tasks):
 async def test_measure_docker_start_and_stop(example_tasks, report, tmp_path):
     """Logs how long Harbor's docker start and stop take here (no timing is asserted).
 
-    Also with a compose overlay giving the container an init (``init: true``):
-    Harbor's container runs ``sh -c "sleep infinity"`` as PID 1, which ignores
-    SIGTERM, so ``compose down`` waits out Docker's 10 s grace period; with an
-    init the container stops at once.
+    Harbor's own container runs ``sh -c "sleep infinity"`` as PID 1, which
+    ignores SIGTERM, so ``compose down`` waits out Docker's 10 s grace period;
+    the engine's overlay (the default) gives the container an init, which stops
+    at once.
     """
     task = example_tasks[0]
-    overlay = tmp_path / "init.yaml"
-    overlay.write_text("services:\n  main:\n    init: true\n")
-    variants = {"harbor default": {}, "init: true overlay": {"extra_docker_compose": [str(overlay)]}}
+    variants = {"harbor default": False, "engine overlay (init: true)": True}
     measured: dict[str, tuple[list[float], list[float]]] = {}
-    for name, backend_kwargs in variants.items():
+    for name, overlay in variants.items():
         starts, stops = [], []
-        async with Engine(backend_kwargs=backend_kwargs) as engine:
+        async with Engine(docker_overlay=overlay) as engine:
             for _ in range(2):
                 sandbox = engine.launch(task, "docker")
                 await sandbox.wait_started()
                 pid1 = (await sandbox.exec("cat /proc/1/comm")).output.strip()
-                assert pid1 == ("docker-init" if backend_kwargs else "sh")
+                assert pid1 == ("docker-init" if overlay else "sh")
                 await sandbox.stop()
                 assert sandbox.state is SandboxState.STOPPED and sandbox.stop_error is None
                 assert docker_leftovers(sandbox.id) == {}

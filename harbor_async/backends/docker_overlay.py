@@ -1,0 +1,48 @@
+"""A Compose overlay for Harbor's ``docker`` backend: run labels and a real init.
+
+Harbor builds each sandbox from its own compose files; an extra overlay file
+(Harbor's ``extra_docker_compose``) lets the engine add to the ``main``
+service, before the create call:
+
+- labels naming the run, the sandbox and the owning process (and its PID
+  namespace), which :mod:`harbor_async.reaper` reads;
+- ``init: true``: Docker's init as PID 1 forwards SIGTERM and reaps zombies.
+  Harbor's container otherwise runs ``sleep infinity`` as PID 1, which ignores
+  SIGTERM, so every ``compose down`` waited out Docker's 10 s grace period.
+
+Harbor hands a task's ``[environment].env`` to Compose instead of to each exec
+once any overlay is present, so tasks that set it run without the overlay (the
+compose project name still carries the run label).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from harbor_async.reaper import LABEL_OWNER_PID, LABEL_PID_NS, LABEL_RUN
+
+LABEL_SANDBOX = "io.harbor-async.sandbox"
+
+
+def write_overlay(folder: Path, run_label: str, sandbox_id: str) -> Path:
+    """Write the overlay into ``folder`` (the sandbox's trial folder) and return its path."""
+    try:
+        pid_ns = os.readlink("/proc/self/ns/pid")
+    except OSError:  # no procfs: the reaper then trusts the pid alone
+        pid_ns = ""
+    labels = {
+        LABEL_RUN: run_label,
+        LABEL_SANDBOX: sandbox_id,
+        LABEL_OWNER_PID: str(os.getpid()),
+        LABEL_PID_NS: pid_ns,
+    }
+    path = folder / "harbor-async-compose.json"
+    path.write_text(json.dumps({"services": {"main": {"init": True, "labels": labels}}}, indent=2))
+    return path
+
+
+def wants_overlay(backend_type: str | None, task_env: dict[str, str] | None, backend_kwargs: dict) -> bool:
+    """Whether a sandbox gets the overlay: docker, no task env, no overlay of the caller's own."""
+    return backend_type == "docker" and not task_env and not backend_kwargs.get("extra_docker_compose")
