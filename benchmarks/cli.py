@@ -63,7 +63,7 @@ def throughput(
 @bench_app.command()
 def overhead(
     calls: Annotated[int, typer.Option(min=10)] = 2000,
-    sizes: Annotated[str, typer.Option(help="Live sandbox counts to try, comma-separated.")] = "250,500,1000,2000,4000",
+    sizes: Annotated[str, typer.Option(help="Live sandbox counts to try, comma-separated.")] = "250,500,1000,2000,4000,8000",
     out: OutDir = DEFAULT_OUT,
 ) -> None:
     """The portal round trip against a direct await, and the sandboxes one loop thread holds."""

@@ -164,7 +164,7 @@ def measure_capacity(
 
 def run_overhead(calls: int = 2000, sizes: list[int] | None = None, suite: str | None = None) -> OverheadResult:
     """Measure the portal round trip and the loop thread's capacity."""
-    sizes = sizes or [250, 500, 1000, 2000, 4000]
+    sizes = sizes or [250, 500, 1000, 2000, 4000, 8000]
     tasks = load_suite(suite).tasks
     loop = LoopThread(name="bench-loop")
     try:

@@ -1,0 +1,62 @@
+"""The benchmark commands run end to end on small sizes and write complete results.
+
+Speed itself is measured by the benchmarks, not asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def bench(*args: str, out: Path) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "harbor_async", "bench", *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+        env={**__import__("os").environ, "TRL_EXPERIMENTAL_SILENCE": "1"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return {"stdout": result.stdout, "stderr": result.stderr}
+
+
+def test_grpo_step_compares_trl_and_the_shim(tmp_path):
+    run = bench("grpo-step", "-b", "local", "-B", "2,3", "-T", "2", "-s", "2", out=tmp_path)
+    data = json.loads((tmp_path / "grpo-step-local.json").read_text())
+    assert data["machine"]["cpus"] >= 1 and data["machine"]["packages"]["trl"] == "1.16.0"
+    runs = {(r["implementation"], r["batch"]): r for r in data["runs"]}
+    assert set(runs) == {("trl", 2), ("shim", 2), ("trl", 3), ("shim", 3)}
+    for (impl, batch), r in runs.items():
+        assert len(r["steps"]) == 2 and all(s["reset"] >= 0 and s["tools"] > 0 for s in r["steps"])
+        # Same tasks, same scripted answers: both implementations earn the same reward.
+        assert r["mean_reward"] == runs[("trl", batch)]["mean_reward"]
+    assert (tmp_path / "grpo-step-local.png").stat().st_size > 10_000
+    assert "ratio shim/TRL" in run["stdout"]
+    assert "shim.reference" in run["stderr"]  # says how TRL's env was driven on this backend
+
+
+def test_throughput_reports_rates_latencies_and_memory(tmp_path):
+    bench("throughput", "-b", "simulated", "--latency", "zero", "-n", "12", "-c", "1,4", out=tmp_path)
+    data = json.loads((tmp_path / "throughput-simulated.json").read_text())
+    assert [r["concurrency"] for r in data["runs"]] == [1, 4]
+    for r in data["runs"]:
+        assert r["episodes"] == 12 and r["failures"] == 0 and r["episodes_per_second"] > 0
+        assert r["peak_live"] == r["concurrency"]
+        assert set(r["phases"]) >= {"start", "exec", "verify", "stop"}
+        assert all(p["p50"] <= p["p95"] <= p["p99"] for p in r["phases"].values())
+
+
+def test_overhead_reports_the_round_trip_and_capacity(tmp_path):
+    bench("overhead", "--calls", "200", "--sizes", "20,40", out=tmp_path)
+    data = json.loads((tmp_path / "overhead.json").read_text())
+    rt = data["round_trip"]
+    assert rt["calls"] == 200
+    assert 0 < rt["direct_p50_us"] < rt["portal_p50_us"]  # the portal adds a thread hand-off
+    assert [s["sandboxes"] for s in data["capacity"]][0] == 20
+    assert data["max_sandboxes_under_1ms"] in (0, 20, 40)
