@@ -49,7 +49,6 @@ import posixpath
 import queue
 import re
 import select
-import shlex
 import shutil
 import signal
 import subprocess
@@ -58,7 +57,7 @@ import time
 import weakref
 from collections import defaultdict
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -78,6 +77,7 @@ from harbor.environments.capabilities import (
 from harbor.models.task.config import EnvironmentConfig, HealthcheckConfig
 from harbor.models.trial.paths import TrialPaths
 
+from harbor_async.backends.dockerfile import CopyStep, DockerfileSpec, parse_dockerfile
 from harbor_async.files import remove_tree
 
 DEFAULT_SANDBOX_ROOT = "/tmp/harbor-async-local"
@@ -144,161 +144,6 @@ class ExecTimeoutError(RuntimeError):
 
 class SandboxPathError(ValueError):
     """A sandbox path that cannot be transferred (read-only host folder, /proc ...)."""
-
-
-# ---------------------------------------------------------------------------
-# Dockerfile: the subset that can be honoured without building an image
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CopyStep:
-    """One COPY/ADD line: build-context sources (globs allowed) into ``dest``."""
-
-    line: int
-    sources: tuple[str, ...]
-    dest: str  # absolute sandbox path
-    dest_is_dir: bool  # trailing "/" or several sources: copy *into* dest
-
-
-@dataclass
-class DockerfileSpec:
-    """What the local backend takes from a Dockerfile's final stage."""
-
-    workdir: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    copies: list[CopyStep] = field(default_factory=list)
-    ignored: list[str] = field(default_factory=list)  # "line N: INSTRUCTION ..."
-
-
-_SILENT = {"FROM", "ARG", "LABEL", "MAINTAINER"}
-_HEREDOC = re.compile(r"<<-?([\"']?)([A-Za-z_]\w*)\1")
-_VAR = re.compile(r"\\\$|\$(?:\{(\w+)(?::([-+])([^}]*))?\}|(\w+))")
-_ARCHIVE = re.compile(r"\.(tar|tgz|tbz2?|txz|tar\.(gz|bz2|xz|zst))$")
-
-
-def _expand(value: str, variables: dict[str, str]) -> str:
-    """Expand ``$VAR``, ``${VAR}``, ``${VAR:-x}``, ``${VAR:+x}`` like a Dockerfile."""
-
-    def substitute(match: re.Match[str]) -> str:
-        if match.group(0) == "\\$":
-            return "$"
-        current = variables.get(match.group(1) or match.group(4), "")
-        if match.group(2) == "-":
-            return current or match.group(3)
-        if match.group(2) == "+":
-            return match.group(3) if current else ""
-        return current
-
-    return _VAR.sub(substitute, value)
-
-
-def _logical_lines(text: str) -> list[tuple[int, str]]:
-    """(first line number, instruction) pairs: continuations joined, comments and heredoc bodies dropped."""
-    raw = text.splitlines()
-    result: list[tuple[int, str]] = []
-    parts: list[str] = []
-    start = 0
-    index = 0
-    while index < len(raw):
-        line = raw[index].strip()
-        index += 1
-        # Docker drops comment lines even inside a continuation.
-        if not line or line.startswith("#"):
-            continue
-        if not parts:
-            start = index
-        if line.endswith("\\"):
-            parts.append(line[:-1].strip())
-            continue
-        parts.append(line)
-        instruction = " ".join(p for p in parts if p)
-        parts = []
-        result.append((start, instruction))
-        # A heredoc body (RUN <<EOF ... EOF) is data, not instructions.
-        heredocs = _HEREDOC.finditer(instruction) if re.match(r"(?i)(RUN|COPY|ADD)\s", instruction) else ()
-        for match in heredocs:
-            while index < len(raw) and raw[index].strip() != match.group(2):
-                index += 1
-            index += 1
-    if parts:
-        result.append((start, " ".join(p for p in parts if p)))
-    return result
-
-
-def _env_pairs(rest: str) -> list[tuple[str, str]]:
-    """``ENV a=1 b="2 3"`` or the legacy ``ENV a 1 2``."""
-    tokens = shlex.split(rest)
-    if tokens and "=" in tokens[0]:
-        return [(t.partition("=")[0], t.partition("=")[2]) for t in tokens]
-    key, value = (re.split(r"\s+", rest.strip(), maxsplit=1) + [""])[:2]
-    return [(key, " ".join(shlex.split(value)))]
-
-
-def parse_dockerfile(text: str, base_env: dict[str, str] | None = None) -> DockerfileSpec:
-    """Read WORKDIR, ENV and COPY/ADD from the Dockerfile's final stage.
-
-    ``base_env`` seeds variable expansion (``ENV PATH=/x:$PATH``).
-
-    Raises:
-        SandboxBuildFailedError: a line cannot be parsed (unbalanced quotes ...).
-    """
-    spec = DockerfileSpec()
-    args: dict[str, str] = {}
-    for number, line in _logical_lines(text):
-        keyword, rest = (re.split(r"\s+", line, maxsplit=1) + [""])[:2]
-        keyword = keyword.upper()
-        variables = {**(base_env or {}), **args, **spec.env}
-        try:
-            if keyword == "FROM":  # a new stage: only the last one is the image
-                spec, args = DockerfileSpec(), {}
-            elif keyword == "ARG":
-                for token in shlex.split(rest):
-                    name, has_value, value = token.partition("=")
-                    if has_value:
-                        args[name] = _expand(value, variables)
-            elif keyword == "ENV":
-                for key, value in _env_pairs(rest):
-                    spec.env[key] = _expand(value, variables)
-            elif keyword == "WORKDIR":
-                path = _expand(rest, variables)
-                spec.workdir = posixpath.normpath(posixpath.join(spec.workdir or "/", path))
-            elif keyword in ("COPY", "ADD"):
-                step = _copy_step(number, keyword, rest, variables, spec.workdir or "/")
-                if step is None:
-                    spec.ignored.append(f"line {number}: {_short(line)}")
-                else:
-                    spec.copies.append(step)
-            elif keyword not in _SILENT:
-                spec.ignored.append(f"line {number}: {_short(line)}")
-        except (ValueError, IndexError) as exc:
-            raise SandboxBuildFailedError(f"Dockerfile line {number}: {line!r}: {exc}") from exc
-    return spec
-
-
-def _copy_step(
-    number: int, keyword: str, rest: str, variables: dict[str, str], workdir: str
-) -> CopyStep | None:
-    """Parse a COPY/ADD line; None when it cannot be honoured (--from, URLs, archives, heredocs)."""
-    flags = re.match(r"((?:--\S+\s+)*)(.*)", rest, re.S)
-    assert flags is not None  # the pattern matches every string
-    if "--from" in flags.group(1) or "<<" in rest:
-        return None
-    body = flags.group(2).strip()
-    tokens = json.loads(body) if body.startswith("[") else shlex.split(body)
-    tokens = [_expand(token, variables) for token in tokens]
-    if len(tokens) < 2:
-        raise ValueError(f"{keyword} needs a source and a destination")
-    *sources, dest = tokens
-    if keyword == "ADD" and any("://" in s or _ARCHIVE.search(s) for s in sources):
-        return None  # ADD's URL fetching and archive extraction are not emulated
-    is_dir = dest.endswith("/") or len(sources) > 1
-    dest = posixpath.normpath(posixpath.join(workdir, dest))
-    return CopyStep(number, tuple(sources), dest, is_dir)
-
-
-def _short(line: str, limit: int = 70) -> str:
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _under(path: str, prefixes: tuple[str, ...]) -> bool:
