@@ -639,9 +639,14 @@ def _remove_local(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
     left = _kill(pids)
     if left:
         errors.append(f"bwrap processes {left} survived SIGKILL")
+    _remove_folders(sandboxes, "folder", errors)
+
+
+def _remove_folders(sandboxes: Sequence[SandboxInfo], kind: str, errors: list[str]) -> None:
+    """Remove every resource of ``kind`` (a folder) of ``sandboxes``; failures go to ``errors``."""
     for info in sandboxes:
         for resource in info.resources:
-            if resource.kind == "folder":
+            if resource.kind == kind:
                 try:
                     remove_tree(Path(resource.ref))
                 except OSError as exc:
@@ -837,13 +842,7 @@ def _remove(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
             errors.append(f"docker: {exc}")
     if local:
         _remove_local(local, errors)
-    for info in sandboxes:
-        for resource in info.resources:
-            if resource.kind == "trial-dir":
-                try:
-                    remove_tree(Path(resource.ref))
-                except OSError as exc:
-                    errors.append(f"cannot remove {resource.ref}: {exc}")
+    _remove_folders(sandboxes, "trial-dir", errors)
 
 
 def reap_stale(roots: Iterable[str | Path] = ()) -> ReapReport:
