@@ -9,12 +9,14 @@
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import asdict, dataclass, field
 
 import anyio
 
 from harbor_async.loop import LoopThread
+from harbor_async.policy import Limits
 from harbor_async.sandbox import Sandbox
 from harbor_async.stats import percentile
 from harbor_async.tasks import load_suite
@@ -56,12 +58,15 @@ class OverheadResult:
         return asdict(self)
 
 
+NO_LIMITS = Limits(live_sandboxes=None)
+
+
 def _us(values: list[float], q: float) -> float:
     return round(percentile(values, q) * 1e6, 1)
 
 
 def _start_probe(loop: LoopThread, task) -> Sandbox:
-    engine = loop.open_engine(limits=_no_limits())
+    engine = loop.open_engine(limits=NO_LIMITS)
 
     async def launch() -> Sandbox:
         return engine.launch(task, "simulated")
@@ -71,10 +76,16 @@ def _start_probe(loop: LoopThread, task) -> Sandbox:
     return sandbox
 
 
-def _no_limits():
-    from harbor_async.policy import Limits
-
-    return Limits(live_sandboxes=None)
+def _time_portal_calls(loop: LoopThread, probe: Sandbox, calls: int, pause: float = 0.0) -> list[float]:
+    """Seconds of each of ``calls`` execs made through the portal from this thread."""
+    times = []
+    for _ in range(calls):
+        begin = time.perf_counter()
+        loop.call(probe.exec, "true")
+        times.append(time.perf_counter() - begin)
+        if pause:
+            time.sleep(pause)
+    return times
 
 
 def measure_round_trip(loop: LoopThread, probe: Sandbox, calls: int) -> RoundTrip:
@@ -91,11 +102,7 @@ def measure_round_trip(loop: LoopThread, probe: Sandbox, calls: int) -> RoundTri
     for _ in range(50):  # warm up both paths
         loop.call(probe.exec, "true")
     direct_times = loop.call(direct)
-    portal_times = []
-    for _ in range(calls):
-        begin = time.perf_counter()
-        loop.call(probe.exec, "true")
-        portal_times.append(time.perf_counter() - begin)
+    portal_times = _time_portal_calls(loop, probe, calls)
     return RoundTrip(
         calls=calls,
         direct_p50_us=_us(direct_times, 50),
@@ -114,7 +121,7 @@ def measure_capacity(
     steps = []
     for size in sizes:
         engine = loop.open_engine(
-            limits=_no_limits(), backend_kwargs={"exec_latency": "uniform:0.01:0.05"}
+            limits=NO_LIMITS, backend_kwargs={"exec_latency": "uniform:0.01:0.05"}
         )
 
         async def launch_all() -> list[Sandbox]:
@@ -130,8 +137,6 @@ def measure_capacity(
             done.append(event)
 
             async def agent(sandbox: Sandbox, seed: int) -> None:
-                import random
-
                 rng = random.Random(seed)
                 while not event.is_set():
                     await anyio.sleep(rng.uniform(0.5, 1.5))  # the model thinking
@@ -146,12 +151,7 @@ def measure_capacity(
         handle: list = []  # the stop event, created on the loop
         future = loop.submit(load, handle)
         time.sleep(1.5)  # let the agents spread out
-        times = []
-        for _ in range(probe_calls):
-            begin = time.perf_counter()
-            loop.call(probe.exec, "true")
-            times.append(time.perf_counter() - begin)
-            time.sleep(0.002)
+        times = _time_portal_calls(loop, probe, probe_calls, pause=0.002)
         loop.call(handle[0].set)
         future.result(60)
         loop.close_engine(engine)
