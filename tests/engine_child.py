@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import selectors
+import signal
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import anyio
 
@@ -39,6 +41,29 @@ def read_ready(proc: subprocess.Popen[str], timeout: float) -> list[str]:
                 break
     proc.kill()
     raise AssertionError(f"the engine child never got ready (exit {proc.poll()})")
+
+
+class Killed(NamedTuple):
+    """What :func:`kill_mid_batch` saw of the killed child."""
+
+    label: str
+    ids: list[str]
+    pid: int
+    returncode: int
+
+
+def kill_mid_batch(*args: str, timeout: float, env: dict[str, str] | None = None) -> Killed:
+    """Run this script with ``args`` and SIGKILL it once it is ready."""
+    proc = subprocess.Popen(
+        [sys.executable, __file__, *args],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )  # fmt: skip
+    try:
+        _, label, ids = read_ready(proc, timeout=timeout)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    return Killed(label, ids.split(","), proc.pid, proc.returncode)
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -26,10 +26,9 @@ from harbor_async.engine import Engine
 from harbor_async.policy import Limits
 from harbor_async.runner import run_suite
 from harbor_async.sandbox import SandboxState
-from tests.engine_child import read_ready
+from tests.engine_child import kill_mid_batch
 
 REPO = Path(__file__).resolve().parents[1]
-CHILD = Path(__file__).with_name("engine_child.py")
 #: Prefix of every sandbox (compose project) this pytest process creates.
 OUR_PREFIX = f"ha{os.getpid()}x"
 
@@ -318,25 +317,18 @@ async def test_stop_soon_returns_before_the_stop_is_done(example_tasks, report):
 
 
 def test_reap_after_kill_9_in_the_middle_of_a_docker_batch():
-    proc = subprocess.Popen(
-        [sys.executable, str(CHILD), "--backend", "docker", "--count", "6", "--ready", "3", "--exec", "sleep 600"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
-    )  # fmt: skip
-    try:
-        # Three sandboxes run a command, three are still starting: kill -9 now.
-        _, label, ids = read_ready(proc, timeout=180)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
-    assert len(ids.split(",")) == 6
+    # Three sandboxes run a command, three are still starting: kill -9 then.
+    child = kill_mid_batch("--backend", "docker", "--count", "6", "--ready", "3", "--exec", "sleep 600", timeout=180)
+    label = child.label
+    assert child.returncode == -signal.SIGKILL
+    assert len(child.ids) == 6
     assert len(docker_leftovers(label).get("containers", [])) >= 3
 
     listed = _harbor_async("sandboxes", "list", "--json", "--run-label", label)
     assert listed.returncode == 0, listed.stderr
     entries = [json.loads(line) for line in listed.stdout.splitlines() if line.startswith("{")]
     assert len([e for e in entries if e["backend"] == "docker"]) >= 3
-    assert all(e["owner_alive"] is False and e["owner_pid"] == proc.pid for e in entries)
+    assert all(e["owner_alive"] is False and e["owner_pid"] == child.pid for e in entries)
 
     # Scoped to this run: a plain reap would also take what other runs' dead owners left.
     reaped = _harbor_async("sandboxes", "reap", "--run-label", label)

@@ -19,10 +19,9 @@ import pytest
 
 from harbor_async import reaper
 from harbor_async.engine import Engine
-from tests.engine_child import read_ready
+from tests.engine_child import kill_mid_batch
 
 REPO = Path(__file__).resolve().parents[1]
-CHILD = Path(__file__).with_name("engine_child.py")
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
 
@@ -279,16 +278,9 @@ def test_an_owner_of_another_pid_namespace_is_unknown_and_needs_an_age_or_force(
 
 @needs_bwrap
 def test_reap_after_kill_9_in_the_middle_of_a_local_batch():
-    proc = subprocess.Popen(
-        [sys.executable, str(CHILD), "--backend", "local", "--count", "6", "--ready", "4", "--exec", "sleep 600"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
-    )  # fmt: skip
-    try:
-        _, label, ids = read_ready(proc, timeout=120)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
+    child = kill_mid_batch("--backend", "local", "--count", "6", "--ready", "4", "--exec", "sleep 600", timeout=120)
+    label = child.label
+    assert child.returncode == -signal.SIGKILL
     root = Path(os.environ.get(reaper.LOCAL_ROOT_ENV) or reaper.DEFAULT_LOCAL_ROOT)
     assert len(list(root.glob(f"harbor-async-{label}-*"))) >= 4
     trial_dirs = list(Path(tempfile.gettempdir()).glob(f"harbor-async-{label}-*"))
@@ -297,8 +289,8 @@ def test_reap_after_kill_9_in_the_middle_of_a_local_batch():
     listed = _harbor_async("sandboxes", "list", "--backend", "local", "--json", "--run-label", label)
     entries = [json.loads(line) for line in listed.stdout.splitlines() if line.startswith("{")]
     assert len(entries) >= 4
-    assert {(e["owner_pid"], e["owner_alive"]) for e in entries} == {(proc.pid, False)}
-    assert set(ids.split(",")) >= {e["id"] for e in entries}
+    assert {(e["owner_pid"], e["owner_alive"]) for e in entries} == {(child.pid, False)}
+    assert set(child.ids) >= {e["id"] for e in entries}
 
     # Scoped to this run: a plain reap would also take what other runs' dead owners left.
     result = _harbor_async("sandboxes", "reap", "--run-label", label)
@@ -316,15 +308,7 @@ def test_reap_after_kill_9_in_the_middle_of_a_local_batch():
 async def test_engine_reap_stale_removes_what_a_killed_run_left(tmp_path, monkeypatch):
     monkeypatch.delenv(reaper.LOCAL_ROOT_ENV)  # the engine is told its root below
     env = {**os.environ, reaper.LOCAL_ROOT_ENV: str(tmp_path)}
-    proc = subprocess.Popen(
-        [sys.executable, str(CHILD), "--backend", "local", "--count", "2", "--ready", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO, env=env,
-    )  # fmt: skip
-    try:
-        _, label, _ids = read_ready(proc, timeout=120)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+    label = kill_mid_batch("--backend", "local", "--count", "2", "--ready", "2", timeout=120, env=env).label
     left = list(tmp_path.glob(f"harbor-async-{label}-*"))
     assert len(left) == 2
 
