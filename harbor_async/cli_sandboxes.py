@@ -11,7 +11,14 @@ from rich.console import Console
 from rich.table import Table
 
 from harbor_async.logs import configure_logging
-from harbor_async.reaper import BACKENDS, SandboxInfo, format_age, list_sandboxes, parse_duration, reap
+from harbor_async.reaper import (
+    BACKENDS,
+    SandboxInfo,
+    format_age,
+    list_sandboxes,
+    parse_duration,
+    reap,
+)
 
 sandboxes_app = typer.Typer(
     name="sandboxes",

@@ -117,3 +117,37 @@ PHASE_ERRORS: dict[Phase, type[SandboxError]] = {
     Phase.STOP: StopError,
     Phase.AGENT: ExecError,
 }
+
+
+class FailureClass(StrEnum):
+    """Who a failed episode is blamed on; used alike by the shim, ``run``, ``eval``, the report and the cluster.
+
+    - ``infrastructure``: the backend's start, exec or stop, or a sandbox limit;
+    - ``verifier``: a missing or malformed reward file, a failing or timed-out test script;
+    - ``agent``: the agent timed out or its harness failed;
+    - ``model_server``: the policy's server failed (evaluation only);
+    - ``cancelled``: the episode was interrupted (a signal, a superseded start).
+
+    Infrastructure, model-server and cancelled failures are rerun by a resume and
+    make a command exit 1; verifier and agent failures are the model's episode,
+    scored as the verifier says (0 when there is no reward).
+    """
+
+    INFRASTRUCTURE = "infrastructure"
+    VERIFIER = "verifier"
+    AGENT = "agent"
+    MODEL_SERVER = "model_server"
+    CANCELLED = "cancelled"
+
+    @property
+    def rerun(self) -> bool:
+        """Whether a resume runs the episode again (the model was not judged)."""
+        return self in _RERUN
+
+    @property
+    def scored(self) -> bool:
+        """Whether the episode counts as the model's (scored 0 without a reward)."""
+        return not self.rerun
+
+
+_RERUN = frozenset({FailureClass.INFRASTRUCTURE, FailureClass.MODEL_SERVER, FailureClass.CANCELLED})

@@ -42,12 +42,10 @@ owners outside it: without the ``pid_ns`` record it takes them for dead.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -60,97 +58,53 @@ from typing import Any, Literal
 import structlog
 
 from harbor_async.files import remove_tree
+from harbor_async.leftovers import (
+    Resource,
+    SandboxInfo,
+    comm,
+    has_live_parent,
+    kill,
+    nested_pids,
+    owner_alive,
+    process_start_time,
+    processes,
+)
+from harbor_async.naming import (
+    COMPOSE_PROJECT_LABEL,
+    LABEL_OWNER_PID,
+    LABEL_PID_NS,
+    LABEL_RUN,
+    MARKER_NAME,
+    SESSION_RE,
+    TRIAL_DIR_RE,
+    local_roots,
+    owner_from_session,
+)
 
 log = structlog.get_logger("harbor_async.reaper")
-
-#: Same values as in :mod:`harbor_async.backends.local` (not imported: that
-#: module imports Harbor, and the reaper must stay quick to load).
-LOCAL_ROOT_ENV = "HARBOR_ASYNC_LOCAL_ROOT"
-DEFAULT_LOCAL_ROOT = "/tmp/harbor-async-local"
-MARKER_NAME = ".harbor-async.json"
 
 Backend = Literal["docker", "local", "all"]
 BACKENDS: tuple[str, ...] = ("docker", "local", "all")
 
 #: A session id of the engine with its default run label: ``ha<pid>x<6 hex>-<10 hex>``.
-SESSION_RE = re.compile(r"(?P<label>ha(?P<pid>\d+)x[0-9a-f]{6})-[0-9a-f]{10}")
-_SESSION_FULL = re.compile(rf"^{SESSION_RE.pattern}$")
+
 #: A docker object named after a compose project of ours: the project, then ``-`` or ``_``.
 _DOCKER_NAME = re.compile(rf"^/?(?P<session>{SESSION_RE.pattern})(?:[-_].*)?$")
 #: Harbor's trial folder made by :class:`harbor_async.sandbox.Sandbox` (``mkdtemp`` suffix).
-_TRIAL_DIR = re.compile(rf"^harbor-async-(?P<session>{SESSION_RE.pattern})-[A-Za-z0-9_]{{8}}$")
+_TRIAL_DIR = TRIAL_DIR_RE
 #: Compose override files Harbor writes into ``tempfile.TemporaryDirectory()`` folders.
 _HARBOR_COMPOSE_FILES = re.compile(
     r"^(docker-compose-(mounts|environment|egress-control-services)\.json"
     r"|.*-docker-compose-resources\.json|compose\.json)$"
 )
 _TMP_FOLDER = re.compile(r"^(tmp[A-Za-z0-9_]{8}|harbor-docker-stream-[A-Za-z0-9_]{8})$")
-COMPOSE_PROJECT_LABEL = "com.docker.compose.project"
 #: Optional labels of a sandbox's container (a compose overlay can set them);
 #: when present they take precedence over the pid in the project name.
-LABEL_OWNER_PID = "io.harbor-async.owner-pid"
-LABEL_PID_NS = "io.harbor-async.pid-ns"
-LABEL_RUN = "io.harbor-async.run-label"
 DOCKER_TIMEOUT = 60.0
 
 
 class ReaperError(RuntimeError):
     """A sandbox could not be listed or removed."""
-
-
-@dataclass(frozen=True)
-class Resource:
-    """One thing a sandbox holds: ``kind`` is container, network, volume, image,
-    process, folder, trial-dir or compose-dir; ``ref`` its id, name, pid or path."""
-
-    kind: str
-    ref: str
-    detail: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.kind} {self.ref}" + (f" ({self.detail})" if self.detail else "")
-
-
-@dataclass
-class SandboxInfo:
-    """A sandbox found on this machine, with what it holds and who owns it.
-
-    ``owner_alive`` is ``None`` when the owner is unknown (no pid recorded, or
-    a pid of another pid namespace).
-    """
-
-    backend: str  # "docker", "local" or "trial" (only a trial folder is left)
-    id: str
-    run_label: str | None
-    owner_pid: int | None
-    created_at: datetime | None
-    owner_alive: bool | None = None
-    resources: list[Resource] = field(default_factory=list)
-    #: a process of the sandbox has a live parent: its owner runs (whatever pid it recorded)
-    owned_by_live_process: bool = field(default=False, repr=False)
-    #: the recorded owner pid is of another pid namespace (unknown here)
-    foreign_pid: bool = field(default=False, repr=False)
-
-    @property
-    def age(self) -> timedelta | None:
-        """Time since creation (``None`` if unknown)."""
-        if self.created_at is None:
-            return None
-        return datetime.now(UTC) - self.created_at
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form."""
-        age = self.age
-        return {
-            "backend": self.backend,
-            "id": self.id,
-            "run_label": self.run_label,
-            "owner_pid": self.owner_pid,
-            "owner_alive": self.owner_alive,
-            "created_at": self.created_at.isoformat() if self.created_at else None,
-            "age_seconds": round(age.total_seconds(), 1) if age is not None else None,
-            "resources": [str(r) for r in self.resources],
-        }
 
 
 @dataclass
@@ -167,149 +121,6 @@ class ReapReport:
     def ok(self) -> bool:
         """Whether every chosen sandbox was removed."""
         return not self.errors
-
-
-# ─── processes ──────────────────────────────────────────────────────────────
-
-
-def _proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state letter, start time in clock ticks since boot, parent pid) of ``pid``, or None."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rfind(")") + 2 :].split()
-    try:
-        return fields[0], int(fields[19]), int(fields[1])
-    except (IndexError, ValueError):
-        return None
-
-
-def _parent_pid(pid: int) -> int | None:
-    found = _proc_stat(pid)
-    return None if found is None or found[0] in ("Z", "X") else found[2]
-
-
-def _has_live_parent(pids: Iterable[int]) -> bool:
-    """Whether a process among ``pids`` has a live parent outside the group that
-    is not init: the sandbox's owner, whatever pid it recorded.
-
-    The owner may have recorded its pid in another pid namespace (a container
-    sharing this machine's Docker daemon or /tmp), where the number means
-    nothing here; a process it spawned still points at it. A killed owner's
-    processes are re-parented to init (``--die-with-parent`` bwraps die with it).
-    """
-    group = set(pids)
-    for pid in group:
-        parent = _parent_pid(pid)
-        if parent is None or parent in group or parent <= 1:
-            continue
-        if process_start_time(parent) is not None and _comm(parent) not in ("systemd", "init", "tini", "docker-init"):
-            return True
-    return False
-
-
-def _boot_time() -> float:
-    try:
-        for line in Path("/proc/stat").read_text().splitlines():
-            if line.startswith("btime "):
-                return float(line.split()[1])
-    except OSError:
-        pass
-    return 0.0
-
-
-def process_start_time(pid: int) -> datetime | None:
-    """When process ``pid`` started (None if it does not exist or is a zombie)."""
-    found = _proc_stat(pid)
-    if found is None or found[0] in ("Z", "X"):
-        return None
-    ticks = os.sysconf("SC_CLK_TCK")
-    return datetime.fromtimestamp(_boot_time() + found[1] / ticks, UTC)
-
-
-def _started_in_time(started: datetime | None, created_at: datetime | None) -> bool:
-    if started is None:
-        return False
-    # btime has a resolution of one second, Docker's "Created" is exact.
-    return created_at is None or started <= created_at + timedelta(seconds=2)
-
-
-def _nested_pids() -> dict[int, list[int]]:
-    """pid as seen inside a nested pid namespace -> the pids here of the processes that have it."""
-    table: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("NSpid:"):
-                for inner in line.split()[2:]:  # the first is the pid here
-                    table.setdefault(int(inner), []).append(int(entry.name))
-                break
-    return table
-
-
-def owner_alive(
-    pid: int | None, created_at: datetime | None, nested: dict[int, list[int]] | None = None
-) -> bool | None:
-    """Whether ``pid`` still runs the process that created a sandbox at ``created_at``.
-
-    A process that started after the sandbox was created reuses the pid and is
-    not the owner. The pid may also have been recorded inside a container (a
-    nested pid namespace): a live process that has that pid there and started
-    in time counts as the owner too (when in doubt, keep). ``nested``: a
-    :func:`_nested_pids` table to reuse. ``None``: no pid is known.
-    """
-    if pid is None:
-        return None
-    if pid == os.getpid():
-        return True
-    if _started_in_time(process_start_time(pid), created_at):
-        return True
-    candidates = (nested if nested is not None else _nested_pids()).get(pid, [])
-    return any(_started_in_time(process_start_time(host), created_at) for host in candidates)
-
-
-def _processes() -> Iterable[tuple[int, str, list[str]]]:
-    """(pid, state, argv) of every live process."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        found = _proc_stat(pid)
-        if found is None or found[0] in ("Z", "X"):
-            continue
-        try:
-            raw = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        argv = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-        if argv:
-            yield pid, found[0], argv
-
-
-def _kill(pids: Iterable[int], *, wait: float = 5.0) -> list[int]:
-    """SIGKILL each pid (and its process group if it leads one); wait until gone.
-
-    Returns the pids still alive after ``wait`` seconds.
-    """
-    pids = [p for p in set(pids) if p != os.getpid()]
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if os.getpgid(pid) == pid and pid != os.getpgrp():
-                os.killpg(pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + wait
-    left = pids
-    while left and time.monotonic() < deadline:
-        time.sleep(0.02)
-        left = [p for p in left if process_start_time(p) is not None]
-    return left
 
 
 # ─── time and folders ───────────────────────────────────────────────────────
@@ -341,16 +152,6 @@ def _mtime(path: Path) -> datetime | None:
 def _earliest(*times: datetime | None) -> datetime | None:
     known = [t for t in times if t is not None]
     return min(known) if known else None
-
-
-def _owner_from_session(session: str) -> tuple[str | None, int | None]:
-    match = _SESSION_FULL.match(session)
-    if match is None:
-        return None, None
-    return match["label"], int(match["pid"])
-
-
-# ─── docker ─────────────────────────────────────────────────────────────────
 
 
 def docker_is_local() -> bool:
@@ -436,7 +237,7 @@ def _scan_docker() -> dict[str, SandboxInfo]:
     def add(session: str, resource: Resource, created: datetime | None = None) -> None:
         info = found.get(session)
         if info is None:
-            label, pid = _owner_from_session(session)
+            label, pid = owner_from_session(session)
             info = found[session] = SandboxInfo("docker", session, label, pid, None)
             times[session] = []
         info.resources.append(resource)
@@ -496,7 +297,7 @@ def _scan_docker() -> dict[str, SandboxInfo]:
     for ref, repo in ours_i:
         add(_session_of(repo) or "", Resource("image", ref), created.get(ref))
 
-    for pid, _state, argv in _processes():
+    for pid, _state, argv in processes():
         project = _compose_project_of(argv)
         session = _session_of(project) if project else None
         if session is not None:
@@ -506,7 +307,7 @@ def _scan_docker() -> dict[str, SandboxInfo]:
 
     for session, info in found.items():
         info.created_at = _earliest(*times[session])
-        info.owned_by_live_process = _has_live_parent(int(r.ref) for r in info.resources if r.kind == "process")
+        info.owned_by_live_process = has_live_parent(int(r.ref) for r in info.resources if r.kind == "process")
         # Duplicates (two containers naming the same compose folder): keep one.
         info.resources = list(dict.fromkeys(info.resources))
     return found
@@ -519,7 +320,7 @@ def _remove_docker(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
         for resource in info.resources:
             by_kind.setdefault(resource.kind, []).append(resource.ref)
     killed = by_kind.get("process", [])
-    left = _kill(int(p) for p in killed)
+    left = kill(int(p) for p in killed)
     if left:
         errors.append(f"compose processes {left} survived SIGKILL")
     if killed:
@@ -554,12 +355,6 @@ def _remove_docker(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
 # ─── local (bubblewrap) ─────────────────────────────────────────────────────
 
 
-def local_roots(extra: Iterable[str | Path] = ()) -> list[Path]:
-    """The local backend's base folders: ``$HARBOR_ASYNC_LOCAL_ROOT`` (or its default) and ``extra``."""
-    roots = [Path(os.environ.get(LOCAL_ROOT_ENV) or DEFAULT_LOCAL_ROOT), *map(Path, extra)]
-    return list(dict.fromkeys(r.absolute() for r in roots))
-
-
 def _read_marker(folder: Path) -> dict[str, Any]:
     try:
         data = json.loads((folder / MARKER_NAME).read_text())
@@ -575,24 +370,17 @@ def _pid_namespace() -> str:
         return ""
 
 
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
-def _bwrap_processes() -> list[tuple[int, list[str]]]:
+def _bwrapprocesses() -> list[tuple[int, list[str]]]:
     return [
         (pid, argv)
-        for pid, _state, argv in _processes()
-        if os.path.basename(argv[0]) == "bwrap" or _comm(pid) == "bwrap"
+        for pid, _state, argv in processes()
+        if os.path.basename(argv[0]) == "bwrap" or comm(pid) == "bwrap"
     ]
 
 
 def _scan_local(roots: Sequence[Path]) -> dict[str, SandboxInfo]:
     found: dict[str, SandboxInfo] = {}
-    bwraps = _bwrap_processes()
+    bwraps = _bwrapprocesses()
     for root in roots:
         try:
             folders = sorted(p for p in root.iterdir() if p.name.startswith("harbor-async-") and p.is_dir())
@@ -605,7 +393,7 @@ def _scan_local(roots: Sequence[Path]) -> dict[str, SandboxInfo]:
             if not session and match is not None:
                 session = match.group(0)
             session = session or folder.name
-            label, pid = _owner_from_session(session)
+            label, pid = owner_from_session(session)
             label = marker.get("run_label") or label
             owner = marker.get("owner_pid")
             pid = owner if isinstance(owner, int) else pid
@@ -619,13 +407,13 @@ def _scan_local(roots: Sequence[Path]) -> dict[str, SandboxInfo]:
                 started = process_start_time(mpid) if isinstance(mpid, int) else None
                 if (
                     started is not None
-                    and _comm(mpid) in ("bwrap", "nsenter")
+                    and comm(mpid) in ("bwrap", "nsenter")
                     and (created is None or started >= created - timedelta(seconds=2))
                 ):
                     pids.add(mpid)
             for bpid in sorted(pids):
-                info.resources.append(Resource("process", str(bpid), _comm(bpid)))
-            info.owned_by_live_process = _has_live_parent(pids)
+                info.resources.append(Resource("process", str(bpid), comm(bpid)))
+            info.owned_by_live_process = has_live_parent(pids)
             namespace = marker.get("pid_ns")
             info.foreign_pid = bool(namespace) and namespace != _pid_namespace()
             info.resources.append(Resource("folder", str(folder)))
@@ -636,7 +424,7 @@ def _scan_local(roots: Sequence[Path]) -> dict[str, SandboxInfo]:
 
 def _remove_local(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
     pids = [int(r.ref) for info in sandboxes for r in info.resources if r.kind == "process"]
-    left = _kill(pids)
+    left = kill(pids)
     if left:
         errors.append(f"bwrap processes {left} survived SIGKILL")
     _remove_folders(sandboxes, "folder", errors)
@@ -711,7 +499,7 @@ def list_sandboxes(
     sandboxes: list[SandboxInfo] = []
     by_session: dict[str, SandboxInfo] = {}
     trials = _scan_trial_dirs()
-    nested = _nested_pids()
+    nested = nested_pids()
     if backend in ("docker", "all") and shutil.which("docker"):
         try:
             docker = _scan_docker()
@@ -733,7 +521,7 @@ def list_sandboxes(
         if info is None:
             if backend != "all":
                 continue
-            label, pid = _owner_from_session(session)
+            label, pid = owner_from_session(session)
             info = SandboxInfo("trial", session, label, pid, _earliest(*(t for _, t in folders)))
             info.owner_alive = owner_alive(pid, info.created_at, nested)
             sandboxes.append(info)

@@ -332,7 +332,9 @@ class Sandbox:
 
     async def _start_once(self) -> None:
         from harbor.environments.factory import EnvironmentFactory
-        from harbor.models.trial.config import EnvironmentConfig as TrialEnvironmentConfig
+        from harbor.models.trial.config import (
+            EnvironmentConfig as TrialEnvironmentConfig,
+        )
 
         await self.engine.wait_create_turn()
         async with self._phase(Phase.START, budget=self.engine.timeouts.start, wrap=False):

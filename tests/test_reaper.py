@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async import reaper
+from harbor_async import leftovers, naming, reaper
 from harbor_async.engine import Engine
 from tests.engine_child import kill_mid_batch
 
@@ -31,7 +31,7 @@ def private_local_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Each test's own local-backend root (inherited by the processes it starts),
     so that its reaps never touch sandboxes of other runs on this machine."""
     root = tmp_path / "local-root"
-    monkeypatch.setenv(reaper.LOCAL_ROOT_ENV, str(root))
+    monkeypatch.setenv(naming.LOCAL_ROOT_ENV, str(root))
     return root
 
 
@@ -78,26 +78,18 @@ def _fake_local_sandbox(root: Path, owner_pid: int, created_at: datetime, pids: 
         "owner_pid": owner_pid,
         "pids": list(pids),
     }
-    (folder / reaper.MARKER_NAME).write_text(json.dumps(marker))
+    (folder / naming.MARKER_NAME).write_text(json.dumps(marker))
     return folder
 
 
 # ─── pure helpers ─────────────────────────────────────────────────────────────
 
 
-def test_constants_match_the_local_backend():
-    from harbor_async.backends import local
-
-    assert (reaper.MARKER_NAME, reaper.DEFAULT_LOCAL_ROOT, reaper.LOCAL_ROOT_ENV) == (
-        local.MARKER_NAME, local.DEFAULT_SANDBOX_ROOT, local.SANDBOX_ROOT_ENV,
-    )  # fmt: skip
-
-
 def test_engine_sandbox_ids_carry_the_owner_pid():
-    from harbor_async.engine import new_run_label
+    from harbor_async.naming import new_run_label
 
     label = new_run_label()
-    match = reaper.SESSION_RE.fullmatch(f"{label}-0123456789")
+    match = naming.SESSION_RE.fullmatch(f"{label}-0123456789")
     assert match is not None and int(match["pid"]) == os.getpid() and match["label"] == label
 
 
@@ -146,7 +138,7 @@ def test_an_owner_inside_a_nested_pid_namespace_counts_as_alive():
         deadline = time.monotonic() + 10
         sleeper = None
         while sleeper is None and time.monotonic() < deadline:
-            sleeper = next((p for p in reaper._nested_pids().get(1, []) if reaper._parent_pid(p) == inner.pid), None)
+            sleeper = next((p for p in leftovers.nested_pids().get(1, []) if leftovers.parent_pid(p) == inner.pid), None)
             time.sleep(0.02)
         assert sleeper is not None, "the namespace's pid 1 is not listed"
         created = datetime.now(UTC)
@@ -225,7 +217,7 @@ def test_reap_kills_the_orphaned_bwrap_processes_of_a_dead_owners_sandbox(tmp_pa
     orphan = int(spawner.stdout.strip())
     try:
         deadline = time.monotonic() + 10
-        while reaper._parent_pid(orphan) not in (None, 1) and time.monotonic() < deadline:
+        while leftovers.parent_pid(orphan) not in (None, 1) and time.monotonic() < deadline:
             time.sleep(0.02)
         [info] = reaper.list_sandboxes("local", roots=[tmp_path])
         assert info.owner_alive is False
@@ -263,8 +255,8 @@ def test_a_sandbox_process_with_a_live_parent_means_a_live_owner(tmp_path):
 
 def test_an_owner_of_another_pid_namespace_is_unknown_and_needs_an_age_or_force(tmp_path):
     folder = _fake_local_sandbox(tmp_path, os.getpid(), datetime.now(UTC) - timedelta(minutes=5))
-    marker = json.loads((folder / reaper.MARKER_NAME).read_text())
-    (folder / reaper.MARKER_NAME).write_text(json.dumps({**marker, "pid_ns": "pid:[1]"}))
+    marker = json.loads((folder / naming.MARKER_NAME).read_text())
+    (folder / naming.MARKER_NAME).write_text(json.dumps({**marker, "pid_ns": "pid:[1]"}))
     [info] = reaper.list_sandboxes("local", roots=[tmp_path])
     assert info.owner_alive is None
     report = reaper.reap(backend="local", roots=[tmp_path])
@@ -281,7 +273,7 @@ def test_reap_after_kill_9_in_the_middle_of_a_local_batch():
     child = kill_mid_batch("--backend", "local", "--count", "6", "--ready", "4", "--exec", "sleep 600", timeout=120)
     label = child.label
     assert child.returncode == -signal.SIGKILL
-    root = Path(os.environ.get(reaper.LOCAL_ROOT_ENV) or reaper.DEFAULT_LOCAL_ROOT)
+    root = Path(os.environ.get(naming.LOCAL_ROOT_ENV) or naming.DEFAULT_LOCAL_ROOT)
     assert len(list(root.glob(f"harbor-async-{label}-*"))) >= 4
     trial_dirs = list(Path(tempfile.gettempdir()).glob(f"harbor-async-{label}-*"))
     assert len(trial_dirs) >= 4
@@ -306,8 +298,8 @@ def test_reap_after_kill_9_in_the_middle_of_a_local_batch():
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.anyio
 async def test_engine_reap_stale_removes_what_a_killed_run_left(tmp_path, monkeypatch):
-    monkeypatch.delenv(reaper.LOCAL_ROOT_ENV)  # the engine is told its root below
-    env = {**os.environ, reaper.LOCAL_ROOT_ENV: str(tmp_path)}
+    monkeypatch.delenv(naming.LOCAL_ROOT_ENV)  # the engine is told its root below
+    env = {**os.environ, naming.LOCAL_ROOT_ENV: str(tmp_path)}
     label = kill_mid_batch("--backend", "local", "--count", "2", "--ready", "2", timeout=120, env=env).label
     left = list(tmp_path.glob(f"harbor-async-{label}-*"))
     assert len(left) == 2

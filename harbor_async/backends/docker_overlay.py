@@ -21,9 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from harbor_async.reaper import LABEL_OWNER_PID, LABEL_PID_NS, LABEL_RUN
-
-LABEL_SANDBOX = "io.harbor-async.sandbox"
+from harbor_async.naming import LABEL_OWNER_PID, LABEL_PID_NS, LABEL_RUN, LABEL_SANDBOX
 
 
 def write_overlay(folder: Path, run_label: str, sandbox_id: str) -> Path:

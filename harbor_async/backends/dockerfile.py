@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from harbor.environments.base import SandboxBuildFailedError
 
+
 @dataclass(frozen=True)
 class CopyStep:
     """One COPY/ADD line: build-context sources (globs allowed) into ``dest``."""

@@ -79,11 +79,9 @@ from harbor.models.trial.paths import TrialPaths
 
 from harbor_async.backends.dockerfile import CopyStep, DockerfileSpec, parse_dockerfile
 from harbor_async.files import remove_tree
+from harbor_async.naming import DEFAULT_LOCAL_ROOT, LOCAL_ROOT_ENV, MARKER_NAME, local_folder_name
 
-DEFAULT_SANDBOX_ROOT = "/tmp/harbor-async-local"
-SANDBOX_ROOT_ENV = "HARBOR_ASYNC_LOCAL_ROOT"
 RUN_LABEL_ENV = "HARBOR_ASYNC_RUN_LABEL"
-MARKER_NAME = ".harbor-async.json"
 
 # Host folders the sandbox sees read-only. /bin, /lib ... are usually symlinks
 # into /usr (merged /usr); those are recreated as symlinks, real folders bound.
@@ -150,10 +148,6 @@ def _under(path: str, prefixes: tuple[str, ...]) -> bool:
     return any(path == p or path.startswith(p + "/") for p in prefixes)
 
 
-def _slug(text: str) -> str:
-    """A folder-name-safe version of a run label or session id."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("._") or "x"
-
 
 # ---------------------------------------------------------------------------
 # The environment
@@ -188,10 +182,10 @@ class LocalEnvironment(BaseEnvironment):
         run_label: str | None = None,
         **kwargs: Any,
     ) -> None:
-        base = Path(sandbox_root or os.environ.get(SANDBOX_ROOT_ENV) or DEFAULT_SANDBOX_ROOT)
+        base = Path(sandbox_root or os.environ.get(LOCAL_ROOT_ENV) or DEFAULT_LOCAL_ROOT)
         self.run_label: str = run_label or os.environ.get(RUN_LABEL_ENV) or "adhoc"
         self._base = base.absolute()
-        self._root = self._base / f"harbor-async-{_slug(self.run_label)}-{_slug(session_id)}"
+        self._root = self._base / local_folder_name(self.run_label, session_id)
         self._fs = self._root / "fs"
         self._spec = DockerfileSpec()
         self._workdir = "/"

@@ -23,7 +23,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import anyio
-from harbor.environments.base import BaseEnvironment, ExecResult, SandboxBuildFailedError
+from harbor.environments.base import (
+    BaseEnvironment,
+    ExecResult,
+    SandboxBuildFailedError,
+)
 from harbor.environments.capabilities import EnvironmentCapabilities
 
 

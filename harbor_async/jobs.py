@@ -1,0 +1,149 @@
+"""Job folders, as Harbor keeps them: ``JOBS_DIR/JOB_NAME`` with the records of a run.
+
+A job folder holds:
+
+- ``config.json``: the command's settings, written before any sandbox starts;
+- ``episodes.jsonl``: one :class:`~harbor_async.records.EpisodeRecord` a line,
+  appended and flushed as each episode finishes (a resume appends again; the
+  last record of an episode wins);
+- ``summary.json``: written at the end (and again after a resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from harbor_async.errors import HarborAsyncError
+from harbor_async.records import EpisodeRecord
+
+CONFIG_NAME = "config.json"
+EPISODES_NAME = "episodes.jsonl"
+SUMMARY_NAME = "summary.json"
+
+
+class JobFolderError(HarborAsyncError, OSError):
+    """A job folder cannot be created, written or read."""
+
+
+def default_job_name() -> str:
+    """A timestamp, as Harbor names its jobs (``2026-12-01__14-03-22``)."""
+    return datetime.now().strftime("%Y-%m-%d__%H-%M-%S")
+
+
+class JobFolder:
+    """One job's folder: create it, append records, read them back, resume.
+
+    Use :meth:`create` for a new job and :meth:`open` to resume one.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._episodes = None
+
+    @classmethod
+    def create(cls, jobs_dir: str | Path, job_name: str | None, config: dict[str, Any]) -> JobFolder:
+        """Make ``jobs_dir/job_name`` and write its ``config.json``.
+
+        Raises :class:`JobFolderError` when the folder exists with records in it
+        (resume it instead) or cannot be written: checked before any sandbox starts.
+        """
+        job = cls(Path(jobs_dir) / (job_name or default_job_name()))
+        if (job.path / EPISODES_NAME).exists():
+            raise JobFolderError(f"job folder {job.path} already has records; resume it with --resume {job.path}")
+        try:
+            job.path.mkdir(parents=True, exist_ok=True)
+            job.write_json(CONFIG_NAME, config)
+            (job.path / EPISODES_NAME).touch()
+        except OSError as exc:
+            raise JobFolderError(f"cannot write the job folder {job.path}: {exc.strerror or exc}") from exc
+        return job
+
+    @classmethod
+    def open(cls, path: str | Path) -> JobFolder:
+        """An existing job folder (for ``--resume``); it must hold ``config.json``."""
+        job = cls(Path(path))
+        if not (job.path / CONFIG_NAME).is_file():
+            raise JobFolderError(f"{job.path} is not a job folder (no {CONFIG_NAME})")
+        try:
+            (job.path / EPISODES_NAME).touch()
+        except OSError as exc:
+            raise JobFolderError(f"cannot write the job folder {job.path}: {exc.strerror or exc}") from exc
+        return job
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The job's ``config.json``."""
+        return self.read_json(CONFIG_NAME)
+
+    def append(self, record: EpisodeRecord) -> None:
+        """Append one record and flush it to the file, so that no finished episode is lost."""
+        if self._episodes is None:
+            self._episodes = open(self.path / EPISODES_NAME, "a", encoding="utf-8")  # noqa: SIM115
+        self._episodes.write(json.dumps(record.to_dict(), ensure_ascii=False) + "\n")
+        self._episodes.flush()
+        os.fsync(self._episodes.fileno())
+
+    def close(self) -> None:
+        """Close the records file (appending reopens it)."""
+        if self._episodes is not None:
+            self._episodes.close()
+            self._episodes = None
+
+    def records(self) -> list[EpisodeRecord]:
+        """Every record in the file, in order; a torn last line (a killed writer) is skipped."""
+        return list(read_records(self.path / EPISODES_NAME))
+
+    def latest(self) -> dict[str, EpisodeRecord]:
+        """The last record of each episode, by :attr:`EpisodeRecord.key`."""
+        return latest_records(self.records())
+
+    def pending(self, keys: Iterable[str]) -> list[str]:
+        """The episodes of ``keys`` a resume runs: missing ones and those whose failure a resume reruns."""
+        done = self.latest()
+        return [k for k in keys if k not in done or done[k].rerun]
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """Write ``summary.json``."""
+        self.write_json(SUMMARY_NAME, summary)
+
+    def write_json(self, name: str, data: Any) -> None:
+        """Write ``name`` atomically (a reader never sees half a file)."""
+        target = self.path / name
+        tmp = target.with_name(f".{name}.tmp")
+        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        tmp.replace(target)
+
+    def read_json(self, name: str) -> Any:
+        """Read one of the folder's JSON files."""
+        try:
+            return json.loads((self.path / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise JobFolderError(f"cannot read {self.path / name}: {exc}") from exc
+
+
+def read_records(path: Path) -> Iterator[EpisodeRecord]:
+    """The records of an ``episodes.jsonl`` file; a torn line is skipped."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            yield EpisodeRecord.from_dict(json.loads(line))
+        except (ValueError, TypeError):
+            continue
+
+
+def latest_records(records: Iterable[EpisodeRecord]) -> dict[str, EpisodeRecord]:
+    """The last record of each episode, by key, in first-seen order."""
+    latest: dict[str, EpisodeRecord] = {}
+    for record in records:
+        latest[record.key] = record
+    return latest

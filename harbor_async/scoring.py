@@ -1,0 +1,115 @@
+"""Scores of a job: mean reward, the unbiased pass@k, bootstrap intervals over tasks.
+
+Used alike by ``run``, ``eval``, the report and cluster runs, so that one job
+folder gives one summary whoever reads it. Resampling uses a fixed seed: the
+same records give the same summary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from harbor_async.records import EpisodeRecord
+
+#: Reward at or above which an episode counts as solved, unless told otherwise.
+DEFAULT_SUCCESS_THRESHOLD = 1.0
+BOOTSTRAP_SAMPLES = 2000
+BOOTSTRAP_SEED = 0
+CONFIDENCE = 0.95
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimator of pass@k from ``n`` samples of which ``c`` passed.
+
+    ``1 - C(n - c, k) / C(n, k)`` (Chen et al., 2021), computed as a product so
+    that it stays exact for large ``n``.
+    """
+    if not 0 <= c <= n:
+        raise ValueError(f"need 0 <= c <= n, got n={n}, c={c}")
+    if not 1 <= k <= n:
+        raise ValueError(f"need 1 <= k <= n, got n={n}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def by_task(records: Iterable[EpisodeRecord]) -> dict[str, list[EpisodeRecord]]:
+    """Records grouped by task path (name when no path), in first-seen order."""
+    groups: dict[str, list[EpisodeRecord]] = defaultdict(list)
+    for record in records:
+        groups[record.task_path or record.task].append(record)
+    return dict(groups)
+
+
+def bootstrap_interval(
+    values: Sequence[float], *, samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED
+) -> tuple[float, float] | None:
+    """A percentile bootstrap interval of the mean of ``values`` (``None`` for fewer than 2)."""
+    if len(values) < 2:
+        return None
+    data = np.asarray(values, dtype=float)
+    rng = np.random.default_rng(seed)
+    means = data[rng.integers(0, len(data), size=(samples, len(data)))].mean(axis=1)
+    alpha = (1.0 - CONFIDENCE) / 2
+    low, high = np.quantile(means, [alpha, 1.0 - alpha])
+    return float(low), float(high)
+
+
+def summarize(
+    records: Iterable[EpisodeRecord],
+    *,
+    k: int | None = None,
+    success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
+) -> dict[str, Any]:
+    """The summary of a job's (latest) records.
+
+    ``mean_reward`` counts every episode, an unjudged one as 0;
+    ``mean_reward_completed`` only those the model was judged on. pass@k is
+    given for each k from 1 to ``k`` (default: the fewest attempts of any task)
+    over tasks, each with a bootstrap interval over tasks.
+    """
+    records = list(records)
+    tasks = by_task(records)
+    judged = [r for r in records if not r.rerun]
+    failures = Counter(r.error_class for r in records if r.error_class)
+    task_means = [float(np.mean([r.score for r in rs])) for rs in tasks.values()]
+    summary: dict[str, Any] = {
+        "episodes": len(records),
+        "tasks": len(tasks),
+        "completed": len(judged),
+        "failures": dict(sorted(failures.items())),
+        "mean_reward": _mean([r.score for r in records]),
+        "mean_reward_ci": bootstrap_interval(task_means),
+        "mean_reward_completed": _mean([r.score for r in judged]),
+        "success_threshold": success_threshold,
+    }
+    fewest = min((len(rs) for rs in tasks.values()), default=0)
+    k_max = min(k or fewest, fewest)
+    pass_k: dict[str, Any] = {}
+    for kk in range(1, k_max + 1):
+        per_task = [
+            pass_at_k(len(rs), sum(r.score >= success_threshold for r in rs), kk) for rs in tasks.values()
+        ]
+        pass_k[str(kk)] = {"value": _mean(per_task), "ci": bootstrap_interval(per_task)}
+    summary["pass_at_k"] = pass_k
+    summary["per_task"] = [
+        {
+            "task": rs[0].task,
+            "task_path": rs[0].task_path,
+            "episodes": len(rs),
+            "mean_reward": _mean([r.score for r in rs]),
+            "solved": sum(r.score >= success_threshold for r in rs),
+            "failures": dict(Counter(r.error_class for r in rs if r.error_class)),
+        }
+        for rs in tasks.values()
+    ]
+    return summary
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return float(np.mean(values)) if len(values) else None
