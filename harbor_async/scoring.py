@@ -113,3 +113,35 @@ def summarize(
 
 def _mean(values: Sequence[float]) -> float | None:
     return float(np.mean(values)) if len(values) else None
+
+
+def paired_difference(
+    base: Iterable[EpisodeRecord],
+    other: Iterable[EpisodeRecord],
+    *,
+    samples: int = BOOTSTRAP_SAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+) -> dict[str, Any]:
+    """The mean reward of ``other`` minus ``base`` over the tasks both ran, with a paired bootstrap interval.
+
+    Tasks are shared between checkpoints, so the tasks are resampled together
+    (one index draw for both), which removes the task-difficulty variance an
+    unpaired interval would carry. Also returns each task's difference.
+    """
+    a = {key: float(np.mean([r.score for r in rs])) for key, rs in by_task(base).items()}
+    b = {key: float(np.mean([r.score for r in rs])) for key, rs in by_task(other).items()}
+    shared = [key for key in a if key in b]
+    diffs = np.asarray([b[key] - a[key] for key in shared], dtype=float)
+    result: dict[str, Any] = {
+        "tasks": len(shared),
+        "difference": float(diffs.mean()) if len(diffs) else None,
+        "ci": None,
+        "per_task": {key: float(d) for key, d in zip(shared, diffs, strict=True)},
+    }
+    if len(diffs) >= 2:
+        rng = np.random.default_rng(seed)
+        means = diffs[rng.integers(0, len(diffs), size=(samples, len(diffs)))].mean(axis=1)
+        alpha = (1.0 - CONFIDENCE) / 2
+        low, high = np.quantile(means, [alpha, 1.0 - alpha])
+        result["ci"] = (float(low), float(high))
+    return result

@@ -1,15 +1,13 @@
-"""The ``harbor-async`` command line."""
+"""``harbor-async run`` and ``harbor-async tasks``: episodes of a suite."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import anyio
 import typer
-from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -19,38 +17,19 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from benchmarks.cli import bench_app
 from harbor_async.backends import resolve_backend
-from harbor_async.cli_sandboxes import sandboxes_app
+from harbor_async.cli.common import err, fail, out
 from harbor_async.engine import Engine
 from harbor_async.errors import HarborAsyncError
 from harbor_async.logs import configure_logging
 from harbor_async.policy import Limits, Timeouts
 from harbor_async.runner import AGENTS, EpisodeRecord, run_suite
 
-app = typer.Typer(
-    name="harbor-async",
-    help="Async episode engine for Harbor sandboxes.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-app.add_typer(sandboxes_app, name="sandboxes")
-out = Console()
-err = Console(stderr=True, soft_wrap=True)
-
-app.add_typer(bench_app, name="bench")
-
 SuiteArg = Annotated[
     str | None,
     typer.Argument(help="Suite: a local task tree or a Hugging Face dataset repo id (default: the bundled example suite)."),
 ]
 PHASES = ("start", "agent", "exec", "verify", "stop")
-
-
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}")
-    return typer.Exit(code)
 
 
 def _load(suite: str | None, num_tasks: int | None, indices: str | None):
@@ -63,7 +42,6 @@ def _load(suite: str | None, num_tasks: int | None, indices: str | None):
     return loaded
 
 
-@app.command()
 def run(
     suite: SuiteArg = None,
     backend: Annotated[str, typer.Option("--backend", "-b", help="Harbor type (docker, e2b, ...), 'local', 'simulated' or module:Class.")] = "local",
@@ -84,12 +62,12 @@ def run(
     """
     configure_logging(log_level, log_format, force=True)
     if agent not in AGENTS:
-        raise _fail(f"unknown agent {agent!r}; use one of {', '.join(AGENTS)}")
+        raise fail(f"unknown agent {agent!r}; use one of {', '.join(AGENTS)}")
     try:
         resolve_backend(backend).environment_class()
         loaded = _load(suite, num_tasks, indices)
     except (HarborAsyncError, ValueError, FileNotFoundError, IndexError) as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
 
     records = anyio.run(_run_all, loaded.tasks, backend, agent, concurrency, episode_timeout, start_timeout)
     _print_table(records)
@@ -147,7 +125,6 @@ def _print_table(records: list[EpisodeRecord]) -> None:
     out.print(f"{len(records)} episodes, mean reward {mean:.3f}, {sum(r.infrastructure_failure for r in records)} infrastructure failures")
 
 
-@app.command()
 def tasks(
     suite: SuiteArg = None,
     num_tasks: Annotated[int | None, typer.Option("--num-tasks", "-n", min=1)] = None,
@@ -156,7 +133,7 @@ def tasks(
     try:
         loaded = _load(suite, num_tasks, None)
     except (HarborAsyncError, ValueError, FileNotFoundError, IndexError) as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     table = Table(title=f"tasks in {loaded.root}")
     table.add_column("#", justify="right")
     table.add_column("task")
@@ -164,8 +141,3 @@ def tasks(
     for i, task in enumerate(loaded.tasks):
         table.add_row(str(i), task.name, str(task.paths.task_dir))
     out.print(table)
-
-
-def main() -> None:  # pragma: no cover - console entry
-    """Entry point for ``python -m harbor_async``."""
-    sys.exit(app())
