@@ -3,35 +3,24 @@
 from __future__ import annotations
 
 import math
-import os
-import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
 from harbor_async.backends import BackendSpec, resolve_backend
-from harbor_async.errors import HarborAsyncError, Phase, SandboxError, SandboxTimeout
-from harbor_async.logs import configure_logging
+from harbor_async.errors import EngineClosedError
+from harbor_async.logs import get_logger
+from harbor_async.naming import new_run_label
 from harbor_async.policy import Limits, RateLimiter, RetryPolicy, Timeouts
-from harbor_async.sandbox import TRUNCATION_MARKER, Sandbox, SandboxState
+from harbor_async.sandbox import TRUNCATION_MARKER, Sandbox, SandboxContext
 from harbor_async.stats import EngineStats, StatsRecorder
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
-
-
-def new_run_label() -> str:
-    """A short label unique to this run, carried by every sandbox it creates."""
-    return f"ha{os.getpid()}x{uuid.uuid4().hex[:6]}"
-
-
-class EngineClosedError(HarborAsyncError, RuntimeError):
-    """The engine is closing or closed and takes no new sandboxes."""
 
 
 class Engine:
@@ -53,7 +42,7 @@ class Engine:
             processes left on this machine (:func:`harbor_async.reaper.reap_stale`).
         docker_overlay: give Harbor's docker sandboxes a Compose overlay with
             run labels and an init process (stops take 0.2 s instead of 10 s);
-            see :mod:`harbor_async.backends.docker_overlay`.
+            see :mod:`harbor_async.backends.docker.overlay`.
     """
 
     def __init__(
@@ -69,7 +58,6 @@ class Engine:
         reap_stale: bool = False,
         docker_overlay: bool = True,
     ) -> None:
-        configure_logging()
         self.limits = limits or Limits()
         self.timeouts = timeouts or Timeouts()
         self.retry = retry or RetryPolicy()
@@ -81,16 +69,14 @@ class Engine:
         self.docker_overlay = docker_overlay
         self._ledger: dict[str, Sandbox] = {}
         self._stats = StatsRecorder()
-        self._log = structlog.get_logger("harbor_async").bind(run=self.run_label)
+        self._log = get_logger(run=self.run_label)
         self._tg: TaskGroup | None = None
         self._stack: AsyncExitStack | None = None
         self._closing = False
         self._closed: anyio.Event | None = None
         self._drained = anyio.Event()
         self._close_requested: anyio.Event | None = None
-        self._live: anyio.CapacityLimiter | None = None
-        self._execs: anyio.CapacityLimiter | None = None
-        self._rate: RateLimiter | None = None
+        self._context: SandboxContext | None = None
 
     # ── lifecycle of the engine itself ──────────────────────────────────
 
@@ -99,16 +85,25 @@ class Engine:
             raise RuntimeError("an Engine can be entered only once")
         self._closed = anyio.Event()
         self._close_requested = anyio.Event()
-        self._live = anyio.CapacityLimiter(self.limits.live_sandboxes or math.inf)
-        self._execs = (
-            anyio.CapacityLimiter(self.limits.concurrent_execs) if self.limits.concurrent_execs else None
+        execs = anyio.CapacityLimiter(self.limits.concurrent_execs) if self.limits.concurrent_execs else None
+        self._context = SandboxContext(
+            run_label=self.run_label,
+            timeouts=self.timeouts,
+            retry=self.retry,
+            max_output=self.max_output,
+            truncation_marker=self.truncation_marker,
+            live=anyio.CapacityLimiter(self.limits.live_sandboxes or math.inf),
+            live_limit=self.limits.live_sandboxes,
+            exec_slot=(lambda: execs) if execs is not None else nullcontext,
+            rate=RateLimiter(self.limits.creates_per_second),
+            stats=self._stats,
+            on_done=self._forget,
+            start_options={"docker_overlay": self.docker_overlay},
         )
-        self._rate = RateLimiter(self.limits.creates_per_second)
         if self.reap_stale:
             from harbor_async.reaper import reap_stale
 
-            roots = [self.backend_kwargs["sandbox_root"]] if self.backend_kwargs.get("sandbox_root") else []
-            await anyio.to_thread.run_sync(reap_stale, roots)
+            await anyio.to_thread.run_sync(lambda: reap_stale(backend_kwargs=self.backend_kwargs))
         self._stack = AsyncExitStack()
         self._tg = await self._stack.enter_async_context(anyio.create_task_group())
         return self
@@ -183,7 +178,7 @@ class Engine:
         spec = backend if isinstance(backend, BackendSpec) else resolve_backend(backend)
         spec.check_async_library()  # a bad import path or library fails here, not in the background
         sandbox = Sandbox(
-            self,
+            self._context,
             task,
             spec,
             backend_kwargs={**self.backend_kwargs, **(backend_kwargs or {})},
@@ -191,7 +186,7 @@ class Engine:
         )
         self._ledger[sandbox.id] = sandbox
         self._stats.launched += 1
-        self._tg.start_soon(self._run_start, sandbox, name=f"start {sandbox.id}")
+        self._tg.start_soon(sandbox.run_start, name=f"start {sandbox.id}")
         return sandbox
 
     def stop_soon(self, sandbox: Sandbox) -> None:
@@ -225,66 +220,5 @@ class Engine:
         """A snapshot of the counters and latency percentiles."""
         return self._stats.snapshot()
 
-    # ── used by Sandbox ─────────────────────────────────────────────────
-
-    async def _run_start(self, sandbox: Sandbox) -> None:
-        with anyio.CancelScope() as scope:
-            sandbox._start_scope = scope
-            wait = sandbox._budget(Phase.START, self.timeouts.slot)
-            try:
-                with anyio.fail_after(wait if math.isfinite(wait) else None):
-                    await self._live.acquire_on_behalf_of(sandbox)
-            except TimeoutError:
-                # Slots free only when sandboxes stop: a batch larger than the limit
-                # whose sandboxes stop late would otherwise wait forever.
-                sandbox._abandon_start(
-                    SandboxTimeout(
-                        Phase.START, sandbox.task_name, sandbox.id,
-                        f"no live-sandbox slot within {max(wait, 0):.3g} s "
-                        f"(limit: {self.limits.live_sandboxes} live sandboxes)",
-                    )  # fmt: skip
-                )
-            except BaseException as exc:
-                sandbox._abandon_start(exc)
-                raise
-            else:
-                sandbox._holds_slot = True
-                self._stats.add_live(+1)
-                await sandbox._start()
-        if sandbox.state is SandboxState.RUNNING:
-            self._stats.started += 1
-        else:
-            self._stats.failed += 1
-            if sandbox.start_error is not None:
-                self._log.warning("start failed", sandbox=sandbox.id, error=str(sandbox.start_error))
-            await sandbox.stop()  # gives the slot back; the start already cleaned up
-
-    async def wait_create_turn(self) -> None:
-        """Wait for the create-rate limiter."""
-        await self._rate.wait()
-
-    def exec_slot(self):
-        """An async context holding one of the concurrent-exec slots (if limited)."""
-        return self._execs if self._execs is not None else nullcontext()
-
-    def release(self, sandbox: Sandbox) -> None:
-        """Give back ``sandbox``'s live slot and drop it from the ledger."""
-        if getattr(sandbox, "_holds_slot", False):
-            sandbox._holds_slot = False
-            self._live.release_on_behalf_of(sandbox)
-            self._stats.add_live(-1)
-            self._stats.stopped += 1
+    def _forget(self, sandbox: Sandbox) -> None:
         self._ledger.pop(sandbox.id, None)
-
-    def note_retry(self, sandbox: Sandbox) -> None:
-        """Count a start retry."""
-        self._stats.retried += 1
-
-    def note_stop_failure(self, sandbox: Sandbox, error: SandboxError) -> None:
-        """Count and log a stop that failed or timed out (the sandbox may have leaked)."""
-        self._stats.stop_failures += 1
-        self._log.error("stop failed; the sandbox may be left behind", sandbox=sandbox.id, error=str(error))
-
-    def record_phase(self, phase: Phase, seconds: float, outcome: str) -> None:
-        """Record one phase's latency for the stats."""
-        self._stats.record(phase.value, seconds, outcome == "ok")

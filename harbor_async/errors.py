@@ -7,7 +7,13 @@ can be traced to one sandbox without reading logs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harbor_async.tasks import InvalidTask
 
 
 class Phase(StrEnum):
@@ -88,6 +94,29 @@ class SandboxTimeout(SandboxError, TimeoutError):
     kind = "timed out"
 
 
+class EpisodeDeadlineError(SandboxTimeout):
+    """A phase was cut short, or not begun, because the episode deadline passed."""
+
+    kind = "ran past the episode deadline"
+
+
+class BackendExecTimeout(HarborAsyncError, RuntimeError):
+    """A backend's ``exec`` ran past its ``timeout_sec`` (raised by this project's backends).
+
+    A ``RuntimeError`` with the message Harbor's docker backend uses, so that
+    code written for Harbor's backends treats it the same way.
+    """
+
+    def __init__(self, timeout_sec: float, stdout: str | None = None, stderr: str | None = None) -> None:
+        super().__init__(f"Command timed out after {timeout_sec} seconds")
+        self.timeout_sec = timeout_sec
+        self.stdout = stdout
+        self.stderr = stderr
+
+    def __reduce__(self):
+        return (type(self), (self.timeout_sec, self.stdout, self.stderr))
+
+
 class StartError(SandboxError):
     """The sandbox could not be started (after any retries)."""
 
@@ -117,6 +146,64 @@ PHASE_ERRORS: dict[Phase, type[SandboxError]] = {
     Phase.STOP: StopError,
     Phase.AGENT: ExecError,
 }
+
+
+
+class EngineClosedError(HarborAsyncError, RuntimeError):
+    """The engine is closing or closed and takes no new sandboxes."""
+
+class ReaperError(HarborAsyncError, RuntimeError):
+    """A sandbox could not be listed or removed."""
+
+class JobFolderError(HarborAsyncError, OSError):
+    """A job folder cannot be created, written or read."""
+
+class SimulatedTransientError(HarborAsyncError, ConnectionError):
+    """A start failure that a retry can fix (like a provider's 503)."""
+
+    transient = True
+
+class SuiteNotFoundError(HarborAsyncError, FileNotFoundError):
+    """The suite source is neither an existing local directory nor a reachable Hub dataset."""
+
+class EmptySuiteError(HarborAsyncError, ValueError):
+    """The suite (or the selected part of it) holds no valid task.
+
+    Attributes:
+        root: the folder that was searched for task folders.
+        invalid: the tasks that were found but failed validation, with reasons.
+    """
+
+    def __init__(self, root: Path, invalid: Sequence[InvalidTask] = ()) -> None:
+        self.root = root
+        self.invalid = list(invalid)
+        if self.invalid:
+            reasons = "\n".join(f"  - {t.path.name}: {t.reason}" for t in self.invalid)
+            msg = f"no valid task in suite {root}; {len(self.invalid)} invalid:\n{reasons}"
+        else:
+            msg = (
+                f"no tasks found under {root} (expected <root>/tasks/<name>/task.toml "
+                "or <root>/<name>/task.toml)"
+            )
+            if (root / "task.toml").is_file():
+                msg += "; this folder is a single task: load it with load_task()"
+        super().__init__(msg)
+
+class TaskLoadError(HarborAsyncError, ValueError):
+    """One task folder is not a valid Harbor task.
+
+    Attributes:
+        path: the task folder.
+        reason: why it is invalid, in one line.
+    """
+
+    def __init__(self, path: Path | str, reason: str) -> None:
+        self.path = Path(path)
+        self.reason = reason
+        super().__init__(f"invalid task {self.path}: {reason}")
+
+    def __reduce__(self):  # keep it picklable (two-argument constructor)
+        return (type(self), (self.path, self.reason))
 
 
 class FailureClass(StrEnum):

@@ -18,16 +18,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from harbor_async.errors import HarborAsyncError
+from harbor_async.errors import JobFolderError
 from harbor_async.records import EpisodeRecord
 
 CONFIG_NAME = "config.json"
 EPISODES_NAME = "episodes.jsonl"
 SUMMARY_NAME = "summary.json"
-
-
-class JobFolderError(HarborAsyncError, OSError):
-    """A job folder cannot be created, written or read."""
 
 
 def default_job_name() -> str:

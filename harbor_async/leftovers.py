@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
+import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -220,5 +222,46 @@ def comm(pid: int) -> str:
     """The command name of ``pid`` ('' if gone)."""
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+
+def parse_time(text: str | None) -> datetime | None:
+    """An RFC 3339 time as Docker or the local marker writes it (nanoseconds allowed)."""
+    if not text:
+        return None
+    text = text.strip()
+    text = re.sub(r"(\.\d{6})\d+", r"\1", text)  # Python keeps microseconds
+    text = re.sub(r"Z$", "+00:00", text)
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    if value.year < 1971:  # Docker's zero time: unknown
+        return None
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def mtime(path: Path) -> datetime | None:
+    try:
+        return datetime.fromtimestamp(path.stat().st_mtime, UTC)
+    except OSError:
+        return None
+
+
+def earliest(*times: datetime | None) -> datetime | None:
+    known = [t for t in times if t is not None]
+    return min(known) if known else None
+
+
+def temp_dirs() -> list[Path]:
+    """Where the owner's temporary folders may be: our temp dir, and /tmp (its TMPDIR may differ)."""
+    return list(dict.fromkeys(Path(p).resolve() for p in (tempfile.gettempdir(), "/tmp")))
+
+
+def pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
     except OSError:
         return ""

@@ -1,8 +1,15 @@
-"""structlog set-up: console or JSON lines on stderr, level from the environment.
+"""Logging: structlog events carried by the standard library's ``logging``.
 
-``HARBOR_ASYNC_LOG_LEVEL`` (default ``warning``) and ``HARBOR_ASYNC_LOG_FORMAT``
-(``console`` or ``json``) apply when the application has not configured
-structlog itself.
+The library never configures logging. Its loggers (:func:`get_logger`) hand
+each event to a stdlib logger under ``harbor_async``, so an application's own
+``logging`` set-up decides levels and handlers; with none, Python prints
+warnings and errors to stderr as it does for any library.
+
+Applications that want this project's console or JSON lines call
+:func:`configure_logging` (the command line and the benchmarks do): it puts one
+handler on the ``harbor_async`` logger and picks the renderer. Its level and
+format come from the arguments, else ``HARBOR_ASYNC_LOG_LEVEL`` /
+``HARBOR_ASYNC_LOG_FORMAT``, else ``warning`` and ``console``.
 """
 
 from __future__ import annotations
@@ -10,46 +17,103 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
 import structlog
 
+ROOT_LOGGER = "harbor_async"
+LEVELS = ("debug", "info", "warning", "error")
+FORMATS = ("console", "json")
 
-class _CurrentStderr:
+
+class _CurrentStderrHandler(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is at write time.
 
     Test runners and notebooks swap ``sys.stderr``; a stream captured at
     configure time may be closed by the time a sandbox logs.
     """
 
-    def write(self, text: str) -> int:
-        return sys.stderr.write(text)
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
 
-    def flush(self) -> None:
-        sys.stderr.flush()
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ assigns it
+        pass
 
 
-def configure_logging(level: str | None = None, fmt: str | None = None, *, force: bool = False) -> None:
-    """Configure structlog for this process (no-op if configured, unless ``force``)."""
-    if structlog.is_configured() and not force:
-        return
-    level = (level or os.environ.get("HARBOR_ASYNC_LOG_LEVEL", "warning")).upper()
-    fmt = (fmt or os.environ.get("HARBOR_ASYNC_LOG_FORMAT", "console")).lower()
-    if fmt not in ("console", "json"):
-        raise ValueError(f"log format must be 'console' or 'json', got {fmt!r}")
-    renderer = (
-        structlog.processors.JSONRenderer()
-        if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-    )
-    structlog.configure(
+class _Renderer:
+    """The last processor of every library logger: console text unless JSON was asked for."""
+
+    def __init__(self) -> None:
+        self.use("console")
+
+    def use(self, fmt: str) -> None:
+        self._render = (
+            structlog.processors.JSONRenderer()
+            if fmt == "json"
+            else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        )
+
+    def __call__(self, logger: Any, method: str, event_dict: dict[str, Any]) -> tuple[tuple[str], dict[str, Any]]:
+        # The event itself rides along on the LogRecord (``record.event_dict``) for handlers that want fields.
+        fields = dict(event_dict)
+        return (self._render(logger, method, event_dict),), {"extra": {"event_dict": fields}}
+
+
+_renderer = _Renderer()
+_handler: logging.Handler | None = None
+
+
+def get_logger(name: str = ROOT_LOGGER, **context: Any) -> Any:
+    """A structlog logger of the library, bound to ``context``, carried by stdlib logger ``name``."""
+    return structlog.wrap_logger(
+        logging.getLogger(name),
         processors=[
             structlog.contextvars.merge_contextvars,
+            structlog.stdlib.filter_by_level,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
-            renderer,
+            _renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
-        cache_logger_on_first_use=False,
-    )
+        wrapper_class=structlog.stdlib.BoundLogger,
+        context_class=dict,
+    ).bind(**context)
+
+
+def resolve_settings(level: str | None = None, fmt: str | None = None) -> tuple[str, str]:
+    """Level and format: the arguments, else the environment variables, else the defaults.
+
+    Raises:
+        ValueError: an unknown level or format (naming where it came from).
+    """
+    level_source = "level" if level else "HARBOR_ASYNC_LOG_LEVEL"
+    fmt_source = "format" if fmt else "HARBOR_ASYNC_LOG_FORMAT"
+    level = (level or os.environ.get("HARBOR_ASYNC_LOG_LEVEL") or "warning").lower()
+    fmt = (fmt or os.environ.get("HARBOR_ASYNC_LOG_FORMAT") or "console").lower()
+    if level not in LEVELS:
+        raise ValueError(f"log {level_source} must be one of {', '.join(LEVELS)}, got {level!r}")
+    if fmt not in FORMATS:
+        raise ValueError(f"log {fmt_source} must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    return level, fmt
+
+
+def configure_logging(level: str | None = None, fmt: str | None = None, *, force: bool = False) -> None:
+    """Send the library's events to stderr as console text or JSON lines (for applications).
+
+    A no-op when already configured, unless ``force``.
+    """
+    global _handler
+    if _handler is not None and not force:
+        return
+    level, fmt = resolve_settings(level, fmt)
+    _renderer.use(fmt)
+    logger = logging.getLogger(ROOT_LOGGER)
+    if _handler is not None:
+        logger.removeHandler(_handler)
+    _handler = _CurrentStderrHandler()
+    _handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False

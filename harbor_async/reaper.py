@@ -47,7 +47,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -55,10 +54,16 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-import structlog
 
+from harbor_async.backends.docker import cleanup as docker_cleanup
+from harbor_async.errors import ReaperError
 from harbor_async.files import remove_tree
 from harbor_async.leftovers import (
+    pid_namespace,
+    earliest,
+    mtime,
+    parse_time,
+    temp_dirs,
     Resource,
     SandboxInfo,
     comm,
@@ -69,11 +74,8 @@ from harbor_async.leftovers import (
     process_start_time,
     processes,
 )
+from harbor_async.logs import get_logger
 from harbor_async.naming import (
-    COMPOSE_PROJECT_LABEL,
-    LABEL_OWNER_PID,
-    LABEL_PID_NS,
-    LABEL_RUN,
     MARKER_NAME,
     SESSION_RE,
     TRIAL_DIR_RE,
@@ -81,30 +83,13 @@ from harbor_async.naming import (
     owner_from_session,
 )
 
-log = structlog.get_logger("harbor_async.reaper")
+log = get_logger("harbor_async.reaper")
 
 Backend = Literal["docker", "local", "all"]
 BACKENDS: tuple[str, ...] = ("docker", "local", "all")
 
-#: A session id of the engine with its default run label: ``ha<pid>x<6 hex>-<10 hex>``.
-
-#: A docker object named after a compose project of ours: the project, then ``-`` or ``_``.
-_DOCKER_NAME = re.compile(rf"^/?(?P<session>{SESSION_RE.pattern})(?:[-_].*)?$")
 #: Harbor's trial folder made by :class:`harbor_async.sandbox.Sandbox` (``mkdtemp`` suffix).
 _TRIAL_DIR = TRIAL_DIR_RE
-#: Compose override files Harbor writes into ``tempfile.TemporaryDirectory()`` folders.
-_HARBOR_COMPOSE_FILES = re.compile(
-    r"^(docker-compose-(mounts|environment|egress-control-services)\.json"
-    r"|.*-docker-compose-resources\.json|compose\.json)$"
-)
-_TMP_FOLDER = re.compile(r"^(tmp[A-Za-z0-9_]{8}|harbor-docker-stream-[A-Za-z0-9_]{8})$")
-#: Optional labels of a sandbox's container (a compose overlay can set them);
-#: when present they take precedence over the pid in the project name.
-DOCKER_TIMEOUT = 60.0
-
-
-class ReaperError(RuntimeError):
-    """A sandbox could not be listed or removed."""
 
 
 @dataclass
@@ -123,235 +108,6 @@ class ReapReport:
         return not self.errors
 
 
-# ─── time and folders ───────────────────────────────────────────────────────
-
-
-def _parse_time(text: str | None) -> datetime | None:
-    """An RFC 3339 time as Docker or the local marker writes it (nanoseconds allowed)."""
-    if not text:
-        return None
-    text = text.strip()
-    text = re.sub(r"(\.\d{6})\d+", r"\1", text)  # Python keeps microseconds
-    text = re.sub(r"Z$", "+00:00", text)
-    try:
-        value = datetime.fromisoformat(text)
-    except ValueError:
-        return None
-    if value.year < 1971:  # Docker's zero time: unknown
-        return None
-    return value if value.tzinfo else value.replace(tzinfo=UTC)
-
-
-def _mtime(path: Path) -> datetime | None:
-    try:
-        return datetime.fromtimestamp(path.stat().st_mtime, UTC)
-    except OSError:
-        return None
-
-
-def _earliest(*times: datetime | None) -> datetime | None:
-    known = [t for t in times if t is not None]
-    return min(known) if known else None
-
-
-def docker_is_local() -> bool:
-    """Whether the Docker daemon is on this machine (``DOCKER_HOST`` unset or a unix socket)."""
-    host = os.environ.get("DOCKER_HOST", "")
-    return not host or host.startswith("unix://")
-
-
-def _docker(*args: str, timeout: float = DOCKER_TIMEOUT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-
-
-def _docker_lines(*args: str) -> list[list[str]]:
-    result = _docker(*args)
-    if result.returncode != 0:
-        raise ReaperError(f"docker {' '.join(args[:2])} failed: {result.stderr.strip() or result.stdout.strip()}")
-    return [line.split("\t") for line in result.stdout.splitlines() if line.strip()]
-
-
-def _docker_created(kind: str, refs: Sequence[str], template: str) -> dict[str, datetime | None]:
-    """Creation time of each object (objects gone meanwhile are left out)."""
-    created: dict[str, datetime | None] = {}
-    if not refs:
-        return created
-    result = _docker(kind, "inspect", "--format", f"{{{{.{template}}}}}", *refs)
-    # One line per object that still exists, in order; on a partial failure inspect one by one.
-    lines = result.stdout.splitlines()
-    if result.returncode == 0 and len(lines) == len(refs):
-        return {ref: _parse_time(line) for ref, line in zip(refs, lines, strict=True)}
-    for ref in refs:
-        one = _docker(kind, "inspect", "--format", f"{{{{.{template}}}}}", ref)
-        if one.returncode == 0:
-            created[ref] = _parse_time(one.stdout.strip())
-    return created
-
-
-def _session_of(name: str, project_label: str = "") -> str | None:
-    for candidate in (project_label, name):
-        match = _DOCKER_NAME.match(candidate or "")
-        if match is not None:
-            return match["session"]
-    return None
-
-
-def _compose_project_of(argv: list[str]) -> str | None:
-    """The ``--project-name``/``-p`` of a ``docker compose`` command line."""
-    if not any(os.path.basename(a) in ("docker-compose", "compose") or a == "compose" for a in argv[:3]):
-        return None
-    for index, arg in enumerate(argv[:-1]):
-        if arg in ("--project-name", "-p"):
-            return argv[index + 1]
-        if arg.startswith("--project-name="):
-            return arg.partition("=")[2]
-    return None
-
-
-def _compose_config_files(argv: list[str]) -> list[str]:
-    return [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-f", "--file")]
-
-
-def _temp_dirs() -> list[Path]:
-    """Where the owner's temporary folders may be: our temp dir, and /tmp (its TMPDIR may differ)."""
-    return list(dict.fromkeys(Path(p).resolve() for p in (tempfile.gettempdir(), "/tmp")))
-
-
-def _harbor_compose_dirs(files: Iterable[str]) -> set[Path]:
-    """Harbor's temporary folders of generated compose overrides among ``files``."""
-    temps = set(_temp_dirs())
-    found: set[Path] = set()
-    for name in files:
-        path = Path(name)
-        folder = path.parent
-        if folder.parent in temps and _TMP_FOLDER.match(folder.name) and _HARBOR_COMPOSE_FILES.match(path.name):
-            found.add(folder)
-    return found
-
-
-def _scan_docker() -> dict[str, SandboxInfo]:
-    """Every docker object and compose process named after an engine session."""
-    found: dict[str, SandboxInfo] = {}
-    times: dict[str, list[datetime | None]] = {}
-
-    def add(session: str, resource: Resource, created: datetime | None = None) -> None:
-        info = found.get(session)
-        if info is None:
-            label, pid = owner_from_session(session)
-            info = found[session] = SandboxInfo("docker", session, label, pid, None)
-            times[session] = []
-        info.resources.append(resource)
-        times[session].append(created)
-
-    label = f'{{{{.Label "{COMPOSE_PROJECT_LABEL}"}}}}'
-    labels = "\t".join(
-        f'{{{{.Label "{name}"}}}}'
-        for name in ("com.docker.compose.project.config_files", LABEL_OWNER_PID, LABEL_PID_NS, LABEL_RUN)
-    )
-    containers = [
-        (row + [""] * 7)[:7]
-        for row in _docker_lines(
-            "ps", "-a", "--no-trunc", "--format", f"{{{{.ID}}}}\t{{{{.Names}}}}\t{label}\t{labels}"
-        )
-    ]
-    ours = [row for row in containers if _session_of(row[1], row[2])]
-    created = _docker_created("container", [c[0] for c in ours], "Created")
-    for cid, name, project, files, owner, namespace, run in ours:
-        session = _session_of(name, project)
-        assert session is not None
-        add(session, Resource("container", cid[:12], name), created.get(cid))
-        info = found[session]
-        if owner.isdigit():
-            info.owner_pid = int(owner)
-        if run:
-            info.run_label = run
-        if namespace and namespace != _pid_namespace():
-            info.foreign_pid = True
-        for folder in _harbor_compose_dirs(files.split(",") if files else []):
-            add(session, Resource("compose-dir", str(folder)))
-
-    networks = [
-        (row[0], row[1], row[2] if len(row) > 2 else "")
-        for row in _docker_lines("network", "ls", "--no-trunc", "--format", f"{{{{.ID}}}}\t{{{{.Name}}}}\t{label}")
-    ]
-    ours_n = [(nid, name, project) for nid, name, project in networks if _session_of(name, project)]
-    created = _docker_created("network", [n[0] for n in ours_n], "Created")
-    for nid, name, project in ours_n:
-        add(_session_of(name, project) or "", Resource("network", name), created.get(nid))
-
-    volumes = [
-        (row[0], row[1] if len(row) > 1 else "")
-        for row in _docker_lines("volume", "ls", "--format", f"{{{{.Name}}}}\t{label}")
-    ]
-    ours_v = [(name, project) for name, project in volumes if _session_of(name, project)]
-    created = _docker_created("volume", [v[0] for v in ours_v], "CreatedAt")
-    for name, project in ours_v:
-        add(_session_of(name, project) or "", Resource("volume", name), created.get(name))
-
-    images = [
-        (f"{row[0]}:{row[1]}" if row[1] != "<none>" else row[2], row[0])
-        for row in _docker_lines("images", "--no-trunc", "--format", "{{.Repository}}\t{{.Tag}}\t{{.ID}}")
-    ]
-    ours_i = [(ref, repo) for ref, repo in images if _session_of(repo)]
-    created = _docker_created("image", [i[0] for i in ours_i], "Created")
-    for ref, repo in ours_i:
-        add(_session_of(repo) or "", Resource("image", ref), created.get(ref))
-
-    for pid, _state, argv in processes():
-        project = _compose_project_of(argv)
-        session = _session_of(project) if project else None
-        if session is not None:
-            add(session, Resource("process", str(pid), " ".join(argv[:4])), process_start_time(pid))
-            for folder in _harbor_compose_dirs(_compose_config_files(argv)):
-                add(session, Resource("compose-dir", str(folder)))
-
-    for session, info in found.items():
-        info.created_at = _earliest(*times[session])
-        info.owned_by_live_process = has_live_parent(int(r.ref) for r in info.resources if r.kind == "process")
-        # Duplicates (two containers naming the same compose folder): keep one.
-        info.resources = list(dict.fromkeys(info.resources))
-    return found
-
-
-def _remove_docker(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
-    """Kill their compose processes, then remove containers, networks, volumes, images."""
-    by_kind: dict[str, list[str]] = {}
-    for info in sandboxes:
-        for resource in info.resources:
-            by_kind.setdefault(resource.kind, []).append(resource.ref)
-    killed = by_kind.get("process", [])
-    left = kill(int(p) for p in killed)
-    if left:
-        errors.append(f"compose processes {left} survived SIGKILL")
-    if killed:
-        # A request the killed compose had sent (create a container ...) still
-        # completes in the daemon: let it land, then take what exists now.
-        time.sleep(0.5)
-        sessions = {info.id for info in sandboxes}
-        fresh = [info for session, info in _scan_docker().items() if session in sessions]
-        by_kind = {}
-        for info in fresh:
-            for resource in info.resources:
-                by_kind.setdefault(resource.kind, []).append(resource.ref)
-    steps = (
-        ("container", ("rm", "--force", "--volumes"), "No such container"),
-        ("network", ("network", "rm"), "No such network"),
-        ("volume", ("volume", "rm", "--force"), "No such volume"),
-        ("image", ("image", "rm", "--force"), "No such image"),
-    )
-    for kind, command, gone in steps:
-        refs = by_kind.get(kind, [])
-        if not refs:
-            continue
-        result = _docker(*command, *refs)
-        if result.returncode != 0:
-            problems = [line for line in result.stderr.splitlines() if line.strip() and gone not in line]
-            if problems:
-                errors.append(f"docker {' '.join(command)}: {'; '.join(problems)}")
-    for folder in by_kind.get("compose-dir", []):
-        remove_tree(Path(folder))
-
-
 # ─── local (bubblewrap) ─────────────────────────────────────────────────────
 
 
@@ -363,14 +119,7 @@ def _read_marker(folder: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _pid_namespace() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
-def _bwrapprocesses() -> list[tuple[int, list[str]]]:
+def _bwrap_processes() -> list[tuple[int, list[str]]]:
     return [
         (pid, argv)
         for pid, _state, argv in processes()
@@ -380,7 +129,7 @@ def _bwrapprocesses() -> list[tuple[int, list[str]]]:
 
 def _scan_local(roots: Sequence[Path]) -> dict[str, SandboxInfo]:
     found: dict[str, SandboxInfo] = {}
-    bwraps = _bwrapprocesses()
+    bwraps = _bwrap_processes()
     for root in roots:
         try:
             folders = sorted(p for p in root.iterdir() if p.name.startswith("harbor-async-") and p.is_dir())
@@ -397,7 +146,7 @@ def _scan_local(roots: Sequence[Path]) -> dict[str, SandboxInfo]:
             label = marker.get("run_label") or label
             owner = marker.get("owner_pid")
             pid = owner if isinstance(owner, int) else pid
-            created = _parse_time(marker.get("created_at")) or _mtime(folder)
+            created = parse_time(marker.get("created_at")) or mtime(folder)
             info = SandboxInfo("local", session, label, pid, created)
             fs = str(folder / "fs")
             pids = {bpid for bpid, argv in bwraps if fs in argv}
@@ -415,7 +164,7 @@ def _scan_local(roots: Sequence[Path]) -> dict[str, SandboxInfo]:
                 info.resources.append(Resource("process", str(bpid), comm(bpid)))
             info.owned_by_live_process = has_live_parent(pids)
             namespace = marker.get("pid_ns")
-            info.foreign_pid = bool(namespace) and namespace != _pid_namespace()
+            info.foreign_pid = bool(namespace) and namespace != pid_namespace()
             info.resources.append(Resource("folder", str(folder)))
             # Two roots may hold the same session id: key by folder.
             found[str(folder)] = info
@@ -447,7 +196,7 @@ def _remove_folders(sandboxes: Sequence[SandboxInfo], kind: str, errors: list[st
 def _scan_trial_dirs() -> dict[str, list[tuple[Path, datetime | None]]]:
     found: dict[str, list[tuple[Path, datetime | None]]] = {}
     entries: list[Path] = []
-    for temp in _temp_dirs():
+    for temp in temp_dirs():
         try:
             entries.extend(temp.iterdir())
         except OSError:
@@ -455,7 +204,7 @@ def _scan_trial_dirs() -> dict[str, list[tuple[Path, datetime | None]]]:
     for entry in entries:
         match = _TRIAL_DIR.match(entry.name)
         if match is not None and entry.is_dir():
-            found.setdefault(match["session"], []).append((entry, _mtime(entry)))
+            found.setdefault(match["session"], []).append((entry, mtime(entry)))
     return found
 
 
@@ -502,11 +251,11 @@ def list_sandboxes(
     nested = nested_pids()
     if backend in ("docker", "all") and shutil.which("docker"):
         try:
-            docker = _scan_docker()
+            docker = docker_cleanup.scan()
         except (ReaperError, OSError, subprocess.TimeoutExpired) as exc:
             problems.append(f"docker: {exc}")
             docker = {}
-        remote = not docker_is_local()
+        remote = not docker_cleanup.docker_is_local()
         for info in docker.values():
             info.owner_alive = True if remote else _alive(info, nested)
             sandboxes.append(info)
@@ -522,7 +271,7 @@ def list_sandboxes(
             if backend != "all":
                 continue
             label, pid = owner_from_session(session)
-            info = SandboxInfo("trial", session, label, pid, _earliest(*(t for _, t in folders)))
+            info = SandboxInfo("trial", session, label, pid, earliest(*(t for _, t in folders)))
             info.owner_alive = owner_alive(pid, info.created_at, nested)
             sandboxes.append(info)
         info.resources.extend(Resource("trial-dir", str(path)) for path, _ in folders)
@@ -625,7 +374,7 @@ def _remove(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
     local = [s for s in sandboxes if s.backend == "local"]
     if docker:
         try:
-            _remove_docker(docker, errors)
+            docker_cleanup.remove(docker, errors)
         except (OSError, subprocess.TimeoutExpired) as exc:
             errors.append(f"docker: {exc}")
     if local:
@@ -633,9 +382,15 @@ def _remove(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
     _remove_folders(sandboxes, "trial-dir", errors)
 
 
-def reap_stale(roots: Iterable[str | Path] = ()) -> ReapReport:
+def reap_stale(roots: Iterable[str | Path] = (), *, backend_kwargs: dict[str, Any] | None = None) -> ReapReport:
     """What an engine runs at start with ``reap_stale=True``: reap every sandbox
-    of this machine whose owner is dead. Never raises; problems are logged."""
+    of this machine whose owner is dead. Never raises; problems are logged.
+
+    ``backend_kwargs``: the engine's backend options; the local backend's
+    ``sandbox_root`` among them is scanned too.
+    """
+    root = (backend_kwargs or {}).get("sandbox_root")
+    roots = [*roots, root] if root else list(roots)
     try:
         report = reap(None, include_live_owners=False, roots=roots)
     except Exception as exc:  # a start-up convenience must not stop the engine

@@ -7,16 +7,16 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
-import structlog
 
 from harbor_async.errors import SandboxError
+from harbor_async.logs import get_logger
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
 
     from harbor_async.engine import Engine
 
-log = structlog.get_logger("harbor_async")
+log = get_logger()
 
 #: Agents that need no model: Harbor's oracle (runs solution/solve.sh) and none.
 AGENTS = ("oracle", "none")

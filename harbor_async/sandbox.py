@@ -1,8 +1,10 @@
 """One Harbor environment's lifecycle: start, exec, upload/download, verify, stop.
 
-A :class:`Sandbox` is created by the :class:`~harbor_async.engine.Engine`, which
-owns its limits, timeouts, retries, statistics and ledger. Every method runs on
-the engine's event loop; every Harbor object is created, used and closed there.
+A :class:`Sandbox` is created by the :class:`~harbor_async.engine.Engine`,
+which hands it a frozen :class:`SandboxContext` (timeouts, retry policy,
+limiters, stats sink, release callback) and never reaches into it; the sandbox
+never imports the engine. Every method runs on the engine's event loop; every
+Harbor object is created, used and closed there.
 """
 
 from __future__ import annotations
@@ -10,35 +12,71 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
-import structlog
 
 from harbor_async.backends import BackendSpec
-from harbor_async.backends.docker_overlay import wants_overlay, write_overlay
 from harbor_async.errors import (
     PHASE_ERRORS,
+    BackendExecTimeout,
+    EpisodeDeadlineError,
     Phase,
     SandboxClosedError,
     SandboxError,
     SandboxTimeout,
 )
+from harbor_async.logs import get_logger
+from harbor_async.naming import new_sandbox_id, trial_dir_prefix
+from harbor_async.policy import RateLimiter, RetryPolicy, Timeouts
+from harbor_async.stats import StatsRecorder
 
 if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment
     from harbor.models.task.task import Task
 
-    from harbor_async.engine import Engine
-
 #: TRL's marker for cut output, kept so that prompts match TRL's env exactly.
 TRUNCATION_MARKER = "\n... [truncated]"
+
+
+@dataclass(frozen=True)
+class SandboxContext:
+    """What a sandbox needs from its engine, fixed for the engine's life.
+
+    Attributes:
+        run_label: carried by every sandbox of the run (see :mod:`harbor_async.naming`).
+        timeouts: per-phase budgets and the episode deadline.
+        retry: the start retry policy.
+        max_output: characters of exec output kept (``None``: all).
+        truncation_marker: appended to cut output.
+        live: the live-sandbox limiter; a sandbox holds one token from its
+            create call until its stop is confirmed.
+        live_limit: the limit ``live`` enforces (for messages), ``None`` if unlimited.
+        exec_slot: returns an async context holding one concurrent-exec slot.
+        rate: the create-rate limiter.
+        stats: the stats sink counters and latencies are recorded into.
+        on_done: called once a sandbox is stopped and holds nothing (the engine's ledger).
+        start_options: backend start options (e.g. ``docker_overlay``), see
+            :meth:`BackendSpec.start_extras`.
+    """
+
+    run_label: str
+    timeouts: Timeouts
+    retry: RetryPolicy
+    max_output: int | None
+    truncation_marker: str
+    live: anyio.CapacityLimiter
+    live_limit: int | None
+    exec_slot: Callable[[], AbstractAsyncContextManager[Any]]
+    rate: RateLimiter
+    stats: StatsRecorder
+    on_done: Callable[[Sandbox], None]
+    start_options: Mapping[str, Any] = field(default_factory=dict)
 
 
 class SandboxState(StrEnum):
@@ -111,25 +149,25 @@ class Sandbox:
 
     def __init__(
         self,
-        engine: Engine,
+        context: SandboxContext,
         task: Task,
         backend: BackendSpec,
         *,
         backend_kwargs: dict[str, Any] | None = None,
         episode_timeout: float | None = None,
     ) -> None:
-        self.engine = engine
+        self.context = context
         self.task = task
         self.task_name: str = task.name
         self.backend = backend
-        self.id = f"{engine.run_label}-{uuid.uuid4().hex[:10]}"
+        self.id = new_sandbox_id(context.run_label)
         self.state = SandboxState.PENDING
         self.attempts = 0
         self.times = PhaseTimes()
         self.start_error: SandboxError | None = None
         self.stop_error: SandboxError | None = None
         self._backend_kwargs = dict(backend_kwargs or {})
-        episode = episode_timeout if episode_timeout is not None else engine.timeouts.episode
+        episode = episode_timeout if episode_timeout is not None else context.timeouts.episode
         self._deadline = anyio.current_time() + episode if episode is not None else math.inf
         self._env: BaseEnvironment | None = None
         self._trial_dir: Path | None = None
@@ -138,9 +176,7 @@ class Sandbox:
         self._stop_claimed = False
         self._holds_slot = False
         self._start_scope: anyio.CancelScope | None = None
-        self._log = structlog.get_logger("harbor_async").bind(
-            task=self.task_name, sandbox=self.id, backend=backend.name
-        )
+        self._log = get_logger(task=self.task_name, sandbox=self.id, backend=backend.name)
 
     # ── public API ──────────────────────────────────────────────────────
 
@@ -188,9 +224,9 @@ class Sandbox:
         """
         await self.wait_started()
         environment = self.environment
-        limit = self.engine.max_output if max_output == "default" else max_output
-        budget = timeout if timeout is not None else self.engine.timeouts.exec
-        async with self.engine.exec_slot():
+        limit = self.context.max_output if max_output == "default" else max_output
+        budget = timeout if timeout is not None else self.context.timeouts.exec
+        async with self.context.exec_slot():
             async with self._phase(Phase.EXEC, budget=budget) as seconds:
                 # The engine's scope is exact; the backend's own timeout is a backstop.
                 timeout_sec = None if budget is None else math.ceil(budget) + 1
@@ -198,14 +234,14 @@ class Sandbox:
                     command, cwd=cwd, env=env, timeout_sec=timeout_sec, user=user
                 )
         stdout, stderr = result.stdout or "", result.stderr or ""
-        output, truncated = truncate_output(stdout + stderr, limit, self.engine.truncation_marker)
+        output, truncated = truncate_output(stdout + stderr, limit, self.context.truncation_marker)
         return ExecOutput(output, stdout, stderr, result.return_code, truncated, seconds())
 
     async def upload(self, source: Path | str, target: str) -> None:
         """Copy a host file or folder into the sandbox."""
         await self.wait_started()
         source = Path(source)
-        async with self.engine.exec_slot(), self._phase(Phase.EXEC, budget=self.engine.timeouts.exec):
+        async with self.context.exec_slot(), self._phase(Phase.EXEC, budget=self.context.timeouts.exec):
             if source.is_dir():
                 await self.environment.upload_dir(source, target)
             else:
@@ -214,7 +250,7 @@ class Sandbox:
     async def download(self, source: str, target: Path | str, *, directory: bool = False) -> None:
         """Copy a sandbox file (or folder, with ``directory=True``) to the host."""
         await self.wait_started()
-        async with self.engine.exec_slot(), self._phase(Phase.EXEC, budget=self.engine.timeouts.exec):
+        async with self.context.exec_slot(), self._phase(Phase.EXEC, budget=self.context.timeouts.exec):
             if directory:
                 await self.environment.download_dir(source, target)
             else:
@@ -229,8 +265,8 @@ class Sandbox:
         await self.wait_started()
         environment = self.environment
         async with (
-            self.engine.exec_slot(),
-            self._phase(Phase.VERIFY, budget=self.engine.timeouts.verify) as seconds,
+            self.context.exec_slot(),
+            self._phase(Phase.VERIFY, budget=self.context.timeouts.verify) as seconds,
         ):
             # test.sh redirects into the verifier dir; the shell cannot create its parent.
             env_paths = EnvironmentPaths.for_os(environment.os)
@@ -260,13 +296,13 @@ class Sandbox:
                 logs_dir=paths.agent_dir,
                 task_dir=self.task.paths.task_dir,
                 trial_paths=paths,
-                agent_timeout_sec=self.engine.timeouts.agent,
+                agent_timeout_sec=self.context.timeouts.agent,
             )
         elif agent in ("nop", "none"):
             runner = NopAgent(logs_dir=paths.agent_dir)
         else:
             raise ValueError(f"unknown agent {agent!r}; use 'oracle' or 'none'")
-        async with self.engine.exec_slot(), self._phase(Phase.AGENT, budget=self.engine.timeouts.agent):
+        async with self.context.exec_slot(), self._phase(Phase.AGENT, budget=self.context.timeouts.agent):
             await runner.run(self.task.instruction, environment, AgentContext())
 
     async def stop(self) -> None:
@@ -289,30 +325,77 @@ class Sandbox:
                 if self._env is not None:
                     self.state = SandboxState.STOPPING
                     try:
-                        async with self._phase(Phase.STOP, budget=self.engine.timeouts.stop):
+                        async with self._phase(Phase.STOP, budget=self.context.timeouts.stop):
                             await self._env.stop(delete=True)
                     except SandboxError as exc:
                         self.stop_error = exc
-                        self.engine.note_stop_failure(self, exc)
+                        self.context.stats.stop_failures += 1
+                        self._log.error("stop failed; the sandbox may be left behind", error=str(exc))
                     self._env = None
                 if self.state is not SandboxState.FAILED:
                     self.state = SandboxState.STOPPED
             finally:
                 self._remove_trial_dir()
-                self.engine.release(self)
+                self._release()
                 self._stopped.set()
 
-    # ── engine-facing: the start with retries ─────────────────────────────
+    # ── the start: a live slot, a create turn, retries ────────────────────
+
+    async def run_start(self) -> None:
+        """The whole start, for the engine's task group: wait for a live slot, then start.
+
+        A start that gets no slot within the slot budget (slots free only when
+        sandboxes stop) fails with a :class:`SandboxTimeout` naming the limit;
+        a failed start stops the sandbox, which gives the slot back.
+        """
+        stats = self.context.stats
+        with anyio.CancelScope() as scope:
+            self._start_scope = scope
+            wait = self._budget(Phase.START, self.context.timeouts.slot)
+            try:
+                with anyio.fail_after(wait if math.isfinite(wait) else None):
+                    await self.context.live.acquire_on_behalf_of(self)
+            except TimeoutError:
+                self._abandon_start(
+                    SandboxTimeout(
+                        Phase.START, self.task_name, self.id,
+                        f"no live-sandbox slot within {max(wait, 0):.3g} s "
+                        f"(limit: {self.context.live_limit} live sandboxes)",
+                    )  # fmt: skip
+                )
+            except BaseException as exc:
+                self._abandon_start(exc)
+                raise
+            else:
+                self._holds_slot = True
+                stats.add_live(+1)
+                await self._start()
+        if self.state is SandboxState.RUNNING:
+            stats.started += 1
+        else:
+            stats.failed += 1
+            if self.start_error is not None:
+                self._log.warning("start failed", error=str(self.start_error))
+            await self.stop()  # gives the slot back; the start already cleaned up
+
+    def _release(self) -> None:
+        """Give back the live slot and leave the engine's ledger."""
+        if self._holds_slot:
+            self._holds_slot = False
+            self.context.live.release_on_behalf_of(self)
+            self.context.stats.add_live(-1)
+            self.context.stats.stopped += 1
+        self.context.on_done(self)
 
     async def _start(self) -> None:
         """Create and start the environment, retrying transient failures."""
         self.state = SandboxState.STARTING
         try:
-            async for attempt in self.engine.retry.retrying():
+            async for attempt in self.context.retry.retrying():
                 with attempt:
                     self.attempts = attempt.retry_state.attempt_number
                     if self.attempts > 1:
-                        self.engine.note_retry(self)
+                        self.context.stats.retried += 1
                     await self._start_once()
         except BaseException as exc:
             self.state = SandboxState.FAILED
@@ -336,22 +419,27 @@ class Sandbox:
             EnvironmentConfig as TrialEnvironmentConfig,
         )
 
-        await self.engine.wait_create_turn()
-        async with self._phase(Phase.START, budget=self.engine.timeouts.start, wrap=False):
-            self._trial_dir = Path(tempfile.mkdtemp(prefix=f"harbor-async-{self.id}-"))
+        await self.context.rate.wait()
+        async with self._phase(Phase.START, budget=self.context.timeouts.start, wrap=False):
+            self._trial_dir = Path(tempfile.mkdtemp(prefix=trial_dir_prefix(self.id)))
             paths = self._trial_paths()
             paths.mkdir()
-            kwargs = {"run_label": self.engine.run_label, **self._backend_kwargs}
-            overlays = []
-            if self.engine.docker_overlay and wants_overlay(self.backend.type, self.task.config.environment.env, kwargs):
-                overlays.append(write_overlay(self._trial_dir, self.engine.run_label, self.id))
+            kwargs = {"run_label": self.context.run_label, **self._backend_kwargs}
+            extras = self.backend.start_extras(
+                trial_dir=self._trial_dir,
+                run_label=self.context.run_label,
+                sandbox_id=self.id,
+                task_env=self.task.config.environment.env,
+                backend_kwargs=kwargs,
+                options=self.context.start_options,
+            )
             try:
                 self._env = EnvironmentFactory.create_environment_from_config(
                     config=TrialEnvironmentConfig(
                         type=self.backend.type,
                         import_path=self.backend.import_path,
                         kwargs=kwargs,
-                        extra_docker_compose=overlays,
+                        **extras,
                     ),
                     environment_dir=self.task.paths.environment_dir,
                     environment_name=self.task.short_name,
@@ -370,7 +458,7 @@ class Sandbox:
         with anyio.CancelScope(shield=True):
             env, self._env = self._env, None
             if env is not None:
-                with anyio.move_on_after(self.engine.timeouts.stop or math.inf):
+                with anyio.move_on_after(self.context.timeouts.stop or math.inf):
                     try:
                         await env.stop(delete=True)
                     except Exception as exc:  # the start error is the one that matters
@@ -406,10 +494,10 @@ class Sandbox:
         error: SandboxError
         if isinstance(exc, TimeoutError):
             detail = f"no result within {budget:.3g} s" if budget is not None else str(exc)
-            if self._deadline - anyio.current_time() <= 0 and phase is not Phase.STOP:
-                detail += " (episode deadline)"
-            error = SandboxTimeout(phase, self.task_name, self.id, detail, attempt=attempt)
-        elif isinstance(exc, RuntimeError) and "timed out" in str(exc).lower():
+            deadline = self._deadline - anyio.current_time() <= 0 and phase is not Phase.STOP
+            kind = EpisodeDeadlineError if deadline else SandboxTimeout
+            error = kind(phase, self.task_name, self.id, detail, attempt=attempt)
+        elif isinstance(exc, BackendExecTimeout):
             error = SandboxTimeout(phase, self.task_name, self.id, str(exc), attempt=attempt)
         else:
             if isinstance(exc, anyio.get_cancelled_exc_class()):
@@ -434,7 +522,11 @@ class Sandbox:
         outcome = "ok"
         try:
             if limit <= 0:
-                raise TimeoutError("the episode deadline has passed")
+                if phase is not Phase.STOP and self._deadline <= begin:
+                    raise EpisodeDeadlineError(
+                        phase, self.task_name, self.id, "the episode deadline has passed", attempt=max(self.attempts, 1)
+                    )
+                raise TimeoutError(f"the {phase.value} budget is {limit:.3g} s")
             with anyio.fail_after(limit if math.isfinite(limit) else None, shield=phase is Phase.STOP):
                 yield elapsed
         except BaseException as exc:
@@ -449,7 +541,7 @@ class Sandbox:
             seconds = elapsed()
             self.times.add(phase, seconds)
             if outcome != "cancelled":
-                self.engine.record_phase(phase, seconds, outcome)
+                self.context.stats.record(phase.value, seconds, outcome == "ok")
             log = self._log.debug if outcome in ("ok", "cancelled") else self._log.warning
             log("phase", phase=phase.value, attempt=max(self.attempts, 1), seconds=round(seconds, 4), outcome=outcome)
 

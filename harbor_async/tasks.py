@@ -26,12 +26,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import structlog
 from harbor.models.task.config import TaskConfig
 from harbor.models.task.task import Task
 from pydantic import ValidationError
 
-from harbor_async.errors import HarborAsyncError
+from harbor_async.errors import (
+    EmptySuiteError,
+    SuiteNotFoundError,
+    TaskLoadError,
+)
+from harbor_async.logs import get_logger
 
 __all__ = [
     "EmptySuiteError",
@@ -43,7 +47,7 @@ __all__ = [
     "load_task",
 ]
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: The only part of a dataset repo that is downloaded.
 HUB_ALLOW_PATTERNS: list[str] = ["tasks/**"]
@@ -51,51 +55,6 @@ HUB_ALLOW_PATTERNS: list[str] = ["tasks/**"]
 _HF_PREFIX = "hf://"
 # A Hub repo id: "org/name", each part alphanumeric plus . _ - (no leading dot or dash).
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-class SuiteNotFoundError(HarborAsyncError, FileNotFoundError):
-    """The suite source is neither an existing local directory nor a reachable Hub dataset."""
-
-
-class EmptySuiteError(HarborAsyncError, ValueError):
-    """The suite (or the selected part of it) holds no valid task.
-
-    Attributes:
-        root: the folder that was searched for task folders.
-        invalid: the tasks that were found but failed validation, with reasons.
-    """
-
-    def __init__(self, root: Path, invalid: Sequence[InvalidTask] = ()) -> None:
-        self.root = root
-        self.invalid = list(invalid)
-        if self.invalid:
-            reasons = "\n".join(f"  - {t.path.name}: {t.reason}" for t in self.invalid)
-            msg = f"no valid task in suite {root}; {len(self.invalid)} invalid:\n{reasons}"
-        else:
-            msg = (
-                f"no tasks found under {root} (expected <root>/tasks/<name>/task.toml "
-                "or <root>/<name>/task.toml)"
-            )
-            if (root / "task.toml").is_file():
-                msg += "; this folder is a single task: load it with load_task()"
-        super().__init__(msg)
-
-
-class TaskLoadError(HarborAsyncError, ValueError):
-    """One task folder is not a valid Harbor task.
-
-    Attributes:
-        path: the task folder.
-        reason: why it is invalid, in one line.
-    """
-
-    def __init__(self, path: Path | str, reason: str) -> None:
-        self.path = Path(path)
-        self.reason = reason
-        super().__init__(f"invalid task {self.path}: {reason}")
-
-    def __reduce__(self):  # keep it picklable (two-argument constructor)
-        return (type(self), (self.path, self.reason))
 
 
 @dataclass(frozen=True)

@@ -472,6 +472,6 @@ def _abandon(episodes: list[Episode]) -> None:
 def _report_unexpected(future: Any) -> None:
     # Episode.run keeps every failure as a value; anything raised here is a bug worth seeing.
     if not future.cancelled() and future.exception() is not None:
-        import structlog
+        from harbor_async.logs import get_logger
 
-        structlog.get_logger("harbor_async.shim").error("episode task crashed", error=repr(future.exception()))
+        get_logger("harbor_async.shim").error("episode task crashed", error=repr(future.exception()))

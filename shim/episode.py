@@ -18,10 +18,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import structlog
 
-from harbor_async.engine import EngineClosedError
-from harbor_async.errors import Phase, SandboxClosedError, SandboxError, SandboxTimeout, StartError
+from harbor_async.errors import EngineClosedError, Phase, SandboxClosedError, SandboxError, SandboxTimeout, StartError
+from harbor_async.logs import get_logger
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
@@ -30,7 +29,7 @@ if TYPE_CHECKING:
     from harbor_async.engine import Engine
     from harbor_async.sandbox import Sandbox
 
-log = structlog.get_logger("harbor_async.shim")
+log = get_logger("harbor_async.shim")
 
 #: The episode whose harness setup is running in the current task: lets
 #: ``HarborEnv._env`` inside ``_setup()`` mean that episode's sandbox even if the

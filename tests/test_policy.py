@@ -75,15 +75,14 @@ def test_backend_names():
 
 
 def test_logs_follow_the_current_stderr(capsys):
-    import structlog
 
-    from harbor_async.logs import configure_logging
+    from harbor_async.logs import configure_logging, get_logger
 
     configure_logging("info", "json", force=True)
     try:
-        structlog.get_logger("harbor_async").info("phase", phase="exec", seconds=0.1)
+        get_logger().info("phase", phase="exec", seconds=0.1)
         first = capsys.readouterr().err
-        structlog.get_logger("harbor_async").warning("phase", phase="stop", outcome="timeout")
+        get_logger().warning("phase", phase="stop", outcome="timeout")
         second = capsys.readouterr().err
     finally:
         configure_logging(force=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from harbor_async import leftovers, naming, reaper
+from harbor_async.backends.docker import cleanup as docker_cleanup
 from harbor_async.engine import Engine
 from tests.engine_child import kill_mid_batch
 
@@ -157,14 +158,14 @@ def test_compose_command_lines_name_their_project():
         "docker", "compose", "--project-name", "ha12x0abcde-0123456789",
         "-f", "/tmp/tmpabcdefgh/docker-compose-mounts.json", "up",
     ]  # fmt: skip
-    assert reaper._compose_project_of(argv) == "ha12x0abcde-0123456789"
+    assert docker_cleanup._compose_project_of(argv) == "ha12x0abcde-0123456789"
     plugin = ["/root/.docker/cli-plugins/docker-compose", "compose", "-p", "x", "down"]
-    assert reaper._compose_project_of(plugin) == "x"
-    assert reaper._compose_project_of(["python", "--project-name", "x"]) is None
+    assert docker_cleanup._compose_project_of(plugin) == "x"
+    assert docker_cleanup._compose_project_of(["python", "--project-name", "x"]) is None
     tmp = Path(tempfile.gettempdir()).resolve()
     mounts = tmp / "tmpabcdefgh" / "docker-compose-mounts.json"
-    assert reaper._harbor_compose_dirs([str(mounts)]) == {mounts.parent}
-    assert reaper._harbor_compose_dirs(["/work/task/docker-compose.yaml", str(tmp / "mine" / "compose.json")]) == set()
+    assert docker_cleanup._harbor_compose_dirs([str(mounts)]) == {mounts.parent}
+    assert docker_cleanup._harbor_compose_dirs(["/work/task/docker-compose.yaml", str(tmp / "mine" / "compose.json")]) == set()
 
 
 # ─── local sandboxes: real folders and processes ──────────────────────────────

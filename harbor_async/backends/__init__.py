@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
+from typing import Any
 
 from harbor_async.errors import AsyncLibraryError, BackendError
 
@@ -25,6 +28,28 @@ class BackendSpec:
     def environment_class(self) -> type:
         """The Harbor environment class (imports it; vendor SDKs load only here)."""
         return _environment_class(self)
+
+    def start_extras(
+        self,
+        *,
+        trial_dir: Path,
+        run_label: str,
+        sandbox_id: str,
+        task_env: Mapping[str, str] | None,
+        backend_kwargs: Mapping[str, Any],
+        options: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """Extra fields of Harbor's trial ``EnvironmentConfig`` this backend wants at a start.
+
+        Harbor's docker backend gets a Compose overlay with the run's labels and
+        an init (see :mod:`harbor_async.backends.docker.overlay`) unless
+        ``options["docker_overlay"]`` is false; other backends want nothing.
+        """
+        if self.type == "docker" and options.get("docker_overlay", True):
+            from harbor_async.backends.docker.overlay import overlay_extras
+
+            return overlay_extras(trial_dir, run_label, sandbox_id, task_env, backend_kwargs)
+        return {}
 
     def check_async_library(self) -> None:
         """Load the class; fail clearly when an asyncio-only backend is driven under trio.

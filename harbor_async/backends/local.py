@@ -47,7 +47,6 @@ import logging
 import os
 import posixpath
 import queue
-import re
 import select
 import shutil
 import signal

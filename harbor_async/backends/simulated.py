@@ -30,11 +30,7 @@ from harbor.environments.base import (
 )
 from harbor.environments.capabilities import EnvironmentCapabilities
 
-
-class SimulatedTransientError(ConnectionError):
-    """A start failure that a retry can fix (like a provider's 503)."""
-
-    transient = True
+from harbor_async.errors import SimulatedTransientError
 
 
 @dataclass(frozen=True)

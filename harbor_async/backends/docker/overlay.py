@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from harbor_async.naming import LABEL_OWNER_PID, LABEL_PID_NS, LABEL_RUN, LABEL_SANDBOX
 
@@ -44,3 +46,16 @@ def write_overlay(folder: Path, run_label: str, sandbox_id: str) -> Path:
 def wants_overlay(backend_type: str | None, task_env: dict[str, str] | None, backend_kwargs: dict) -> bool:
     """Whether a sandbox gets the overlay: docker, no task env, no overlay of the caller's own."""
     return backend_type == "docker" and not task_env and not backend_kwargs.get("extra_docker_compose")
+
+
+def overlay_extras(
+    trial_dir: Path,
+    run_label: str,
+    sandbox_id: str,
+    task_env: Mapping[str, str] | None,
+    backend_kwargs: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The trial-config fields that give one sandbox the overlay (none when it must not have one)."""
+    if not wants_overlay("docker", dict(task_env or {}), dict(backend_kwargs)):
+        return {}
+    return {"extra_docker_compose": [write_overlay(trial_dir, run_label, sandbox_id)]}
