@@ -91,7 +91,7 @@ def grpo_step(
     if unknown:
         raise typer.BadParameter(f"unknown implementation(s) {sorted(unknown)}; use {IMPLEMENTATIONS}")
     if "trl" in impls and (backend in ("local", "simulated") or ":" in backend):
-        err.print("TRL's env runs through shim.reference: its smallest subclass that only creates the Harbor environment by import path")
+        err.print("TRL's env runs through benchmarks.reference: its smallest subclass that only creates the Harbor environment by import path")
     runs: list[GrpoRun] = []
     for batch in _ints(batch_sizes):
         for impl in impls:

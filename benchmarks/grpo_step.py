@@ -8,7 +8,7 @@ only the time spent in environment calls counts.
 
 TRL's env (``trl.experimental.harbor.HarborBashEnv``) hands ``environment_type``
 to Harbor as a type name only; on the ``local`` and ``simulated`` backends it is
-driven through :mod:`shim.reference`, the smallest subclass that changes
+driven through :mod:`benchmarks.reference`, the smallest subclass that changes
 nothing but how the Harbor environment is created (by import path).
 """
 
@@ -79,7 +79,7 @@ def _make_envs(implementation: str, backend: str, batch: int, backend_kwargs: di
     if implementation == "trl":
         from trl.experimental.harbor._spec import _outcome_reward_func
 
-        from shim.reference import ReferenceHarborBashEnv
+        from benchmarks.reference import ReferenceHarborBashEnv
 
         envs = [ReferenceHarborBashEnv(environment_type=backend, backend_kwargs=backend_kwargs) for _ in range(batch)]
         return envs, _outcome_reward_func
@@ -97,7 +97,7 @@ def _make_envs(implementation: str, backend: str, batch: int, backend_kwargs: di
 
 def _close(implementation: str, envs: Sequence[Any]) -> None:
     if implementation == "trl":
-        from shim.reference import close_reference_env
+        from benchmarks.reference import close_reference_env
 
         for env in envs:
             close_reference_env(env)

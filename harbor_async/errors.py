@@ -10,10 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from harbor_async.tasks import InvalidTask
+from typing import Any
 
 
 class Phase(StrEnum):
@@ -171,10 +168,11 @@ class EmptySuiteError(HarborAsyncError, ValueError):
 
     Attributes:
         root: the folder that was searched for task folders.
-        invalid: the tasks that were found but failed validation, with reasons.
+        invalid: the tasks that were found but failed validation, with reasons
+            (:class:`harbor_async.tasks.InvalidTask`).
     """
 
-    def __init__(self, root: Path, invalid: Sequence[InvalidTask] = ()) -> None:
+    def __init__(self, root: Path, invalid: Sequence[Any] = ()) -> None:
         self.root = root
         self.invalid = list(invalid)
         if self.invalid:

@@ -30,6 +30,8 @@ T = TypeVar("T")
 
 #: Seconds the exit handler waits for engines to stop their sandboxes.
 EXIT_BUDGET = 60.0
+#: Seconds the exit handler then waits for the loop itself to end.
+LOOP_STOP_BUDGET = 5.0
 
 
 class LoopThread:
@@ -115,7 +117,9 @@ class LoopThread:
         A coroutine function goes straight to asyncio's
         ``run_coroutine_threadsafe`` (one thread hand-off, which is what every
         shim tool call pays); a plain callable runs on the loop through the
-        portal.
+        portal. Measured here (2 cores, a no-op coroutine, p50 of 3,000 calls):
+        the portal's ``call``/``start_task_soon`` take about 85 µs, the direct
+        hand-off about 40 µs, so the hot path bypasses the portal.
         """
         if self.in_loop_thread():
             raise LoopThreadError("submit() is for other threads; on the loop thread, spawn a task")
@@ -168,12 +172,19 @@ class LoopThread:
                 print(f"harbor-async: error while stopping sandboxes at exit: {exc!r}", file=sys.stderr)
         portal, thread = self._portal, self._thread
         if portal is not None:
+            # Never portal.call here: a loop wedged by a blocking call would hang the exit.
             try:
-                portal.call(portal.stop, True)
+                portal.start_task_soon(portal.stop, True).result(LOOP_STOP_BUDGET)
+            except FutureTimeout:
+                print(
+                    f"harbor-async: the loop thread did not stop within {LOOP_STOP_BUDGET:.0f} s "
+                    "(a blocking call on it?); leaving it behind",
+                    file=sys.stderr,
+                )
             except Exception:  # the loop may already be gone
                 pass
         if thread is not None:
-            thread.join(timeout=5)
+            thread.join(timeout=LOOP_STOP_BUDGET)
 
 
 async def _close_all(engines: list[Engine]) -> None:

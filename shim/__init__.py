@@ -12,7 +12,7 @@ own sandbox, ``spec.reward_funcs`` verifies a batch concurrently, and
 Modules: :mod:`shim.spec` (``HarborSpec``), :mod:`shim.env` (``HarborEnv``,
 ``HarborBashEnv``), :mod:`shim.rewards` (batched reward, env-owned reward),
 :mod:`shim.episode` (one rollout on the loop thread), :mod:`shim.options`
-(engine options), :mod:`shim.runtime` (shared engines), :mod:`shim.reference`
+(engine options), :mod:`shim.engines` (shared engines), :mod:`benchmarks.reference`
 (TRL's own env on any backend, for comparisons; imports trl).
 """
 

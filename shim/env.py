@@ -37,7 +37,7 @@ import sniffio
 from harbor_async.backends import resolve_backend
 from harbor_async.sandbox import SandboxState
 from harbor_async.tasks import load_task
-from shim import runtime
+from shim import engines
 from shim.episode import (
     BASE_SETUP_COMMAND,
     PREPARING,
@@ -132,7 +132,7 @@ class HarborEnv:
         # which must not hold the env itself.
         self._episodes: list[Episode] = []
         self._state_lock = threading.Lock()
-        runtime.prepare_exit_handlers()
+        engines.prepare_exit_handlers()
         self._finalizer = weakref.finalize(self, _abandon, self._episodes)
         # At exit the loop module stops every engine's sandboxes; a finalizer
         # running then could only race it.
@@ -172,15 +172,15 @@ class HarborEnv:
             task = _load_task_cached(task_dir)
         except BaseException:
             if previous is not None:
-                runtime.submit(previous.retire)
+                engines.submit(previous.retire)
             raise
-        engine = runtime.engine_for(self._options)
+        engine = engines.engine_for(self._options)
         episode = Episode(task, engine, self._backend, self._backend_kwargs)
         episode.owner = weakref.ref(self)
         with self._state_lock:
             self._episode = episode
             self._episodes.append(episode)
-        future = runtime.submit(episode.run, previous, self._prepare)
+        future = engines.submit(episode.run, previous, self._prepare)
         future.add_done_callback(_report_unexpected)
         return task.instruction + self.PROMPT_SUFFIX
 
@@ -198,7 +198,7 @@ class HarborEnv:
             return 0.0
         if episode.reward is not None:
             return episode.reward
-        return runtime.call(episode.verify)
+        return engines.call(episode.verify)
 
     def _exec(self, command: str, timeout: float | None = None) -> str:
         """Run a shell command in the sandbox; return combined stdout+stderr (truncated to 8k).
@@ -215,7 +215,7 @@ class HarborEnv:
         episode = self._current()
         if episode is None:
             return "Error: no task is loaded; reset() must be called first."
-        return runtime.call(episode.exec, command, self._timeout(timeout))
+        return engines.call(episode.exec, command, self._timeout(timeout))
 
     async def _aexec(self, command: str, timeout: float | None = None) -> str:
         """:meth:`_exec` for async tools and ``_setup``: awaits without blocking the caller's loop.
@@ -229,9 +229,9 @@ class HarborEnv:
         if episode is None:
             return "Error: no task is loaded; reset() must be called first."
         timeout = self._timeout(timeout)
-        if runtime.in_loop_thread():
+        if engines.in_loop_thread():
             return await episode.exec(command, timeout)
-        return await _await_loop(runtime.submit(episode.exec, command, timeout))
+        return await _await_loop(engines.submit(episode.exec, command, timeout))
 
     async def _areward(self) -> float:
         """:attr:`reward` for async callers (the env-owned ``get_reward`` path)."""
@@ -240,9 +240,9 @@ class HarborEnv:
             return 0.0
         if episode.reward is not None:
             return episode.reward
-        if runtime.in_loop_thread():
+        if engines.in_loop_thread():
             return await episode.verify()
-        return await _await_loop(runtime.submit(episode.verify))
+        return await _await_loop(engines.submit(episode.verify))
 
     async def _setup(self) -> None:
         """Harness-specific sandbox preparation, run once per ``reset`` after the sandbox is up.
@@ -293,8 +293,8 @@ class HarborEnv:
         new sandbox.
         """
         episodes = self._detach_episodes()
-        if episodes and runtime.loop_running():
-            runtime.call(stop_episodes, episodes, timeout=_close_budget(self._options))
+        if episodes and engines.loop_running():
+            engines.call(stop_episodes, episodes, timeout=_close_budget(self._options))
 
     close = not_a_tool(_close)
 
@@ -459,12 +459,12 @@ def _abandon(episodes: list[Episode]) -> None:
         return
     pending = list(episodes)
     try:
-        if not runtime.loop_running():
+        if not engines.loop_running():
             return
-        if runtime.in_loop_thread():
+        if engines.in_loop_thread():
             retire_episodes(pending)
         else:
-            runtime.submit(retire_episodes, pending)
+            engines.submit(retire_episodes, pending)
     except Exception:  # noqa: BLE001, S110 - a finalizer must never raise; the exit handler stops what is left
         pass
 

@@ -4,7 +4,7 @@
 :class:`EngineOptions` as a keyword argument (``max_live_sandboxes=16,
 exec_timeout=60``); an unknown keyword raises ``TypeError``. The options are
 frozen and hashable: every env of the process with the same options shares one
-:class:`~harbor_async.engine.Engine` (see :mod:`shim.runtime`), so limits apply
+:class:`~harbor_async.engine.Engine` (see :mod:`shim.engines`), so limits apply
 across the whole batch, not per env.
 """
 

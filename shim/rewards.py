@@ -22,7 +22,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shim import runtime
+from shim import engines
 from shim.env import HarborEnv
 from shim.episode import Episode, verify_episodes
 
@@ -80,7 +80,7 @@ def verify_environments(environments: Sequence[Any]) -> list[float]:
         else:
             rewards[index] = float(env.reward)
     if pending:
-        values = runtime.call(verify_episodes, [episode for _, episode in pending])
+        values = engines.call(verify_episodes, [episode for _, episode in pending])
         for (index, _), value in zip(pending, values, strict=True):
             rewards[index] = value
     return [float(r) for r in rewards]  # type: ignore[arg-type]

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Self, Unpack
 
 from harbor_async.backends import resolve_backend
 from harbor_async.tasks import load_suite
-from shim import runtime
+from shim import engines
 from shim.env import AGENTS, HarborEnv, _close_budget
 from shim.episode import stop_episodes
 from shim.options import EngineOptions, EngineOptionsKwargs
@@ -278,8 +278,8 @@ class HarborSpec:
         """
         envs = list(_SPEC_ENVS.get(self._token, ()))
         episodes = [episode for env in envs for episode in env._detach_episodes()]
-        if episodes and runtime.loop_running():
-            runtime.call(stop_episodes, episodes, timeout=_close_budget(self._options))
+        if episodes and engines.loop_running():
+            engines.call(stop_episodes, episodes, timeout=_close_budget(self._options))
 
     def __enter__(self) -> Self:
         return self

@@ -38,7 +38,7 @@ def test_grpo_step_compares_trl_and_the_shim(tmp_path):
         assert r["mean_reward"] == runs[("trl", batch)]["mean_reward"]
     assert (tmp_path / "grpo-step-local.png").stat().st_size > 10_000
     assert "ratio shim/TRL" in run["stdout"]
-    assert "shim.reference" in run["stderr"]  # says how TRL's env was driven on this backend
+    assert "benchmarks.reference" in run["stderr"]  # says how TRL's env was driven on this backend
 
 
 def test_throughput_reports_rates_latencies_and_memory(tmp_path):

@@ -22,7 +22,7 @@ from transformers.utils import get_json_schema
 
 import shim
 from harbor_async.suites import example_suite_path
-from shim import HarborSpec, runtime
+from shim import HarborSpec, engines
 from shim.harnesses import HarborPythonEnv, HarborTerminalEnv
 from shim.harnesses import python_kernel, terminal
 
@@ -317,12 +317,12 @@ def test_close_leaves_nothing() -> None:
     terminal_env.start_background("sleep 1912", "sleeper")
     processes = own_processes(f"{KERNEL_PROCESS}|sleep 191[12]")
     assert len(processes) == 3
-    assert runtime.live_sandbox_count() == 2
+    assert engines.live_sandbox_count() == 2
     python_env.close()
     terminal_env.close()
     # no kernel, job or background process, no sandbox, no process joining one
     assert still_running(processes) == []
-    assert runtime.live_sandbox_count() == 0
+    assert engines.live_sandbox_count() == 0
     assert own_processes(f"/proc/{os.getpid()}/fd/") == {}  # no nsenter joining a sandbox
     assert own_processes("bwrap") == {}
     local_root = Path(os.environ.get("HARBOR_ASYNC_LOCAL_ROOT", "/tmp/harbor-async-local"))
@@ -332,4 +332,4 @@ def test_close_leaves_nothing() -> None:
 
 
 def _run_labels() -> list[str]:
-    return [engine.run_label for engine in runtime.engines()]
+    return [engine.run_label for engine in engines.open_engines()]

@@ -2,7 +2,7 @@
 
 Backends: ``local`` (real bubblewrap sandboxes) where outputs or files matter,
 ``simulated`` for latencies and fault injection. TRL's own env runs through
-``shim.reference`` on the same backend for the equivalence test.
+``benchmarks.reference`` on the same backend for the equivalence test.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from harbor_async.errors import BackendError
 from harbor_async.sandbox import Sandbox
 from harbor_async.suites import example_suite_path
 from harbor_async.tasks import TaskLoadError
-from shim import runtime
+from shim import engines
 from shim.env import not_a_tool
 from shim.rewards import _outcome_reward_func
 
@@ -306,7 +306,7 @@ def test_missing_task_dir_raises_clearly_and_stops_the_previous_sandbox(tmp_path
     env.reset(task_dir=WORDS)
     assert "story.txt" in env.bash("ls")
     env.close()
-    assert runtime.live_sandbox_count() == 0
+    assert engines.live_sandbox_count() == 0
 
 
 def test_wrong_argument_types_give_clear_messages():
@@ -355,7 +355,7 @@ def test_start_failure_is_a_message_and_scores_zero(monkeypatch: pytest.MonkeyPa
     assert "StartError" in bad.sandbox_error and good.sandbox_error is None
     for env in (good, bad):
         env.close()
-    assert runtime.live_sandbox_count() == 0
+    assert engines.live_sandbox_count() == 0
     assert SimulatedEnvironment.live_now == 0
 
 
@@ -376,7 +376,7 @@ def test_broken_backend_by_import_path_is_a_message(monkeypatch: pytest.MonkeyPa
         assert env.reward == 0.0
     finally:
         env.close()
-    assert runtime.live_sandbox_count() == 0
+    assert engines.live_sandbox_count() == 0
 
 
 def test_harness_setup_runs_on_the_loop_and_its_failure_is_contained():
@@ -402,7 +402,7 @@ def test_harness_setup_runs_on_the_loop_and_its_failure_is_contained():
     finally:
         ok.close()
         broken.close()
-    assert runtime.live_sandbox_count() == 0
+    assert engines.live_sandbox_count() == 0
 
 
 def test_exec_from_threads_and_from_another_event_loop():
@@ -442,8 +442,8 @@ def test_reward_funcs_verify_a_batch_concurrently_in_one_loop_call(monkeypatch: 
     n = 6
     counter = CountingVerify().install(monkeypatch)
     calls = []
-    real_call = runtime.call
-    monkeypatch.setattr(runtime, "call", lambda fn, *a, **k: (calls.append(fn.__name__), real_call(fn, *a, **k))[1])
+    real_call = engines.call
+    monkeypatch.setattr(engines, "call", lambda fn, *a, **k: (calls.append(fn.__name__), real_call(fn, *a, **k))[1])
     spec = shim.HarborSpec(
         example_suite_path(), environment_type="simulated", backend_kwargs={"verify_latency": 0.3, "reward": 0.25}
     )
@@ -552,13 +552,13 @@ def test_close_is_idempotent_and_env_is_reusable(leak_probe):
     assert len(leak_probe.sandbox_dirs() - dirs_before) >= 1
     env.close()
     env.close()
-    assert runtime.live_sandbox_count() == 0
+    assert engines.live_sandbox_count() == 0
     assert leak_probe.sandbox_dirs() - dirs_before == set()
     env.reset(task_dir=CSV_SUM)
     assert env.bash("ls") == "sales.csv\n"
     with env:
         pass  # __exit__ closes
-    assert runtime.live_sandbox_count() == 0
+    assert engines.live_sandbox_count() == 0
 
 
 def test_garbage_collected_env_stops_its_sandbox():
@@ -569,7 +569,7 @@ def test_garbage_collected_env_stops_its_sandbox():
     del env
     gc.collect()
     wait_until(lambda: sandbox.done)
-    assert runtime.live_sandbox_count() == 0
+    assert engines.live_sandbox_count() == 0
 
 
 # ── equivalence with TRL's own env ──────────────────────────────────────────
@@ -594,7 +594,7 @@ ROLLOUTS = {
 
 
 def test_same_rollouts_give_trls_prompts_outputs_and_rewards():
-    from shim.reference import ReferenceHarborBashEnv, close_reference_env
+    from benchmarks.reference import ReferenceHarborBashEnv, close_reference_env
 
     def play(env) -> list[object]:
         record: list[object] = []

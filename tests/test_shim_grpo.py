@@ -33,7 +33,7 @@ import shim
 import shim.rewards
 from harbor_async.suites import example_suite_path
 from harbor_async.tasks import load_task
-from shim import runtime
+from shim import engines
 from shim.spec import _SPEC_ENVS
 from tests.tiny_model import build_tiny_qwen3, encode_exact
 
@@ -149,13 +149,13 @@ def test_grpo_trainer_runs_on_shim_spec_with_real_sandboxes(
 
     # Record every batch the reward function verifies, and the loop calls it makes.
     loop_calls = []
-    real_call = runtime.call
+    real_call = engines.call
 
     def counting_call(fn, *args, **kwargs):
         loop_calls.append(getattr(fn, "__name__", repr(fn)))
         return real_call(fn, *args, **kwargs)
 
-    monkeypatch.setattr(runtime, "call", counting_call)
+    monkeypatch.setattr(engines, "call", counting_call)
     batches = []
     real_verify = shim.rewards.verify_environments
 
@@ -243,8 +243,8 @@ def test_grpo_trainer_runs_on_shim_spec_with_real_sandboxes(
     assert set(_SPEC_ENVS[spec._token]) == set(pool)
 
     # ── after close(): nothing alive ──
-    assert runtime.live_sandbox_count() == 0
-    assert all(not engine.live_sandboxes() for engine in runtime.engines())
+    assert engines.live_sandbox_count() == 0
+    assert all(not engine.live_sandboxes() for engine in engines.open_engines())
     assert leak_probe.sandbox_dirs() - dirs_before == set()
     assert leak_probe.bwrap_pids() - bwrap_before == set()
 
@@ -276,7 +276,7 @@ def test_grpo_trainer_with_env_owned_reward_counts_it_once(tmp_path: Path, tiny_
     assert entry["rewards/HarborBashEnv/mean"] == pytest.approx(0.5)
     assert entry["reward"] == pytest.approx(0.5)  # 1.0 and 0.0 per group, each counted once
     assert not any(key.startswith("rewards/_outcome") for key in entry)
-    assert runtime.live_sandbox_count() == 0
+    assert engines.live_sandbox_count() == 0
 
 
 def test_async_grpo_rollout_worker_scores_with_get_reward(tiny_model) -> None:
@@ -368,4 +368,4 @@ def test_async_grpo_rollout_worker_scores_with_get_reward(tiny_model) -> None:
             assert row.metrics["tools/failure_frequency"] == 0.0
             (tool_message,) = [m for m in row.completion if m["role"] == "tool"]
             assert tool_message["content"].startswith("/workdir\n")  # ran in the sandbox
-    assert runtime.live_sandbox_count() == 0
+    assert engines.live_sandbox_count() == 0

@@ -12,7 +12,7 @@ Importing this package registers both in :data:`shim.AGENTS` under
 it is imported; ``agent="shim.harnesses:HarborPythonEnv"`` works regardless.
 """
 
-from shim import AGENTS
+from shim.env import AGENTS
 from shim.harnesses.python_kernel import HarborPythonEnv
 from shim.harnesses.terminal import HarborTerminalEnv
 

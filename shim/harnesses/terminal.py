@@ -38,7 +38,7 @@ import base64
 import hashlib
 import re
 
-from shim import HarborEnv
+from shim.env import HarborEnv
 
 #: Where the terminal keeps its state (the working folder, the jobs) in the sandbox.
 TERMINAL_DIR = "/tmp/.harbor-terminal"

@@ -18,7 +18,7 @@ calls the original unchanged.
 
 Usage::
 
-    from shim.reference import ReferenceHarborBashEnv, close_reference_env
+    from benchmarks.reference import ReferenceHarborBashEnv, close_reference_env
 
     env = ReferenceHarborBashEnv(environment_type="local")
     prompt = env.reset(task_dir=...)      # TRL: blocks for start + setup

@@ -21,7 +21,9 @@ from shim.options import EngineOptions
 
 T = TypeVar("T")
 
-_engines: dict[EngineOptions, Engine] = {}
+# Each option set's engine, as a future: the lock guards only the dict and is
+# never held while the loop thread works (the loop reads it too: no deadlock).
+_engines: dict[EngineOptions, Future[Engine]] = {}
 _engines_lock = threading.Lock()
 
 
@@ -61,17 +63,25 @@ def submit(fn: Callable[..., Awaitable[T] | T], *args: Any) -> Future[T]:
 def engine_for(options: EngineOptions) -> Engine:
     """The shared engine for ``options``: opened on first use, reopened if it was closed."""
     with _engines_lock:
-        engine = _engines.get(options)
-        if engine is None or engine.closed:
-            engine = _loop.open_engine(**options.engine_kwargs())
-            _engines[options] = engine
-        return engine
+        slot = _engines.get(options)
+        stale = slot is not None and slot.done() and (slot.exception() is not None or slot.result().closed)
+        opener = slot is None or stale
+        if opener:
+            slot = _engines[options] = Future()
+    if opener:  # outside the lock: opening waits for the loop thread
+        try:
+            slot.set_result(_loop.open_engine(**options.engine_kwargs()))
+        except BaseException as exc:
+            slot.set_exception(exc)
+            raise
+    return slot.result()
 
 
-def engines() -> list[Engine]:
+def open_engines() -> list[Engine]:
     """Every engine the shim opened and that is not closed (for diagnostics and tests)."""
     with _engines_lock:
-        return [engine for engine in _engines.values() if not engine.closed]
+        slots = list(_engines.values())
+    return [s.result() for s in slots if s.done() and s.exception() is None and not s.result().closed]
 
 
 def live_sandbox_count() -> int:
@@ -80,6 +90,6 @@ def live_sandbox_count() -> int:
         return 0
 
     def count() -> int:  # read the ledgers on the loop, where they change
-        return sum(len(engine.live_sandboxes()) for engine in engines())
+        return sum(len(engine.live_sandboxes()) for engine in open_engines())
 
     return call(count)

@@ -1,0 +1,135 @@
+"""The shape of the code: no import cycles, and a core that never imports the shim or the benchmarks.
+
+Type-only imports (under ``if TYPE_CHECKING:``) count. Imports inside functions
+count too, except in the command line and the evaluation entry points, which
+import heavy or optional parts lazily inside their commands.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("harbor_async", "shim")
+PROJECT = (*PACKAGES, "benchmarks")
+#: Modules whose function-level imports are lazy by design.
+LAZY = ("harbor_async.cli", "harbor_async.evaluation", "harbor_async.agent")
+MAX_LINES = 600
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _resolve(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = importer.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    lazy = name.startswith(LAZY)
+    found: set[str] = set()
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+            if isinstance(child, ast.Import) and not (lazy and in_function):
+                found.update(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and not (lazy and in_function):
+                module = _resolve(name, path.name == "__init__.py", child)
+                for alias in child.names:
+                    sub = f"{module}.{alias.name}"
+                    found.add(sub if sub in MODULES else module)
+            visit(child, inner)
+
+    visit(tree, False)
+    return {m for m in found if m.split(".")[0] in PROJECT and m != name}
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _is_core(name: str) -> bool:
+    return name.startswith("harbor_async") and not name.startswith(LAZY)
+
+
+def test_the_walker_sees_known_edges():
+    assert "harbor_async.sandbox" in GRAPH["harbor_async.engine"]
+    assert "harbor_async.errors" in GRAPH["harbor_async.sandbox"]
+    assert "harbor_async.engine" in GRAPH["shim.engines"]
+
+
+def test_no_import_cycles():
+    # Tarjan's strongly connected components over the project's modules.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = 0
+
+    def connect(node: str) -> None:
+        nonlocal counter
+        index[node] = low[node] = counter
+        counter += 1
+        stack.append(node)
+        on_stack.add(node)
+        for target in GRAPH.get(node, ()):
+            if target not in GRAPH:
+                continue
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in GRAPH:
+        if node not in index:
+            connect(node)
+    assert cycles == []
+
+
+def test_the_core_imports_neither_the_shim_nor_the_benchmarks():
+    bad = {
+        name: sorted(t for t in targets if t.split(".")[0] in ("shim", "benchmarks"))
+        for name, targets in GRAPH.items()
+        if _is_core(name)
+    }
+    assert {name: targets for name, targets in bad.items() if targets} == {}
+
+
+def test_the_sandbox_never_imports_the_engine():
+    assert "harbor_async.engine" not in GRAPH["harbor_async.sandbox"]
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_product_modules_stay_small(name: str):
+    lines = MODULES[name].read_text(encoding="utf-8").count("\n")
+    assert lines <= MAX_LINES, f"{name} has {lines} lines"
