@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import AsyncIterator, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,10 +11,11 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from harbor_async.backends import BackendSpec, resolve_backend
+from harbor_async.budget import Budget, LocalBudget
 from harbor_async.errors import EngineClosedError
 from harbor_async.logs import get_logger
 from harbor_async.naming import new_run_label
-from harbor_async.policy import Limits, RateLimiter, RetryPolicy, Timeouts
+from harbor_async.policy import Limits, RetryPolicy, Timeouts
 from harbor_async.sandbox import TRUNCATION_MARKER, Sandbox, SandboxContext
 from harbor_async.stats import EngineStats, StatsRecorder
 
@@ -43,6 +43,8 @@ class Engine:
         docker_overlay: give Harbor's docker sandboxes a Compose overlay with
             run labels and an init process (stops take 0.2 s instead of 10 s);
             see :mod:`harbor_async.backends.docker.overlay`.
+        budget: makes the sandbox budget from ``limits`` on the engine's loop
+            (default: :class:`~harbor_async.budget.LocalBudget`, this process's limits).
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class Engine:
         backend_kwargs: Mapping[str, Any] | None = None,
         reap_stale: bool = False,
         docker_overlay: bool = True,
+        budget: Callable[[Limits], Budget] | None = None,
     ) -> None:
         self.limits = limits or Limits()
         self.timeouts = timeouts or Timeouts()
@@ -67,6 +70,7 @@ class Engine:
         self.backend_kwargs = dict(backend_kwargs or {})
         self.reap_stale = reap_stale
         self.docker_overlay = docker_overlay
+        self._budget_factory = budget
         self._ledger: dict[str, Sandbox] = {}
         self._stats = StatsRecorder()
         self._log = get_logger(run=self.run_label)
@@ -85,17 +89,13 @@ class Engine:
             raise RuntimeError("an Engine can be entered only once")
         self._closed = anyio.Event()
         self._close_requested = anyio.Event()
-        execs = anyio.CapacityLimiter(self.limits.concurrent_execs) if self.limits.concurrent_execs else None
         self._context = SandboxContext(
             run_label=self.run_label,
             timeouts=self.timeouts,
             retry=self.retry,
             max_output=self.max_output,
             truncation_marker=self.truncation_marker,
-            live=anyio.CapacityLimiter(self.limits.live_sandboxes or math.inf),
-            live_limit=self.limits.live_sandboxes,
-            exec_slot=(lambda: execs) if execs is not None else nullcontext,
-            rate=RateLimiter(self.limits.creates_per_second),
+            budget=self._budget_factory(self.limits) if self._budget_factory else LocalBudget(self.limits),
             stats=self._stats,
             on_done=self._forget,
             start_options={"docker_overlay": self.docker_overlay},

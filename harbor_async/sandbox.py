@@ -13,7 +13,7 @@ import math
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 
 from harbor_async.backends import BackendSpec
+from harbor_async.budget import Budget
 from harbor_async.errors import (
     PHASE_ERRORS,
     BackendExecTimeout,
@@ -33,7 +34,7 @@ from harbor_async.errors import (
 )
 from harbor_async.logs import get_logger
 from harbor_async.naming import new_sandbox_id, trial_dir_prefix
-from harbor_async.policy import RateLimiter, RetryPolicy, Timeouts
+from harbor_async.policy import RetryPolicy, Timeouts
 from harbor_async.stats import StatsRecorder
 
 if TYPE_CHECKING:
@@ -54,11 +55,8 @@ class SandboxContext:
         retry: the start retry policy.
         max_output: characters of exec output kept (``None``: all).
         truncation_marker: appended to cut output.
-        live: the live-sandbox limiter; a sandbox holds one token from its
-            create call until its stop is confirmed.
-        live_limit: the limit ``live`` enforces (for messages), ``None`` if unlimited.
-        exec_slot: returns an async context holding one concurrent-exec slot.
-        rate: the create-rate limiter.
+        budget: live slots (a sandbox holds one from its create call until its
+            stop is confirmed), create turns and exec slots.
         stats: the stats sink counters and latencies are recorded into.
         on_done: called once a sandbox is stopped and holds nothing (the engine's ledger).
         start_options: backend start options (e.g. ``docker_overlay``), see
@@ -70,10 +68,7 @@ class SandboxContext:
     retry: RetryPolicy
     max_output: int | None
     truncation_marker: str
-    live: anyio.CapacityLimiter
-    live_limit: int | None
-    exec_slot: Callable[[], AbstractAsyncContextManager[Any]]
-    rate: RateLimiter
+    budget: Budget
     stats: StatsRecorder
     on_done: Callable[[Sandbox], None]
     start_options: Mapping[str, Any] = field(default_factory=dict)
@@ -226,7 +221,7 @@ class Sandbox:
         environment = self.environment
         limit = self.context.max_output if max_output == "default" else max_output
         budget = timeout if timeout is not None else self.context.timeouts.exec
-        async with self.context.exec_slot():
+        async with self.context.budget.exec_slot():
             async with self._phase(Phase.EXEC, budget=budget) as seconds:
                 # The engine's scope is exact; the backend's own timeout is a backstop.
                 timeout_sec = None if budget is None else math.ceil(budget) + 1
@@ -241,7 +236,7 @@ class Sandbox:
         """Copy a host file or folder into the sandbox."""
         await self.wait_started()
         source = Path(source)
-        async with self.context.exec_slot(), self._phase(Phase.EXEC, budget=self.context.timeouts.exec):
+        async with self.context.budget.exec_slot(), self._phase(Phase.EXEC, budget=self.context.timeouts.exec):
             if source.is_dir():
                 await self.environment.upload_dir(source, target)
             else:
@@ -250,7 +245,7 @@ class Sandbox:
     async def download(self, source: str, target: Path | str, *, directory: bool = False) -> None:
         """Copy a sandbox file (or folder, with ``directory=True``) to the host."""
         await self.wait_started()
-        async with self.context.exec_slot(), self._phase(Phase.EXEC, budget=self.context.timeouts.exec):
+        async with self.context.budget.exec_slot(), self._phase(Phase.EXEC, budget=self.context.timeouts.exec):
             if directory:
                 await self.environment.download_dir(source, target)
             else:
@@ -265,7 +260,7 @@ class Sandbox:
         await self.wait_started()
         environment = self.environment
         async with (
-            self.context.exec_slot(),
+            self.context.budget.exec_slot(),
             self._phase(Phase.VERIFY, budget=self.context.timeouts.verify) as seconds,
         ):
             # test.sh redirects into the verifier dir; the shell cannot create its parent.
@@ -302,7 +297,7 @@ class Sandbox:
             runner = NopAgent(logs_dir=paths.agent_dir)
         else:
             raise ValueError(f"unknown agent {agent!r}; use 'oracle' or 'none'")
-        async with self.context.exec_slot(), self._phase(Phase.AGENT, budget=self.context.timeouts.agent):
+        async with self.context.budget.exec_slot(), self._phase(Phase.AGENT, budget=self.context.timeouts.agent):
             await runner.run(self.task.instruction, environment, AgentContext())
 
     async def stop(self) -> None:
@@ -354,13 +349,13 @@ class Sandbox:
             wait = self._budget(Phase.START, self.context.timeouts.slot)
             try:
                 with anyio.fail_after(wait if math.isfinite(wait) else None):
-                    await self.context.live.acquire_on_behalf_of(self)
+                    await self.context.budget.acquire_live(self)
             except TimeoutError:
                 self._abandon_start(
                     SandboxTimeout(
                         Phase.START, self.task_name, self.id,
                         f"no live-sandbox slot within {max(wait, 0):.3g} s "
-                        f"(limit: {self.context.live_limit} live sandboxes)",
+                        f"(limit: {self.context.budget.live_limit} live sandboxes)",
                     )  # fmt: skip
                 )
             except BaseException as exc:
@@ -382,7 +377,7 @@ class Sandbox:
         """Give back the live slot and leave the engine's ledger."""
         if self._holds_slot:
             self._holds_slot = False
-            self.context.live.release_on_behalf_of(self)
+            self.context.budget.release_live(self)
             self.context.stats.add_live(-1)
             self.context.stats.stopped += 1
         self.context.on_done(self)
@@ -419,7 +414,7 @@ class Sandbox:
             EnvironmentConfig as TrialEnvironmentConfig,
         )
 
-        await self.context.rate.wait()
+        await self.context.budget.create_turn()
         async with self._phase(Phase.START, budget=self.context.timeouts.start, wrap=False):
             self._trial_dir = Path(tempfile.mkdtemp(prefix=trial_dir_prefix(self.id)))
             paths = self._trial_paths()
