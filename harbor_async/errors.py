@@ -46,7 +46,7 @@ class SandboxError(HarborAsyncError):
         phase: the lifecycle phase that failed.
         task: the task name.
         sandbox_id: the engine's id of the sandbox.
-        attempt: the attempt number (1-based; only start retries).
+        start_attempt: the start attempt it happened in (1-based; only starts are retried).
     """
 
     kind = "failed"
@@ -58,31 +58,31 @@ class SandboxError(HarborAsyncError):
         sandbox_id: str,
         detail: str = "",
         *,
-        attempt: int = 1,
+        start_attempt: int = 1,
     ) -> None:
         self.phase = Phase(phase)
         self.task = task
         self.sandbox_id = sandbox_id
         self.detail = detail
-        self.attempt = attempt
+        self.start_attempt = start_attempt
         super().__init__(self._message())
 
     def _message(self) -> str:
         where = f"task {self.task!r}, sandbox {self.sandbox_id}"
-        if self.attempt > 1:
-            where += f", attempt {self.attempt}"
+        if self.start_attempt > 1:
+            where += f", start attempt {self.start_attempt}"
         text = f"{self.phase.value} {self.kind} ({where})"
         return f"{text}: {self.detail}" if self.detail else text
 
     def __reduce__(self):  # keep the error picklable across processes
         return (
             _rebuild_sandbox_error,
-            (type(self), self.phase, self.task, self.sandbox_id, self.detail, self.attempt),
+            (type(self), self.phase, self.task, self.sandbox_id, self.detail, self.start_attempt),
         )
 
 
-def _rebuild_sandbox_error(cls, phase, task, sandbox_id, detail, attempt):
-    return cls(phase, task, sandbox_id, detail, attempt=attempt)
+def _rebuild_sandbox_error(cls, phase, task, sandbox_id, detail, start_attempt):
+    return cls(phase, task, sandbox_id, detail, start_attempt=start_attempt)
 
 
 class SandboxTimeout(SandboxError, TimeoutError):
@@ -134,6 +134,12 @@ class SandboxClosedError(SandboxError):
     """The sandbox was already stopped (or never started) when it was used."""
 
     kind = "unavailable"
+
+
+class SandboxCancelledError(SandboxError):
+    """The phase was cancelled before it finished (a stop, a superseded start, a signal): not a failure."""
+
+    kind = "cancelled"
 
 
 PHASE_ERRORS: dict[Phase, type[SandboxError]] = {

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import re
+from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 import anyio
@@ -40,7 +43,8 @@ class Timeouts:
     episode: float | None = None
 
 
-# Errors that say the task or the configuration is wrong: retrying cannot help.
+# Errors that say the task or the configuration is wrong, or that the process
+# itself is in trouble, or that the code has a bug: retrying cannot help.
 _PERMANENT_TYPES: tuple[type[BaseException], ...] = (
     FileNotFoundError,
     NotADirectoryError,
@@ -50,7 +54,16 @@ _PERMANENT_TYPES: tuple[type[BaseException], ...] = (
     ValueError,
     TypeError,
     NotImplementedError,
+    MemoryError,
+    LookupError,  # KeyError, IndexError
+    AttributeError,
+    NameError,
+    AssertionError,
+    RecursionError,
+    SyntaxError,
 )
+#: ``OSError`` numbers of a full disk or quota: the next attempt would fail the same way.
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 _PERMANENT_WORDS = re.compile(
     r"quota|not found|no such image|manifest unknown|pull access denied|"
     r"invalid|unauthori[sz]ed|forbidden|permission denied|build failed",
@@ -67,13 +80,27 @@ def is_transient(exc: BaseException) -> bool:
     """
     from harbor.environments.base import SandboxBuildFailedError
 
+    if not isinstance(exc, Exception):  # cancellation, KeyboardInterrupt, SystemExit
+        return False
     if isinstance(exc, SandboxError):
+        return False
+    if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
         return False
     if isinstance(exc, (SandboxBuildFailedError, *_PERMANENT_TYPES)):
         return False
     if getattr(exc, "transient", None) is not None:
         return bool(exc.transient)
     return not _PERMANENT_WORDS.search(str(exc))
+
+
+def _stop_at(deadline: float) -> Callable[[Any], bool]:
+    """A tenacity stop condition: stop once the deadline has passed."""
+    return lambda retry_state: anyio.current_time() >= deadline
+
+
+def _capped_at(deadline: float, wait: Callable[[Any], float]) -> Callable[[Any], float]:
+    """A tenacity wait that never sleeps past ``deadline`` (the stop then ends the retries)."""
+    return lambda retry_state: max(0.0, min(wait(retry_state), deadline - anyio.current_time()))
 
 
 @dataclass(frozen=True)
@@ -89,14 +116,18 @@ class RetryPolicy:
     max_wait: float = 10.0
     max_total: float | None = 120.0
 
-    def retrying(self) -> AsyncRetrying:
-        """A tenacity ``AsyncRetrying`` that sleeps with anyio (asyncio or trio)."""
-        stop = stop_after_attempt(max(1, self.attempts))
+    def retrying(self, deadline: float = math.inf) -> AsyncRetrying:
+        """A tenacity ``AsyncRetrying`` that sleeps with anyio (asyncio or trio).
+
+        ``deadline`` (``anyio.current_time()`` clock): no attempt begins past it,
+        and no backoff sleeps past it.
+        """
+        stop = stop_after_attempt(max(1, self.attempts)) | _stop_at(deadline)
         if self.max_total is not None:
             stop = stop | stop_after_delay(self.max_total)
         return AsyncRetrying(
             stop=stop,
-            wait=wait_random_exponential(multiplier=self.initial_wait, max=self.max_wait),
+            wait=_capped_at(deadline, wait_random_exponential(multiplier=self.initial_wait, max=self.max_wait)),
             retry=retry_if_exception(is_transient),
             sleep=anyio.sleep,
             reraise=True,

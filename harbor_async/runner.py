@@ -76,7 +76,7 @@ async def run_episode(engine: Engine, task: Task, backend: str, agent: str = "or
         record.error, record.error_kind = f"{type(exc).__name__}: {exc}", "infrastructure"
     finally:
         await sandbox.stop()
-        record.attempts = sandbox.attempts
+        record.attempts = sandbox.start_attempts
         record.seconds = {k: round(v, 4) for k, v in sandbox.times.seconds.items()}
     if sandbox.stop_error is not None and record.error_kind != "infrastructure":
         exc = sandbox.stop_error

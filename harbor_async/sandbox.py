@@ -28,6 +28,7 @@ from harbor_async.errors import (
     BackendExecTimeout,
     EpisodeDeadlineError,
     Phase,
+    SandboxCancelledError,
     SandboxClosedError,
     SandboxError,
     SandboxTimeout,
@@ -157,7 +158,7 @@ class Sandbox:
         self.backend = backend
         self.id = new_sandbox_id(context.run_label)
         self.state = SandboxState.PENDING
-        self.attempts = 0
+        self.start_attempts = 0
         self.times = PhaseTimes()
         self.start_error: SandboxError | None = None
         self.stop_error: SandboxError | None = None
@@ -346,6 +347,8 @@ class Sandbox:
         stats = self.context.stats
         with anyio.CancelScope() as scope:
             self._start_scope = scope
+            if self._stop_claimed:  # stopped before the start began: it never does
+                scope.cancel()
             wait = self._budget(Phase.START, self.context.timeouts.slot)
             try:
                 with anyio.fail_after(wait if math.isfinite(wait) else None):
@@ -367,6 +370,9 @@ class Sandbox:
                 await self._start()
         if self.state is SandboxState.RUNNING:
             stats.started += 1
+        elif isinstance(self.start_error, SandboxCancelledError):
+            stats.cancelled += 1  # superseded or stopped first: not a failure
+            await self.stop()
         else:
             stats.failed += 1
             if self.start_error is not None:
@@ -386,10 +392,10 @@ class Sandbox:
         """Create and start the environment, retrying transient failures."""
         self.state = SandboxState.STARTING
         try:
-            async for attempt in self.context.retry.retrying():
+            async for attempt in self.context.retry.retrying(self._deadline):
                 with attempt:
-                    self.attempts = attempt.retry_state.attempt_number
-                    if self.attempts > 1:
+                    self.start_attempts = attempt.retry_state.attempt_number
+                    if self.start_attempts > 1:
                         self.context.stats.retried += 1
                     await self._start_once()
         except BaseException as exc:
@@ -485,21 +491,20 @@ class Sandbox:
         """Turn any exception from ``phase`` into the typed error, chained to it."""
         if isinstance(exc, SandboxError):
             return exc
-        attempt = max(self.attempts, 1)
+        attempt = max(self.start_attempts, 1)
         error: SandboxError
         if isinstance(exc, TimeoutError):
             detail = f"no result within {budget:.3g} s" if budget is not None else str(exc)
             deadline = self._deadline - anyio.current_time() <= 0 and phase is not Phase.STOP
             kind = EpisodeDeadlineError if deadline else SandboxTimeout
-            error = kind(phase, self.task_name, self.id, detail, attempt=attempt)
+            error = kind(phase, self.task_name, self.id, detail, start_attempt=attempt)
         elif isinstance(exc, BackendExecTimeout):
-            error = SandboxTimeout(phase, self.task_name, self.id, str(exc), attempt=attempt)
+            error = SandboxTimeout(phase, self.task_name, self.id, str(exc), start_attempt=attempt)
+        elif isinstance(exc, anyio.get_cancelled_exc_class()):
+            error = SandboxCancelledError(phase, self.task_name, self.id, "cancelled before it finished", start_attempt=attempt)
         else:
-            if isinstance(exc, anyio.get_cancelled_exc_class()):
-                detail = "cancelled before it finished"
-            else:
-                detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            error = PHASE_ERRORS[phase](phase, self.task_name, self.id, detail, attempt=attempt)
+            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            error = PHASE_ERRORS[phase](phase, self.task_name, self.id, detail, start_attempt=attempt)
         error.__cause__ = exc
         return error
 
@@ -519,7 +524,7 @@ class Sandbox:
             if limit <= 0:
                 if phase is not Phase.STOP and self._deadline <= begin:
                     raise EpisodeDeadlineError(
-                        phase, self.task_name, self.id, "the episode deadline has passed", attempt=max(self.attempts, 1)
+                        phase, self.task_name, self.id, "the episode deadline has passed", start_attempt=max(self.start_attempts, 1)
                     )
                 raise TimeoutError(f"the {phase.value} budget is {limit:.3g} s")
             with anyio.fail_after(limit if math.isfinite(limit) else None, shield=phase is Phase.STOP):
@@ -538,7 +543,7 @@ class Sandbox:
             if outcome != "cancelled":
                 self.context.stats.record(phase.value, seconds, outcome == "ok")
             log = self._log.debug if outcome in ("ok", "cancelled") else self._log.warning
-            log("phase", phase=phase.value, attempt=max(self.attempts, 1), seconds=round(seconds, 4), outcome=outcome)
+            log("phase", phase=phase.value, start_attempt=max(self.start_attempts, 1), seconds=round(seconds, 4), outcome=outcome)
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.id} task={self.task_name!r} backend={self.backend.name!r} {self.state}>"
