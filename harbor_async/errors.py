@@ -126,6 +126,25 @@ class VerifyError(SandboxError):
     """The task's verifier could not produce a reward."""
 
 
+class VerifierFailure(VerifyError):
+    """The verifier ran but gave no valid reward, or ran past its budget: the episode scores 0.
+
+    Attributes:
+        output: the verifier's stdout and stderr (their tails), if any.
+    """
+
+    def __init__(self, *args: Any, output: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.output = output
+
+    def __reduce__(self):
+        return (_rebuild_verifier_failure, (self.phase, self.task, self.sandbox_id, self.detail, self.start_attempt, self.output))
+
+
+def _rebuild_verifier_failure(phase, task, sandbox_id, detail, start_attempt, output):
+    return VerifierFailure(phase, task, sandbox_id, detail, start_attempt=start_attempt, output=output)
+
+
 class StopError(SandboxError):
     """The sandbox could not be stopped cleanly."""
 
@@ -242,3 +261,42 @@ class FailureClass(StrEnum):
 
 
 _RERUN = frozenset({FailureClass.INFRASTRUCTURE, FailureClass.MODEL_SERVER, FailureClass.CANCELLED})
+
+
+class ModelServerError(HarborAsyncError):
+    """The policy's model server failed (unreachable, errors after retries, died): not the model's episode."""
+
+
+class InfrastructureBudgetError(HarborAsyncError, RuntimeError):
+    """Too many sandboxes failed for infrastructure reasons: the run stops instead of scoring zeros.
+
+    Attributes:
+        cause: the last infrastructure error seen.
+    """
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+class SandboxLimitError(HarborAsyncError, ValueError):
+    """A live-sandbox limit is below what the caller needs alive at once (it would wait on itself)."""
+
+
+class PreflightError(HarborAsyncError, RuntimeError):
+    """The backend could not start and stop one sandbox before the run: a configuration problem."""
+
+
+def failure_class(exc: BaseException) -> FailureClass:
+    """Who ``exc`` is blamed on (see :class:`FailureClass`)."""
+    if isinstance(exc, SandboxCancelledError) or not isinstance(exc, Exception):
+        return FailureClass.CANCELLED
+    if isinstance(exc, ModelServerError):
+        return FailureClass.MODEL_SERVER
+    if isinstance(exc, VerifierFailure):
+        return FailureClass.VERIFIER
+    if isinstance(exc, SandboxError):
+        if exc.phase is Phase.AGENT or (isinstance(exc, EpisodeDeadlineError) and exc.phase is not Phase.START):
+            return FailureClass.AGENT
+        return FailureClass.INFRASTRUCTURE
+    return FailureClass.INFRASTRUCTURE

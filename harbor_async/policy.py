@@ -7,7 +7,7 @@ import math
 import re
 from collections.abc import Callable
 from typing import Any
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import anyio
 from tenacity import (
@@ -41,6 +41,66 @@ class Timeouts:
     stop: float | None = 120.0
     slot: float | None = 600.0
     episode: float | None = None
+    timeout_multiplier: float = 1.0
+    agent_timeout_multiplier: float | None = None
+    verifier_timeout_multiplier: float | None = None
+    environment_build_timeout_multiplier: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("start", "exec", "agent", "verify", "stop", "slot", "episode"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"timeout {name!r} must be a positive number of seconds or None, got {value!r}")
+        for name in (
+            "timeout_multiplier",
+            "agent_timeout_multiplier",
+            "verifier_timeout_multiplier",
+            "environment_build_timeout_multiplier",
+        ):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+    def for_task(self, task: Any) -> Timeouts:
+        """The budgets for one Harbor task, as ``harbor run`` computes them.
+
+        A task's ``[agent] timeout_sec``, ``[verifier] timeout_sec`` and
+        ``[environment] build_timeout_sec`` replace the agent, verify and start
+        budgets when the task's ``task.toml`` actually sets them (Harbor fills
+        unset fields with its own defaults; those are ignored here, so the
+        engine's budgets apply). Each budget is then multiplied by its phase's
+        multiplier, else by ``timeout_multiplier``.
+        """
+        config = task.config
+        agent = _task_value(config.agent, "timeout_sec", self.agent)
+        verify = _task_value(config.verifier, "timeout_sec", self.verify)
+        start = _task_value(config.environment, "build_timeout_sec", self.start)
+        base = self.timeout_multiplier
+        return replace(
+            self,
+            agent=_scaled(agent, self.agent_timeout_multiplier or base),
+            verify=_scaled(verify, self.verifier_timeout_multiplier or base),
+            start=_scaled(start, self.environment_build_timeout_multiplier or base),
+            exec=_scaled(self.exec, base),
+            episode=_scaled(self.episode, base),
+            timeout_multiplier=1.0,
+            agent_timeout_multiplier=None,
+            verifier_timeout_multiplier=None,
+            environment_build_timeout_multiplier=None,
+        )
+
+
+def _task_value(section: Any, field_name: str, default: float | None) -> float | None:
+    """A timeout the task's TOML set explicitly, else ``default``."""
+    if section is not None and field_name in getattr(section, "model_fields_set", ()):
+        value = getattr(section, field_name)
+        if value is not None:
+            return float(value)
+    return default
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
 
 
 # Errors that say the task or the configuration is wrong, or that the process

@@ -32,6 +32,7 @@ from harbor_async.errors import (
     SandboxClosedError,
     SandboxError,
     SandboxTimeout,
+    VerifierFailure,
 )
 from harbor_async.logs import get_logger
 from harbor_async.naming import new_sandbox_id, trial_dir_prefix
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
 
 #: TRL's marker for cut output, kept so that prompts match TRL's env exactly.
 TRUNCATION_MARKER = "\n... [truncated]"
+#: Characters of each verifier stream kept (the tail).
+VERIFIER_OUTPUT_LIMIT = 20_000
 
 
 @dataclass(frozen=True)
@@ -104,11 +107,12 @@ class ExecOutput:
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """The verifier's verdict: the scalar reward and every key it wrote."""
+    """The verifier's verdict: the scalar reward, every key it wrote, and its output."""
 
     reward: float
     rewards: dict[str, float | int]
     seconds: float
+    output: str | None = None
 
 
 @dataclass
@@ -153,6 +157,7 @@ class Sandbox:
         episode_timeout: float | None = None,
     ) -> None:
         self.context = context
+        self.timeouts = context.timeouts.for_task(task)
         self.task = task
         self.task_name: str = task.name
         self.backend = backend
@@ -163,7 +168,7 @@ class Sandbox:
         self.start_error: SandboxError | None = None
         self.stop_error: SandboxError | None = None
         self._backend_kwargs = dict(backend_kwargs or {})
-        episode = episode_timeout if episode_timeout is not None else context.timeouts.episode
+        episode = episode_timeout if episode_timeout is not None else self.timeouts.episode
         self._deadline = anyio.current_time() + episode if episode is not None else math.inf
         self._env: BaseEnvironment | None = None
         self._trial_dir: Path | None = None
@@ -221,7 +226,7 @@ class Sandbox:
         await self.wait_started()
         environment = self.environment
         limit = self.context.max_output if max_output == "default" else max_output
-        budget = timeout if timeout is not None else self.context.timeouts.exec
+        budget = timeout if timeout is not None else self.timeouts.exec
         async with self.context.budget.exec_slot():
             async with self._phase(Phase.EXEC, budget=budget) as seconds:
                 # The engine's scope is exact; the backend's own timeout is a backstop.
@@ -237,7 +242,7 @@ class Sandbox:
         """Copy a host file or folder into the sandbox."""
         await self.wait_started()
         source = Path(source)
-        async with self.context.budget.exec_slot(), self._phase(Phase.EXEC, budget=self.context.timeouts.exec):
+        async with self.context.budget.exec_slot(), self._phase(Phase.EXEC, budget=self.timeouts.exec):
             if source.is_dir():
                 await self.environment.upload_dir(source, target)
             else:
@@ -246,37 +251,80 @@ class Sandbox:
     async def download(self, source: str, target: Path | str, *, directory: bool = False) -> None:
         """Copy a sandbox file (or folder, with ``directory=True``) to the host."""
         await self.wait_started()
-        async with self.context.budget.exec_slot(), self._phase(Phase.EXEC, budget=self.context.timeouts.exec):
+        async with self.context.budget.exec_slot(), self._phase(Phase.EXEC, budget=self.timeouts.exec):
             if directory:
                 await self.environment.download_dir(source, target)
             else:
                 await self.environment.download_file(source, target)
 
     async def verify(self) -> VerifyResult:
-        """Run the task's verifier with Harbor's own verifier; return the reward."""
+        """Run the task's verifier with Harbor's own verifier; return the reward.
+
+        Raises :class:`~harbor_async.errors.VerifierFailure` when the verifier ran
+        but gave no valid reward (a missing, empty or malformed reward file) or
+        ran past its budget: the model's episode, not the infrastructure's. The
+        verifier's output is kept on the result and on that error.
+        """
         from harbor.models.trial.config import VerifierConfig
         from harbor.models.trial.paths import EnvironmentPaths
         from harbor.verifier.factory import VerifierFactory
+        from harbor.verifier.verifier import (
+            RewardFileEmptyError,
+            RewardFileNotFoundError,
+            VerifierOutputParseError,
+        )
 
         await self.wait_started()
         environment = self.environment
-        async with (
-            self.context.budget.exec_slot(),
-            self._phase(Phase.VERIFY, budget=self.context.timeouts.verify) as seconds,
-        ):
-            # test.sh redirects into the verifier dir; the shell cannot create its parent.
-            env_paths = EnvironmentPaths.for_os(environment.os)
-            await environment.empty_dirs([env_paths.verifier_dir], chmod=True)
-            verifier = VerifierFactory.create_verifier_from_config(
-                VerifierConfig(),
-                task=self.task,
-                trial_paths=self._trial_paths(),
-                environment=environment,
-                override_env=self.task.config.verifier.env or None,
-            )
-            result = await verifier.verify()
+        try:
+            async with (
+                self.context.budget.exec_slot(),
+                self._phase(Phase.VERIFY, budget=self.timeouts.verify) as seconds,
+            ):
+                # test.sh redirects into the verifier dir; the shell cannot create its parent.
+                env_paths = EnvironmentPaths.for_os(environment.os)
+                await environment.empty_dirs([env_paths.verifier_dir], chmod=True)
+                verifier = VerifierFactory.create_verifier_from_config(
+                    VerifierConfig(),
+                    task=self.task,
+                    trial_paths=self._trial_paths(),
+                    environment=environment,
+                    override_env=self.task.config.verifier.env or None,
+                )
+                try:
+                    result = await verifier.verify()
+                except (RewardFileNotFoundError, RewardFileEmptyError, VerifierOutputParseError) as exc:
+                    raise VerifierFailure(
+                        Phase.VERIFY, self.task_name, self.id, f"{type(exc).__name__}: {exc}",
+                        output=self._verifier_output(),
+                    ) from exc  # fmt: skip
+        except SandboxTimeout as exc:
+            if isinstance(exc, EpisodeDeadlineError):
+                raise
+            raise VerifierFailure(
+                Phase.VERIFY, self.task_name, self.id, f"the verifier {exc.detail}", output=self._verifier_output()
+            ) from exc
         rewards = dict(result.rewards or {})
-        return VerifyResult(scalar_reward(rewards), rewards, seconds())
+        return VerifyResult(scalar_reward(rewards), rewards, seconds(), self._verifier_output())
+
+    def _verifier_output(self) -> str | None:
+        """The verifier's stdout and stderr as Harbor saved them in the trial folder (the tail of each)."""
+        if self._trial_dir is None:
+            return None
+        folder = self._trial_paths().verifier_dir
+        parts = []
+        for name in ("test-stdout.txt", "test-stderr.txt"):
+            try:
+                with open(folder / name, "rb") as fh:
+                    fh.seek(0, 2)
+                    size = fh.tell()
+                    fh.seek(max(0, size - VERIFIER_OUTPUT_LIMIT))
+                    text = fh.read().decode(errors="replace")
+            except OSError:
+                continue
+            if text:
+                parts.append(text if size <= VERIFIER_OUTPUT_LIMIT else "[...]\n" + text)
+        return "\n".join(parts) if parts else None
 
     async def run_agent(self, agent: str = "oracle") -> None:
         """Run one of Harbor's agents that needs no model (``oracle`` or ``nop``)."""
@@ -292,13 +340,13 @@ class Sandbox:
                 logs_dir=paths.agent_dir,
                 task_dir=self.task.paths.task_dir,
                 trial_paths=paths,
-                agent_timeout_sec=self.context.timeouts.agent,
+                agent_timeout_sec=self.timeouts.agent,
             )
         elif agent in ("nop", "none"):
             runner = NopAgent(logs_dir=paths.agent_dir)
         else:
             raise ValueError(f"unknown agent {agent!r}; use 'oracle' or 'none'")
-        async with self.context.budget.exec_slot(), self._phase(Phase.AGENT, budget=self.context.timeouts.agent):
+        async with self.context.budget.exec_slot(), self._phase(Phase.AGENT, budget=self.timeouts.agent):
             await runner.run(self.task.instruction, environment, AgentContext())
 
     async def stop(self) -> None:
@@ -321,7 +369,7 @@ class Sandbox:
                 if self._env is not None:
                     self.state = SandboxState.STOPPING
                     try:
-                        async with self._phase(Phase.STOP, budget=self.context.timeouts.stop):
+                        async with self._phase(Phase.STOP, budget=self.timeouts.stop):
                             await self._env.stop(delete=True)
                     except SandboxError as exc:
                         self.stop_error = exc
@@ -349,7 +397,7 @@ class Sandbox:
             self._start_scope = scope
             if self._stop_claimed:  # stopped before the start began: it never does
                 scope.cancel()
-            wait = self._budget(Phase.START, self.context.timeouts.slot)
+            wait = self._budget(Phase.START, self.timeouts.slot)
             try:
                 with anyio.fail_after(wait if math.isfinite(wait) else None):
                     await self.context.budget.acquire_live(self)
@@ -421,7 +469,7 @@ class Sandbox:
         )
 
         await self.context.budget.create_turn()
-        async with self._phase(Phase.START, budget=self.context.timeouts.start, wrap=False):
+        async with self._phase(Phase.START, budget=self.timeouts.start, wrap=False):
             self._trial_dir = Path(tempfile.mkdtemp(prefix=trial_dir_prefix(self.id)))
             paths = self._trial_paths()
             paths.mkdir()
@@ -459,7 +507,7 @@ class Sandbox:
         with anyio.CancelScope(shield=True):
             env, self._env = self._env, None
             if env is not None:
-                with anyio.move_on_after(self.context.timeouts.stop or math.inf):
+                with anyio.move_on_after(self.timeouts.stop or math.inf):
                     try:
                         await env.stop(delete=True)
                     except Exception as exc:  # the start error is the one that matters

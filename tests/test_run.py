@@ -87,7 +87,7 @@ def test_cli_json_logs_carry_phase_events():
     events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     phases = {e["phase"] for e in events if e.get("event") == "phase"}
     assert phases >= {"start", "agent", "verify", "stop"}
-    assert all({"task", "sandbox", "seconds", "outcome", "attempt"} <= set(e) for e in events if e.get("event") == "phase")
+    assert all({"task", "sandbox", "seconds", "outcome", "start_attempt"} <= set(e) for e in events if e.get("event") == "phase")
 
 
 @pytest.mark.parametrize(
