@@ -24,13 +24,13 @@ class EngineOptions:
     Attributes:
         max_live_sandboxes: sandboxes alive at once across every env with these
             options (a sandbox counts from its create call until its stop is
-            confirmed). Further starts wait for a slot. ``None``: unlimited.
-            Keep it at least the number of rollouts in flight (GRPOTrainer: the
-            generation batch, plus the previous batch's sandboxes while they
-            stop): GRPOTrainer verifies, and so frees slots, only after every
-            rollout of the batch has finished its tool calls, so a rollout
-            waiting for a slot held by its own batch would wait until the
-            engine's slot timeout (600 s) and then see a start error.
+            confirmed). Further starts wait for a slot. ``None`` (default):
+            unlimited, so a batch of any size never waits on itself. With
+            GRPOTrainer's batch reward every rollout of a generation batch holds
+            its sandbox until the batch is verified: a ``reset`` that would need
+            more than this many rollouts alive raises
+            :class:`~harbor_async.errors.SandboxLimitError` at once (a provider
+            cap below the batch size means a smaller generation batch).
         creates_per_second: at most this many sandbox creations per second
             (provider rate limits). ``None``: unlimited.
         concurrent_execs: commands and verifier runs in flight at once across
@@ -45,9 +45,21 @@ class EngineOptions:
             phase but the stop. ``None``: no episode deadline.
         start_attempts: start attempts for transient failures (jittered
             exponential backoff); a permanent failure is not retried.
+        agent_timeout: seconds of tool time a rollout may use (the sum of its
+            commands) when its task sets no ``[agent] timeout_sec``; ``None``: no limit.
+        timeout_multiplier, agent_timeout_multiplier, verifier_timeout_multiplier,
+        environment_build_timeout_multiplier: Harbor's multipliers of the
+            task's (or these) timeouts; see :meth:`harbor_async.policy.Timeouts.for_task`.
+        max_failure_share: when more than this share of a batch's rollouts
+            failed for infrastructure reasons, the reward raises
+            :class:`~harbor_async.errors.InfrastructureBudgetError` and stops
+            the trainer. ``None``: never.
+        max_start_failures_in_a_row: after this many sandbox starts failed one
+            after another, the next ``reset`` or reward raises the same error.
+            ``None``: never.
     """
 
-    max_live_sandboxes: int | None = 64
+    max_live_sandboxes: int | None = None
     creates_per_second: float | None = None
     concurrent_execs: int | None = None
     start_timeout: float | None = 600.0
@@ -56,9 +68,16 @@ class EngineOptions:
     stop_timeout: float | None = 120.0
     episode_timeout: float | None = None
     start_attempts: int = 3
+    agent_timeout: float | None = None
+    timeout_multiplier: float = 1.0
+    agent_timeout_multiplier: float | None = None
+    verifier_timeout_multiplier: float | None = None
+    environment_build_timeout_multiplier: float | None = None
+    max_failure_share: float | None = 0.5
+    max_start_failures_in_a_row: int | None = 8
 
     def __post_init__(self) -> None:
-        for name in ("max_live_sandboxes", "concurrent_execs"):
+        for name in ("max_live_sandboxes", "concurrent_execs", "max_start_failures_in_a_row"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -69,12 +88,20 @@ class EngineOptions:
             "verify_timeout",
             "stop_timeout",
             "episode_timeout",
+            "agent_timeout",
+            "timeout_multiplier",
+            "agent_timeout_multiplier",
+            "verifier_timeout_multiplier",
+            "environment_build_timeout_multiplier",
         ):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isnan(value)
             ):
                 raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+        share = self.max_failure_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1):
+            raise ValueError(f"max_failure_share must be a number in [0, 1] or None, got {share!r}")
         if isinstance(self.start_attempts, bool) or not isinstance(self.start_attempts, int) or self.start_attempts < 1:
             raise ValueError(f"start_attempts must be an integer >= 1, got {self.start_attempts!r}")
 
@@ -108,6 +135,11 @@ class EngineOptions:
                 verify=self.verify_timeout,
                 stop=self.stop_timeout,
                 episode=self.episode_timeout,
+                agent=self.agent_timeout,
+                timeout_multiplier=self.timeout_multiplier,
+                agent_timeout_multiplier=self.agent_timeout_multiplier,
+                verifier_timeout_multiplier=self.verifier_timeout_multiplier,
+                environment_build_timeout_multiplier=self.environment_build_timeout_multiplier,
             ),
             "retry": RetryPolicy(attempts=self.start_attempts),
         }
@@ -129,3 +161,10 @@ class EngineOptionsKwargs(TypedDict, total=False):
     stop_timeout: float | None
     episode_timeout: float | None
     start_attempts: int
+    agent_timeout: float | None
+    timeout_multiplier: float
+    agent_timeout_multiplier: float | None
+    verifier_timeout_multiplier: float | None
+    environment_build_timeout_multiplier: float | None
+    max_failure_share: float | None
+    max_start_failures_in_a_row: int | None

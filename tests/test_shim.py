@@ -339,7 +339,7 @@ def test_exec_timeout_is_a_message_and_the_sandbox_survives():
         env.close()
 
 
-def test_start_failure_is_a_message_and_scores_zero(monkeypatch: pytest.MonkeyPatch):
+def test_start_failure_is_a_message_and_leaves_the_rollout_without_a_reward(monkeypatch: pytest.MonkeyPatch):
     good = shim.HarborBashEnv("simulated")
     bad = shim.HarborBashEnv("simulated", backend_kwargs={"start_permanent_failure_rate": 1.0})
     good.reset(task_dir=CSV_SUM)
@@ -350,8 +350,9 @@ def test_start_failure_is_a_message_and_scores_zero(monkeypatch: pytest.MonkeyPa
     assert trl_call_tool(good, "bash", {"command": "ls"}) == "(empty output, rc=0)"
     logged = {}
     rewards = _outcome_reward_func(environments=[bad, good], log_metric=logged.__setitem__)
-    assert rewards == [0.0, 1.0]
+    assert rewards == [None, 1.0]  # infrastructure: no verdict, not the model's 0
     assert logged == {"harbor/failure_frequency": 0.5}
+    assert bad.infrastructure_failure and not good.infrastructure_failure
     assert "StartError" in bad.sandbox_error and good.sandbox_error is None
     for env in (good, bad):
         env.close()
@@ -373,7 +374,7 @@ def test_broken_backend_by_import_path_is_a_message(monkeypatch: pytest.MonkeyPa
         message = env.bash("ls")
         assert message.startswith("Error: the sandbox for this task could not be started")
         assert "boom: no such sandbox provider" in message
-        assert env.reward == 0.0
+        assert env.reward is None
     finally:
         env.close()
     assert engines.live_sandbox_count() == 0
@@ -398,7 +399,7 @@ def test_harness_setup_runs_on_the_loop_and_its_failure_is_contained():
         message = broken.bash("ls")
         assert message.startswith("Error: the sandbox for this task could not be prepared")
         assert "LoopThreadError" in message
-        assert broken.reward == 0.0
+        assert broken.reward == 0.0  # the harness's own failure: the model's episode, scored 0
     finally:
         ok.close()
         broken.close()
@@ -516,10 +517,13 @@ def test_env_owned_reward_is_opt_in_and_never_double_counted():
 
 
 def test_envs_share_one_engine_per_option_set_and_its_limits():
-    a = shim.HarborBashEnv("simulated", max_live_sandboxes=2)
-    b = shim.HarborBashEnv("simulated", max_live_sandboxes=2, backend_kwargs={"reward": 0.5})
-    c = shim.HarborBashEnv("simulated", max_live_sandboxes=2)
-    d = shim.HarborBashEnv("simulated", max_live_sandboxes=3)
+    # Env-owned rewards (AsyncGRPOTrainer's path) free each sandbox as its rollout ends,
+    # so a rollout may wait for a slot; batch rewards refuse that (see test_trust.py).
+    owned = shim.rewards.with_env_reward(shim.HarborBashEnv)
+    a = owned("simulated", max_live_sandboxes=2)
+    b = owned("simulated", max_live_sandboxes=2, backend_kwargs={"reward": 0.5})
+    c = owned("simulated", max_live_sandboxes=2)
+    d = owned("simulated", max_live_sandboxes=3)
     envs = [a, b, c, d]
     try:
         for env in envs:
