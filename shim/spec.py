@@ -42,6 +42,7 @@ from shim import engines
 from shim.env import AGENTS, HarborEnv, _close_budget
 from shim.episode import stop_episodes
 from shim.options import EngineOptions, EngineOptionsKwargs
+from shim.preflight import preflight as run_preflight
 from shim.rewards import _outcome_reward_func, with_env_reward
 
 if TYPE_CHECKING:
@@ -154,6 +155,10 @@ class HarborSpec:
             AsyncGRPOTrainer, see :mod:`shim.rewards`). ``None`` (default):
             ``True`` only if the harness class defines ``get_reward`` itself.
         backend_kwargs: extra constructor arguments for every Harbor environment.
+        preflight: start and stop one sandbox of the backend here, on the first
+            task, and raise :class:`~harbor_async.errors.PreflightError` if it
+            cannot start (a missing extra, bubblewrap, credentials, image).
+            ``False`` skips it.
         **engine_options: limits, timeouts and retries shared by the envs; see
             :class:`~shim.options.EngineOptions` (``max_live_sandboxes``,
             ``creates_per_second``, ``concurrent_execs``, ``start_timeout``,
@@ -172,6 +177,7 @@ class HarborSpec:
         include_metadata: bool = True,
         env_reward: bool | None = None,
         backend_kwargs: Mapping[str, Any] | None = None,
+        preflight: bool = True,
         **engine_options: Unpack[EngineOptionsKwargs],
     ) -> None:
         if num_tasks is not None and indices is not None:
@@ -191,8 +197,11 @@ class HarborSpec:
         self._env_reward = owns_reward if env_reward is None else bool(env_reward)
         self._options = EngineOptions.from_kwargs(dict(engine_options))
         self._backend_kwargs = dict(backend_kwargs or {})
-        resolve_backend(environment_type).environment_class()  # fail here, not mid-training
+        backend = resolve_backend(environment_type)
+        backend.environment_class()  # fail here, not mid-training
         self._token = uuid.uuid4().hex
+        if preflight and self._selection:
+            run_preflight(self._selection[0][1], backend, self._options, self._backend_kwargs)
 
     # ── public surface ───────────────────────────────────────────────────
 

@@ -256,7 +256,7 @@ def test_environment_factory_pickles_and_builds_configured_envs():
 def test_reset_returns_at_once_and_starts_the_batch_together():
     latency = 1.0
     spec = shim.HarborSpec(
-        example_suite_path(), environment_type="simulated", num_tasks=4, backend_kwargs={"start_latency": latency}
+        example_suite_path(), environment_type="simulated", num_tasks=4, backend_kwargs={"start_latency": latency}, preflight=False
     )
     envs = [spec.environment_factory() for _ in range(4)]
     rows = list(spec.train_dataset)
