@@ -2,7 +2,7 @@
 //
 // Safety: every piece of data reaches the page through textContent (el() and
 // text nodes) or a numeric style value, never innerHTML, so a transcript full
-// of HTML or <script> shows as text and runs nothing.
+// of HTML or script tags shows as text and runs nothing.
 (() => {
   "use strict";
 
