@@ -15,11 +15,18 @@ from harbor_async.jobs import EPISODES_NAME, JobFolder
 from harbor_async.records import EpisodeRecord, PhaseSpan
 
 #: Text a hostile transcript carries: shown as text, it must run nothing.
+#: Lines of the long tool output (``long_output``).
+LONG_LINES = 300
 EVIL = '<script>window.__pwned = 1</script><img src="x" onerror="window.__pwned = 2"><b>not bold</b>'
 
 
-def transcript(rng: random.Random, task: str, turns: int, *, evil: bool = False, words: int = 40) -> list[dict]:
-    """An OpenAI chat transcript of ``turns`` messages: system, user, then tool calls and their outputs."""
+def transcript(
+    rng: random.Random, task: str, turns: int, *, evil: bool = False, words: int = 40, long_output: bool = False
+) -> list[dict]:
+    """An OpenAI chat transcript of ``turns`` messages: system, user, then tool calls and their outputs.
+
+    ``long_output``: the first tool output is :data:`LONG_LINES` lines long (the page folds it).
+    """
     messages: list[dict] = [
         {"role": "system", "content": "You are a careful shell agent. Use the bash tool."},
         {"role": "user", "content": f"Solve the task {task}: read the files in /app and write the answer to /app/answer.txt."},
@@ -38,6 +45,8 @@ def transcript(rng: random.Random, task: str, turns: int, *, evil: bool = False,
         output = "\n".join(f"{rng.randint(0, 999)},{rng.choice(['alpha', 'beta', 'gamma'])},{rng.random():.4f}" for _ in range(words // 4))
         messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         n += 1
+    if long_output:
+        messages[3]["content"] = "\n".join(f"line {n + 1} of a long output" for n in range(LONG_LINES))
     if evil:
         messages[-1] = {"role": "tool", "tool_call_id": "call_evil", "content": EVIL}
     messages[-1]["content"] = f"{messages[-1].get('content') or ''}\n[last message of {task}]"
@@ -55,6 +64,7 @@ def episode(
     turns: int = 8,
     evil: bool = False,
     words: int = 40,
+    long_output: bool = False,
 ) -> EpisodeRecord:
     """One eval episode with phases, rewards, verifier output and transcript; its outcome drawn by ``rng``."""
     record = EpisodeRecord(
@@ -67,7 +77,7 @@ def episode(
         sandbox=f"ha-test-{rng.randrange(16**8):08x}",
         start_attempts=1,
         started_at="2026-12-01T01:00:00+00:00",
-        transcript=transcript(rng, task, turns, evil=evil, words=words),
+        transcript=transcript(rng, task, turns, evil=evil, words=words, long_output=long_output),
         usage={"prompt_tokens": rng.randint(500, 5000), "completion_tokens": rng.randint(50, 800)},
         finish_reason="stop",
     )
@@ -116,7 +126,7 @@ def make_job(
 
     With ``models`` as ``(model, checkpoint)`` pairs, later checkpoints solve
     more often, so the sweep has a trend. ``evil_task`` gets a transcript and
-    verifier output full of HTML and script.
+    verifier output full of HTML and script; the second task a long tool output.
     """
     rng = random.Random(seed)
     models = models or [("test-model", None)]
@@ -128,7 +138,10 @@ def make_job(
         for task in names:
             for attempt in range(attempts):
                 p = 0.3 + 0.5 * level / max(1, len(models) - 1)
-                job.append(episode(rng, task, attempt, model=model, checkpoint=checkpoint, p_solve=p, turns=turns, evil=task == evil_task))
+                job.append(episode(
+                    rng, task, attempt, model=model, checkpoint=checkpoint, p_solve=p, turns=turns,
+                    evil=task == evil_task, long_output=task == names[1],
+                ))  # fmt: skip
     job.close()
     return job.path
 

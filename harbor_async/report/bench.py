@@ -1,8 +1,8 @@
 """Benchmark results as report sections: tables and the step-time and throughput plots.
 
 Reads the JSON files ``harbor-async bench`` writes (``benchmarks/report.py``
-gives their shape). A saved PNG beside a result is shown as it is; otherwise
-the plot is drawn from the JSON. A result of a kind this module does not know
+gives their shape). A saved PNG beside a result (the benchmark's own plot) is
+shown as it is, in place of the plots drawn here from the JSON. A result of a kind this module does not know
 is still shown, as tables of its lists and settings.
 """
 
@@ -58,8 +58,8 @@ def benchmark_section(result: BenchmarkResult) -> BenchmarkSection:
         _overhead(section, data)
     else:
         _generic(section, data)
-    if result.plot is not None:
-        section.charts.insert(0, Chart(f"{result.plot.name} (saved plot)", charts.png_uri(result.plot)))
+    if result.plot is not None:  # the benchmark's own plot of the same figures: shown instead of a redraw
+        section.charts = [Chart(f"{result.plot.name} (saved by the benchmark)", charts.png_uri(result.plot))]
     return section
 
 

@@ -144,7 +144,10 @@ def line_chart(
     if logy:
         ax.set_yscale("log")
     if logx:
+        from matplotlib.ticker import ScalarFormatter
+
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ScalarFormatter())  # 8, 32, not 2^3, 2^5
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
