@@ -167,6 +167,13 @@ def test_report_of_a_running_job_shows_finished_episodes(tmp_path: Path) -> None
     assert len(_data(page)["episodes"]) == 4
 
 
+def test_report_of_a_job_with_no_episodes_yet(tmp_path: Path) -> None:
+    job = JobFolder.create(tmp_path, "just-started", {"command": "eval"})
+    page = render(job.path)
+    assert "running or stopped" in page and _data(page)["episodes"] == []
+    assert "No phase timings" in page
+
+
 def test_cli_report_of_a_real_run(tmp_path: Path, suite_root: Path) -> None:
     """A real `harbor-async run` on the bundled suite (local backend), then `harbor-async report` of its job folder."""
     job = tmp_path / "jobs" / "run-job"

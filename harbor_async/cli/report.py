@@ -21,6 +21,9 @@ Threshold = Annotated[
 
 def _report_module():
     try:
+        import jinja2  # noqa: F401 - the extra's packages, checked before any work
+        import matplotlib  # noqa: F401
+
         from harbor_async import report
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise fail(f"the report needs the 'report' extra (Jinja2, matplotlib): pip install 'harbor-async[report]' ({exc})") from None

@@ -367,7 +367,7 @@
     parts.push(el("h3", { text: "verifier output" }));
     parts.push(d.verifier_output ? folded(d.verifier_output) : el("div", { class: "empty", text: "(none recorded)" }));
     const transcript = el("div", { id: "transcript" });
-    (d.transcript || []).forEach((m, n) => transcript.append(messageNode(m || {}, n)));
+    (d.transcript || []).forEach((m, n) => transcript.append(messageNode(m && typeof m === "object" ? m : { role: "?", content: String(m) }, n)));
     parts.push(el("h3", { text: `transcript (${(d.transcript || []).length} messages)` }));
     parts.push((d.transcript || []).length ? transcript : el("div", { class: "empty", text: "(no transcript in this record)" }));
     body.replaceChildren(...parts);
