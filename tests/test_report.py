@@ -37,7 +37,7 @@ SWEEP = [("ckpt/step-100", "step-100"), ("ckpt/step-200", "step-200"), ("ckpt/st
 
 
 def _data(page: str) -> dict:
-    found = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', page, re.S)
+    found = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', page, re.DOTALL)
     assert found, "no report data in the page"
     return json.loads(found.group(1))
 
@@ -201,7 +201,7 @@ def test_cli_report_of_a_real_run(tmp_path: Path, suite_root: Path) -> None:
 
 
 def _get(url: str) -> tuple[int, str]:
-    with urllib.request.urlopen(url, timeout=30) as answer:  # noqa: S310 - 127.0.0.1 only
+    with urllib.request.urlopen(url, timeout=30) as answer:
         return answer.status, answer.read().decode()
 
 

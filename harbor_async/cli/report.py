@@ -20,8 +20,8 @@ Threshold = Annotated[
 
 
 def _report_module():
-    try:
-        import jinja2  # noqa: F401 - the extra's packages, checked before any work
+    try:  # the extra's packages, checked before any work
+        import jinja2  # noqa: F401
         import matplotlib  # noqa: F401
 
         from harbor_async import report

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import structlog
 
-from harbor_async.report.render import render
 from harbor_async.errors import HarborAsyncError
+from harbor_async.report.render import render
 from harbor_async.report.source import BenchmarkSource, load_source
 
 log = structlog.get_logger(__name__)
@@ -94,7 +94,7 @@ class ReportServer(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: ReportServer
 
-    def do_GET(self) -> None:  # noqa: N802 - the http.server name
+    def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if path in ("/", "/index.html", "/report.html"):
             try:
@@ -118,5 +118,5 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the http.server signature
+    def log_message(self, format: str, *args: object) -> None:
         log.debug("report.request", request=format % args)
