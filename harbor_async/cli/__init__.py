@@ -10,6 +10,7 @@ import sys
 
 import typer
 
+from harbor_async.cli import report as _report
 from harbor_async.cli import run as _run
 from harbor_async.cli.sandboxes import sandboxes_app
 
@@ -23,6 +24,8 @@ app = typer.Typer(
 app.command("run")(_run.run)
 app.command("tasks")(_run.tasks)
 app.add_typer(sandboxes_app, name="sandboxes")
+app.command("report")(_report.report)
+app.command("view")(_report.view)
 
 
 def _add_bench() -> None:
