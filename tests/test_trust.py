@@ -326,7 +326,7 @@ async def test_no_start_retry_past_the_deadline(example_tasks):
         with pytest.raises(EpisodeDeadlineError):
             await sandbox.wait_started()
         assert anyio.current_time() - began < 1.5
-        assert sandbox.start_attempts < 10
+        assert 1 < sandbox.start_attempts < 50  # retried while time was left, never past the deadline
         await sandbox.stop()
 
 
