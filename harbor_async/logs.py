@@ -1,8 +1,9 @@
-"""structlog set-up: console or JSON lines on stderr, level from the environment.
+"""structlog set-up: console or JSON lines on stderr; called by command lines only.
 
-``HARBOR_ASYNC_LOG_LEVEL`` (default ``warning``) and ``HARBOR_ASYNC_LOG_FORMAT``
-(``console`` or ``json``) apply when the application has not configured
-structlog itself.
+The library never configures logging: the ``harbor-async`` commands and the
+benchmarks call :func:`configure_logging`. Each setting is taken from the
+argument (a command-line flag), else ``HARBOR_ASYNC_LOG_LEVEL`` /
+``HARBOR_ASYNC_LOG_FORMAT``, else the default (``warning``, ``console``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,42 @@ import os
 import sys
 
 import structlog
+
+from harbor_async.errors import HarborAsyncError
+
+LEVEL_ENV = "HARBOR_ASYNC_LOG_LEVEL"
+FORMAT_ENV = "HARBOR_ASYNC_LOG_FORMAT"
+DEFAULT_LEVEL = "warning"
+DEFAULT_FORMAT = "console"
+LEVELS = ("debug", "info", "warning", "error", "critical")
+FORMATS = ("console", "json")
+
+
+class LogSettingError(HarborAsyncError, ValueError):
+    """A log level or format that does not exist (from a flag or the environment)."""
+
+
+def log_settings(level: str | None = None, fmt: str | None = None) -> tuple[str, str]:
+    """The level and format to use: the argument, else the environment variable, else the default.
+
+    Raises:
+        LogSettingError: naming the setting, where it came from and the choices.
+    """
+    chosen = []
+    for value, env, default, choices, what in (
+        (level, LEVEL_ENV, DEFAULT_LEVEL, LEVELS, "log level"),
+        (fmt, FORMAT_ENV, DEFAULT_FORMAT, FORMATS, "log format"),
+    ):
+        source = "given"
+        if value is None or not value.strip():
+            value, source = os.environ.get(env, ""), f"from ${env}"
+            if not value.strip():
+                value, source = default, "default"
+        value = value.strip().lower()
+        if value not in choices:
+            raise LogSettingError(f"{what} {value!r} ({source}) is not one of {', '.join(choices)}")
+        chosen.append(value)
+    return chosen[0], chosen[1]
 
 
 class _CurrentStderr:
@@ -29,13 +66,16 @@ class _CurrentStderr:
 
 
 def configure_logging(level: str | None = None, fmt: str | None = None, *, force: bool = False) -> None:
-    """Configure structlog for this process (no-op if configured, unless ``force``)."""
+    """Configure structlog for this process (no-op if configured, unless ``force``).
+
+    See :func:`log_settings` for where the level and format come from.
+
+    Raises:
+        LogSettingError: an unknown level or format.
+    """
     if structlog.is_configured() and not force:
         return
-    level = (level or os.environ.get("HARBOR_ASYNC_LOG_LEVEL", "warning")).upper()
-    fmt = (fmt or os.environ.get("HARBOR_ASYNC_LOG_FORMAT", "console")).lower()
-    if fmt not in ("console", "json"):
-        raise ValueError(f"log format must be 'console' or 'json', got {fmt!r}")
+    level, fmt = log_settings(level, fmt)
     renderer = (
         structlog.processors.JSONRenderer()
         if fmt == "json"
@@ -49,7 +89,7 @@ def configure_logging(level: str | None = None, fmt: str | None = None, *, force
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level]),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
         logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=False,
     )
