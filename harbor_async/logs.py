@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import structlog
 
@@ -51,6 +53,24 @@ def log_settings(level: str | None = None, fmt: str | None = None) -> tuple[str,
     return chosen[0], chosen[1]
 
 
+_level: int | None = None  # the level configure_logging set, if it did
+
+
+@contextmanager
+def quieter(level: str = "error") -> Iterator[None]:
+    """Within the block, drop log events below ``level`` (for what the caller reports itself)."""
+    previous = _level
+    wanted = logging.getLevelNamesMapping()[level.upper()]
+    if previous is None or previous >= wanted:
+        yield
+        return
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(wanted))
+    try:
+        yield
+    finally:
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(previous))
+
+
 class _CurrentStderr:
     """Writes to whatever ``sys.stderr`` is at write time.
 
@@ -76,6 +96,8 @@ def configure_logging(level: str | None = None, fmt: str | None = None, *, force
     if structlog.is_configured() and not force:
         return
     level, fmt = log_settings(level, fmt)
+    global _level
+    _level = logging.getLevelNamesMapping()[level.upper()]
     renderer = (
         structlog.processors.JSONRenderer()
         if fmt == "json"

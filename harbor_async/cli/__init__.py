@@ -16,7 +16,28 @@ from harbor_async.cli import run as _run
 from harbor_async.cli.bench import bench_app
 from harbor_async.cli.sandboxes import sandboxes_app
 
-app = typer.Typer(
+
+class _App(typer.Typer):
+    """Typer, with a bad option value reported on one line (``error: ...``, exit 2) instead of a box."""
+
+    def __call__(self, *args, **kwargs):
+        from typer.main import get_command
+
+        from harbor_async.cli.common import say
+
+        try:
+            code = get_command(self).main(*args, standalone_mode=False, **kwargs)
+        except typer.Abort:
+            sys.exit(1)
+        except typer.TyperException as exc:  # click's usage errors: a bad flag or value
+            where = getattr(getattr(exc, "ctx", None), "command_path", None)
+            hint = f" (see `{where} --help`)" if where else ""
+            say("error:", " ".join(exc.format_message().split()) + hint, "bold red")
+            sys.exit(getattr(exc, "exit_code", 2))
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = _App(
     name="harbor-async",
     help="Async episode engine for Harbor sandboxes.",
     no_args_is_help=True,

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from harbor_async.cli.common import fail, parse_kwargs
+from harbor_async.cli.common import fail, parse_kwargs, setup_logging
 
 bench_app = typer.Typer(
     name="bench",
@@ -63,15 +63,10 @@ def _kwargs(env: str, latency: str, ek: list[str] | None, old_json: str | None) 
 
 
 def _setup(log_level: str | None) -> None:
-    from harbor_async.logs import LogSettingError, configure_logging
-
-    try:
-        configure_logging(log_level, force=True)
-    except LogSettingError as exc:
-        raise fail(exc) from None
+    setup_logging(log_level)
 
 
-LogOpt = Annotated[str | None, typer.Option(help="debug, info, warning or error. [default: $HARBOR_ASYNC_LOG_LEVEL or warning]")]
+LogOpt = Annotated[str | None, typer.Option(help="debug, info, warning or error.", show_default="$HARBOR_ASYNC_LOG_LEVEL or warning")]
 
 
 @bench_app.command()
@@ -79,7 +74,7 @@ def throughput(
     env: EnvOpt = None,
     backend: OldBackendOpt = None,
     episodes: Annotated[int, typer.Option("--episodes", min=1, help="Episodes at each concurrency level.")] = 64,
-    n_concurrent: Annotated[str | None, typer.Option("--n-concurrent", "-n", help="Comma-separated concurrency levels. [default: 1,8,32]")] = None,
+    n_concurrent: Annotated[str | None, typer.Option("--n-concurrent", "-n", help="Comma-separated concurrency levels.", show_default="1,8,32")] = None,
     concurrency: Annotated[str | None, typer.Option("--concurrency", "-c", hidden=True)] = None,
     latency: LatencyOpt = "cloud",
     ek: EkOpt = None,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from typing import Any
 
 import typer
@@ -32,6 +31,7 @@ __all__ = [
     "parse_kwargs",
     "positive",
     "say",
+    "setup_logging",
 ]
 
 
@@ -92,6 +92,11 @@ def parse_kwargs(pairs: list[str] | None, name: str = "--ek") -> dict[str, Any]:
     return result
 
 
-def env_flag(name: str) -> bool:
-    """Whether an environment variable is set to a true value."""
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
+    """Configure logging for a command: the flag, else the environment variable, else the default; exit 2 if bad."""
+    from harbor_async.logs import LogSettingError, configure_logging
+
+    try:
+        configure_logging(level, fmt, force=True)
+    except LogSettingError as exc:
+        raise fail(exc) from None

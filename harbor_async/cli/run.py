@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import IO, Annotated, Any
 
 import anyio
-import click
 import typer
 from rich.progress import (
     BarColumn,
@@ -37,6 +36,7 @@ from harbor_async.cli.common import (
     parse_kwargs,
     positive,
     say,
+    setup_logging,
 )
 from harbor_async.cli.interrupts import Interrupts
 from harbor_async.cli.select import (
@@ -59,7 +59,7 @@ PathOpt = Annotated[
     Path | None, typer.Option("--path", "-p", help="A local suite: <root>/tasks/*/task.toml or <root>/*/task.toml.")
 ]
 DatasetOpt = Annotated[
-    str | None, typer.Option("--dataset", "-d", help="A Hugging Face dataset repo id (org/name[@revision]).")
+    str | None, typer.Option("--dataset", "-d", help="A Hugging Face dataset repo id: org/name or org/name@revision.")
 ]
 NTasksOpt = Annotated[
     int | None, typer.Option("--n-tasks", "-l", min=1, help="At most N tasks (applied after -i/-x).")
@@ -82,13 +82,14 @@ _JOB_OPTIONS = (
 
 
 def run(
+    ctx: typer.Context,
     suite: SuiteArg = None,
     path: PathOpt = None,
     dataset: DatasetOpt = None,
-    env: Annotated[str | None, typer.Option("--env", "-e", help="Harbor type (docker, e2b, ...), 'local', 'simulated' or module:Class. [default: local]")] = None,
+    env: Annotated[str | None, typer.Option("--env", "-e", help="Harbor type (docker, e2b, ...), 'local', 'simulated' or module:Class.", show_default="local")] = None,
     backend: Annotated[str | None, typer.Option("--backend", "-b", hidden=True)] = None,
     agent: Annotated[str, typer.Option("--agent", "-a", help=f"One of: {', '.join(AGENTS)} (none and nop: no agent).")] = "oracle",
-    n_concurrent: Annotated[int | None, typer.Option("--n-concurrent", "-n", min=1, help="Episodes (and live sandboxes) at once. [default: 8]")] = None,
+    n_concurrent: Annotated[int | None, typer.Option("--n-concurrent", "-n", min=1, help="Episodes (and live sandboxes) at once.", show_default="8")] = None,
     concurrency: Annotated[int | None, typer.Option("--concurrency", "-c", min=1, hidden=True)] = None,
     n_attempts: Annotated[int, typer.Option("--n-attempts", "-k", min=1, help="Episodes per task; pass@k is reported when above 1.")] = 1,
     n_tasks: NTasksOpt = None,
@@ -102,13 +103,13 @@ def run(
     verifier_timeout_multiplier: Annotated[float | None, typer.Option("--verifier-timeout-multiplier", help="Multiplies the verifier budget (overrides --timeout-multiplier).")] = None,
     environment_build_timeout_multiplier: Annotated[float | None, typer.Option("--environment-build-timeout-multiplier", help="Multiplies the start budget (overrides --timeout-multiplier).")] = None,
     episode_timeout: Annotated[float | None, typer.Option(help="Seconds for a whole episode (all phases but the stop).")] = None,
-    start_timeout: Annotated[float | None, typer.Option(help="Seconds for one start attempt. [default: 600]")] = None,
+    start_timeout: Annotated[float | None, typer.Option(help="Seconds for one start attempt.", show_default="600")] = None,
     jobs_dir: Annotated[Path, typer.Option("--jobs-dir", "-o", help="Folder of job folders.")] = DEFAULT_JOBS_DIR,
-    job_name: Annotated[str | None, typer.Option("--job-name", help="The job folder's name. [default: a timestamp]")] = None,
+    job_name: Annotated[str | None, typer.Option("--job-name", help="The job folder's name.", show_default="a timestamp")] = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="A job folder: run only its missing episodes and those a resume reruns.")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Also export the job's records (one JSON object a line) to this file.")] = None,
-    log_level: Annotated[str | None, typer.Option(help="debug, info, warning or error. [default: $HARBOR_ASYNC_LOG_LEVEL or warning]")] = None,
-    log_format: Annotated[str | None, typer.Option(help="console or json. [default: $HARBOR_ASYNC_LOG_FORMAT or console]")] = None,
+    log_level: Annotated[str | None, typer.Option(help="debug, info, warning or error.", show_default="$HARBOR_ASYNC_LOG_LEVEL or warning")] = None,
+    log_format: Annotated[str | None, typer.Option(help="console or json.", show_default="$HARBOR_ASYNC_LOG_FORMAT or console")] = None,
 ) -> None:
     """Run every task of a suite (k times each), concurrently, into a job folder; report rewards and timings.
 
@@ -116,16 +117,10 @@ def run(
     stop, a sandbox limit), 2 on bad input, 130/143/129 on SIGINT/SIGTERM/SIGHUP.
     """
     from harbor_async.jobs import JobFolder, JobFolderError
-    from harbor_async.logs import LogSettingError, configure_logging
-
-    try:
-        configure_logging(log_level, log_format, force=True)
-    except LogSettingError as exc:
-        raise fail(exc) from None
+    setup_logging(log_level, log_format)
     concurrency = n_concurrent or concurrency or 8
     if resume is not None:
-        ctx = click.get_current_context()
-        given = [name for name in _JOB_OPTIONS if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+        given = [name for name in _JOB_OPTIONS if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
         if given:
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
             raise fail(f"--resume takes the job's settings from its config.json; drop {flags}")
@@ -313,7 +308,7 @@ def _summary(records: list[EpisodeRecord], planned: int, settings: dict[str, Any
 def _print_table(records: list[EpisodeRecord]) -> None:
     if not records:
         return
-    names = Counter(r.task for r in records)
+    names = Counter(name for name, _ in {(r.task, r.task_path) for r in records})
     attempts = any(r.attempt for r in records)
     table = Table(title="episodes")
     table.add_column("task", overflow="fold")
@@ -363,6 +358,7 @@ def tasks(
     indices: IndicesOpt = None,
 ) -> None:
     """List a suite's valid tasks (as -p/-d/-i/-x/-l select them) and report the invalid ones."""
+    setup_logging()
     loaded = load_tasks(
         suite_source(suite, path, dataset), n_tasks=n_tasks or num_tasks, indices=parse_indices(indices),
         include=include, exclude=exclude,

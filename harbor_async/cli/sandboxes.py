@@ -10,8 +10,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from harbor_async.cli.common import fail, out, say
-from harbor_async.logs import LogSettingError, configure_logging
+from harbor_async.cli.common import fail, out, say, setup_logging
 from harbor_async.reaper import (
     BACKENDS,
     SandboxInfo,
@@ -28,7 +27,7 @@ sandboxes_app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-EnvOpt = Annotated[str | None, typer.Option("--env", "-e", help=f"One of: {', '.join(BACKENDS)}. [default: all]")]
+EnvOpt = Annotated[str | None, typer.Option("--env", "-e", help=f"One of: {', '.join(BACKENDS)}.", show_default="all")]
 OldBackendOpt = Annotated[str | None, typer.Option("--backend", "-b", hidden=True)]
 RootOpt = Annotated[
     list[Path] | None,
@@ -42,10 +41,7 @@ def _check(env: str | None, backend: str | None) -> str:
     chosen = env or backend or "all"
     if chosen not in BACKENDS:
         raise fail(f"-e/--env must be one of {', '.join(BACKENDS)}, got {chosen!r}")
-    try:
-        configure_logging(force=True)
-    except LogSettingError as exc:
-        raise fail(exc) from None
+    setup_logging()
     return chosen
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from harbor_async.cli.common import fail, say
 from harbor_async.errors import HarborAsyncError
+from harbor_async.logs import quieter
 from harbor_async.runner import Episode
 
 if TYPE_CHECKING:
@@ -49,7 +50,9 @@ def load_tasks(
     filtered = bool(include or exclude)
     try:
         # Without globs only the first n task folders are validated (fast on big suites).
-        loaded = load_suite(source, num_tasks=None if filtered else n_tasks, indices=indices)
+        # Invalid tasks are reported below, once each: not also as the suite's log warnings.
+        with quieter("error"):
+            loaded = load_suite(source, num_tasks=None if filtered else n_tasks, indices=indices)
     except (HarborAsyncError, ValueError, FileNotFoundError, IndexError, TypeError) as exc:
         raise fail(exc) from None
     for bad in loaded.invalid:
