@@ -111,10 +111,10 @@ async def run_episode(
     current = Phase.START
 
     @asynccontextmanager
-    async def span(phase: Phase) -> AsyncIterator[None]:
+    async def span(phase: Phase, at: float | None = None) -> AsyncIterator[None]:
         nonlocal current
         current = phase
-        start = anyio.current_time() - begin
+        start = anyio.current_time() - begin if at is None else at
         try:
             yield
         finally:
@@ -124,7 +124,7 @@ async def run_episode(
     sandbox = engine.launch(task, backend)
     record.sandbox = sandbox.id
     try:
-        async with span(Phase.START):
+        async with span(Phase.START, at=0.0):  # the start began with the launch
             await sandbox.wait_started()
         if agent not in ("none", "nop"):
             try:
