@@ -76,7 +76,7 @@ def test_ek_drives_the_simulated_backend(tmp_path):
     _, found, summary = run_job(tmp_path, "-e", "simulated", "-l", "2", "--ek", "verify_failure_rate=1", name="verify")
     assert all(r["error_class"] == "verifier" and r["reward"] == 0.0 for r in found)
     assert summary["completed"] == 2 and summary["failures"] == {"verifier": 2}
-    result, found, _ = run_job(
+    _, found, _ = run_job(
         tmp_path, "-e", "simulated", "-l", "2", "--ek", "start_permanent_failure_rate=1", name="start", code=1
     )
     assert all(r["error_class"] == "infrastructure" and r["error_phase"] == "start" for r in found)

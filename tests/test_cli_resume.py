@@ -6,7 +6,15 @@ import json
 import shutil
 import signal
 
-from tests.cli_helpers import harbor_async, interrupt, make_fast, make_suite, records, spawn, wait_for
+from tests.cli_helpers import (
+    harbor_async,
+    interrupt,
+    make_fast,
+    make_suite,
+    records,
+    spawn,
+    wait_for,
+)
 
 FAST, SLOW = ["fast-a", "fast-b", "fast-c"], ["slow-a", "slow-b"]
 

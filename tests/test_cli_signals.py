@@ -8,7 +8,14 @@ import time
 
 import pytest
 
-from tests.cli_helpers import harbor_async, interrupt, make_suite, records, spawn, wait_for
+from tests.cli_helpers import (
+    harbor_async,
+    interrupt,
+    make_suite,
+    records,
+    spawn,
+    wait_for,
+)
 
 FAST, SLOW = ["fast-a", "fast-b", "fast-c"], ["slow-a", "slow-b"]
 
@@ -48,7 +55,7 @@ def test_a_second_signal_does_not_abort_the_cleanup(tmp_path):
     )  # fmt: skip
     wait_for(lambda: (job / "config.json").exists(), 60, "the job folder")
     time.sleep(1.5)  # the oracles are running (each exec takes 60 s)
-    returncode, out, err, seconds = interrupt(proc, [signal.SIGTERM, signal.SIGTERM], gap=0.5)
+    returncode, _, err, seconds = interrupt(proc, [signal.SIGTERM, signal.SIGTERM], gap=0.5)
     assert returncode == 143, err
     assert "still stopping sandboxes" in err
     assert seconds >= 1.5, "the second signal cut the 2 s stops short"
@@ -65,7 +72,7 @@ def test_a_third_signal_forces_the_exit_and_names_what_is_left(tmp_path, leak_pr
     )  # fmt: skip
     wait_for(lambda: (job / "config.json").exists(), 60, "the job folder")
     time.sleep(1.5)
-    returncode, out, err, seconds = interrupt(proc, [signal.SIGINT, signal.SIGINT, signal.SIGINT], gap=0.5)
+    returncode, _, err, seconds = interrupt(proc, [signal.SIGINT, signal.SIGINT, signal.SIGINT], gap=0.5)
     assert returncode == 130, err
     assert seconds < 10, "the third signal did not force the exit"
     assert "harbor-async sandboxes reap" in err
