@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 from tests.cli_helpers import harbor_async, make_suite, records
@@ -42,3 +43,18 @@ def test_the_error_column_keeps_whole_words(tmp_path):
     table = result.stdout.split("episodes:")[0]
     text = " ".join(cell.strip() for line in table.splitlines() for cell in line.split("│")[-2:-1])
     assert "simulated: disk full (permanent)" in " ".join(text.split())
+
+
+def test_tasks_of_the_same_name_are_told_apart_by_path(tmp_path):
+    suite = make_suite(tmp_path / "suite", ["a", "b"])
+    for name in ("a", "b"):
+        toml = suite / "tasks" / name / "task.toml"
+        first, rest = toml.read_text().split("\n", 1)
+        toml.write_text(f'{first}\n\n[task]\nname = "org/same"\n{rest}')
+    result = harbor_async("run", "-p", str(suite), "-o", str(tmp_path / "jobs"), "--job-name", "j")
+    assert result.returncode == 0, result.stderr
+    found = records(tmp_path / "jobs" / "j")
+    assert {r["task"] for r in found} == {"org/same"} and len({r["task_path"] for r in found}) == 2
+    assert str(suite / "tasks" / "a") in result.stdout and str(suite / "tasks" / "b") in result.stdout
+    summary = json.loads((tmp_path / "jobs" / "j" / "summary.json").read_text())
+    assert summary["tasks"] == 2 and summary["episodes"] == 2
