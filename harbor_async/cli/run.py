@@ -117,6 +117,7 @@ def run(
     stop, a sandbox limit), 2 on bad input, 130/143/129 on SIGINT/SIGTERM/SIGHUP.
     """
     from harbor_async.jobs import JobFolder, JobFolderError
+
     setup_logging(log_level, log_format)
     concurrency = n_concurrent or concurrency or 8
     if resume is not None:
