@@ -201,3 +201,11 @@ def test_bench_is_imported_only_by_its_commands_and_promises_only_what_it_writes
     data = json.loads((tmp_path / "throughput-simulated.json").read_text())
     assert [r["concurrency"] for r in data["runs"]] == [1, 2] and data["backend_kwargs"] == {"start_latency": 0.01}
     assert [p.suffix for p in tmp_path.iterdir()] == [".json"]
+
+
+def test_indices_pick_tasks_by_position_and_a_repeat_is_another_attempt(tmp_path):
+    listed = harbor_async("tasks", "--indices", "2,0")
+    assert re.findall(r"│\s+\d+\s+│\s+(\S+)", listed.stdout) == ["csv-group-by", "count-log-files"]
+    _, found, summary = run_job(tmp_path, "-e", "simulated", "--indices", "0,0", "-k", "2")
+    assert sorted((r["task"], r["attempt"]) for r in found) == [("count-log-files", a) for a in range(4)]
+    assert summary["tasks"] == 1 and summary["episodes"] == 4
