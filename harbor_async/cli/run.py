@@ -39,7 +39,7 @@ from harbor_async.cli.common import (
     setup_logging,
 )
 from harbor_async.cli.interrupts import Interrupts
-from harbor_async.cli.select import (
+from harbor_async.cli.selection import (
     describe_episodes,
     load_tasks,
     plan_episodes,
