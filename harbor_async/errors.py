@@ -263,6 +263,10 @@ class FailureClass(StrEnum):
 _RERUN = frozenset({FailureClass.INFRASTRUCTURE, FailureClass.MODEL_SERVER, FailureClass.CANCELLED})
 
 
+class LogSettingError(HarborAsyncError, ValueError):
+    """A log level or format that does not exist (from a flag or the environment)."""
+
+
 class ModelServerError(HarborAsyncError):
     """The policy's model server failed (unreachable, errors after retries, died): not the model's episode."""
 
