@@ -1,63 +1,15 @@
-"""A Harbor environment backed by bubblewrap: real namespaces, no Docker daemon.
+"""The Harbor environment: ``LocalEnvironment``, a sandbox that commands join like ``docker exec``."""
 
-Use it by import path, from Harbor's CLI or from code::
-
-    harbor run -p tasks/ -e harbor_async.backends.local:LocalEnvironment -a oracle
-
-Every sandbox is a folder on the host,
-``<base>/harbor-async-<run label>-<session id>/``, holding a marker file
-(``.harbor-async.json``, for a reaper) and ``fs/``, the sandbox's own root.
-
-A sandbox lives like a container. ``start()`` launches one long-lived ``bwrap``,
-the *keeper*: it binds ``fs/`` as ``/`` (writable) and the host's ``/usr``,
-``/etc`` (and ``/bin``, ``/lib``... when they are real folders) read-only on
-top, in new user, PID, mount, IPC, UTS, cgroup and network namespaces (so: no
-network at all, only ``lo``), with a reduced capability set, and runs a tiny
-init as the namespace's PID 1 (a shell loop that waits forever and reaps every
-orphan). Each ``exec`` *joins* the keeper's namespaces, as ``docker exec`` joins
-a container: ``nsenter`` enters them, ``setpriv`` drops the capabilities to the
-keeper's set and sets no-new-privs, ``env`` clears the environment and changes
-to the working folder, then ``bash -c`` runs the command. So processes started
-in the background (``cmd &``, ``nohup``, ``setsid``) outlive their exec and are
-visible to later ones (``ps``, ``kill``, ``/proc``); the sandbox still has its
-own PID namespace. An exec that times out or is cancelled loses its whole
-process tree (its session, its process group and all descendants), not the
-background processes of earlier execs; ``stop()`` kills the keeper, which ends
-the PID namespace and every process in it, then removes the folder.
-
-What a background process writes to its exec's stdout/stderr after the exec
-returned is read and discarded (it neither blocks nor dies of SIGPIPE);
-redirect it to a file to keep it.
-
-Needs ``bwrap`` (``apt-get install bubblewrap``) and ``nsenter``, ``setpriv``
-from util-linux (essential on Debian and Ubuntu, so present; elsewhere
-``apt-get install util-linux`` or your distribution's equivalent). ``start()``
-fails with a clear error without them.
-
-From the task's ``environment/Dockerfile`` the ``WORKDIR``, ``ENV`` and ``COPY``
-lines (and ``ADD`` of local files) are honoured at ``start()``; ``FROM``, ``ARG``
-and ``LABEL`` are accepted silently; every other line (``RUN``, ``USER`` ...) is
-named in one warning, as are the paths this backend cannot make writable.
-"""
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 import posixpath
-import queue
-import re
-import select
 import shutil
-import signal
 import subprocess
-import threading
 import time
 import weakref
-from collections import defaultdict
-from concurrent.futures import Future
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -77,81 +29,30 @@ from harbor.environments.capabilities import (
 from harbor.models.task.config import EnvironmentConfig, HealthcheckConfig
 from harbor.models.trial.paths import TrialPaths
 
-from harbor_async.backends.dockerfile import CopyStep, DockerfileSpec, parse_dockerfile
+from harbor_async.backends.local.dockerfile import CopyStep, DockerfileSpec, parse_dockerfile
+from harbor_async.backends.local.errors import ExecTimeoutError, SandboxPathError
+from harbor_async.backends.local.keeper import (
+    Keeper,
+    Tools,
+    find_tools,
+    sandbox_caps,
+    spawn_from_keeper_thread,
+)
+from harbor_async.backends.local.layout import (
+    BASE_ENV,
+    KEEPER_INIT,
+    KEEPER_START_TIMEOUT,
+    RUN_LABEL_ENV,
+    SANDBOX_CAPS,
+    SANDBOX_DIRS,
+    SPECIAL_DIRS,
+    SYSTEM_DIRS,
+    under,
+)
+from harbor_async.backends.local.output import OUTPUT_SINK, OutputPipe, read_available
+from harbor_async.backends.local.proctree import end_exec
 from harbor_async.files import remove_tree
 from harbor_async.naming import DEFAULT_LOCAL_ROOT, LOCAL_ROOT_ENV, MARKER_NAME, local_folder_name
-
-RUN_LABEL_ENV = "HARBOR_ASYNC_RUN_LABEL"
-
-# Host folders the sandbox sees read-only. /bin, /lib ... are usually symlinks
-# into /usr (merged /usr); those are recreated as symlinks, real folders bound.
-SYSTEM_DIRS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-# Kernel file systems: never a source or target of a file transfer.
-SPECIAL_DIRS = ("/proc", "/dev", "/sys")
-# Folders every sandbox has, whatever its Dockerfile says.
-SANDBOX_DIRS = (
-    "tmp", "var/tmp", "run", "root", "home/user", "workdir",
-    "logs/agent", "logs/verifier", "logs/artifacts", "tests", "solution",
-)  # fmt: skip
-# Docker's default capability set, less the ones that could reach the host
-# through the writable folder (MKNOD, SETFCAP) and NET_RAW (no network anyway).
-# Root with every capability (bwrap's default for root) could remount /usr rw.
-SANDBOX_CAPS = (
-    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL",
-    "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
-    "CAP_SYS_CHROOT", "CAP_AUDIT_WRITE",
-)  # fmt: skip
-BASE_ENV = {
-    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": "/root",
-    "HOSTNAME": "sandbox",
-}
-# PID 1 of every sandbox (the keeper's command): it says it is up, then waits
-# forever. ``wait`` reaps every child, so orphans of finished execs never stay
-# zombies. A namespace's PID 1 gets only the signals it handles from inside:
-# SIGKILL and SIGSTOP never, the others are ignored here (a shell in ``wait``
-# would die of SIGINT), so nothing in the sandbox can end it by accident.
-KEEPER_INIT = (
-    "trap '' HUP INT QUIT TERM USR1 USR2 ALRM PIPE; echo ready; exec >/dev/null 2>&1;"
-    " while :; do sleep 86400 & wait; done"
-)
-#: How long the keeper may take to come up (it takes milliseconds).
-KEEPER_START_TIMEOUT = 30.0
-# Namespaces the keeper may live in; an exec joins each one that differs from
-# ours (bwrap makes a user namespace too when it can, even as root).
-NAMESPACES = ("user", "mnt", "uts", "ipc", "net", "pid", "cgroup")
-# After an exec's shell ended, how long to keep reading what is already in its
-# output pipes (bounded: a background process may write without end).
-OUTPUT_SETTLE_SEC = 0.1
-
-
-class ExecTimeoutError(RuntimeError):
-    """An ``exec`` ran past its ``timeout_sec``; its whole process tree was killed.
-
-    A ``RuntimeError`` with the message Harbor's docker backend uses, so code
-    written for Docker handles it the same way; the output captured before the
-    kill is kept on ``stdout`` and ``stderr``.
-    """
-
-    def __init__(self, timeout_sec: float, stdout: str | None, stderr: str | None) -> None:
-        super().__init__(f"Command timed out after {timeout_sec} seconds")
-        self.timeout_sec = timeout_sec
-        self.stdout = stdout
-        self.stderr = stderr
-
-
-class SandboxPathError(ValueError):
-    """A sandbox path that cannot be transferred (read-only host folder, /proc ...)."""
-
-
-def _under(path: str, prefixes: tuple[str, ...]) -> bool:
-    return any(path == p or path.startswith(p + "/") for p in prefixes)
-
-
-
-# ---------------------------------------------------------------------------
-# The environment
-# ---------------------------------------------------------------------------
 
 
 class LocalEnvironment(BaseEnvironment):
@@ -191,9 +92,9 @@ class LocalEnvironment(BaseEnvironment):
         self._workdir = "/"
         self._running: dict[int, Process] = {}  # exec nsenter pid -> process
         self._launching = 0  # processes being spawned, not yet in _running / _keeper
-        self._keeper: _Keeper | None = None
+        self._keeper: Keeper | None = None
         self._keeper_finalizer: weakref.finalize[Any, Any] | None = None
-        self._tools: _Tools | None = None
+        self._tools: Tools | None = None
         self._started = False
         self._marker_live = False  # the marker may be (re)written: between start and stop
         self._warned_user = False
@@ -242,11 +143,11 @@ class LocalEnvironment(BaseEnvironment):
             self._spec = parse_dockerfile(dockerfile.read_text(), BASE_ENV)
         ignored = self._spec.ignored
         for step in list(self._spec.copies):
-            if _under(step.dest, SYSTEM_DIRS + SPECIAL_DIRS):
+            if under(step.dest, SYSTEM_DIRS + SPECIAL_DIRS):
                 self._spec.copies.remove(step)
                 ignored.append(f"line {step.line}: COPY into read-only {step.dest}")
         workdir = self._spec.workdir or "/"
-        if _under(workdir, SYSTEM_DIRS + SPECIAL_DIRS):
+        if under(workdir, SYSTEM_DIRS + SPECIAL_DIRS):
             ignored.append(f"WORKDIR {workdir} (read-only host folder; using /)")
             workdir = "/"
         self._workdir = self.task_env_config.workdir or workdir
@@ -271,7 +172,7 @@ class LocalEnvironment(BaseEnvironment):
             SandboxBuildFailedError: ``bwrap``, ``nsenter`` or ``setpriv`` is
                 missing, or bubblewrap cannot create the sandbox.
         """
-        self._tools = _find_tools()
+        self._tools = find_tools()
         await anyio.to_thread.run_sync(self._build_tree)
         await self._start_keeper()
         self._started = True
@@ -291,14 +192,14 @@ class LocalEnvironment(BaseEnvironment):
         """
         assert self._tools is not None
         info_read, info_write = os.pipe()
-        ready = _OutputPipe()
+        ready = OutputPipe()
         try:
             argv = self._keeper_argv(self._tools, info_write)
             self._launching += 1
             try:
                 with open(self._root / "keeper.log", "wb") as log, anyio.CancelScope(shield=True):
-                    keeper = _Keeper(
-                        await _spawn_from_keeper_thread(
+                    keeper = Keeper(
+                        await spawn_from_keeper_thread(
                             argv, stdin=subprocess.DEVNULL, stdout=ready.write_fd, stderr=log,
                             pass_fds=(info_write,), start_new_session=True,
                         )  # fmt: skip
@@ -329,7 +230,7 @@ class LocalEnvironment(BaseEnvironment):
                     f"bubblewrap could not create local sandbox {self.session_id}: "
                     f"{detail or f'exit code {keeper.process.returncode}'}"
                 )
-            keeper.attach(json.loads(_read_available(info_read) or b"{}"))
+            keeper.attach(json.loads(read_available(info_read) or b"{}"))
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._end_keeper()
@@ -419,7 +320,7 @@ class LocalEnvironment(BaseEnvironment):
             if self._keeper is not None:
                 self._keeper.kill_init()
             for process in list(self._running.values()):
-                await _end_exec(process)  # it ends with its command, killed with the namespace
+                await end_exec(process)  # it ends with its command, killed with the namespace
             # No nsenter is running now: the namespace files may be closed.
             await self._end_keeper()
             if delete:
@@ -466,7 +367,7 @@ class LocalEnvironment(BaseEnvironment):
         variables = {**BASE_ENV, **self._spec.env, **(self._merge_env(env) or {})}
         workdir = posixpath.join(self._workdir, cwd or self._workdir)
         argv = self._exec_argv(variables, workdir, command)
-        out, err = _OutputPipe(), _OutputPipe()
+        out, err = OutputPipe(), OutputPipe()
         self._launching += 1  # no await since the _started check: stop() waits for this
         try:
             with anyio.CancelScope(shield=True):  # a cancelled spawn must not leak a process
@@ -499,12 +400,12 @@ class LocalEnvironment(BaseEnvironment):
         finally:
             with anyio.CancelScope(shield=True):
                 if not ended:  # timed out or cancelled
-                    await _end_exec(process)
+                    await end_exec(process)
                 await process.aclose()
             self._running.pop(process.pid, None)
             for pipe in (out, err):
                 pipe.settle()
-            _OUTPUT_SINK.adopt([pipe.read_fd for pipe in (out, err) if not pipe.eof])
+            OUTPUT_SINK.adopt([pipe.read_fd for pipe in (out, err) if not pipe.eof])
             for pipe in (out, err):
                 if pipe.eof:
                     pipe.close()
@@ -516,7 +417,7 @@ class LocalEnvironment(BaseEnvironment):
         # Killed by a signal (stop() during the command): report it like a shell.
         return ExecResult(stdout=stdout, stderr=stderr, return_code=128 - code if code < 0 else code)
 
-    def _keeper_argv(self, tools: _Tools, info_fd: int) -> list[str]:
+    def _keeper_argv(self, tools: Tools, info_fd: int) -> list[str]:
         """The long-lived bwrap: the sandbox's namespaces, mounts and capabilities, with a waiting init."""
         # --as-pid-1: the init shell is the namespace's PID 1 (bwrap's own init
         # would show bwrap's host command line inside the sandbox).
@@ -552,7 +453,7 @@ class LocalEnvironment(BaseEnvironment):
             argv.append(f"--{'mount' if name == 'mnt' else name}=/proc/{me}/fd/{fd}")
         # What bwrap gives its command: as root, SANDBOX_CAPS in every set (a
         # root shell keeps them across exec); unprivileged, none at all.
-        caps = ",".join(["-all", *(f"+{c.removeprefix('CAP_').lower()}" for c in _sandbox_caps())])
+        caps = ",".join(["-all", *(f"+{c.removeprefix('CAP_').lower()}" for c in sandbox_caps())])
         argv += [
             "--", tools.setpriv, f"--inh-caps={caps}", f"--ambient-caps={caps}",
             f"--bounding-set={caps}", "--no-new-privs",
@@ -634,9 +535,9 @@ class LocalEnvironment(BaseEnvironment):
                     resolved = "/"
                 continue
             resolved = candidate
-        if _under(resolved, SPECIAL_DIRS):
+        if under(resolved, SPECIAL_DIRS):
             raise SandboxPathError(f"{sandbox_path!r} is a kernel file system in the sandbox")
-        if writable and _under(resolved, SYSTEM_DIRS):
+        if writable and under(resolved, SYSTEM_DIRS):
             raise SandboxPathError(
                 f"{sandbox_path!r} is on a read-only host folder in the local sandbox "
                 f"({', '.join(SYSTEM_DIRS)} are read-only; every other path is writable)"
@@ -645,7 +546,7 @@ class LocalEnvironment(BaseEnvironment):
 
     def _host_location(self, resolved: str) -> Path:
         """Where a symlink-free sandbox path lives on the host."""
-        if _under(resolved, SYSTEM_DIRS):
+        if under(resolved, SYSTEM_DIRS):
             return Path(resolved)  # bound read-only at the same path
         return self._fs / resolved.lstrip("/")
 
@@ -720,399 +621,3 @@ class LocalEnvironment(BaseEnvironment):
         temporary.write_text(json.dumps(marker))
         temporary.replace(self._root / MARKER_NAME)  # atomic: a reaper never reads half
 
-
-@dataclass(frozen=True)
-class _Tools:
-    """Host programs the backend runs (the last three inside the sandbox, from the host's /usr)."""
-
-    bwrap: str
-    nsenter: str
-    setpriv: str
-    env: str
-    sh: str
-
-
-def _find_tools() -> _Tools:
-    """Locate bwrap, nsenter, setpriv, env and sh, or say clearly what is missing.
-
-    Raises:
-        SandboxBuildFailedError: a program is missing, or one that must run
-            inside the sandbox is not under a host folder the sandbox sees.
-    """
-    found = {name: shutil.which(name) for name in ("bwrap", "nsenter", "setpriv", "env", "sh")}
-    if found["bwrap"] is None:
-        raise SandboxBuildFailedError("bubblewrap is not installed (apt-get install bubblewrap)")
-    missing = [name for name in ("nsenter", "setpriv") if found[name] is None]
-    if missing:
-        raise SandboxBuildFailedError(
-            f"the local backend needs nsenter and setpriv from util-linux, not found: "
-            f"{', '.join(missing)} (util-linux is essential on Debian and Ubuntu; "
-            "elsewhere: apt-get install util-linux, or your distribution's util-linux package)"
-        )
-    for name in ("setpriv", "env", "sh"):  # these run inside the sandbox
-        path = found[name]
-        if path is None or not _under(os.path.realpath(path), SYSTEM_DIRS):
-            raise SandboxBuildFailedError(
-                f"the local backend runs {name} inside the sandbox, so it must live under "
-                f"{', '.join(SYSTEM_DIRS)} on the host; found: {path}"
-            )
-    return _Tools(**{name: path for name, path in found.items() if path is not None})
-
-
-def _sandbox_caps() -> tuple[str, ...]:
-    """The capabilities a sandbox process has (the keeper's, given by bwrap)."""
-    return SANDBOX_CAPS if os.geteuid() == 0 else ()
-
-
-class _Keeper:
-    """The long-lived bwrap of one sandbox, its PID 1 and the namespace files execs join."""
-
-    def __init__(self, process: subprocess.Popen[bytes]) -> None:
-        self.process = process  # the outer bwrap, on the host (our child)
-        self.process_fd: int | None = os.pidfd_open(process.pid)  # readable once it exited
-        self.init_pid: int | None = None  # the sandbox's PID 1, as the host sees it
-        self.pidfd: int | None = None  # pins init_pid: a recycled pid is never signalled
-        self.namespaces: dict[str, int] = {}  # name -> open namespace file (those unlike ours)
-
-    def attach(self, info: dict[str, Any]) -> None:
-        """Take hold of the init (pid from bwrap's ``--info-fd``) and its namespaces.
-
-        Raises:
-            SandboxBuildFailedError: bwrap reported no pid, or the init is gone.
-        """
-        pid = info.get("child-pid")
-        if not isinstance(pid, int):
-            raise SandboxBuildFailedError(f"bubblewrap reported no sandbox pid: {info!r}")
-        try:
-            self.pidfd = os.pidfd_open(pid)
-            self.init_pid = pid
-            if _stat_fields(pid)[0] != self.process.pid:  # not the child of our bwrap
-                raise ProcessLookupError(pid)
-            for name in NAMESPACES:
-                theirs = f"/proc/{pid}/ns/{name}"
-                if os.stat(theirs).st_ino != os.stat(f"/proc/self/ns/{name}").st_ino:
-                    self.namespaces[name] = os.open(theirs, os.O_RDONLY | os.O_CLOEXEC)
-        except (OSError, ValueError) as exc:
-            raise SandboxBuildFailedError(f"the sandbox's init process vanished at start: {exc}") from exc
-        # Alive after the opens: the files are its namespaces, not a recycled pid's.
-        if not self.alive():
-            raise SandboxBuildFailedError("the sandbox's init process exited at start")
-
-    def alive(self) -> bool:
-        """Whether the sandbox's PID 1 still runs (a pidfd reads as ready when it has exited)."""
-        return self.pidfd is not None and not _pidfd_exited(self.pidfd)
-
-    def kill_init(self) -> None:
-        """SIGKILL the sandbox's PID 1: the kernel then kills every process in the namespace."""
-        if self.pidfd is not None:
-            _pidfd_signal(self.pidfd, signal.SIGKILL)
-
-    async def wait(self) -> None:
-        """Wait until the outer bwrap has exited, and reap it."""
-        while self.process.poll() is None:
-            if self.process_fd is None:  # closed already (abandoned)
-                await anyio.sleep(0.01)
-            else:
-                await anyio.wait_readable(self.process_fd)
-
-    def close(self) -> None:
-        for fd in [*self.namespaces.values(), self.pidfd, self.process_fd]:
-            if fd is not None:
-                os.close(fd)
-        self.namespaces.clear()
-        self.pidfd = self.process_fd = None
-
-    def abandon(self) -> None:
-        """Finalizer of an environment dropped without ``stop()``: end its processes at least."""
-        self.kill_init()
-        if self.init_pid is None and self.process.returncode is None:
-            self.process.kill()  # not attached: no init to kill
-        self.close()
-
-
-def _pidfd_exited(fd: int) -> bool:
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))
-
-
-class _KeeperThread:
-    """The one long-lived thread that forks every keeper.
-
-    bwrap's ``--die-with-parent`` (``PR_SET_PDEATHSIG``) ties a keeper to the
-    *thread* that forked it, not to the process. trio forks in its worker
-    threads, which retire after seconds of idleness: the keeper, and the whole
-    sandbox, would die with them. This daemon thread never ends before the
-    process does, so a keeper dies with the process, and only then.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[Any, Future[Any]]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, function: Any) -> Future[Any]:
-        future: Future[Any] = Future()
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="harbor-async-keepers", daemon=True)
-                self._thread.start()
-        self._queue.put((function, future))
-        return future
-
-    def _run(self) -> None:
-        while True:
-            function, future = self._queue.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(function())
-                except BaseException as exc:
-                    future.set_exception(exc)
-
-
-_KEEPER_THREAD = _KeeperThread()
-
-
-async def _spawn_from_keeper_thread(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-    """``subprocess.Popen(argv, **kwargs)``, forked by :data:`_KEEPER_THREAD`."""
-    future = _KEEPER_THREAD.submit(functools.partial(subprocess.Popen, argv, **kwargs))
-    return await anyio.to_thread.run_sync(future.result)
-
-
-class _OutputPipe:
-    """One output pipe of an exec, read without blocking the loop."""
-
-    def __init__(self) -> None:
-        self.read_fd, self.write_fd = os.pipe()
-        os.set_blocking(self.read_fd, False)
-        self.chunks: list[bytes] = []
-        self.eof = False
-
-    async def pump(self) -> None:
-        while not self.eof:
-            if not self._read_some():
-                await anyio.wait_readable(self.read_fd)
-
-    def _read_some(self) -> bool:
-        """Read what the pipe holds now; False when it holds nothing yet."""
-        try:
-            data = os.read(self.read_fd, 65536)
-        except BlockingIOError:
-            return False
-        if data:
-            self.chunks.append(data)
-        else:
-            self.eof = True
-        return True
-
-    def settle(self) -> None:
-        """Read what is already in the pipe (all the ended shell wrote), briefly."""
-        deadline = time.monotonic() + OUTPUT_SETTLE_SEC
-        while not self.eof and time.monotonic() < deadline and self._read_some():
-            pass
-
-    def text(self) -> str | None:
-        return b"".join(self.chunks).decode(errors="replace") or None
-
-    def close_write_end(self) -> None:
-        if self.write_fd >= 0:
-            os.close(self.write_fd)
-            self.write_fd = -1
-
-    def close(self) -> None:
-        self.close_write_end()
-        if self.read_fd >= 0:
-            os.close(self.read_fd)
-            self.read_fd = -1
-
-
-class _OutputSink:
-    """Reads and discards what background processes write to the pipes of execs that returned.
-
-    Closing those pipes would kill such a process with SIGPIPE at its next
-    write; not reading them would block it once 64 KiB are buffered. One
-    daemon thread serves every sandbox and exits when it has no pipe left; a
-    pipe is closed at its EOF, when its last writer ends (at the latest when
-    its sandbox stops and the PID namespace dies).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pending: list[int] = []
-        self._thread: threading.Thread | None = None
-        self._wake_read = self._wake_write = -1
-
-    def adopt(self, fds: list[int]) -> None:
-        if not fds:
-            return
-        with self._lock:
-            self._pending.extend(fds)
-            if self._thread is None:
-                self._wake_read, self._wake_write = os.pipe()
-                self._thread = threading.Thread(target=self._run, name="harbor-async-output-sink", daemon=True)
-                self._thread.start()
-            else:
-                os.write(self._wake_write, b"\0")
-
-    def _run(self) -> None:
-        poller = select.poll()
-        poller.register(self._wake_read, select.POLLIN)
-        watched: set[int] = set()
-        while True:
-            with self._lock:
-                for fd in self._pending:
-                    poller.register(fd, select.POLLIN)
-                    watched.add(fd)
-                self._pending.clear()
-                if not watched:  # nothing left: end (adopt() starts a new thread)
-                    os.close(self._wake_read)
-                    os.close(self._wake_write)
-                    self._thread = None
-                    return
-            for fd, _events in poller.poll():
-                if fd == self._wake_read:
-                    os.read(fd, 4096)
-                    continue
-                try:
-                    data = os.read(fd, 65536)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    data = b""
-                if not data:
-                    poller.unregister(fd)
-                    watched.discard(fd)
-                    os.close(fd)
-
-
-_OUTPUT_SINK = _OutputSink()
-
-
-def _read_available(fd: int) -> bytes:
-    """What a pipe holds now, without waiting (bwrap wrote its info before the init ran)."""
-    os.set_blocking(fd, False)
-    chunks = []
-    while True:
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            break
-        if not data:
-            break
-        chunks.append(data)
-    return b"".join(chunks)
-
-
-def _stat_fields(pid: int) -> tuple[int, int, int]:
-    """(parent pid, process group, session) of a host process.
-
-    Raises:
-        OSError: the process does not exist (any more).
-    """
-    with open(f"/proc/{pid}/stat", "rb") as file:
-        data = file.read()
-    fields = data[data.rindex(b")") + 2 :].split()  # after "pid (comm) state"
-    return int(fields[1]), int(fields[2]), int(fields[3])
-
-
-def _process_table() -> dict[int, tuple[int, int, int]]:
-    """pid -> (parent pid, process group, session) of every host process."""
-    table = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                table[int(name)] = _stat_fields(int(name))
-            except (OSError, ValueError, IndexError):
-                continue  # ended while listing
-    return table
-
-
-def _exec_tree(leader: int, table: dict[int, tuple[int, int, int]]) -> set[int]:
-    """One exec's processes: its session and process group (``leader`` is the nsenter's pid) and their descendants.
-
-    Safe against recycled pids: a pid stays allocated while any process uses
-    it as its session or group, so members found that way are this exec's.
-    """
-    members = {pid for pid, (_ppid, group, session) in table.items() if leader in (pid, group, session)}
-    children: dict[int, list[int]] = defaultdict(list)
-    for pid, (ppid, _group, _session) in table.items():
-        children[ppid].append(pid)
-    pending = list(members)
-    while pending:  # `setsid cmd &` leaves the session but stays a descendant while its parent lives
-        for child in children.get(pending.pop(), ()):
-            if child not in members:
-                members.add(child)
-                pending.append(child)
-    return members
-
-
-def _kill_exec_tree(leader: int) -> None:
-    """Stop, then SIGKILL, every process of one exec but its nsenter (see :func:`_exec_tree`).
-
-    Stopping first means nothing can fork away while the tree is collected.
-    Each process is signalled through a pidfd, after checking that the pid
-    still names a member, so a pid recycled meanwhile is never hit.
-
-    The nsenter itself (``leader``, outside the sandbox) is only continued (it
-    stops itself when its child is stopped): it must live to reap its child.
-    Killed first, it would hand the child's zombie to the host's init, which
-    may never reap it, and a PID namespace cannot end while a zombie of its
-    own is left: stopping the sandbox would hang.
-    """
-    held: dict[int, int] = {}  # pid -> pidfd
-    try:
-        for _round in range(50):
-            table = _process_table()
-            new = _exec_tree(leader, table) - held.keys() - {leader}
-            if not new:
-                break
-            for pid in new:
-                try:
-                    fd = os.pidfd_open(pid)
-                except OSError:
-                    continue
-                try:
-                    ppid, group, session = _stat_fields(pid)
-                except (OSError, ValueError, IndexError):
-                    os.close(fd)
-                    continue
-                if leader not in (group, session) and ppid not in held and ppid not in new and ppid != leader:
-                    os.close(fd)  # recycled since the listing
-                    continue
-                held[pid] = fd
-                _pidfd_signal(fd, signal.SIGSTOP)
-        for fd in held.values():
-            _pidfd_signal(fd, signal.SIGKILL)
-    finally:
-        for fd in held.values():
-            os.close(fd)
-    try:
-        os.kill(leader, signal.SIGCONT)  # not reaped yet (the caller holds it): not recycled
-    except ProcessLookupError:
-        pass
-
-
-async def _end_exec(process: Process) -> None:
-    """Kill an exec's process tree and wait for its nsenter to exit (it reaps its child, then dies of it).
-
-    Repeated while the nsenter lives: one still entering the namespaces forks
-    its child after a round. Past five seconds the nsenter is killed too.
-    """
-    for _round in range(50):
-        _kill_exec_tree(process.pid)
-        with anyio.move_on_after(0.1):
-            await process.wait()
-        if process.returncode is not None:
-            return
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    await process.wait()
-
-
-def _pidfd_signal(fd: int, signum: int) -> None:
-    try:
-        signal.pidfd_send_signal(fd, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
