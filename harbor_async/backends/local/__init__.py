@@ -42,7 +42,11 @@ named in one warning, as are the paths this backend cannot make writable.
 from __future__ import annotations
 
 from harbor_async.backends.local.adapter import LocalEnvironment
-from harbor_async.backends.local.dockerfile import CopyStep, DockerfileSpec, parse_dockerfile
+from harbor_async.backends.local.dockerfile import (
+    CopyStep,
+    DockerfileSpec,
+    parse_dockerfile,
+)
 from harbor_async.backends.local.errors import ExecTimeoutError, SandboxPathError
 
 __all__ = [

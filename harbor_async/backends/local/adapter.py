@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import time
 import weakref
+import zlib
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -29,30 +31,57 @@ from harbor.environments.capabilities import (
 from harbor.models.task.config import EnvironmentConfig, HealthcheckConfig
 from harbor.models.trial.paths import TrialPaths
 
-from harbor_async.backends.local.dockerfile import CopyStep, DockerfileSpec, parse_dockerfile
-from harbor_async.backends.local.errors import ExecTimeoutError, SandboxPathError
+from harbor_async.backends.local.dockerfile import DockerfileSpec, parse_dockerfile
+from harbor_async.backends.local.errors import ExecTimeoutError
+from harbor_async.backends.local.images import image_mismatch
 from harbor_async.backends.local.keeper import (
     Keeper,
     Tools,
     find_tools,
-    sandbox_caps,
     spawn_from_keeper_thread,
 )
 from harbor_async.backends.local.layout import (
     BASE_ENV,
-    KEEPER_INIT,
+    DEFAULT_MEMORY_MB,
+    DEFAULT_OUTPUT_LIMIT,
+    DEFAULT_PIDS,
+    DEFAULT_STORAGE_MB,
     KEEPER_START_TIMEOUT,
     RUN_LABEL_ENV,
-    SANDBOX_CAPS,
-    SANDBOX_DIRS,
     SPECIAL_DIRS,
     SYSTEM_DIRS,
     under,
 )
+from harbor_async.backends.local.limits import Cgroups, Limits, UidLease, cgroup_version
 from harbor_async.backends.local.output import OUTPUT_SINK, OutputPipe, read_available
 from harbor_async.backends.local.proctree import end_exec
-from harbor_async.files import remove_tree
-from harbor_async.naming import DEFAULT_LOCAL_ROOT, LOCAL_ROOT_ENV, MARKER_NAME, local_folder_name
+from harbor_async.backends.local.rootfs import (
+    apply_copy,
+    build_tree,
+    check_task_paths,
+    chown_tree,
+    host_path,
+    mount_hub,
+    mount_tmpfs,
+    remove_mount,
+    remove_sandbox_folder,
+)
+from harbor_async.backends.local.sandboxing import Confinement, join_argv, keeper_argv
+from harbor_async.backends.local.transfers import (
+    check_source,
+    file_writer,
+    sandbox_path,
+    tar_reader,
+    tar_writer,
+)
+from harbor_async.backends.local.transfers import run as run_transfer
+from harbor_async.backends.local.transfers import script as transfer_script
+from harbor_async.naming import (
+    DEFAULT_LOCAL_ROOT,
+    LOCAL_ROOT_ENV,
+    MARKER_NAME,
+    local_folder_name,
+)
 
 
 class LocalEnvironment(BaseEnvironment):
@@ -65,6 +94,11 @@ class LocalEnvironment(BaseEnvironment):
       ``$HARBOR_ASYNC_LOCAL_ROOT`` or ``/tmp/harbor-async-local``).
     - ``run_label``: names the run in folder names and markers, so a reaper can
       tell runs apart (default ``$HARBOR_ASYNC_RUN_LABEL`` or ``"adhoc"``).
+    - ``memory_mb``, ``cpus``, ``storage_mb``: defaults of the per-sandbox
+      limits when ``task.toml``'s ``[environment]`` does not state them
+      (4096 MB, no CPU quota, 2048 MB); ``pids_limit``: processes (1024).
+    - ``output_limit``: bytes of each exec stream kept, head and tail halves
+      (1 MiB; what falls between is counted and dropped).
     """
 
     #: written with anyio only: safe to drive from trio as well as asyncio.
@@ -81,6 +115,11 @@ class LocalEnvironment(BaseEnvironment):
         *,
         sandbox_root: str | Path | None = None,
         run_label: str | None = None,
+        memory_mb: int | str | None = DEFAULT_MEMORY_MB,
+        cpus: float | str | None = None,
+        storage_mb: int | str | None = DEFAULT_STORAGE_MB,
+        pids_limit: int | str | None = DEFAULT_PIDS,
+        output_limit: int | str | None = DEFAULT_OUTPUT_LIMIT,
         **kwargs: Any,
     ) -> None:
         base = Path(sandbox_root or os.environ.get(LOCAL_ROOT_ENV) or DEFAULT_LOCAL_ROOT)
@@ -99,6 +138,14 @@ class LocalEnvironment(BaseEnvironment):
         self._marker_live = False  # the marker may be (re)written: between start and stop
         self._warned_user = False
         self._created_at = ""
+        self._defaults = Limits(
+            pids=_number(pids_limit, int), memory_mb=_number(memory_mb, int),
+            cpus=_number(cpus, float), storage_mb=_number(storage_mb, int),
+        )  # fmt: skip
+        self._output_limit = _number(output_limit, int)
+        self._confinement: Confinement | None = None
+        self._uid_lease: UidLease | None = None
+        self._mount: Path | None = None  # the sandbox's tmpfs (as root), fs/ links to it
         super().__init__(
             environment_dir, environment_name, session_id, trial_paths, task_env_config,
             logger=logger, **kwargs,
@@ -118,8 +165,27 @@ class LocalEnvironment(BaseEnvironment):
 
     @classmethod
     def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
-        """CPU and memory are not limited; tasks that only state them still run."""
-        return EnvironmentResourceCapabilities(fractional_cpus=True)
+        """CPU and memory limits where this process can make cgroups (root); fractional CPUs."""
+        limited = cgroup_version() is not None
+        return EnvironmentResourceCapabilities(cpu_limit=limited, memory_limit=limited, fractional_cpus=True)
+
+    @property
+    def limits(self) -> Limits:
+        """This sandbox's limits: ``task.toml``'s ``[environment]`` values, else the backend's defaults."""
+        config = self.task_env_config
+        return Limits(
+            pids=self._defaults.pids,
+            memory_mb=config.memory_mb or self._defaults.memory_mb,
+            cpus=config.cpus or self._defaults.cpus,
+            storage_mb=config.storage_mb or self._defaults.storage_mb,
+        )
+
+    @property
+    def host_uid(self) -> int:
+        """The host uid that root inside this sandbox is (the caller's own without root)."""
+        if self._confinement is not None and self._confinement.uid is not None:
+            return self._confinement.uid
+        return os.getuid()
 
     @property
     def root(self) -> Path:
@@ -137,11 +203,24 @@ class LocalEnvironment(BaseEnvironment):
         return list(self._spec.ignored)
 
     def _validate_definition(self) -> None:
-        """Read the optional Dockerfile; warn once about everything not honoured."""
+        """Read the optional Dockerfile; warn once about everything not honoured.
+
+        Raises:
+            TaskPathEscapeError: the task's instruction, tests, solution or
+                environment is a symlink out of the task folder.
+        """
+        task_dir = self.environment_dir.parent
+        if (task_dir / "task.toml").is_file():
+            check_task_paths(task_dir)
         dockerfile = self.environment_dir / "Dockerfile"
+        text = ""
         if dockerfile.is_file():
-            self._spec = parse_dockerfile(dockerfile.read_text(), BASE_ENV)
+            text = dockerfile.read_text()
+            self._spec = parse_dockerfile(text, BASE_ENV)
         ignored = self._spec.ignored
+        mismatch = image_mismatch(text, self.task_env_config.docker_image)
+        if mismatch is not None:
+            ignored.append(mismatch)
         for step in list(self._spec.copies):
             if under(step.dest, SYSTEM_DIRS + SPECIAL_DIRS):
                 self._spec.copies.remove(step)
@@ -173,7 +252,12 @@ class LocalEnvironment(BaseEnvironment):
                 missing, or bubblewrap cannot create the sandbox.
         """
         self._tools = find_tools()
-        await anyio.to_thread.run_sync(self._build_tree)
+        try:
+            await anyio.to_thread.run_sync(self._build_tree)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._teardown, True)
+            raise
         await self._start_keeper()
         self._started = True
         self._write_marker()
@@ -194,7 +278,8 @@ class LocalEnvironment(BaseEnvironment):
         info_read, info_write = os.pipe()
         ready = OutputPipe()
         try:
-            argv = self._keeper_argv(self._tools, info_write)
+            assert self._confinement is not None
+            argv = keeper_argv(self._tools, self._mount or self._fs, info_write, self._confinement, self._root)
             self._launching += 1
             try:
                 with open(self._root / "keeper.log", "wb") as log, anyio.CancelScope(shield=True):
@@ -209,7 +294,9 @@ class LocalEnvironment(BaseEnvironment):
                 os.close(info_write)
                 ready.close_write_end()
             self._keeper = keeper  # from here on stop() ends it, whatever happens next
-            self._keeper_finalizer = weakref.finalize(self, keeper.abandon)
+            self._keeper_finalizer = weakref.finalize(
+                self, _abandon, keeper, self._confinement, self._mount, self._uid_lease
+            )
             # At exit the engine stops its sandboxes (a finalizer would kill them
             # first); what is left then dies with this process (--die-with-parent).
             self._keeper_finalizer.atexit = False
@@ -257,49 +344,65 @@ class LocalEnvironment(BaseEnvironment):
         keeper.close()
 
     def _build_tree(self) -> None:
+        """The sandbox folder, its limits, its sized root filesystem, its tree and COPY (no process yet)."""
         if self._root.exists():  # left by a killed run with the same label and session
             self.logger.warning("removing stale local sandbox %s", self._root)
-            remove_tree(self._root)
+            remove_sandbox_folder(self._root, self._stale_mount())
+        limits = self.limits
+        confinement = self._confinement = Confinement(limits)
+        root = os.geteuid() == 0
+        if root:  # a host uid of its own, and cgroups
+            self._uid_lease = UidLease.acquire(zlib.crc32(self._root.name.encode()))
+            confinement.uid = self._uid_lease.uid
+            version = cgroup_version()
+            if version is not None:
+                confinement.cgroups = Cgroups(self._root.name, version)
+                confinement.cgroups.create(limits)
         if not self._base.exists():
-            # 0700: set-uid files made inside must not be reachable by other host users.
-            self._base.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._root.mkdir(mode=0o700)
+            # o+x only: the sandbox's uid must reach its folder, nobody may list them.
+            self._base.mkdir(mode=0o711, parents=True, exist_ok=True)
+        self._root.mkdir(mode=0o711)
         self._created_at = datetime.now(UTC).isoformat()
         self._marker_live = True
         self._write_marker()
-        for name in SANDBOX_DIRS:
-            (self._fs / name).mkdir(parents=True, exist_ok=True)
-        (self._fs / "tmp").chmod(0o1777)
-        (self._fs / "var/tmp").chmod(0o1777)
-        (self._fs / "root").chmod(0o700)
-        for name in SYSTEM_DIRS:  # mount points; bwrap makes /proc and /dev itself
-            mount_point = self._fs / name.lstrip("/")
-            if os.path.islink(name):  # merged /usr: /bin -> usr/bin, same inside
-                mount_point.symlink_to(os.readlink(name))
-            elif os.path.isdir(name):
-                mount_point.mkdir(exist_ok=True)
-        self._host_path(self._workdir, writable=True).mkdir(parents=True, exist_ok=True)
+        if root:  # a sized tmpfs in the mount hub; fs/ points at it
+            assert confinement.uid is not None
+            mount = mount_hub() / f"{self._root.name}-{zlib.crc32(str(self._root).encode()):08x}"
+            if mount.exists():
+                remove_sandbox_folder(self._root, mount)
+            mount.mkdir(mode=0o755)
+            self._mount = mount
+            self._write_marker()
+            mount_tmpfs(mount, limits.storage_mb, confinement.uid, confinement.uid)
+            self._fs.symlink_to(mount)
+        else:
+            self._fs.mkdir()
+        build_tree(self._fs)
+        host_path(self._fs, "/", self._workdir, writable=True).mkdir(parents=True, exist_ok=True)
         for step in self._spec.copies:
-            self._apply_copy(step)
+            apply_copy(self._fs, self.environment_dir, step, "/")
+        if confinement.uid is not None:  # the sandbox's root owns its whole tree
+            chown_tree(self._fs, confinement.uid, confinement.uid)
 
-    def _apply_copy(self, step: CopyStep) -> None:
-        context = self.environment_dir.resolve()
-        for pattern in step.sources:
-            relative = posixpath.normpath(pattern.lstrip("/"))
-            if relative.startswith(".."):
-                raise SandboxBuildFailedError(f"COPY source {pattern!r} is outside the build context")
-            matches = sorted(context.glob(relative)) if relative != "." else [context]
-            if not matches:
-                raise SandboxBuildFailedError(
-                    f"Dockerfile line {step.line}: COPY source {pattern!r} not found in {context}"
-                )
-            for source in matches:
-                if source.is_dir():  # a folder's contents go into dest
-                    self._put_tree(source, step.dest)
-                elif step.dest_is_dir:
-                    self._put_file(source, posixpath.join(step.dest, source.name))
-                else:
-                    self._put_file(source, step.dest)
+    def _stale_mount(self) -> Path | None:
+        from harbor_async.backends.local.cleanup import read_marker
+
+        mount = read_marker(self._root).get("mount")
+        return Path(mount) if isinstance(mount, str) else None
+
+    def _teardown(self, delete: bool) -> None:
+        """Remove the cgroups, unmount and (``delete``) remove the folder, release the uid (no process left)."""
+        confinement, self._confinement = self._confinement, None
+        if confinement is not None and confinement.cgroups is not None:
+            left = confinement.cgroups.remove()
+            if left:
+                self.logger.warning("local sandbox %s: cgroups not removed: %s", self.session_id, left)
+        if delete:
+            remove_sandbox_folder(self._root, self._mount)
+            self._mount = None
+        if self._uid_lease is not None:
+            self._uid_lease.release()
+            self._uid_lease = None
 
     async def stop(self, delete: bool = True) -> None:
         """Kill every process of this sandbox and (``delete``) remove its folder.
@@ -315,20 +418,20 @@ class LocalEnvironment(BaseEnvironment):
             # A process being spawned now would escape the kill below, and an
             # nsenter must not find the namespace files closed (their numbers
             # reused); spawns take milliseconds, so wait for them.
-            while self._launching:
-                await anyio.sleep(0.005)
+            with anyio.move_on_after(5):  # spawns take milliseconds; never hang a stop on one
+                while self._launching:
+                    await anyio.sleep(0.005)
             if self._keeper is not None:
                 self._keeper.kill_init()
             for process in list(self._running.values()):
                 await end_exec(process)  # it ends with its command, killed with the namespace
             # No nsenter is running now: the namespace files may be closed.
             await self._end_keeper()
-            if delete:
-                try:
-                    await anyio.to_thread.run_sync(remove_tree, self._root)
-                except RuntimeError:  # no new threads at interpreter shutdown
-                    remove_tree(self._root)
-            elif self._root.exists():
+            try:
+                await anyio.to_thread.run_sync(self._teardown, delete)
+            except RuntimeError:  # no new threads at interpreter shutdown
+                self._teardown(delete)
+            if not delete and self._root.exists():
                 self.logger.info("local sandbox kept at %s", self._root)
 
     # -- commands ---------------------------------------------------------------
@@ -366,15 +469,16 @@ class LocalEnvironment(BaseEnvironment):
             self.logger.warning("local environment runs every command as root, not %r", user)
         variables = {**BASE_ENV, **self._spec.env, **(self._merge_env(env) or {})}
         workdir = posixpath.join(self._workdir, cwd or self._workdir)
-        argv = self._exec_argv(variables, workdir, command)
-        out, err = OutputPipe(), OutputPipe()
+        shell = "bash" if shutil.which("bash") else "sh"  # resolved with the sandbox's PATH, as bwrap did
+        argv, fds = self._join(variables, workdir, [shell, "-c", command])
+        out, err = OutputPipe(self._output_limit), OutputPipe(self._output_limit)
         self._launching += 1  # no await since the _started check: stop() waits for this
         try:
             with anyio.CancelScope(shield=True):  # a cancelled spawn must not leak a process
                 # Own session: the whole tree can be found and killed without touching ours.
                 process = await anyio.open_process(
                     argv, stdin=subprocess.DEVNULL, stdout=out.write_fd, stderr=err.write_fd,
-                    start_new_session=True, env={},
+                    start_new_session=True, env={}, pass_fds=fds,
                 )  # fmt: skip
         except BaseException:
             out.close()
@@ -417,50 +521,10 @@ class LocalEnvironment(BaseEnvironment):
         # Killed by a signal (stop() during the command): report it like a shell.
         return ExecResult(stdout=stdout, stderr=stderr, return_code=128 - code if code < 0 else code)
 
-    def _keeper_argv(self, tools: Tools, info_fd: int) -> list[str]:
-        """The long-lived bwrap: the sandbox's namespaces, mounts and capabilities, with a waiting init."""
-        # --as-pid-1: the init shell is the namespace's PID 1 (bwrap's own init
-        # would show bwrap's host command line inside the sandbox).
-        argv = [
-            tools.bwrap, "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session",
-            "--hostname", BASE_ENV["HOSTNAME"], "--bind", str(self._fs), "/",
-        ]  # fmt: skip
-        for name in SYSTEM_DIRS:
-            if os.path.isdir(name) and not os.path.islink(name):
-                argv += ["--ro-bind", name, name]
-        argv += ["--proc", "/proc", "--dev", "/dev"]
-        if os.geteuid() == 0:
-            argv += ["--cap-drop", "ALL"]
-            for capability in SANDBOX_CAPS:
-                argv += ["--cap-add", capability]
-        else:  # unprivileged: a user namespace makes us root inside, powerless outside
-            argv += ["--unshare-user", "--uid", "0", "--gid", "0"]
-        argv += ["--clearenv", "--setenv", "PATH", BASE_ENV["PATH"], "--chdir", "/"]
-        argv += ["--info-fd", str(info_fd)]
-        return [*argv, "--", tools.sh, "-c", KEEPER_INIT]
-
-    def _exec_argv(self, env: dict[str, str], cwd: str, command: str) -> list[str]:
-        """nsenter into the keeper's namespaces, setpriv to its privileges, env to a clean environment."""
-        assert self._keeper is not None and self._tools is not None
-        tools, me = self._tools, os.getpid()
-        argv = [tools.nsenter]
-        if os.geteuid() != 0:
-            # Unprivileged, the sandbox's user namespace maps our uid to root
-            # and denies setgroups(), which nsenter would call to become root.
-            argv.append("--preserve-credentials")
-        for name, fd in self._keeper.namespaces.items():
-            # Entering the mount namespace also makes its root (the sandbox's) ours.
-            argv.append(f"--{'mount' if name == 'mnt' else name}=/proc/{me}/fd/{fd}")
-        # What bwrap gives its command: as root, SANDBOX_CAPS in every set (a
-        # root shell keeps them across exec); unprivileged, none at all.
-        caps = ",".join(["-all", *(f"+{c.removeprefix('CAP_').lower()}" for c in sandbox_caps())])
-        argv += [
-            "--", tools.setpriv, f"--inh-caps={caps}", f"--ambient-caps={caps}",
-            f"--bounding-set={caps}", "--no-new-privs",
-            "--", tools.env, "-i", "-C", cwd, "--", *(f"{key}={value}" for key, value in env.items()),
-        ]  # fmt: skip
-        # Resolved with the sandbox's PATH, as bwrap did.
-        return [*argv, "bash" if shutil.which("bash") else "sh", "-c", command]
+    def _join(self, env: dict[str, str], cwd: str, command: list[str]) -> tuple[list[str], tuple[int, ...]]:
+        """The argv (and fds to pass) that runs ``command`` inside the sandbox."""
+        assert self._keeper is not None and self._tools is not None and self._confinement is not None
+        return join_argv(self._tools, self._keeper, self._confinement, env, cwd, command)
 
     async def run_healthcheck(self, healthcheck: HealthcheckConfig | None = None) -> None:
         """Harbor's healthcheck loop, with anyio sleeps so that it also runs under trio."""
@@ -487,117 +551,76 @@ class LocalEnvironment(BaseEnvironment):
     # -- files --------------------------------------------------------------------
 
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
-        """Copy a host file to ``target_path`` in the sandbox."""
-        await anyio.to_thread.run_sync(self._put_file, Path(source_path), target_path)
-
-    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
-        """Copy a host folder's contents into ``target_dir`` in the sandbox."""
-        await anyio.to_thread.run_sync(self._put_tree, Path(source_dir), target_dir)
-
-    async def download_file(self, source_path: str, target_path: Path | str) -> None:
-        """Copy a sandbox file to ``target_path`` on the host."""
-        await anyio.to_thread.run_sync(self._get_file, source_path, Path(target_path))
-
-    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
-        """Copy a sandbox folder's regular files into ``target_dir`` on the host (overwriting)."""
-        await anyio.to_thread.run_sync(self._get_tree, source_dir, Path(target_dir))
-
-    def _host_path(self, sandbox_path: str, *, writable: bool) -> Path:
-        """The host path behind ``sandbox_path``, resolving symlinks as the sandbox would.
-
-        Resolving here, not on the host, matters: a symlink the sandbox made to
-        ``/etc/passwd`` means the sandbox's ``/etc/passwd``; followed on the host
-        it would let an upload overwrite a host file.
+        """Copy a host file to ``target_path`` in the sandbox (into it when it is a folder), owned by its root.
 
         Raises:
-            SandboxPathError: the path is under /proc, /dev, /sys, or (``writable``)
-                under a read-only host folder, or has a symlink loop.
+            SandboxPathError: the target is on a read-only or kernel file system.
+            TaskPathEscapeError: the source is in the task folder but a symlink out of it.
         """
-        pending = posixpath.join(self._workdir, sandbox_path).split("/")
-        resolved = "/"
-        hops = 0
-        while pending:
-            name = pending.pop(0)
-            if name in ("", "."):
-                continue
-            if name == "..":
-                resolved = posixpath.dirname(resolved)
-                continue
-            candidate = posixpath.join(resolved, name)
-            host = self._host_location(candidate)
-            if host.is_symlink():
-                hops += 1
-                if hops > 40:
-                    raise SandboxPathError(f"too many symlinks in {sandbox_path!r}")
-                target = os.readlink(host)
-                pending = target.split("/") + pending
-                if target.startswith("/"):
-                    resolved = "/"
-                continue
-            resolved = candidate
-        if under(resolved, SPECIAL_DIRS):
-            raise SandboxPathError(f"{sandbox_path!r} is a kernel file system in the sandbox")
-        if writable and under(resolved, SYSTEM_DIRS):
-            raise SandboxPathError(
-                f"{sandbox_path!r} is on a read-only host folder in the local sandbox "
-                f"({', '.join(SYSTEM_DIRS)} are read-only; every other path is writable)"
-            )
-        return self._host_location(resolved)
+        source = Path(source_path)
+        check_source(source, self._task_dir)
+        target = sandbox_path(self._workdir, target_path, writable=True)
+        mode = f"{source.stat().st_mode & 0o7777:o}"
+        await self._transfer(
+            ["put-file", target, source.name, mode], shown=target_path, stdin=file_writer(source)
+        )
 
-    def _host_location(self, resolved: str) -> Path:
-        """Where a symlink-free sandbox path lives on the host."""
-        if under(resolved, SYSTEM_DIRS):
-            return Path(resolved)  # bound read-only at the same path
-        return self._fs / resolved.lstrip("/")
+    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
+        """Copy a host folder's contents into ``target_dir`` in the sandbox (symlinks kept as links).
 
-    def _put_file(self, source: Path, target: str) -> None:
-        host = self._host_path(target, writable=True)
-        if host.is_dir():  # like cp: a file copied onto a folder lands inside it
-            host = self._host_path(posixpath.join(target, source.name), writable=True)
-        host.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source, host)
-
-    def _put_tree(self, source: Path, target: str) -> None:
+        Raises:
+            NotADirectoryError: ``source_dir`` is not a folder.
+            SandboxPathError, TaskPathEscapeError: as for :meth:`upload_file`.
+        """
+        source = Path(source_dir)
         if not source.is_dir():
             raise NotADirectoryError(f"{source} is not a folder")
-        self._host_path(target, writable=True).mkdir(parents=True, exist_ok=True)
-        for folder, dirnames, filenames in os.walk(source):
-            relative = Path(folder).relative_to(source).as_posix()
-            base = posixpath.normpath(posixpath.join(target, relative))
-            for name in [*dirnames, *filenames]:
-                entry = Path(folder, name)
-                if entry.is_symlink():  # kept as a link: it names a sandbox path
-                    # Resolve only the parent: an existing link there is replaced, not followed.
-                    link = self._host_path(base, writable=True) / name
-                    if link.is_dir() and not link.is_symlink():
-                        remove_tree(link)
-                    link.unlink(missing_ok=True)
-                    link.symlink_to(os.readlink(entry))
-                elif entry.is_dir():
-                    self._host_path(posixpath.join(base, name), writable=True).mkdir(exist_ok=True)
-                elif entry.is_file():
-                    self._put_file(entry, posixpath.join(base, name))
+        check_source(source, self._task_dir)
+        target = sandbox_path(self._workdir, target_dir, writable=True)
+        await self._transfer(["put-tree", target], shown=target_dir, stdin=tar_writer(source.resolve()))
 
-    def _get_file(self, source: str, target: Path) -> None:
-        host = self._host_path(source, writable=False)
-        if not host.is_file():
-            raise FileNotFoundError(f"{source!r} is not a file in local sandbox {self.session_id}")
+    async def download_file(self, source_path: str, target_path: Path | str) -> None:
+        """Copy a sandbox file (symlinks resolved inside the sandbox) to ``target_path`` on the host.
+
+        Raises:
+            FileNotFoundError: no regular file there.
+        """
+        source = sandbox_path(self._workdir, source_path, writable=False)
+        target = Path(target_path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(host, target)
+        try:
+            with open(target, "wb") as file:
+                await self._transfer(["get-file", source], shown=source_path, stdout=file)
+        except BaseException:
+            target.unlink(missing_ok=True)
+            raise
 
-    def _get_tree(self, source: str, target: Path) -> None:
-        host = self._host_path(source, writable=False)
-        if not host.is_dir():
-            raise FileNotFoundError(f"{source!r} is not a folder in local sandbox {self.session_id}")
-        target.mkdir(parents=True, exist_ok=True)
-        for folder, _dirnames, filenames in os.walk(host):  # symlinked folders: not entered
-            relative = Path(folder).relative_to(host)
-            (target / relative).mkdir(parents=True, exist_ok=True)
-            for name in filenames:
-                # Follow file symlinks the sandbox way; skip FIFOs, sockets, devices.
-                entry = self._host_path(f"{source}/{relative.as_posix()}/{name}", writable=False)
-                if entry.is_file():
-                    shutil.copy2(entry, target / relative / name)
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        """Copy a sandbox folder's regular files into ``target_dir`` on the host (overwriting).
+
+        Symlinked folders are not entered; file symlinks are followed inside the sandbox.
+
+        Raises:
+            FileNotFoundError: no folder there.
+        """
+        source = sandbox_path(self._workdir, source_dir, writable=False)
+        await self._transfer(["get-tree", source], shown=source_dir, stdout=tar_reader(Path(target_dir)))
+
+    @property
+    def _task_dir(self) -> Path | None:
+        task_dir = self.environment_dir.parent
+        return task_dir if (task_dir / "task.toml").is_file() else None
+
+    async def _transfer(self, args: list[str], *, shown: str, **streams: Any) -> None:
+        """Run the transfer helper inside the sandbox (see :mod:`.transfers`)."""
+        if not self._started or self._keeper is None:
+            raise RuntimeError(f"local sandbox {self.session_id} is not started")
+        argv, fds = self._join(dict(BASE_ENV), "/", ["sh", "-c", transfer_script(), "transfer.sh", *args])
+        self._launching += 1  # stop() waits for transfers being spawned; they die with the sandbox
+        try:
+            await anyio.to_thread.run_sync(functools.partial(run_transfer, argv, fds, shown=shown, **streams))
+        finally:
+            self._launching -= 1
 
     # -- bookkeeping ------------------------------------------------------------
 
@@ -616,8 +639,38 @@ class LocalEnvironment(BaseEnvironment):
             "keeper_pid": self._keeper.process.pid if self._keeper is not None else None,
             "keeper_init_pid": self._keeper.init_pid if self._keeper is not None else None,
             "pids": sorted(self._running),  # the nsenter of each running exec
+            "host_uid": self._confinement.uid if self._confinement is not None else None,
+            "cgroups": [str(f) for f in self._confinement.cgroups.folders]
+            if self._confinement is not None and self._confinement.cgroups is not None
+            else [],
+            "mount": str(self._mount) if self._mount is not None else None,
         }
         temporary = self._root / f"{MARKER_NAME}.tmp"
         temporary.write_text(json.dumps(marker))
         temporary.replace(self._root / MARKER_NAME)  # atomic: a reaper never reads half
 
+
+
+def _number(value: int | float | str | None, kind: type) -> Any:
+    """A keyword given as a number or as text (``--ek memory_mb=512``); ``None``/``""``/``0``: none."""
+    if value in (None, "", "none", "None"):
+        return None
+    number = kind(value)
+    return number if number > 0 else None
+
+
+def _abandon(keeper: Keeper, confinement: Confinement | None, mount: Path | None, lease: UidLease | None) -> None:
+    """Finalizer of an environment dropped without ``stop()``: end its processes, free its mount, cgroups and uid.
+
+    The folder stays (only ``stop()`` removes it; a reaper finds it).
+    """
+    keeper.abandon()
+    try:
+        if mount is not None:
+            remove_mount(mount)
+        if confinement is not None and confinement.cgroups is not None:
+            confinement.cgroups.remove(wait=1.0)
+    except OSError:
+        pass  # a finalizer must not raise; the reaper finishes the job
+    if lease is not None:
+        lease.release()

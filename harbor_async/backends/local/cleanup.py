@@ -16,8 +16,17 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from harbor_async.files import remove_tree
-from harbor_async.leftovers import Resource, SandboxInfo, comm, has_live_parent, kill, process_start_time, processes
+from harbor_async.backends.local.limits import remove_cgroups
+from harbor_async.backends.local.rootfs import remove_sandbox_folder
+from harbor_async.leftovers import (
+    Resource,
+    SandboxInfo,
+    comm,
+    has_live_parent,
+    kill,
+    process_start_time,
+    processes,
+)
 from harbor_async.naming import MARKER_NAME, PREFIX, SESSION_RE, owner_from_session
 
 __all__ = ["read_marker", "remove", "scan"]
@@ -88,8 +97,10 @@ def scan(roots: Sequence[Path]) -> dict[str, SandboxInfo]:
             pid = owner if isinstance(owner, int) else pid
             created = _created(marker, folder)
             info = SandboxInfo("local", session, label, pid, created)
-            fs = str(folder / "fs")
-            pids = {bpid for bpid, argv in bwraps if fs in argv}
+            roots_bound = {str(folder / "fs"), str(folder)}
+            if isinstance(marker.get("mount"), str):
+                roots_bound.add(marker["mount"])
+            pids = {bpid for bpid, argv in bwraps if roots_bound & set(argv)}
             # The marker's pids (bwrap, or nsenter joining the sandbox): only if
             # they still run that program and started after the sandbox (not a reused pid).
             recorded = [marker.get("keeper_pid"), *(marker.get("pids") or [])]
@@ -107,6 +118,11 @@ def scan(roots: Sequence[Path]) -> dict[str, SandboxInfo]:
             info.owned_by_live_process = has_live_parent(pids)
             namespace = marker.get("pid_ns")
             info.foreign_pid = bool(namespace) and namespace != _pid_namespace()
+            for cgroup in marker.get("cgroups") or []:
+                if isinstance(cgroup, str) and os.path.isdir(cgroup):
+                    info.resources.append(Resource("cgroup", cgroup))
+            if isinstance(marker.get("mount"), str) and os.path.lexists(marker["mount"]):
+                info.resources.append(Resource("mount", marker["mount"]))
             info.resources.append(Resource("folder", str(folder)))
             found[str(folder)] = info
     return found
@@ -119,14 +135,15 @@ def remove(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
     if left:
         errors.append(f"bwrap processes {left} survived SIGKILL")
     for info in sandboxes:
+        cgroups = [r.ref for r in info.resources if r.kind == "cgroup"]
+        if cgroups:  # a process that escaped the kill above (forked meanwhile) dies here
+            left_groups = remove_cgroups(cgroups)
+            if left_groups:
+                errors.append(f"cgroups {left_groups} could not be removed")
+        mount = next((Path(r.ref) for r in info.resources if r.kind == "mount"), None)
         for resource in info.resources:
             if resource.kind == "folder":
                 try:
-                    remove_folder(Path(resource.ref))
+                    remove_sandbox_folder(Path(resource.ref), mount)
                 except OSError as exc:
                     errors.append(f"cannot remove {resource.ref}: {exc}")
-
-
-def remove_folder(folder: Path) -> None:
-    """Remove one sandbox folder (what it mounted and the cgroups it made go first)."""
-    remove_tree(folder)

@@ -1,8 +1,15 @@
-"""The local backend's errors."""
+"""The local backend's errors (each a :class:`~harbor_async.errors.HarborAsyncError`)."""
 
 from __future__ import annotations
 
-class ExecTimeoutError(RuntimeError):
+from pathlib import Path
+
+from harbor.environments.base import SandboxBuildFailedError
+
+from harbor_async.errors import HarborAsyncError
+
+
+class ExecTimeoutError(HarborAsyncError, RuntimeError):
     """An ``exec`` ran past its ``timeout_sec``; its whole process tree was killed.
 
     A ``RuntimeError`` with the message Harbor's docker backend uses, so code
@@ -17,5 +24,18 @@ class ExecTimeoutError(RuntimeError):
         self.stderr = stderr
 
 
-class SandboxPathError(ValueError):
+class SandboxPathError(HarborAsyncError, ValueError):
     """A sandbox path that cannot be transferred (read-only host folder, /proc ...)."""
+
+
+class TaskPathEscapeError(HarborAsyncError, SandboxBuildFailedError):
+    """A task file (COPY source, ``instruction.md``, ``tests/``, ``solution/``) is a symlink out of the task.
+
+    Refused as Docker refuses a build-context escape: following it would copy
+    a host file into the sandbox (or make it the prompt).
+    """
+
+    def __init__(self, path: Path, target: Path) -> None:
+        super().__init__(f"{path} leads out of the task folder (to {target}); refusing to follow it")
+        self.path = path
+        self.target = target

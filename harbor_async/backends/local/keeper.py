@@ -17,8 +17,14 @@ from typing import Any
 import anyio
 from harbor.environments.base import SandboxBuildFailedError
 
-from harbor_async.backends.local.layout import NAMESPACES, SANDBOX_CAPS, SYSTEM_DIRS, under
+from harbor_async.backends.local.layout import (
+    NAMESPACES,
+    SANDBOX_CAPS,
+    SYSTEM_DIRS,
+    under,
+)
 from harbor_async.backends.local.proctree import pidfd_signal, stat_fields
+
 
 @dataclass(frozen=True)
 class Tools:
@@ -29,6 +35,7 @@ class Tools:
     setpriv: str
     env: str
     sh: str
+    prlimit: str
 
 
 def find_tools() -> Tools:
@@ -38,13 +45,13 @@ def find_tools() -> Tools:
         SandboxBuildFailedError: a program is missing, or one that must run
             inside the sandbox is not under a host folder the sandbox sees.
     """
-    found = {name: shutil.which(name) for name in ("bwrap", "nsenter", "setpriv", "env", "sh")}
+    found = {name: shutil.which(name) for name in ("bwrap", "nsenter", "setpriv", "env", "sh", "prlimit")}
     if found["bwrap"] is None:
         raise SandboxBuildFailedError("bubblewrap is not installed (apt-get install bubblewrap)")
-    missing = [name for name in ("nsenter", "setpriv") if found[name] is None]
+    missing = [name for name in ("nsenter", "setpriv", "prlimit") if found[name] is None]
     if missing:
         raise SandboxBuildFailedError(
-            f"the local backend needs nsenter and setpriv from util-linux, not found: "
+            f"the local backend needs nsenter and setpriv from util-linux (and prlimit), not found: "
             f"{', '.join(missing)} (util-linux is essential on Debian and Ubuntu; "
             "elsewhere: apt-get install util-linux, or your distribution's util-linux package)"
         )
@@ -59,9 +66,13 @@ def find_tools() -> Tools:
 
 
 def sandbox_caps() -> tuple[str, ...]:
-    """The capabilities a sandbox process has (the keeper's, given by bwrap)."""
-    return SANDBOX_CAPS if os.geteuid() == 0 else ()
+    """The capabilities a sandbox process has inside its user namespace (the keeper's, given by bwrap).
 
+    bwrap always runs unprivileged now (as the sandbox's host uid, or as the
+    caller), so these are capabilities of the sandbox's user namespace only:
+    they act on what that namespace owns, never on the host.
+    """
+    return SANDBOX_CAPS
 
 
 class Keeper:

@@ -6,7 +6,24 @@ RUN_LABEL_ENV = "HARBOR_ASYNC_RUN_LABEL"
 
 # Host folders the sandbox sees read-only. /bin, /lib ... are usually symlinks
 # into /usr (merged /usr); those are recreated as symlinks, real folders bound.
-SYSTEM_DIRS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# /etc is the sandbox's own (see rootfs.py), never the host's.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# Docker's default masked paths (an empty read-only tmpfs on folders, /dev/null
+# on files) and read-only paths; those the running kernel lacks are skipped.
+MASKED_PATHS = (
+    "/proc/asound", "/proc/acpi", "/proc/interrupts", "/proc/kcore", "/proc/keys",
+    "/proc/latency_stats", "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug",
+    "/proc/scsi", "/sys/firmware", "/sys/devices/virtual/powercap",
+)  # fmt: skip
+READONLY_PATHS = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
+#: Docker's default /dev/shm size.
+SHM_SIZE = 64 * 1024 * 1024
+#: Default per-sandbox limits (backend keywords and task.toml override them).
+DEFAULT_PIDS = 1024
+DEFAULT_MEMORY_MB = 4096
+DEFAULT_STORAGE_MB = 2048
+#: Exec output kept per stream: its first and last halves (the middle is counted, not kept).
+DEFAULT_OUTPUT_LIMIT = 1024 * 1024
 # Kernel file systems: never a source or target of a file transfer.
 SPECIAL_DIRS = ("/proc", "/dev", "/sys")
 # Folders every sandbox has, whatever its Dockerfile says.

@@ -10,6 +10,7 @@ import anyio
 import psutil
 from anyio.abc import Process
 
+
 def stat_fields(pid: int) -> tuple[int, int, int]:
     """(parent pid, process group, session) of a host process.
 

@@ -1,0 +1,168 @@
+"""File transfers that never leave the sandbox: each one runs inside the sandbox's namespaces.
+
+A check on the host followed by an open on the host races with the sandbox: a
+process inside can swap a path for a symlink between the two, and the host
+then writes or reads a host file. Here the host never opens a sandbox path.
+Each transfer runs ``helpers/transfer.sh`` inside the sandbox (joined like an
+exec, as the sandbox's root, in its cgroups): paths resolve in the sandbox's
+own mount namespace, so a symlink can only lead to another sandbox file, and
+what an upload creates belongs to the sandbox's user. Data travels through
+pipes (a tar stream for folders), so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import subprocess
+import tarfile
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from harbor_async.backends.local.errors import SandboxPathError, TaskPathEscapeError
+from harbor_async.backends.local.rootfs import check_sandbox_path
+from harbor_async.backends.local.sandboxing import helper
+from harbor_async.errors import HarborAsyncError
+
+#: A transfer that takes longer than this is killed (the sandbox may be wedged).
+TRANSFER_TIMEOUT = 600.0
+_SCRIPT: str | None = None
+
+
+class TransferError(HarborAsyncError, OSError):
+    """A transfer failed inside the sandbox (its stderr is in the message)."""
+
+
+def script() -> str:
+    """The transfer helper's text (it runs with the sandbox's ``sh``; the file itself is not visible inside)."""
+    global _SCRIPT
+    if _SCRIPT is None:
+        _SCRIPT = Path(helper("transfer.sh")).read_text()
+    return _SCRIPT
+
+
+def sandbox_path(workdir: str, path: str, *, writable: bool) -> str:
+    """``path`` made absolute against ``workdir``; kernel file systems (and, ``writable``, read-only host folders) refused.
+
+    Raises:
+        SandboxPathError: as said.
+    """
+    resolved = posixpath.normpath(posixpath.join(workdir, path))
+    check_sandbox_path(resolved, writable=writable, shown=path)
+    return resolved
+
+
+def check_source(source: Path, task_dir: Path | None) -> None:
+    """Refuse an upload source inside the task folder that is a symlink out of it.
+
+    Raises:
+        TaskPathEscapeError: naming the source.
+    """
+    if task_dir is None:
+        return
+    root = task_dir.resolve()
+    absolute = source.absolute()
+    if absolute.is_relative_to(task_dir.absolute()) or absolute.is_relative_to(root):
+        if not source.resolve().is_relative_to(root):
+            raise TaskPathEscapeError(source, source.resolve())
+
+
+def run(
+    argv: list[str],
+    fds: tuple[int, ...],
+    *,
+    stdin: Callable[[IO[bytes]], None] | None = None,
+    stdout: IO[bytes] | Callable[[IO[bytes]], None] | None = None,
+    shown: str,
+) -> None:
+    """Run one transfer process (blocking: call it from a worker thread) and map its exit code.
+
+    Raises:
+        FileNotFoundError: exit 2.
+        SandboxPathError: exit 3 or 4.
+        TransferError: any other failure.
+    """
+    with tempfile.TemporaryFile() as errors:
+        reader = stdout if callable(stdout) else None
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE if reader else (stdout or subprocess.DEVNULL),
+            stderr=errors, pass_fds=fds, env={}, start_new_session=True,
+        )  # fmt: skip
+        try:
+            if stdin is not None:
+                assert process.stdin is not None
+                try:
+                    stdin(process.stdin)
+                    process.stdin.close()
+                except BrokenPipeError:
+                    pass  # it stopped reading: its exit code says why
+            if reader is not None:
+                assert process.stdout is not None
+                reader(process.stdout)
+            code = process.wait(timeout=TRANSFER_TIMEOUT)
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
+        errors.seek(0)
+        detail = errors.read(4096).decode(errors="replace").strip()
+    if code == 2:
+        raise FileNotFoundError(f"{shown!r} does not exist in the local sandbox (or is not of the kind asked)")
+    if code in (3, 4):
+        raise SandboxPathError(f"{shown!r} is not writable in the local sandbox (read-only or not a folder)")
+    if code != 0:
+        raise TransferError(f"transfer of {shown!r} failed (exit {code}): {detail}")
+
+
+def tar_writer(source: Path, *, single: str | None = None) -> Callable[[IO[bytes]], None]:
+    """Write a tar stream of folder ``source``'s contents (links kept as links, owned by root)."""
+
+    def as_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid = info.gid = 0
+        info.uname = info.gname = "root"
+        return info
+
+    def write(pipe: IO[bytes]) -> None:
+        with tarfile.open(fileobj=pipe, mode="w|", format=tarfile.GNU_FORMAT) as tar:
+            for name in sorted(os.listdir(source)):
+                tar.add(source / name, arcname=name, filter=as_root)  # symlinks are not followed
+
+    return write
+
+
+def file_writer(source: Path) -> Callable[[IO[bytes]], None]:
+    def write(pipe: IO[bytes]) -> None:
+        with open(source, "rb") as file:
+            while chunk := file.read(1 << 20):
+                pipe.write(chunk)
+
+    return write
+
+
+def tar_reader(target: Path) -> Callable[[IO[bytes]], None]:
+    """Extract regular files (and their folders) of a tar stream the sandbox wrote, safely.
+
+    The stream is the sandbox's: ``filter="data"`` refuses absolute names,
+    ``..`` and anything landing outside ``target``; only regular files are
+    taken (no links, devices or FIFOs).
+    """
+
+    def read(pipe: IO[bytes]) -> None:
+        target.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=pipe, mode="r|") as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                try:
+                    tar.extract(member, target, filter="data")
+                except (tarfile.FilterError, OSError):
+                    continue  # a hostile or odd name: skip it, never write outside target
+        # drain what is left so the writer is not killed by SIGPIPE mid-stream
+        while pipe.read(65536):
+            pass
+
+    return read
