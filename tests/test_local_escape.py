@@ -276,7 +276,7 @@ async def test_fork_bomb_stops_at_the_process_limit(env: LocalEnvironment, neigh
         inside = len([p for p in psutil.process_iter(["uids"]) if p.info["uids"].real == env.host_uid])
         assert await verifies(neighbour, tmp_path)  # the neighbour still forks and verifies
         group.cancel_scope.cancel()
-    assert inside <= 1024, inside
+    assert 900 <= inside <= 1024, inside  # the bomb went off, and stopped at the limit
     if count.return_code == 0:  # the count itself may not fork at the limit
         assert int(count.stdout) <= 1024
     assert len(psutil.pids()) < host_before + 1100
@@ -299,7 +299,9 @@ async def test_memory_past_the_limit_is_killed_or_refused(tmp_path: Path, neighb
             for _ in range(3):
                 group.start_soon(one)
             assert await verifies(neighbour, tmp_path)
-        assert all(r.return_code != 0 and str(200 * 1024 * 1024) not in (r.stdout or "") for r in results), results
+        for result in results:  # each one killed by the OOM killer, or refused with MemoryError
+            assert result.return_code == 137 or "MemoryError" in (result.stderr or ""), result
+            assert str(200 * 1024 * 1024) not in (result.stdout or "")
         assert (await env.exec("echo still-here")).stdout == "still-here\n"
     finally:
         await env.stop(delete=True)
