@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -31,6 +30,7 @@ from harbor.environments.capabilities import (
 from harbor.models.task.config import EnvironmentConfig, HealthcheckConfig
 from harbor.models.trial.paths import TrialPaths
 
+from harbor_async.backends.local.cleanup import abandon
 from harbor_async.backends.local.dockerfile import DockerfileSpec, parse_dockerfile
 from harbor_async.backends.local.errors import ExecTimeoutError
 from harbor_async.backends.local.images import image_mismatch
@@ -52,7 +52,13 @@ from harbor_async.backends.local.layout import (
     SYSTEM_DIRS,
     under,
 )
-from harbor_async.backends.local.limits import Cgroups, Limits, UidLease, cgroup_version
+from harbor_async.backends.local.limits import (
+    Cgroups,
+    Limits,
+    UidLease,
+    cgroup_version,
+    parse_limit,
+)
 from harbor_async.backends.local.output import OUTPUT_SINK, OutputPipe, read_available
 from harbor_async.backends.local.proctree import end_exec
 from harbor_async.backends.local.rootfs import (
@@ -63,19 +69,12 @@ from harbor_async.backends.local.rootfs import (
     host_path,
     mount_hub,
     mount_tmpfs,
-    remove_mount,
     remove_sandbox_folder,
 )
 from harbor_async.backends.local.sandboxing import Confinement, join_argv, keeper_argv
 from harbor_async.backends.local.transfers import (
-    check_source,
-    file_writer,
-    sandbox_path,
-    tar_reader,
-    tar_writer,
+    SandboxTransfers,
 )
-from harbor_async.backends.local.transfers import run as run_transfer
-from harbor_async.backends.local.transfers import script as transfer_script
 from harbor_async.naming import (
     DEFAULT_LOCAL_ROOT,
     LOCAL_ROOT_ENV,
@@ -84,7 +83,7 @@ from harbor_async.naming import (
 )
 
 
-class LocalEnvironment(BaseEnvironment):
+class LocalEnvironment(SandboxTransfers, BaseEnvironment):
     """A Harbor environment on bubblewrap: one long-lived sandbox, commands join it.
 
     Constructor keywords, besides Harbor's own (all optional; from Harbor's CLI
@@ -139,10 +138,10 @@ class LocalEnvironment(BaseEnvironment):
         self._warned_user = False
         self._created_at = ""
         self._defaults = Limits(
-            pids=_number(pids_limit, int), memory_mb=_number(memory_mb, int),
-            cpus=_number(cpus, float), storage_mb=_number(storage_mb, int),
+            pids=parse_limit(pids_limit, int), memory_mb=parse_limit(memory_mb, int),
+            cpus=parse_limit(cpus, float), storage_mb=parse_limit(storage_mb, int),
         )  # fmt: skip
-        self._output_limit = _number(output_limit, int)
+        self._output_limit = parse_limit(output_limit, int)
         self._confinement: Confinement | None = None
         self._uid_lease: UidLease | None = None
         self._mount: Path | None = None  # the sandbox's tmpfs (as root), fs/ links to it
@@ -271,8 +270,8 @@ class LocalEnvironment(BaseEnvironment):
         init prints ``ready`` once bwrap has finished the setup (mounts, pivot,
         capabilities), and only then are the namespaces worth joining. Their
         files are opened here and kept open until ``stop()``: an exec enters
-        them through ``/proc/<our pid>/fd/N``, so a recycled pid can never send
-        it into another process's namespaces.
+        them through ``/proc/self/fd/N`` (the files passed down to it), so a
+        recycled pid can never send it into another process's namespaces.
         """
         assert self._tools is not None
         info_read, info_write = os.pipe()
@@ -295,7 +294,7 @@ class LocalEnvironment(BaseEnvironment):
                 ready.close_write_end()
             self._keeper = keeper  # from here on stop() ends it, whatever happens next
             self._keeper_finalizer = weakref.finalize(
-                self, _abandon, keeper, self._confinement, self._mount, self._uid_lease
+                self, abandon, keeper, self._confinement, self._mount, self._uid_lease
             )
             # At exit the engine stops its sandboxes (a finalizer would kill them
             # first); what is left then dies with this process (--die-with-parent).
@@ -548,80 +547,6 @@ class LocalEnvironment(BaseEnvironment):
                 )
             await anyio.sleep(check.interval_sec)
 
-    # -- files --------------------------------------------------------------------
-
-    async def upload_file(self, source_path: Path | str, target_path: str) -> None:
-        """Copy a host file to ``target_path`` in the sandbox (into it when it is a folder), owned by its root.
-
-        Raises:
-            SandboxPathError: the target is on a read-only or kernel file system.
-            TaskPathEscapeError: the source is in the task folder but a symlink out of it.
-        """
-        source = Path(source_path)
-        check_source(source, self._task_dir)
-        target = sandbox_path(self._workdir, target_path, writable=True)
-        mode = f"{source.stat().st_mode & 0o7777:o}"
-        await self._transfer(
-            ["put-file", target, source.name, mode], shown=target_path, stdin=file_writer(source)
-        )
-
-    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
-        """Copy a host folder's contents into ``target_dir`` in the sandbox (symlinks kept as links).
-
-        Raises:
-            NotADirectoryError: ``source_dir`` is not a folder.
-            SandboxPathError, TaskPathEscapeError: as for :meth:`upload_file`.
-        """
-        source = Path(source_dir)
-        if not source.is_dir():
-            raise NotADirectoryError(f"{source} is not a folder")
-        check_source(source, self._task_dir)
-        target = sandbox_path(self._workdir, target_dir, writable=True)
-        await self._transfer(["put-tree", target], shown=target_dir, stdin=tar_writer(source.resolve()))
-
-    async def download_file(self, source_path: str, target_path: Path | str) -> None:
-        """Copy a sandbox file (symlinks resolved inside the sandbox) to ``target_path`` on the host.
-
-        Raises:
-            FileNotFoundError: no regular file there.
-        """
-        source = sandbox_path(self._workdir, source_path, writable=False)
-        target = Path(target_path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with open(target, "wb") as file:
-                await self._transfer(["get-file", source], shown=source_path, stdout=file)
-        except BaseException:
-            target.unlink(missing_ok=True)
-            raise
-
-    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
-        """Copy a sandbox folder's regular files into ``target_dir`` on the host (overwriting).
-
-        Symlinked folders are not entered; file symlinks are followed inside the sandbox.
-
-        Raises:
-            FileNotFoundError: no folder there.
-        """
-        source = sandbox_path(self._workdir, source_dir, writable=False)
-        await self._transfer(["get-tree", source], shown=source_dir, stdout=tar_reader(Path(target_dir)))
-
-    @property
-    def _task_dir(self) -> Path | None:
-        task_dir = self.environment_dir.parent
-        return task_dir if (task_dir / "task.toml").is_file() else None
-
-    async def _transfer(self, args: list[str], *, shown: str, **streams: Any) -> None:
-        """Run the transfer helper inside the sandbox (see :mod:`.transfers`)."""
-        if not self._started or self._keeper is None:
-            raise RuntimeError(f"local sandbox {self.session_id} is not started")
-        argv, fds = self._join(dict(BASE_ENV), "/", ["sh", "-c", transfer_script(), "transfer.sh", *args])
-        self._launching += 1  # stop() waits for transfers being spawned; they die with the sandbox
-        try:
-            await anyio.to_thread.run_sync(functools.partial(run_transfer, argv, fds, shown=shown, **streams))
-        finally:
-            self._launching -= 1
-
     # -- bookkeeping ------------------------------------------------------------
 
     def _write_marker(self) -> None:
@@ -650,27 +575,3 @@ class LocalEnvironment(BaseEnvironment):
         temporary.replace(self._root / MARKER_NAME)  # atomic: a reaper never reads half
 
 
-
-def _number(value: int | float | str | None, kind: type) -> Any:
-    """A keyword given as a number or as text (``--ek memory_mb=512``); ``None``/``""``/``0``: none."""
-    if value in (None, "", "none", "None"):
-        return None
-    number = kind(value)
-    return number if number > 0 else None
-
-
-def _abandon(keeper: Keeper, confinement: Confinement | None, mount: Path | None, lease: UidLease | None) -> None:
-    """Finalizer of an environment dropped without ``stop()``: end its processes, free its mount, cgroups and uid.
-
-    The folder stays (only ``stop()`` removes it; a reaper finds it).
-    """
-    keeper.abandon()
-    try:
-        if mount is not None:
-            remove_mount(mount)
-        if confinement is not None and confinement.cgroups is not None:
-            confinement.cgroups.remove(wait=1.0)
-    except OSError:
-        pass  # a finalizer must not raise; the reaper finishes the job
-    if lease is not None:
-        lease.release()

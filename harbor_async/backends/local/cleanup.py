@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from harbor_async.backends.local.limits import remove_cgroups
-from harbor_async.backends.local.rootfs import remove_sandbox_folder
+from harbor_async.backends.local.rootfs import remove_mount, remove_sandbox_folder
 from harbor_async.leftovers import (
     Resource,
     SandboxInfo,
@@ -147,3 +147,20 @@ def remove(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
                     remove_sandbox_folder(Path(resource.ref), mount)
                 except OSError as exc:
                     errors.append(f"cannot remove {resource.ref}: {exc}")
+
+
+def abandon(keeper: Any, confinement: Any, mount: Path | None, lease: Any) -> None:
+    """Finalizer of an environment dropped without ``stop()``: end its processes, free its mount, cgroups and uid.
+
+    The folder stays (only ``stop()`` removes it; a reaper finds it).
+    """
+    keeper.abandon()
+    try:
+        if mount is not None:
+            remove_mount(mount)
+        if confinement is not None and confinement.cgroups is not None:
+            confinement.cgroups.remove(wait=1.0)
+    except OSError:
+        pass  # a finalizer must not raise; the reaper finishes the job
+    if lease is not None:
+        lease.release()

@@ -23,6 +23,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from harbor_async.errors import HarborAsyncError
 from harbor_async.naming import PREFIX
@@ -227,3 +228,12 @@ def remove_cgroups(folders: list[str]) -> list[str]:
 def _write(path: Path, value: str) -> None:
     with open(path, "w") as file:
         file.write(value)
+
+
+def parse_limit(value: int | float | str | None, kind: type) -> Any:
+    """A keyword given as a number or as text (``--ek memory_mb=512``); ``None``/``""``/``0``: none."""
+    if value in (None, "", "none", "None"):
+        return None
+    number = kind(value)
+    return number if number > 0 else None
+

@@ -12,6 +12,7 @@ pipes (a tar stream for folders), so memory stays bounded.
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
 import subprocess
@@ -19,9 +20,12 @@ import tarfile
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+
+import anyio
 
 from harbor_async.backends.local.errors import SandboxPathError, TaskPathEscapeError
+from harbor_async.backends.local.layout import BASE_ENV
 from harbor_async.backends.local.rootfs import check_sandbox_path
 from harbor_async.backends.local.sandboxing import helper
 from harbor_async.errors import HarborAsyncError
@@ -33,6 +37,92 @@ _SCRIPT: str | None = None
 
 class TransferError(HarborAsyncError, OSError):
     """A transfer failed inside the sandbox (its stderr is in the message)."""
+
+
+class SandboxTransfers:
+    """The file-transfer half of :class:`~harbor_async.backends.local.LocalEnvironment` (Harbor's four methods)."""
+
+    environment_dir: Path
+    session_id: str
+    _workdir: str
+    _started: bool
+    _keeper: Any
+    _launching: int
+
+    def _join(self, env: dict[str, str], cwd: str, command: list[str]) -> tuple[list[str], tuple[int, ...]]:
+        raise NotImplementedError
+
+    async def upload_file(self, source_path: Path | str, target_path: str) -> None:
+        """Copy a host file to ``target_path`` in the sandbox (into it when it is a folder), owned by its root.
+
+        Raises:
+            SandboxPathError: the target is on a read-only or kernel file system.
+            TaskPathEscapeError: the source is in the task folder but a symlink out of it.
+        """
+        source = Path(source_path)
+        check_source(source, self._task_dir)
+        target = sandbox_path(self._workdir, target_path, writable=True)
+        mode = f"{source.stat().st_mode & 0o7777:o}"
+        await self._transfer(
+            ["put-file", target, source.name, mode], shown=target_path, stdin=file_writer(source)
+        )
+
+    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
+        """Copy a host folder's contents into ``target_dir`` in the sandbox (symlinks kept as links).
+
+        Raises:
+            NotADirectoryError: ``source_dir`` is not a folder.
+            SandboxPathError, TaskPathEscapeError: as for :meth:`upload_file`.
+        """
+        source = Path(source_dir)
+        if not source.is_dir():
+            raise NotADirectoryError(f"{source} is not a folder")
+        check_source(source, self._task_dir)
+        target = sandbox_path(self._workdir, target_dir, writable=True)
+        await self._transfer(["put-tree", target], shown=target_dir, stdin=tar_writer(source.resolve()))
+
+    async def download_file(self, source_path: str, target_path: Path | str) -> None:
+        """Copy a sandbox file (symlinks resolved inside the sandbox) to ``target_path`` on the host.
+
+        Raises:
+            FileNotFoundError: no regular file there.
+        """
+        source = sandbox_path(self._workdir, source_path, writable=False)
+        target = Path(target_path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(target, "wb") as file:
+                await self._transfer(["get-file", source], shown=source_path, stdout=file)
+        except BaseException:
+            target.unlink(missing_ok=True)
+            raise
+
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        """Copy a sandbox folder's regular files into ``target_dir`` on the host (overwriting).
+
+        Symlinked folders are not entered; file symlinks are followed inside the sandbox.
+
+        Raises:
+            FileNotFoundError: no folder there.
+        """
+        source = sandbox_path(self._workdir, source_dir, writable=False)
+        await self._transfer(["get-tree", source], shown=source_dir, stdout=tar_reader(Path(target_dir)))
+
+    @property
+    def _task_dir(self) -> Path | None:
+        task_dir = self.environment_dir.parent
+        return task_dir if (task_dir / "task.toml").is_file() else None
+
+    async def _transfer(self, args: list[str], *, shown: str, **streams: Any) -> None:
+        """Run the transfer helper inside the sandbox (see :mod:`.transfers`)."""
+        if not self._started or self._keeper is None:
+            raise RuntimeError(f"local sandbox {self.session_id} is not started")
+        argv, fds = self._join(dict(BASE_ENV), "/", ["sh", "-c", script(), "transfer.sh", *args])
+        self._launching += 1  # stop() waits for transfers being spawned; they die with the sandbox
+        try:
+            await anyio.to_thread.run_sync(functools.partial(run, argv, fds, shown=shown, **streams))
+        finally:
+            self._launching -= 1
 
 
 def script() -> str:
