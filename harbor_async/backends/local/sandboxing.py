@@ -5,7 +5,7 @@ the host as::
 
     sh enter-cgroups.sh <cgroup.procs>... --      # into the sandbox's cgroups (root)
     setpriv --reuid U --regid U --clear-groups    # the sandbox's own host uid (root)
-    prlimit --nproc=N --core=0 --                 # per-uid process limit (root)
+    prlimit --nproc=N --core=0 --                 # per-uid process limit (root, no cgroups)
     bwrap ... / nsenter ...                       # build / join the namespaces
 
 so nothing of the sandbox ever runs as host root: bwrap makes a user
@@ -55,9 +55,9 @@ class Confinement:
             argv += [tools.sh, helper("enter-cgroups.sh"), *self.cgroups.procs_files, "--"]
         if self.uid is not None:
             argv += [tools.setpriv, f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups"]
-            # RLIMIT_NPROC counts per real uid: with a uid of its own it is this
-            # sandbox's limit (and a second line of defence beside pids.max).
-            if self.limits.pids:
+            # Where cgroups are missing, RLIMIT_NPROC is what is left: it counts
+            # per real uid, so with a uid of its own it is this sandbox's limit.
+            if self.limits.pids and self.cgroups is None:
                 argv += [tools.prlimit, f"--nproc={self.limits.pids}", "--core=0", "--"]
         return argv
 
