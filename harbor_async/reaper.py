@@ -20,8 +20,9 @@ What a sandbox leaves on this machine, by backend:
   being removed; so are Harbor's temporary compose override folders.
 - ``local``: a folder ``<root>/harbor-async-<run label>-<session id>`` holding
   ``.harbor-async.json`` (run label, session id, owner pid, creation time, the
-  pids of its processes) and the ``bwrap`` processes whose ``--bind`` source is
-  that folder's ``fs/``.
+  pids of its processes, its tmpfs mount and cgroups), and the ``bwrap``
+  processes that name that folder; :mod:`harbor_async.backends.local.cleanup`
+  scans for them and removes them.
 - every backend: Harbor's trial folder ``$TMPDIR/harbor-async-<session id>-*``
   (looked for in the reaper's ``$TMPDIR`` and in ``/tmp``).
 

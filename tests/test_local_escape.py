@@ -348,3 +348,54 @@ async def test_printing_at_full_speed_keeps_the_callers_memory_flat(env: LocalEn
     assert "bytes of output dropped" in result.stdout
     assert result.stdout.startswith("y\ny\n") and result.stdout.endswith("y\n")
     assert result.stderr == "end\n"
+
+
+# -- limits come from task.toml, else from the backend's keywords ------------------------------
+
+
+def test_limits_from_task_toml_else_backend_keywords(tmp_path: Path) -> None:
+    stated = make_env(tmp_path, make_task(tmp_path / "a", toml_env="cpus = 0.5\nmemory_mb = 300\n"), "a")
+    assert (stated.limits.cpus, stated.limits.memory_mb, stated.limits.pids) == (0.5, 300, 1024)
+    # keywords arrive as text from Harbor's CLI (--ek memory_mb=512)
+    default = make_env(tmp_path, make_task(tmp_path / "b"), "b", memory_mb="512", storage_mb="64", pids_limit="100")
+    assert (default.limits.memory_mb, default.limits.storage_mb, default.limits.pids) == (512, 64, 100)
+    assert default.limits.cpus is None
+
+
+@needs_root
+@pytest.mark.anyio
+async def test_cgroups_carry_the_tasks_limits(tmp_path: Path) -> None:
+    env = make_env(tmp_path, make_task(tmp_path / "s", toml_env="cpus = 0.5\nmemory_mb = 300\n"), "cg")
+    await env.start(force_build=False)
+    try:
+        cgroups = env._confinement.cgroups  # noqa: SLF001
+        assert cgroups is not None
+        names = ("pids.max", "memory.limit_in_bytes", "cpu.cfs_quota_us", "cpu.cfs_period_us", "memory.max", "cpu.max")
+        values = {
+            p.name: p.read_text().strip() for folder in cgroups.folders for p in folder.iterdir() if p.name in names
+        }
+        if cgroups.version == "v1":
+            assert values["pids.max"] == "1024"
+            assert values["memory.limit_in_bytes"] == str(300 * 1024 * 1024)
+            assert values["cpu.cfs_quota_us"] == "50000" and values["cpu.cfs_period_us"] == "100000"
+        else:
+            assert values["pids.max"] == "1024" and values["memory.max"] == str(300 * 1024 * 1024)
+            assert values["cpu.max"] == "50000 100000"
+        # every process of the sandbox is in them, execs included
+        pid = int((await env.exec("sleep 30 & echo $!")).stdout)
+        assert pid and env._keeper.init_pid in cgroups.pids()  # noqa: SLF001
+        assert len(cgroups.pids()) >= 3  # init, its sleep, the exec's sleep
+    finally:
+        await env.stop(delete=True)
+    assert not any(folder.exists() for folder in cgroups.folders)
+
+
+def test_image_warning_names_images_that_are_not_the_host_userland() -> None:
+    from harbor_async.backends.local.images import host_os_release, image_mismatch
+
+    host = host_os_release()
+    same = f"{host['ID']}:{host.get('VERSION_CODENAME') or host['VERSION_ID']}"
+    assert image_mismatch(f"FROM {same}\nRUN true\n") is None
+    for image in ("python:3.12-slim", "ubuntu:10.04" if host["ID"] != "ubuntu" else "debian:10", f"{host['ID']}:1"):
+        warning = image_mismatch(f"FROM builder AS x\nFROM {image}\n")
+        assert warning is not None and image in warning and "host" in warning
