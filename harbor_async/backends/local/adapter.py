@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -317,6 +318,11 @@ class LocalEnvironment(SandboxTransfers, BaseEnvironment):
                     f"{detail or f'exit code {keeper.process.returncode}'}"
                 )
             keeper.attach(json.loads(read_available(info_read) or b"{}"))
+            if os.geteuid() == 0:
+                # The OOM killer of a full memory cgroup must not pick PID 1 (the
+                # sandbox would die with it); only root may lower the score.
+                with contextlib.suppress(OSError):
+                    Path(f"/proc/{keeper.init_pid}/oom_score_adj").write_text("-1000")
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._end_keeper()
