@@ -55,10 +55,12 @@ from harbor_async.backends.local.layout import (
 )
 from harbor_async.backends.local.limits import (
     Cgroups,
+    LimitError,
     Limits,
     UidLease,
     cgroup_version,
     parse_limit,
+    pool_uids_mapped,
 )
 from harbor_async.backends.local.output import OUTPUT_SINK, OutputPipe, read_available
 from harbor_async.backends.local.proctree import end_exec
@@ -355,14 +357,20 @@ class LocalEnvironment(SandboxTransfers, BaseEnvironment):
             remove_sandbox_folder(self._root, self._stale_mount())
         limits = self.limits
         confinement = self._confinement = Confinement(limits)
-        root = os.geteuid() == 0
-        if root:  # a host uid of its own, and cgroups
+        # Root of the whole machine (not of a container's user namespace, which
+        # cannot switch to the pool's uids): a host uid of its own, and cgroups.
+        root = os.geteuid() == 0 and pool_uids_mapped()
+        if root:
             self._uid_lease = UidLease.acquire(zlib.crc32(self._root.name.encode()))
             confinement.uid = self._uid_lease.uid
             version = cgroup_version()
             if version is not None:
-                confinement.cgroups = Cgroups(self._root.name, version)
-                confinement.cgroups.create(limits)
+                cgroups = Cgroups(self._root.name, version)
+                try:
+                    cgroups.create(limits)
+                    confinement.cgroups = cgroups
+                except LimitError as exc:  # read-only cgroupfs (a container): rlimits are left
+                    self.logger.warning("local sandbox %s without cgroups: %s", self.session_id, exc)
         if not self._base.exists():
             # o+x only: the sandbox's uid must reach its folder, nobody may list them.
             self._base.mkdir(mode=0o711, parents=True, exist_ok=True)

@@ -90,6 +90,20 @@ class UidLease:
             self._fd = -1
 
 
+def pool_uids_mapped() -> bool:
+    """Whether this process's user namespace maps the whole uid pool (it does on a machine's own root;
+    a container's root user namespace usually maps 65,536 uids from 0 only)."""
+    try:
+        lines = Path("/proc/self/uid_map").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        inside, _outside, count = (int(v) for v in line.split())
+        if inside <= UID_BASE and UID_BASE + UID_COUNT <= inside + count:
+            return True
+    return False
+
+
 def _lock_dir() -> Path:
     for name in UID_LOCK_DIRS:
         folder = Path(name)
