@@ -116,7 +116,9 @@ async def test_proc_sys_is_read_only(env: LocalEnvironment) -> None:
     )
     assert result.stderr.count("Read-only file system") >= 2, result.stderr
     assert {name: Path(f"/proc/sys/{name}").read_text() for name in before} == before
-    masked = await env.exec("cat /proc/timer_list /proc/keys 2>/dev/null | wc -c; ls /sys/firmware | wc -l; touch /sys/x")
+    masked = await env.exec(
+        "cat /proc/timer_list /proc/keys 2>/dev/null | wc -c; ls /sys/firmware | wc -l; touch /sys/x"
+    )
     lines = (masked.stdout or "").split()
     assert lines[:2] == ["0", "0"], masked.stdout  # masked: nothing readable
     assert "Read-only file system" in (masked.stderr or "")
@@ -128,7 +130,7 @@ async def test_root_inside_is_not_root_outside(env: LocalEnvironment) -> None:
     uid, inside, outside, _count, *_ = (result.stdout or "").split()
     assert (uid, inside) == ("0", "0")
     assert outside != "0" and int(outside) == env.host_uid  # root inside = an unprivileged host uid
-    keeper = psutil.Process(env._keeper.init_pid)  # noqa: SLF001 - the sandbox's PID 1 on the host
+    keeper = psutil.Process(env._keeper.init_pid)  # the sandbox's PID 1 on the host
     assert keeper.uids().real != 0 and keeper.uids().effective != 0
     assert all(p.uids().effective != 0 for p in keeper.children(recursive=True))
     if ROOT:  # its files on the host belong to that uid too
@@ -315,7 +317,8 @@ async def test_disk_past_storage_mb_is_enospc_and_neighbours_verify(tmp_path: Pa
     await env.start(force_build=False)
     try:
         fill = await env.exec(
-            "dd if=/dev/zero of=/tmp/a bs=1M count=40 & dd if=/dev/zero of=/app/b bs=1M count=40 & wait; df -m / | tail -1"
+            "dd if=/dev/zero of=/tmp/a bs=1M count=40 & dd if=/dev/zero of=/app/b bs=1M count=40 & wait; "
+            "df -m / | tail -1"
         )
         assert "No space left on device" in (fill.stderr or ""), fill.stderr
         assert await verifies(neighbour, tmp_path)
@@ -368,7 +371,7 @@ async def test_cgroups_carry_the_tasks_limits(tmp_path: Path) -> None:
     env = make_env(tmp_path, make_task(tmp_path / "s", toml_env="cpus = 0.5\nmemory_mb = 300\n"), "cg")
     await env.start(force_build=False)
     try:
-        cgroups = env._confinement.cgroups  # noqa: SLF001
+        cgroups = env._confinement.cgroups
         assert cgroups is not None
         names = ("pids.max", "memory.limit_in_bytes", "cpu.cfs_quota_us", "cpu.cfs_period_us", "memory.max", "cpu.max")
         values = {
@@ -383,7 +386,7 @@ async def test_cgroups_carry_the_tasks_limits(tmp_path: Path) -> None:
             assert values["cpu.max"] == "50000 100000"
         # every process of the sandbox is in them, execs included
         pid = int((await env.exec("sleep 30 & echo $!")).stdout)
-        assert pid and env._keeper.init_pid in cgroups.pids()  # noqa: SLF001
+        assert pid and env._keeper.init_pid in cgroups.pids()
         assert len(cgroups.pids()) >= 3  # init, its sleep, the exec's sleep
     finally:
         await env.stop(delete=True)

@@ -67,7 +67,12 @@ from harbor_async.backends.local.dockerfile import (
     DockerfileSpec,
     parse_dockerfile,
 )
-from harbor_async.backends.local.errors import ExecTimeoutError, SandboxPathError
+from harbor_async.backends.local.errors import (
+    ExecTimeoutError,
+    SandboxPathError,
+    TaskPathEscapeError,
+)
+from harbor_async.backends.local.images import task_image_mismatch
 
 __all__ = [
     "CopyStep",
@@ -75,5 +80,7 @@ __all__ = [
     "ExecTimeoutError",
     "LocalEnvironment",
     "SandboxPathError",
+    "TaskPathEscapeError",
     "parse_dockerfile",
+    "task_image_mismatch",
 ]

@@ -142,6 +142,13 @@ class Cgroups:
         else:
             self.folders = [CGROUP_ROOT / c / PREFIX / name for c in ("pids", "memory", "cpu")]
 
+    @classmethod
+    def of_folders(cls, folders: list[Path]) -> Cgroups:
+        """The cgroups a marker recorded (to remove them; the version does not matter then)."""
+        group = cls("", "v1")
+        group.folders = list(folders)
+        return group
+
     @property
     def procs_files(self) -> list[str]:
         """The ``cgroup.procs`` files a process writes its pid to, to join."""
@@ -233,10 +240,7 @@ def remove_cgroups(folders: list[str]) -> list[str]:
             continue
     if pids:
         kill(pids)
-    group = Cgroups.__new__(Cgroups)
-    group.version = "v1"
-    group.folders = [Path(f) for f in folders]
-    return group.remove()
+    return Cgroups.of_folders([Path(f) for f in folders]).remove()
 
 
 def _write(path: Path, value: str) -> None:

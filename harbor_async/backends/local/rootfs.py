@@ -222,7 +222,9 @@ def apply_copy(fs: Path, context: Path, step: CopyStep, workdir: str) -> None:
             raise SandboxBuildFailedError(f"COPY source {pattern!r} is outside the build context")
         matches = sorted(context.glob(relative)) if relative != "." else [context]
         if not matches:
-            raise SandboxBuildFailedError(f"Dockerfile line {step.line}: COPY source {pattern!r} not found in {context}")
+            raise SandboxBuildFailedError(
+                f"Dockerfile line {step.line}: COPY source {pattern!r} not found in {context}"
+            )
         for source in matches:
             if not source.resolve().is_relative_to(context):
                 raise TaskPathEscapeError(source, source.resolve())

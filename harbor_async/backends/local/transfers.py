@@ -134,7 +134,9 @@ def script() -> str:
 
 
 def sandbox_path(workdir: str, path: str, *, writable: bool) -> str:
-    """``path`` made absolute against ``workdir``; kernel file systems (and, ``writable``, read-only host folders) refused.
+    """``path`` made absolute against ``workdir``.
+
+    Kernel file systems are refused, and (``writable``) the read-only host folders.
 
     Raises:
         SandboxPathError: as said.
