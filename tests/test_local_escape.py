@@ -138,6 +138,19 @@ async def test_root_inside_is_not_root_outside(env: LocalEnvironment) -> None:
 
 
 @pytest.mark.anyio
+async def test_uploads_and_logs_belong_to_the_sandboxs_root(env: LocalEnvironment, tmp_path: Path) -> None:
+    source = tmp_path / "up"
+    (source / "deep").mkdir(parents=True)
+    (source / "deep" / "f.txt").write_text("f")
+    await env.upload_dir(source, "/data")
+    await env.upload_file(source / "deep" / "f.txt", "/data/single.txt")
+    owners = await env.exec("stat -c '%u:%g %n' /data /data/deep /data/deep/f.txt /data/single.txt /logs/verifier /app")
+    assert [line.split()[0] for line in owners.stdout.splitlines()] == ["0:0"] * 6, owners.stdout
+    # so the sandbox's root can change them without any capability over foreign files
+    assert (await env.exec("echo x >> /data/deep/f.txt && chmod 600 /data/single.txt")).return_code == 0
+
+
+@pytest.mark.anyio
 async def test_no_host_secrets_and_no_host_folders(env: LocalEnvironment, tmp_path: Path) -> None:
     canary = tmp_path / "host-canary.txt"
     canary.write_text("host only")
