@@ -26,6 +26,7 @@ import anyio
 
 from harbor_async.backends.local.errors import SandboxPathError, TaskPathEscapeError
 from harbor_async.backends.local.layout import BASE_ENV
+from harbor_async.backends.local.proctree import kill_exec_tree
 from harbor_async.backends.local.rootfs import check_sandbox_path
 from harbor_async.backends.local.sandboxing import helper
 from harbor_async.errors import HarborAsyncError
@@ -47,7 +48,6 @@ class SandboxTransfers:
     _workdir: str
     _started: bool
     _keeper: Any
-    _launching: int
 
     def _join(self, env: dict[str, str], cwd: str, command: list[str]) -> tuple[list[str], tuple[int, ...]]:
         raise NotImplementedError
@@ -113,16 +113,30 @@ class SandboxTransfers:
         task_dir = self.environment_dir.parent
         return task_dir if (task_dir / "task.toml").is_file() else None
 
-    async def _transfer(self, args: list[str], *, shown: str, **streams: Any) -> None:
-        """Run the transfer helper inside the sandbox (see :mod:`.transfers`)."""
+    async def _transfer(
+        self,
+        args: list[str],
+        *,
+        shown: str,
+        stdin: Callable[[IO[bytes]], None] | None = None,
+        stdout: IO[bytes] | Callable[[IO[bytes]], None] | None = None,
+    ) -> None:
+        """Run the transfer helper inside the sandbox (see the module's docstring)."""
         if not self._started or self._keeper is None:
             raise RuntimeError(f"local sandbox {self.session_id} is not started")
         argv, fds = self._join(dict(BASE_ENV), "/", ["sh", "-c", script(), "transfer.sh", *args])
-        self._launching += 1  # stop() waits for transfers being spawned; they die with the sandbox
-        try:
-            await anyio.to_thread.run_sync(functools.partial(run, argv, fds, shown=shown, **streams))
-        finally:
-            self._launching -= 1
+        reader = stdout if callable(stdout) else None
+        with tempfile.TemporaryFile() as errors:
+            # Spawned with no await since the check above: stop() cannot close
+            # the namespace files in between (their numbers could be reused).
+            process = spawn(
+                argv, fds, stdin=stdin is not None, stdout=None if reader else stdout, reader=reader is not None,
+                errors=errors,
+            )  # fmt: skip
+            # Not cancellable: a transfer ends by itself, or when stop() ends the sandbox.
+            await anyio.to_thread.run_sync(
+                functools.partial(finish, process, errors, stdin=stdin, reader=reader, shown=shown)
+            )
 
 
 def script() -> str:
@@ -161,47 +175,59 @@ def check_source(source: Path, task_dir: Path | None) -> None:
             raise TaskPathEscapeError(source, source.resolve())
 
 
-def run(
-    argv: list[str],
-    fds: tuple[int, ...],
+def spawn(
+    argv: list[str], fds: tuple[int, ...], *, stdin: bool, stdout: IO[bytes] | None, reader: bool, errors: IO[bytes]
+) -> subprocess.Popen[bytes]:
+    """Start one transfer process (milliseconds; called on the loop, right after the sandbox was seen started)."""
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+        stdout=subprocess.PIPE if reader else (stdout or subprocess.DEVNULL),
+        stderr=errors, pass_fds=fds, env={}, start_new_session=True,
+    )  # fmt: skip
+
+
+def finish(
+    process: subprocess.Popen[bytes],
+    errors: IO[bytes],
     *,
-    stdin: Callable[[IO[bytes]], None] | None = None,
-    stdout: IO[bytes] | Callable[[IO[bytes]], None] | None = None,
+    stdin: Callable[[IO[bytes]], None] | None,
+    reader: Callable[[IO[bytes]], None] | None,
     shown: str,
 ) -> None:
-    """Run one transfer process (blocking: call it from a worker thread) and map its exit code.
+    """Feed and drain a transfer process (blocking: call it from a worker thread); map its exit code.
 
     Raises:
         FileNotFoundError: exit 2.
         SandboxPathError: exit 3 or 4.
         TransferError: any other failure.
     """
-    with tempfile.TemporaryFile() as errors:
-        reader = stdout if callable(stdout) else None
-        process = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-            stdout=subprocess.PIPE if reader else (stdout or subprocess.DEVNULL),
-            stderr=errors, pass_fds=fds, env={}, start_new_session=True,
-        )  # fmt: skip
-        try:
-            if stdin is not None:
-                assert process.stdin is not None
+    try:
+        if stdin is not None:
+            assert process.stdin is not None
+            try:
+                stdin(process.stdin)
+                process.stdin.close()
+            except BrokenPipeError:
+                pass  # it stopped reading: its exit code says why
+        if reader is not None:
+            assert process.stdout is not None
+            reader(process.stdout)
+        code = process.wait(timeout=TRANSFER_TIMEOUT)
+    except BaseException:
+        kill_exec_tree(process.pid)  # its processes inside the sandbox too, not only the nsenter
+        process.kill()
+        process.wait()
+        raise
+    finally:
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None and not pipe.closed:
                 try:
-                    stdin(process.stdin)
-                    process.stdin.close()
+                    pipe.close()
                 except BrokenPipeError:
-                    pass  # it stopped reading: its exit code says why
-            if reader is not None:
-                assert process.stdout is not None
-                reader(process.stdout)
-            code = process.wait(timeout=TRANSFER_TIMEOUT)
-        except BaseException:
-            process.kill()
-            process.wait()
-            raise
-        errors.seek(0)
-        detail = errors.read(4096).decode(errors="replace").strip()
+                    pass
+    errors.seek(0)
+    detail = errors.read(4096).decode(errors="replace").strip()
     if code == 2:
         raise FileNotFoundError(f"{shown!r} does not exist in the local sandbox (or is not of the kind asked)")
     if code in (3, 4):
