@@ -191,7 +191,7 @@ class Engine:
 
     def stop_soon(self, sandbox: Sandbox) -> None:
         """Schedule ``sandbox``'s stop in the background (call on the loop)."""
-        if sandbox.done:
+        if sandbox.done or self._closing:  # a closing engine stops every sandbox itself
             return
         if self._tg is None:
             raise EngineClosedError("the engine is not running")

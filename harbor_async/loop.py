@@ -209,6 +209,10 @@ class LoopThread:
                 pass
         if thread is not None:
             thread.join(timeout=LOOP_STOP_BUDGET)
+        if _terminating and threading.current_thread() is threading.main_thread():
+            # Cleanup is done: a late second SIGTERM must not kill the exit Python's
+            # finalization is about to make (it puts default handlers back).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 async def _close_all(engines: list[Engine]) -> None:
@@ -219,6 +223,7 @@ async def _close_all(engines: list[Engine]) -> None:
 
 _default: LoopThread | None = None
 _default_lock = threading.Lock()
+_terminating = False  # a SIGTERM began the exit
 
 
 def get_loop() -> LoopThread:
@@ -265,6 +270,8 @@ def _install_sigterm_handler() -> None:
         nonlocal received
         received += 1
         if received == 1:
+            global _terminating
+            _terminating = True
             raise SystemExit(128 + signum)
         if received == 2:
             print("harbor-async: still stopping sandboxes; a third signal exits at once", file=sys.stderr)
