@@ -68,7 +68,9 @@ from harbor_async.leftovers import (
 )
 from harbor_async.logs import get_logger
 from harbor_async.naming import (
+    SESSION_RE,
     TRIAL_DIR_RE,
+    TRIAL_MARKER_NAME,
     local_roots,
     owner_from_session,
 )
@@ -126,8 +128,17 @@ def _scan_trial_dirs() -> dict[str, list[tuple[Path, datetime | None]]]:
     for entry in entries:
         match = _TRIAL_DIR.match(entry.name)
         if match is not None and entry.is_dir():
-            found.setdefault(match["session"], []).append((entry, mtime(entry)))
+            found.setdefault(_trial_session(entry, match["session"]), []).append((entry, mtime(entry)))
     return found
+
+
+def _trial_session(folder: Path, named: str) -> str:
+    """The sandbox a trial folder belongs to: its marker's, else the one its name carries."""
+    try:
+        marked = (folder / TRIAL_MARKER_NAME).read_text().strip()
+    except OSError:
+        return named
+    return marked if SESSION_RE.fullmatch(marked) else named
 
 
 # ─── public API ─────────────────────────────────────────────────────────────

@@ -35,7 +35,7 @@ from harbor_async.errors import (
     VerifierFailure,
 )
 from harbor_async.logs import get_logger
-from harbor_async.naming import new_sandbox_id, trial_dir_prefix
+from harbor_async.naming import TRIAL_MARKER_NAME, TrialDirNames, new_sandbox_id
 from harbor_async.policy import RetryPolicy, Timeouts
 from harbor_async.stats import StatsRecorder
 
@@ -65,6 +65,7 @@ class SandboxContext:
         on_done: called once a sandbox is stopped and holds nothing (the engine's ledger).
         start_options: backend start options (e.g. ``docker_overlay``), see
             :meth:`BackendSpec.start_extras`.
+        trial_names: the run's Harbor trial-folder names.
     """
 
     run_label: str
@@ -76,6 +77,11 @@ class SandboxContext:
     stats: StatsRecorder
     on_done: Callable[[Sandbox], None]
     start_options: Mapping[str, Any] = field(default_factory=dict)
+    trial_names: TrialDirNames | None = None
+
+    def __post_init__(self) -> None:
+        if self.trial_names is None:
+            object.__setattr__(self, "trial_names", TrialDirNames(self.run_label))
 
 
 class SandboxState(StrEnum):
@@ -470,7 +476,7 @@ class Sandbox:
 
         await self.context.budget.create_turn()
         async with self._phase(Phase.START, budget=self.timeouts.start, wrap=False):
-            self._trial_dir = Path(tempfile.mkdtemp(prefix=trial_dir_prefix(self.id)))
+            self._trial_dir = self._make_trial_dir()
             paths = self._trial_paths()
             paths.mkdir()
             kwargs = {"run_label": self.context.run_label, **self._backend_kwargs}
@@ -523,9 +529,22 @@ class Sandbox:
             raise SandboxClosedError(Phase.EXEC, self.task_name, self.id, "sandbox has no trial directory")
         return TrialPaths(trial_dir=self._trial_dir)
 
+    def _make_trial_dir(self) -> Path:
+        names = self.context.trial_names
+        while True:
+            folder = Path(tempfile.gettempdir()) / names.acquire()
+            try:
+                folder.mkdir(mode=0o700)
+            except FileExistsError:  # left by someone else: keep its slot taken
+                continue
+            (folder / TRIAL_MARKER_NAME).write_text(self.id)
+            return folder
+
     def _remove_trial_dir(self) -> None:
         if self._trial_dir is not None:
             shutil.rmtree(self._trial_dir, ignore_errors=True)
+            if not self._trial_dir.exists():
+                self.context.trial_names.release(self._trial_dir.name)
             self._trial_dir = None
 
     def _budget(self, phase: Phase, budget: float | None) -> float:
