@@ -10,6 +10,7 @@ import sys
 
 import typer
 
+from harbor_async.cli import eval as _eval
 from harbor_async.cli import run as _run
 from harbor_async.cli.sandboxes import sandboxes_app
 
@@ -23,6 +24,7 @@ app = typer.Typer(
 app.command("run")(_run.run)
 app.command("tasks")(_run.tasks)
 app.add_typer(sandboxes_app, name="sandboxes")
+app.command("eval")(_eval.eval_command)
 
 
 def _add_bench() -> None:
