@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import openai
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
 
 from harbor_async.errors import HarborAsyncError
 
@@ -282,7 +282,8 @@ class Agent:
         retrying = AsyncRetrying(
             retry=retry_if_exception(_retryable),
             stop=stop_after_attempt(self.limits.retries + 1),
-            wait=wait_exponential_jitter(initial=0.5, max=self.limits.retry_max_wait),
+            # exponential backoff with jitter, so that many episodes do not retry in lockstep
+            wait=wait_exponential(multiplier=0.5, max=self.limits.retry_max_wait) + wait_random(0, 0.25),
             reraise=True,
         )
         try:

@@ -65,6 +65,7 @@ class ScriptedServer:
         self.slow_seconds = slow_seconds
         self.die_after = die_after
         self.requests: Counter[str] = Counter()
+        self.tools: dict[str, list[dict[str, Any]]] = {}  # the tools of the latest request, per model
         self._seen: set[str] = set()
         self._lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
@@ -111,6 +112,7 @@ class ScriptedServer:
             return 404, _error(f"The model `{model}` does not exist.", "NotFoundError", 404)
         with self._lock:
             self.requests[model] += 1
+            self.tools[model] = body.get("tools") or []
             total = sum(self.requests.values())
         if self.die_after is not None and total > self.die_after:
             os._exit(3)  # a crash, as a server killed by the OOM killer

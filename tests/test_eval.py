@@ -1,0 +1,121 @@
+"""``evaluate``: the bundled suite against the scripted server, on real bubblewrap sandboxes.
+
+The scripted server (tests/scripted_server.py) solves each task with a real
+tool call, so rewards must be the verifier's 1.0; its other model names
+misbehave on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers.utils import get_json_schema
+
+from harbor_async import evaluate_sync
+from harbor_async.errors import FailureClass
+from harbor_async.jobs import JobFolder
+from tests.scripted_server import ScriptedServer
+
+
+@pytest.fixture
+def server():
+    with ScriptedServer(slow_seconds=2.0) as scripted:
+        yield scripted
+
+
+def _eval(server, tmp_path, models, **kwargs):
+    kwargs.setdefault("num_tasks", 2)
+    kwargs.setdefault("concurrency", 4)
+    return evaluate_sync(models, None, base_url=server.base_url, jobs_dir=tmp_path, job_name="job", **kwargs)
+
+
+def test_solver_scores_one_and_records_everything(server, tmp_path) -> None:
+    result = _eval(server, tmp_path, ["solver"], attempts=2)
+    assert len(result.records) == 4 and result.ran == 4
+    assert [r.reward for r in result.records] == [1.0] * 4
+    assert sorted((r.task, r.attempt) for r in result.records) == sorted(
+        (t, a) for t in ("count-log-files", "csv-column-sum") for a in (0, 1)
+    )
+    record = result.records[0]
+    assert record.model == "solver" and record.checkpoint == "solver" and record.agent == "bash"
+    assert record.finish_reason == "stop" and record.error_class is None
+    roles = [m["role"] for m in record.transcript]
+    assert roles == ["user", "assistant", "tool", "assistant"]
+    call = record.transcript[1]["tool_calls"][0]
+    assert call["function"]["name"] == "bash" and "answer.txt" in json.loads(call["function"]["arguments"])["command"]
+    assert record.transcript[2]["tool_call_id"] == call["id"]
+    assert record.usage["requests"] == 2 and record.usage["total_tokens"] > 0 and record.usage["tool_calls"] == 1
+    assert {"start", "verify", "model", "tools", "total"} <= set(record.seconds)
+    assert record.rewards == {"reward": 1.0}
+    # the job folder: config, flushed records, summary
+    job = JobFolder.open(result.job_dir)
+    assert job.config["models"] == ["solver"] and job.config["command"] == "eval"
+    assert len(job.records()) == 4
+    summary = json.loads((result.job_dir / "summary.json").read_text())
+    assert summary["mean_reward"] == 1.0 and summary["pass_at_k"]["2"]["value"] == 1.0
+    assert summary["models"]["solver"]["episodes"] == 4
+
+
+def test_prompt_and_tools_are_the_training_ones(server, tmp_path) -> None:
+    """The user message is instruction + PROMPT_SUFFIX; tools are get_json_schema of the harness's tools."""
+    from harbor_async.tasks import load_suite
+    from shim.harnesses import HarborTerminalEnv
+
+    result = _eval(server, tmp_path, ["solver"], agent="terminal", num_tasks=1)
+    task = load_suite(None).tasks[0]
+    record = result.records[0]
+    assert record.reward == 1.0
+    assert record.transcript[0] == {"role": "user", "content": task.instruction + HarborTerminalEnv.PROMPT_SUFFIX}
+    assert record.transcript[1]["tool_calls"][0]["function"]["name"] == "run"
+    env = HarborTerminalEnv(environment_type="local")
+    names = ["list_background", "read_notes", "read_output", "run", "start_background", "stop_background", "write_note"]
+    assert server.tools["solver"] == [get_json_schema(getattr(env, name)) for name in names]
+
+
+def test_malformed_arguments_and_unknown_tool_go_back_to_the_model(server, tmp_path) -> None:
+    result = _eval(server, tmp_path, ["misbehave"], num_tasks=1)
+    record = result.records[0]
+    tool_texts = [m["content"] for m in record.transcript if m["role"] == "tool"]
+    assert tool_texts[0].startswith("{'error': 'Invalid JSON in the arguments of tool bash")
+    assert tool_texts[1] == "{'error': 'Tool no_such_tool not found.'}"
+    assert record.usage["tool_failures"] == 2 and record.usage["tool_calls"] == 3
+    assert record.reward == 1.0 and record.error_class is None
+
+
+@pytest.mark.parametrize("model", ["flaky-429", "flaky-500"])
+def test_transient_server_errors_are_retried(server, tmp_path, model) -> None:
+    result = _eval(server, tmp_path, [model], num_tasks=1, limits={"retry_max_wait": 0.2})
+    record = result.records[0]
+    assert record.reward == 1.0 and record.error_class is None
+    assert record.usage["retries"] == 2 and record.usage["requests"] == 4
+
+
+def test_a_server_that_keeps_failing_is_a_model_server_failure(server, tmp_path) -> None:
+    result = _eval(server, tmp_path, ["always-500"], num_tasks=1, limits={"retries": 2, "retry_max_wait": 0.1})
+    record = result.records[0]
+    assert record.failure is FailureClass.MODEL_SERVER and record.rerun
+    assert record.reward is None and "HTTP 500" in record.error
+    assert record.usage["requests"] == 3
+    assert result.summary["failures"] == {"model_server": 1}
+
+
+def test_context_overflow_ends_the_episode_and_it_is_scored(server, tmp_path) -> None:
+    record = _eval(server, tmp_path, ["context"], num_tasks=1).records[0]
+    assert record.finish_reason == "context_length" and record.error_class is None
+    assert record.reward == 1.0  # the solution ran before the overflow
+
+
+def test_limits_end_the_loop(server, tmp_path) -> None:
+    turns = _eval(server, tmp_path / "a", ["misbehave"], num_tasks=1, limits={"max_turns": 1}).records[0]
+    assert turns.finish_reason == "max_turns" and turns.reward == 0.0 and turns.error_class is None
+    tokens = _eval(server, tmp_path / "b", ["solver"], num_tasks=1, limits={"max_total_tokens": 10}).records[0]
+    assert tokens.finish_reason == "max_total_tokens" and tokens.reward == 1.0
+    slow = _eval(server, tmp_path / "c", ["slow"], num_tasks=1, limits={"timeout": 0.5}).records[0]
+    assert slow.finish_reason == "agent_timeout" and slow.failure is FailureClass.AGENT
+    assert slow.reward == 0.0  # judged: the verifier found no answer
+
+
+def test_quitter_scores_zero(server, tmp_path) -> None:
+    record = _eval(server, tmp_path, ["quitter"], num_tasks=1).records[0]
+    assert record.reward == 0.0 and record.finish_reason == "stop" and record.error_class is None
