@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--suite", type=Path, default=EXAMPLE_SUITE)
     parser.add_argument("--die-after", type=int, default=None, help="exit after this many chat requests")
     parser.add_argument("--slow-seconds", type=float, default=1.0)
+    parser.add_argument("--tag", default="", help="ignored: lets a test find this process by its command line")
     args = parser.parse_args(argv)
     server = ScriptedServer(args.suite, port=args.port, slow_seconds=args.slow_seconds, die_after=args.die_after)
     print(f"scripted server on {server.base_url}", flush=True)
