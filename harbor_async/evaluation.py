@@ -18,6 +18,8 @@ import functools
 import glob
 import os
 import re
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,6 +42,20 @@ log = structlog.get_logger("harbor_async.eval")
 
 class EvalConfigError(HarborAsyncError, ValueError):
     """The evaluation's settings are inconsistent (no model, a missing API key, a bad glob...)."""
+
+
+class EvalInterrupted(HarborAsyncError):
+    """SIGINT or SIGTERM stopped the evaluation; its sandboxes and server were stopped, its records kept.
+
+    Attributes:
+        signum: the signal's number.
+        job_dir: the job folder, to resume.
+    """
+
+    def __init__(self, signum: int, job_dir: Path) -> None:
+        self.signum = signum
+        self.job_dir = job_dir
+        super().__init__(f"interrupted by {signal.Signals(signum).name}; resume with --resume {job_dir}")
 
 
 @dataclass(frozen=True)
@@ -204,6 +220,7 @@ class _Run:
         self.sampling = Sampling(**settings.sampling)
         self.limits = AgentLimits(**settings.limits)
         self.fatal: BaseException | None = None
+        self.interrupted: int | None = None
         self.ran = 0
 
     def options(self):
@@ -369,8 +386,12 @@ def _keys(models: Sequence[ModelSpec], tasks: Sequence[Any], root: Path, attempt
     return [episode_key(_task_path(t, root), a, m.name) for m in models for t in tasks for a in range(attempts)]
 
 
-def _summaries(settings: EvalSettings, specs: list[ModelSpec], job: JobFolder) -> tuple[dict[str, Any], list[EpisodeRecord]]:
-    latest = list(job.latest().values())
+def _summaries(
+    settings: EvalSettings, specs: list[ModelSpec], job: JobFolder, keys: list[str]
+) -> tuple[dict[str, Any], list[EpisodeRecord]]:
+    # Suite order, not completion order: the same records give the same summary however they ran.
+    done = job.latest()
+    latest = [done[k] for k in keys if k in done]
     by_model = {s.name: [r for r in latest if r.model == s.name] for s in specs}
     k, threshold = settings.attempts, settings.success_threshold
     summary: dict[str, Any] = {}
@@ -453,16 +474,38 @@ async def evaluate(
     all_keys = _keys(specs, tasks, root, config.attempts)
     if on_plan is not None:
         on_plan(len(job.pending(all_keys)), len(all_keys))
+    error: Exception | None = None
     try:
-        for index, group in enumerate(groups):  # one server at a time
-            await run.run_group(group, tasks, root, index, len(groups))
+        async with anyio.create_task_group() as tg:
+            if threading.current_thread() is threading.main_thread():
+                tg.start_soon(_watch_signals, tg.cancel_scope, run)
+            try:
+                for index, group in enumerate(groups):  # one server at a time
+                    await run.run_group(group, tasks, root, index, len(groups))
+            except Exception as exc:  # raised below, unwrapped from the task group
+                error = exc
+            finally:
+                tg.cancel_scope.cancel()
     finally:
         job.close()
-        summary, latest = _summaries(config, specs, job)
+        summary, latest = _summaries(config, specs, job, all_keys)
         job.write_summary(summary)
         if "sweep" in summary:
             _write_sweep(job, summary["sweep"])
+    if error is not None:
+        raise error
+    if run.interrupted is not None:
+        raise EvalInterrupted(run.interrupted, job.path)
     return EvalResult(job.path, summary, latest, ran=run.ran)
+
+
+async def _watch_signals(scope: anyio.CancelScope, run: _Run) -> None:
+    """Turn SIGINT/SIGTERM into a cancellation, so that every episode stops its sandbox and the server stops."""
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            run.interrupted = int(signum)
+            scope.cancel()
+            return
 
 
 def evaluate_sync(*args: Any, **kwargs: Any) -> EvalResult:

@@ -70,7 +70,8 @@ def test_resume_after_a_kill_matches_the_uninterrupted_run(tmp_path: Path) -> No
             assert proc.poll() is None, proc.stderr.read().decode()
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+        assert b"resume with --resume" in proc.stderr.read()  # stopped cleanly (the leak check confirms)
         finished = [r.key for r in JobFolder(tmp_path / "killed").records()]
         assert 2 <= len(finished) < 6, "the kill came after the run ended"
         requests_before = server.requests["slow"]

@@ -94,8 +94,12 @@ def eval_command(
                 )
             )
     except HarborAsyncError as exc:
+        from harbor_async.evaluation import EvalInterrupted
         from harbor_async.serve import ServerDiedError
 
+        if isinstance(exc, EvalInterrupted):
+            err.print(f"[yellow]{exc}[/]")
+            raise typer.Exit(128 + exc.signum) from None
         raise fail(f"{type(exc).__name__}: {exc}", code=1 if isinstance(exc, ServerDiedError) else 2) from None
     _print_summary(result.summary)
     err.print(f"job folder: {result.job_dir}")
