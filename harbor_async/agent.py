@@ -103,7 +103,10 @@ def build_toolset(env: object) -> Toolset:
     properties), binds them to the instance, and renders each bound method
     with transformers' ``get_json_schema`` inside the chat template.
     """
-    from transformers.utils import get_json_schema
+    try:
+        from transformers.utils import get_json_schema
+    except ImportError as exc:  # the `eval` extra
+        raise ToolsetError("evaluation needs transformers for the tool schemas: pip install 'harbor-async[eval]'") from exc
 
     schemas: list[dict[str, Any]] = []
     sync: dict[str, Callable[..., Any]] = {}

@@ -412,7 +412,10 @@ def _write_sweep(job: JobFolder, sweep: dict[str, Any]) -> None:
     from harbor_async.plots import plot_sweep, sweep_csv
 
     (job.path / "sweep.csv").write_text(sweep_csv(sweep), encoding="utf-8")
-    plot_sweep(sweep, job.path / "sweep.png")
+    try:
+        plot_sweep(sweep, job.path / "sweep.png")
+    except ImportError:  # matplotlib is the `eval` extra; the table and summary stand without the plot
+        log.warning("sweep plot skipped: matplotlib is not installed (pip install 'harbor-async[eval]')")
 
 
 async def evaluate(
