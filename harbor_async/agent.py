@@ -209,15 +209,20 @@ class Agent:
         self.request_limiter = request_limiter or anyio.CapacityLimiter(16)
         self.tool_limiter = tool_limiter or anyio.CapacityLimiter(16)
         self.retries_used = 0
+        self._sampling = self.sampling
 
-    async def run(self, env: object, observation: str, *, timeout: float | None = None) -> AgentResult:
+    async def run(
+        self, env: object, observation: str, *, timeout: float | None = None, sampling: Sampling | None = None
+    ) -> AgentResult:
         """Run the loop for one reset harness ``env`` whose ``reset()`` returned ``observation``.
 
-        Never raises for the model's or the tools' misbehaviour: the outcome is
-        in the result. Cancellation propagates.
+        ``sampling`` overrides the agent's for this episode (a per-attempt
+        seed). Never raises for the model's or the tools' misbehaviour: the
+        outcome is in the result. Cancellation propagates.
         """
         toolset = build_toolset(env)
         result = AgentResult(messages=initial_messages(observation))
+        self._sampling = sampling or self.sampling
         budget = timeout if timeout is not None else self.limits.timeout
         with anyio.move_on_after(budget if budget is not None else float("inf")) as scope:
             await self._loop(toolset, result)
@@ -247,6 +252,10 @@ class Agent:
                 for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
                     usage[key] = usage.get(key, 0) + int(getattr(response.usage, key, 0) or 0)
                 usage["last_total_tokens"] = int(response.usage.total_tokens or 0)
+            if not response.choices:  # a server bug, not the model's answer
+                result.finish_reason = "model_server"
+                result.error = ModelServerError(f"model {self.model!r}: a reply without choices")
+                return
             choice = response.choices[0]
             message = choice.message
             calls = list(message.tool_calls or [])
@@ -298,7 +307,7 @@ class Agent:
                     usage["requests"] = usage.get("requests", 0) + 1
                     async with self.request_limiter:
                         return await self.client.chat.completions.create(
-                            model=self.model, messages=wire, tools=tools, **self.sampling.request_kwargs()
+                            model=self.model, messages=wire, tools=tools, **self._sampling.request_kwargs()
                         )
         except openai.APIError as exc:
             if is_context_overflow(exc):

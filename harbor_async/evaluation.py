@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ import structlog
 
 from harbor_async import serve as _serve
 from harbor_async.agent import Agent, AgentLimits, Sampling
-from harbor_async.errors import FailureClass, HarborAsyncError, Phase, SandboxError
+from harbor_async.errors import FailureClass, HarborAsyncError, Phase, SandboxClosedError, SandboxError
 from harbor_async.jobs import JobFolder
 from harbor_async.records import EpisodeRecord, episode_key
 from harbor_async.scoring import DEFAULT_SUCCESS_THRESHOLD, summarize, sweep_summary
@@ -206,14 +206,10 @@ class _Run:
     """The state of one evaluation run (one job folder)."""
 
     def __init__(self, settings: EvalSettings, job: JobFolder, on_record: Callable[[EpisodeRecord], None] | None):
-        from shim import spec as _spec
-
-        import shim.harnesses  # noqa: F401 - registers "python" and "terminal"
-
         self.settings = settings
         self.job = job
         self.on_record = on_record
-        self.harness = _spec._resolve_agent(settings.agent)
+        self.harness = resolve_harness(settings.agent, settings.backend)
         self.sandbox_limiter = anyio.CapacityLimiter(settings.concurrency)
         self.tool_limiter = anyio.CapacityLimiter(settings.concurrency)
         self.request_limiter = anyio.CapacityLimiter(settings.max_concurrent_requests)
@@ -323,7 +319,10 @@ class _Run:
                 return record
             record.sandbox = episode.sandbox.id
             timeout = self.limits.timeout if self.limits.timeout is not None else task.config.agent.timeout_sec
-            result = await agent.run(env, observation, timeout=timeout)
+            sampling = self.sampling
+            if sampling.seed is not None:  # attempts of one task must differ, or pass@k is pass@1
+                sampling = replace(sampling, seed=sampling.seed + attempt)
+            result = await agent.run(env, observation, timeout=timeout, sampling=sampling)
             record.transcript = result.messages
             record.usage = {**result.usage, "tool_calls": result.tool_calls, "tool_failures": result.tool_failures}
             record.finish_reason = result.finish_reason
@@ -338,6 +337,9 @@ class _Run:
             record.set_error(FailureClass.INFRASTRUCTURE, exc)
         except HarborAsyncError as exc:  # a harness that cannot be built or reset on this task
             record.set_error(FailureClass.INFRASTRUCTURE, exc, "start")
+        except Exception as exc:  # a bug or an unexpected library error: record it, keep the run going
+            log.exception("episode crashed", task=task.name, model=spec.name)
+            record.set_error(FailureClass.INFRASTRUCTURE, exc)
         finally:
             if env is not None:
                 with anyio.CancelScope(shield=True):
@@ -353,7 +355,8 @@ class _Run:
         try:
             verdict = await _await_loop(runtime.submit(episode.sandbox.verify))
         except SandboxError as exc:
-            verifier = exc.phase is Phase.VERIFY
+            # A sandbox that is gone is the infrastructure's failure, not the verifier's.
+            verifier = exc.phase is Phase.VERIFY and not isinstance(exc, SandboxClosedError)
             record.set_error(FailureClass.VERIFIER if verifier else FailureClass.INFRASTRUCTURE, exc)
             record.reward = 0.0 if verifier else None
             return
@@ -365,6 +368,26 @@ class _Run:
         env = self.harness(environment_type=self.settings.backend)
         env._configure(self.options(), self.settings.backend_kwargs)
         return env
+
+
+def resolve_harness(agent: str, backend: str) -> type:
+    """The harness class for ``-a`` (checked: it loads and its tools have schemas) and the backend.
+
+    Raises :class:`EvalConfigError` (or the backend's :class:`~harbor_async.errors.BackendError`).
+    """
+    from harbor_async.agent import build_toolset
+    from harbor_async.backends import resolve_backend
+    from shim import spec as _spec
+
+    import shim.harnesses  # noqa: F401 - registers "python" and "terminal"
+
+    resolve_backend(backend).environment_class()
+    try:
+        harness = _spec._resolve_agent(agent)
+    except (ValueError, TypeError, ImportError, AttributeError, OSError) as exc:
+        raise EvalConfigError(f"harness {agent!r}: {exc}") from exc
+    build_toolset(harness(environment_type=backend))  # no sandbox: only the schemas
+    return harness
 
 
 def _copy_times(record: EpisodeRecord, episode) -> None:
@@ -469,6 +492,7 @@ async def evaluate(
     config.models = [s.name for s in specs]
     loaded = load_suite(config.suite, num_tasks=config.num_tasks, indices=config.indices)
     groups = _server_groups(config, specs)
+    resolve_harness(config.agent, config.backend)
     if resume is None:
         job = JobFolder.create(jobs_dir, job_name, config.to_dict())
     run = _Run(config, job, on_record)

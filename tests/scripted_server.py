@@ -66,6 +66,7 @@ class ScriptedServer:
         self.die_after = die_after
         self.requests: Counter[str] = Counter()
         self.tools: dict[str, list[dict[str, Any]]] = {}  # the tools of the latest request, per model
+        self.seeds: set[int | None] = set()
         self._seen: set[str] = set()
         self._lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
@@ -113,6 +114,7 @@ class ScriptedServer:
         with self._lock:
             self.requests[model] += 1
             self.tools[model] = body.get("tools") or []
+            self.seeds.add(body.get("seed"))
             total = sum(self.requests.values())
         if self.die_after is not None and total > self.die_after:
             os._exit(3)  # a crash, as a server killed by the OOM killer

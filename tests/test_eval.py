@@ -119,3 +119,29 @@ def test_limits_end_the_loop(server, tmp_path) -> None:
 def test_quitter_scores_zero(server, tmp_path) -> None:
     record = _eval(server, tmp_path, ["quitter"], num_tasks=1).records[0]
     assert record.reward == 0.0 and record.finish_reason == "stop" and record.error_class is None
+
+
+def test_a_harness_from_a_file_and_a_seed_per_attempt(server, tmp_path) -> None:
+    harness = tmp_path / "my_harness.py"
+    harness.write_text(
+        "from shim import HarborEnv\n\n\n"
+        "class Shell(HarborEnv):\n"
+        "    PROMPT_SUFFIX = '\\n\\nUse the shell tool.'\n\n"
+        "    def shell(self, command: str) -> str:\n"
+        '        """\n        Run a command.\n\n        Args:\n            command: The command.\n        """\n'
+        "        return self._exec(command)\n"
+    )
+    result = _eval(server, tmp_path / "jobs", ["solver"], agent=f"{harness}:Shell", num_tasks=1, attempts=2,
+                   sampling={"seed": 7, "temperature": 0.5})
+    assert [r.reward for r in result.records] == [1.0, 1.0]
+    assert result.records[0].transcript[0]["content"].endswith("\n\nUse the shell tool.")
+    assert [t["function"]["name"] for t in server.tools["solver"]] == ["shell"]
+    assert server.seeds == {7, 8}
+
+
+def test_a_bad_harness_is_refused_before_any_job_folder(server, tmp_path) -> None:
+    from harbor_async.evaluation import EvalConfigError
+
+    with pytest.raises(EvalConfigError, match="no_such_module"):
+        _eval(server, tmp_path, ["solver"], agent="no_such_module:Cls")
+    assert not (tmp_path / "job").exists()
