@@ -106,7 +106,9 @@ def build_toolset(env: object) -> Toolset:
     try:
         from transformers.utils import get_json_schema
     except ImportError as exc:  # the `eval` extra
-        raise ToolsetError("evaluation needs transformers for the tool schemas: pip install 'harbor-async[eval]'") from exc
+        raise ToolsetError(
+            "evaluation needs transformers for the tool schemas: pip install 'harbor-async[eval]'"
+        ) from exc
 
     schemas: list[dict[str, Any]] = []
     sync: dict[str, Callable[..., Any]] = {}

@@ -222,7 +222,9 @@ class _Run:
     def options(self):
         from shim.options import EngineOptions
 
-        return EngineOptions(max_live_sandboxes=self.settings.concurrency, episode_timeout=self.settings.episode_timeout)
+        return EngineOptions(
+            max_live_sandboxes=self.settings.concurrency, episode_timeout=self.settings.episode_timeout
+        )
 
     def api_key(self) -> str:
         name = self.settings.api_key_name
@@ -375,11 +377,10 @@ def resolve_harness(agent: str, backend: str) -> type:
 
     Raises :class:`EvalConfigError` (or the backend's :class:`~harbor_async.errors.BackendError`).
     """
+    import shim.harnesses  # noqa: F401 - registers "python" and "terminal"
     from harbor_async.agent import build_toolset
     from harbor_async.backends import resolve_backend
     from shim import spec as _spec
-
-    import shim.harnesses  # noqa: F401 - registers "python" and "terminal"
 
     resolve_backend(backend).environment_class()
     try:
@@ -421,7 +422,11 @@ def _summaries(
     if len(specs) == 1:
         summary.update(summarize(by_model[specs[0].name], k=k, success_threshold=threshold))
     summary["models"] = {
-        s.name: {"checkpoint": s.checkpoint, "step": s.step, **summarize(by_model[s.name], k=k, success_threshold=threshold)}
+        s.name: {
+            "checkpoint": s.checkpoint,
+            "step": s.step,
+            **summarize(by_model[s.name], k=k, success_threshold=threshold),
+        }
         for s in specs
     }
     if len(specs) > 1:

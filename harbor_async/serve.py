@@ -68,7 +68,13 @@ _PARSERS: tuple[tuple[str, str], ...] = (
     ("<|python_tag|>", "llama3_json"),
     ("<|tool_call_start|>", "pythonic"),
 )
-_PARSERS_BY_TYPE = {"qwen2": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes", "mistral": "mistral", "llama": "llama3_json"}
+_PARSERS_BY_TYPE = {
+    "qwen2": "hermes",
+    "qwen3": "hermes",
+    "qwen3_moe": "hermes",
+    "mistral": "mistral",
+    "llama": "llama3_json",
+}
 
 
 def tool_call_parser_for(model_path: str | Path) -> str:

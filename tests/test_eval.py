@@ -131,8 +131,15 @@ def test_a_harness_from_a_file_and_a_seed_per_attempt(server, tmp_path) -> None:
         '        """\n        Run a command.\n\n        Args:\n            command: The command.\n        """\n'
         "        return self._exec(command)\n"
     )
-    result = _eval(server, tmp_path / "jobs", ["solver"], agent=f"{harness}:Shell", num_tasks=1, attempts=2,
-                   sampling={"seed": 7, "temperature": 0.5})
+    result = _eval(
+        server,
+        tmp_path / "jobs",
+        ["solver"],
+        agent=f"{harness}:Shell",
+        num_tasks=1,
+        attempts=2,
+        sampling={"seed": 7, "temperature": 0.5},
+    )
     assert [r.reward for r in result.records] == [1.0, 1.0]
     assert result.records[0].transcript[0]["content"].endswith("\n\nUse the shell tool.")
     assert [t["function"]["name"] for t in server.tools["solver"]] == ["shell"]

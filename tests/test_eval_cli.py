@@ -17,7 +17,6 @@ import uuid
 from pathlib import Path
 
 import psutil
-import pytest
 
 from harbor_async.jobs import JobFolder
 from harbor_async.serve import free_port
@@ -50,14 +49,26 @@ def _processes_with(marker: str) -> list[psutil.Process]:
 
 
 def _comparable(summary: dict) -> dict:
-    return {k: summary[k] for k in ("episodes", "tasks", "completed", "failures", "mean_reward", "pass_at_k", "per_task")}
+    return {
+        k: summary[k] for k in ("episodes", "tasks", "completed", "failures", "mean_reward", "pass_at_k", "per_task")
+    }
 
 
 def test_resume_after_a_kill_matches_the_uninterrupted_run(tmp_path: Path) -> None:
     args = ["-m", "slow", "-l", "6", "-n", "2", "-o", str(tmp_path)]
     with ScriptedServer(slow_seconds=1.0) as server:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "harbor_async", "eval", *args, "--job-name", "killed", "--base-url", server.base_url],
+            [
+                sys.executable,
+                "-m",
+                "harbor_async",
+                "eval",
+                *args,
+                "--job-name",
+                "killed",
+                "--base-url",
+                server.base_url,
+            ],
             cwd=REPO,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -94,8 +105,22 @@ def test_resume_after_a_kill_matches_the_uninterrupted_run(tmp_path: Path) -> No
 
 def test_sweep_of_two_models_writes_table_paired_interval_and_plot(tmp_path: Path) -> None:
     with ScriptedServer() as server:
-        result = _cli("-m", "solver", "-m", "half", "-l", "4", "-n", "4", "-o", str(tmp_path), "--job-name", "sweep",
-                      "--base-url", server.base_url)
+        result = _cli(
+            "-m",
+            "solver",
+            "-m",
+            "half",
+            "-l",
+            "4",
+            "-n",
+            "4",
+            "-o",
+            str(tmp_path),
+            "--job-name",
+            "sweep",
+            "--base-url",
+            server.base_url,
+        )
     assert result.returncode == 0, result.stderr
     job = tmp_path / "sweep"
     summary = json.loads((job / "summary.json").read_text())
@@ -136,8 +161,9 @@ def test_empty_suite_is_a_clear_error(tmp_path: Path) -> None:
 def test_a_server_that_never_becomes_ready_is_stopped(tmp_path: Path) -> None:
     marker = f"never-ready-{uuid.uuid4().hex}"
     serve = f"{sys.executable} -c 'import time; time.sleep(600)' {marker} {{port}}"
-    result = _cli("-m", "solver", "--serve-cmd", serve, "--ready-timeout", "3", "-l", "1", "-o", str(tmp_path),
-                  "--job-name", "j")
+    result = _cli(
+        "-m", "solver", "--serve-cmd", serve, "--ready-timeout", "3", "-l", "1", "-o", str(tmp_path), "--job-name", "j"
+    )
     assert result.returncode == 2 and "ServerNotReadyError" in result.stderr
     assert _processes_with(marker) == []
     assert marker in (tmp_path / "j" / "server.log").read_text()  # the command line heads the log
@@ -146,8 +172,22 @@ def test_a_server_that_never_becomes_ready_is_stopped(tmp_path: Path) -> None:
 def test_a_managed_server_dying_mid_run_is_a_clear_error(tmp_path: Path) -> None:
     marker = f"dying-{uuid.uuid4().hex}"
     serve = f"{sys.executable} {SCRIPTED} --port {{port}} --die-after 3 --suite {REPO / 'harbor_async/suites/example/tasks'}"
-    result = _cli("-m", "solver", "--serve-cmd", f"{serve} --slow-seconds 0 --tag {marker}", "-l", "4", "-n", "2",
-                  "--model-retries", "1", "-o", str(tmp_path), "--job-name", "j")
+    result = _cli(
+        "-m",
+        "solver",
+        "--serve-cmd",
+        f"{serve} --slow-seconds 0 --tag {marker}",
+        "-l",
+        "4",
+        "-n",
+        "2",
+        "--model-retries",
+        "1",
+        "-o",
+        str(tmp_path),
+        "--job-name",
+        "j",
+    )
     assert result.returncode == 1, result.stderr
     assert "ServerDiedError" in result.stderr and "exited" in result.stderr
     assert _processes_with(marker) == []
@@ -162,9 +202,26 @@ def test_transformers_serve_of_the_tiny_model_through_serve_cmd(tmp_path: Path) 
     model_dir, _ = build_tiny_qwen3(tmp_path / "tiny-qwen3")
     transformers = Path(sys.executable).parent / "transformers"
     serve = f"{transformers} serve {{model}} --port {{port}} --host 127.0.0.1"
-    result = _cli("-m", str(model_dir), "--serve-cmd", serve, "-l", "1", "--max-tokens", "16", "--max-turns", "2",
-                  "--ready-timeout", "240", "-o", str(tmp_path), "--job-name", "j", timeout=600,
-                  env={"HF_HUB_OFFLINE": "1"})
+    result = _cli(
+        "-m",
+        str(model_dir),
+        "--serve-cmd",
+        serve,
+        "-l",
+        "1",
+        "--max-tokens",
+        "16",
+        "--max-turns",
+        "2",
+        "--ready-timeout",
+        "240",
+        "-o",
+        str(tmp_path),
+        "--job-name",
+        "j",
+        timeout=600,
+        env={"HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 0, result.stderr
     (record,) = JobFolder(tmp_path / "j").records()
     assert record.error_class is None and record.reward is not None  # judged, whatever the model said
@@ -172,3 +229,40 @@ def test_transformers_serve_of_the_tiny_model_through_serve_cmd(tmp_path: Path) 
     assert record.usage["requests"] >= 1 and record.finish_reason in ("stop", "length", "max_turns")
     assert _processes_with(str(model_dir)) == []  # the server is gone
     assert "Uvicorn running" in (tmp_path / "j" / "server.log").read_text()
+
+
+def test_sigterm_stops_the_managed_server_and_the_sandboxes(tmp_path: Path) -> None:
+    marker = f"sigterm-{uuid.uuid4().hex}"
+    serve = f"{sys.executable} {SCRIPTED} --port {{port}} --slow-seconds 1 --tag {marker}"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "harbor_async",
+            "eval",
+            "-m",
+            "slow",
+            "--serve-cmd",
+            serve,
+            "-l",
+            "4",
+            "-n",
+            "2",
+            "-o",
+            str(tmp_path),
+            "--job-name",
+            "j",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    episodes = tmp_path / "j" / "episodes.jsonl"
+    deadline = time.monotonic() + 180
+    while not (episodes.exists() and episodes.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+        time.sleep(0.1)
+    assert _processes_with(marker)  # the server runs while episodes do
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    assert _processes_with(marker) == []  # and the leak check finds no sandbox

@@ -11,33 +11,74 @@ from harbor_async.cli.common import err, fail, out
 
 
 def eval_command(
-    path: Annotated[str | None, typer.Option("--path", "-p", help="Suite: a local task tree or a dataset repo id (default: the bundled example).")] = None,
-    model: Annotated[list[str] | None, typer.Option("--model", "-m", help="Model name on --base-url, or a checkpoint folder (glob allowed: 'ckpts/checkpoint-*'); repeat for a sweep.")] = None,
-    base_url: Annotated[str | None, typer.Option("--base-url", help="An OpenAI-compatible server's API root (http://HOST:PORT/v1).")] = None,
-    serve_cmd: Annotated[str | None, typer.Option("--serve-cmd", help="Command that serves {model} on {port} (default without --base-url: vllm serve).")] = None,
-    agent: Annotated[str, typer.Option("--agent", "-a", help="Harness: bash, python, terminal, module:Class or file.py:Class.")] = "bash",
-    env: Annotated[str, typer.Option("--env", "-e", help="Backend: local, simulated, a Harbor type (docker, ...) or module:Class.")] = "local",
+    path: Annotated[
+        str | None,
+        typer.Option(
+            "--path", "-p", help="Suite: a local task tree or a dataset repo id (default: the bundled example)."
+        ),
+    ] = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Model name on --base-url, or a checkpoint folder (glob allowed: 'ckpts/checkpoint-*'); repeat for a sweep.",
+        ),
+    ] = None,
+    base_url: Annotated[
+        str | None, typer.Option("--base-url", help="An OpenAI-compatible server's API root (http://HOST:PORT/v1).")
+    ] = None,
+    serve_cmd: Annotated[
+        str | None,
+        typer.Option(
+            "--serve-cmd", help="Command that serves {model} on {port} (default without --base-url: vllm serve)."
+        ),
+    ] = None,
+    agent: Annotated[
+        str, typer.Option("--agent", "-a", help="Harness: bash, python, terminal, module:Class or file.py:Class.")
+    ] = "bash",
+    env: Annotated[
+        str, typer.Option("--env", "-e", help="Backend: local, simulated, a Harbor type (docker, ...) or module:Class.")
+    ] = "local",
     attempts: Annotated[int, typer.Option("--n-attempts", "-k", min=1, help="Episodes per task (pass@k up to k).")] = 1,
-    concurrency: Annotated[int, typer.Option("--n-concurrent", "-n", min=1, help="Episodes (and live sandboxes) at once.")] = 8,
+    concurrency: Annotated[
+        int, typer.Option("--n-concurrent", "-n", min=1, help="Episodes (and live sandboxes) at once.")
+    ] = 8,
     jobs_dir: Annotated[Path, typer.Option("--jobs-dir", "-o", help="Folder of job folders.")] = Path("jobs"),
     job_name: Annotated[str | None, typer.Option("--job-name", help="Job folder name (default: a timestamp).")] = None,
-    resume: Annotated[Path | None, typer.Option("--resume", help="Resume this job folder: run only missing and rerun-class episodes.")] = None,
+    resume: Annotated[
+        Path | None, typer.Option("--resume", help="Resume this job folder: run only missing and rerun-class episodes.")
+    ] = None,
     num_tasks: Annotated[int | None, typer.Option("--n-tasks", "-l", min=1, help="Only the first N tasks.")] = None,
-    api_key_name: Annotated[str | None, typer.Option("--api-key-name", help="Environment variable holding the API key.")] = None,
+    api_key_name: Annotated[
+        str | None, typer.Option("--api-key-name", help="Environment variable holding the API key.")
+    ] = None,
     temperature: Annotated[float | None, typer.Option(help="Sampling temperature.")] = None,
     top_p: Annotated[float | None, typer.Option(help="Nucleus sampling.")] = None,
     max_tokens: Annotated[int | None, typer.Option(help="Tokens per reply.")] = None,
     seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
     max_turns: Annotated[int, typer.Option(min=1, help="Model replies per episode.")] = 50,
-    max_total_tokens: Annotated[int | None, typer.Option(help="Conversation length (tokens) that ends an episode.")] = None,
-    agent_timeout: Annotated[float | None, typer.Option(help="Seconds for the agent loop (default: the task's [agent] timeout).")] = None,
-    episode_timeout: Annotated[float | None, typer.Option(help="Seconds for a whole episode (sandbox deadline).")] = None,
+    max_total_tokens: Annotated[
+        int | None, typer.Option(help="Conversation length (tokens) that ends an episode.")
+    ] = None,
+    agent_timeout: Annotated[
+        float | None, typer.Option(help="Seconds for the agent loop (default: the task's [agent] timeout).")
+    ] = None,
+    episode_timeout: Annotated[
+        float | None, typer.Option(help="Seconds for a whole episode (sandbox deadline).")
+    ] = None,
     max_concurrent_requests: Annotated[int, typer.Option(min=1, help="Model requests in flight at once.")] = 32,
     request_timeout: Annotated[float, typer.Option(help="Seconds for one model request.")] = 600.0,
-    model_retries: Annotated[int, typer.Option(min=0, help="Retries of a failed model request (429, 5xx, timeouts).")] = 5,
+    model_retries: Annotated[
+        int, typer.Option(min=0, help="Retries of a failed model request (429, 5xx, timeouts).")
+    ] = 5,
     ready_timeout: Annotated[float, typer.Option(help="Seconds a managed server gets to become ready.")] = 900.0,
-    success_threshold: Annotated[float, typer.Option(help="Reward at or above which an episode counts as solved.")] = 1.0,
-    backend_kwarg: Annotated[list[str] | None, typer.Option("--ek", help="Backend constructor argument KEY=VALUE (repeatable).")] = None,
+    success_threshold: Annotated[
+        float, typer.Option(help="Reward at or above which an episode counts as solved.")
+    ] = 1.0,
+    backend_kwarg: Annotated[
+        list[str] | None, typer.Option("--ek", help="Backend constructor argument KEY=VALUE (repeatable).")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
 ) -> None:
     """Evaluate models (checkpoints) on a suite with the same harness, tools and prompt as training.
@@ -70,8 +111,17 @@ def eval_command(
         base_url=base_url,
         serve_cmd=serve_cmd,
         api_key_name=api_key_name,
-        sampling={k: v for k, v in dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed).items() if v is not None},
-        limits={"max_turns": max_turns, "max_total_tokens": max_total_tokens, "timeout": agent_timeout, "retries": model_retries},
+        sampling={
+            k: v
+            for k, v in dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed).items()
+            if v is not None
+        },
+        limits={
+            "max_turns": max_turns,
+            "max_total_tokens": max_total_tokens,
+            "timeout": agent_timeout,
+            "retries": model_retries,
+        },
         max_concurrent_requests=max_concurrent_requests,
         request_timeout=request_timeout,
         success_threshold=success_threshold,
@@ -166,9 +216,14 @@ def _print_summary(summary: dict[str, Any]) -> None:
     table.add_column("failures")
     for name, s in summary["models"].items():
         cells = [_fmt(s["mean_reward"], s["mean_reward_ci"])]
-        cells += [_fmt((s["pass_at_k"].get(str(k)) or {}).get("value"), (s["pass_at_k"].get(str(k)) or {}).get("ci")) for k in ks]
+        cells += [
+            _fmt((s["pass_at_k"].get(str(k)) or {}).get("value"), (s["pass_at_k"].get(str(k)) or {}).get("ci"))
+            for k in ks
+        ]
         failures = ", ".join(f"{k}: {v}" for k, v in s["failures"].items())
-        table.add_row(name, str(s.get("step") if s.get("step") is not None else "-"), str(s["episodes"]), *cells, failures)
+        table.add_row(
+            name, str(s.get("step") if s.get("step") is not None else "-"), str(s["episodes"]), *cells, failures
+        )
     out.print(table)
     sweep = summary.get("sweep")
     if sweep:
