@@ -144,7 +144,8 @@ class AgentResult:
     ``finish_reason``: ``stop`` (a reply without tool calls), ``length`` (a
     reply cut by ``max_tokens`` without tool calls), ``max_turns``,
     ``max_total_tokens``, ``context_length`` (the server refused the prompt as
-    too long; the episode is scored), ``agent_timeout`` or ``model_server``
+    too long; the episode is scored), ``agent_timeout``, ``episode_deadline`` (set by the
+    caller when the engine's episode deadline was the tighter bound) or ``model_server``
     (retries ran out: see ``error``).
     """
 

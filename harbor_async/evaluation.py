@@ -313,6 +313,7 @@ class _Run:
         env = episode = None
         try:
             env = await anyio.to_thread.run_sync(self._make_env)
+            reset_at = time.monotonic()  # the engine's episode deadline counts from the reset
             observation = await anyio.to_thread.run_sync(env.reset, str(task.task_dir))
             episode = env._episode
             await _await_loop(runtime.submit(episode.wait_ready))
@@ -321,10 +322,18 @@ class _Run:
                 return record
             record.sandbox = episode.sandbox.id
             timeout = self.limits.timeout if self.limits.timeout is not None else task.config.agent.timeout_sec
+            deadline_left = None
+            if self.settings.episode_timeout is not None:
+                deadline_left = self.settings.episode_timeout - (time.monotonic() - reset_at)
+            by_deadline = deadline_left is not None and (timeout is None or deadline_left < timeout)
             sampling = self.sampling
             if sampling.seed is not None:  # attempts of one task must differ, or pass@k is pass@1
                 sampling = replace(sampling, seed=sampling.seed + attempt)
-            result = await agent.run(env, observation, timeout=timeout, sampling=sampling)
+            result = await agent.run(
+                env, observation, timeout=deadline_left if by_deadline else timeout, sampling=sampling
+            )
+            if result.finish_reason == "agent_timeout" and by_deadline:
+                result.finish_reason = "episode_deadline"
             record.transcript = result.messages
             record.usage = {**result.usage, "tool_calls": result.tool_calls, "tool_failures": result.tool_failures}
             record.finish_reason = result.finish_reason
@@ -334,6 +343,9 @@ class _Run:
                 return record
             if result.finish_reason == "agent_timeout":
                 record.set_error(FailureClass.AGENT, f"the agent ran past its {timeout:g} s budget", Phase.AGENT.value)
+            elif result.finish_reason == "episode_deadline":
+                message = f"the episode reached its {self.settings.episode_timeout:g} s deadline"
+                record.set_error(FailureClass.AGENT, message, Phase.AGENT.value)
             await self._verify(record, episode)
         except SandboxError as exc:
             record.set_error(FailureClass.INFRASTRUCTURE, exc)

@@ -114,6 +114,9 @@ def test_limits_end_the_loop(server, tmp_path) -> None:
     slow = _eval(server, tmp_path / "c", ["slow"], num_tasks=1, limits={"timeout": 0.5}).records[0]
     assert slow.finish_reason == "agent_timeout" and slow.failure is FailureClass.AGENT
     assert slow.reward == 0.0  # judged: the verifier found no answer
+    late = _eval(server, tmp_path / "d", ["slow"], num_tasks=1, episode_timeout=4.0).records[0]
+    assert late.finish_reason == "episode_deadline" and late.failure is FailureClass.AGENT
+    assert late.reward == 0.0 and "4 s deadline" in late.error
 
 
 def test_quitter_scores_zero(server, tmp_path) -> None:
