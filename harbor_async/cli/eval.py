@@ -17,6 +17,9 @@ def eval_command(
             "--path", "-p", help="Suite: a local task tree or a dataset repo id (default: the bundled example)."
         ),
     ] = None,
+    dataset: Annotated[
+        str | None, typer.Option("--dataset", "-d", help="Suite as a Hugging Face dataset repo id (as -p).")
+    ] = None,
     model: Annotated[
         list[str] | None,
         typer.Option(
@@ -95,6 +98,9 @@ def eval_command(
     from harbor_async.logs import configure_logging
 
     configure_logging(log_level, "console", force=True)
+    if path and dataset:
+        raise fail("give -p PATH or -d DATASET, not both")
+    path = path or dataset
     if not model and resume is None:
         raise fail("give at least one -m MODEL (or --resume JOB_DIR)")
     try:
