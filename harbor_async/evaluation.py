@@ -341,6 +341,9 @@ class _Run:
             if result.error is not None:
                 record.set_error(FailureClass.MODEL_SERVER, result.error, "model")
                 return record
+            if episode.exec_errors:  # the model saw "could not be run": not a fair episode to score
+                record.set_error(FailureClass.INFRASTRUCTURE, episode.exec_errors[0])
+                return record
             if result.finish_reason == "agent_timeout":
                 record.set_error(FailureClass.AGENT, f"the agent ran past its {timeout:g} s budget", Phase.AGENT.value)
             elif result.finish_reason == "episode_deadline":

@@ -69,6 +69,8 @@ class Episode:
         self.error: BaseException | None = None
         self.reward: float | None = None
         self.reward_error: BaseException | None = None
+        #: Commands the sandbox could not run (not a failing command): evaluation blames the infrastructure.
+        self.exec_errors: list[SandboxError] = []
         self.owner: Any = None  # a weak reference to the env, for PREPARING lookups
         self._retired = False
         self._launched = False
@@ -182,8 +184,10 @@ class Episode:
                 return "Error: the episode's time limit was reached; the command was stopped."
             return f"Error: the command timed out after {_seconds(timeout)} and was stopped."
         except SandboxClosedError as exc:
+            self.exec_errors.append(exc)
             return describe_unavailable(exc)
         except SandboxError as exc:
+            self.exec_errors.append(exc)
             return f"Error: the command could not be run ({exc})."
         # TRL's format: stdout then stderr, cut at 8000 characters (by the engine), or a placeholder.
         return result.output or f"(empty output, rc={result.exit_code})"

@@ -13,6 +13,7 @@ import pytest
 from transformers.utils import get_json_schema
 
 from harbor_async import evaluate_sync
+from harbor_async.backends.simulated import SimulatedEnvironment
 from harbor_async.errors import FailureClass
 from harbor_async.jobs import JobFolder
 from tests.scripted_server import ScriptedServer
@@ -155,3 +156,27 @@ def test_a_bad_harness_is_refused_before_any_job_folder(server, tmp_path) -> Non
     with pytest.raises(EvalConfigError, match="no_such_module"):
         _eval(server, tmp_path, ["solver"], agent="no_such_module:Cls")
     assert not (tmp_path / "job").exists()
+
+
+class AnswerExecFailsEnvironment(SimulatedEnvironment):
+    """A simulated sandbox whose backend cannot run the command that writes the answer (a lost connection)."""
+
+    async def exec(self, command: str, *args, **kwargs):
+        if "answer.txt" in command and "/tests/" not in command:
+            raise ConnectionResetError("simulated: connection to the sandbox lost")
+        return await super().exec(command, *args, **kwargs)
+
+
+def test_sandbox_failures_are_infrastructure_not_scored(server, tmp_path) -> None:
+    start = _eval(
+        server, tmp_path / "a", ["solver"], num_tasks=1, backend="tests.broken_backend:FailingStartEnvironment"
+    )
+    record = start.records[0]
+    assert record.failure is FailureClass.INFRASTRUCTURE and record.error_phase == "start"
+    assert record.reward is None and record.rerun and record.transcript is None
+    assert server.requests["solver"] == 0  # the model is not asked about a sandbox that never started
+
+    execs = _eval(server, tmp_path / "b", ["solver"], num_tasks=1, backend=f"{__name__}:AnswerExecFailsEnvironment")
+    record = execs.records[0]
+    assert record.failure is FailureClass.INFRASTRUCTURE and record.error_phase == "exec"
+    assert record.reward is None and "could not be run" in record.transcript[2]["content"]
