@@ -227,13 +227,7 @@ class _Run:
         )
 
     def api_key(self) -> str:
-        name = self.settings.api_key_name
-        if name is None:
-            return "EMPTY"  # local servers ignore it; the client wants one
-        value = os.environ.get(name)
-        if not value:
-            raise EvalConfigError(f"--api-key-name {name}: the environment variable {name} is not set")
-        return value
+        return _api_key(self.settings.api_key_name)
 
     async def run_group(self, group: _ServerGroup, tasks: list[Any], root: Path, index: int, total: int) -> None:
         pending = set(self.job.pending(_keys(group.models, tasks, root, self.settings.attempts)))
@@ -387,6 +381,16 @@ class _Run:
         return env
 
 
+def _api_key(name: str | None) -> str:
+    """The key in the environment variable ``name`` (Harbor's ``--api-key-name``); never stored in the job."""
+    if name is None:
+        return "EMPTY"  # local servers ignore it; the client wants one
+    value = os.environ.get(name)
+    if not value:
+        raise EvalConfigError(f"--api-key-name {name}: the environment variable {name} is not set")
+    return value
+
+
 def resolve_harness(agent: str, backend: str) -> type:
     """The harness class for ``-a`` (checked: it loads and its tools have schemas) and the backend.
 
@@ -513,10 +517,10 @@ async def evaluate(
     loaded = load_suite(config.suite, num_tasks=config.num_tasks, indices=config.indices)
     groups = _server_groups(config, specs)
     resolve_harness(config.agent, config.backend)
+    _api_key(config.api_key_name)  # a missing key is bad input: fail before the job folder
     if resume is None:
         job = JobFolder.create(jobs_dir, job_name, config.to_dict())
     run = _Run(config, job, on_record)
-    run.api_key()  # a missing key is bad input: fail before any sandbox or server
     tasks, root = list(loaded.tasks), Path(loaded.root)
     all_keys = _keys(specs, tasks, root, config.attempts)
     if on_plan is not None:

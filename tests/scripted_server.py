@@ -67,6 +67,7 @@ class ScriptedServer:
         self.requests: Counter[str] = Counter()
         self.tools: dict[str, list[dict[str, Any]]] = {}  # the tools of the latest request, per model
         self.seeds: set[int | None] = set()
+        self.auth: set[str | None] = set()  # Authorization headers of chat requests
         self._seen: set[str] = set()
         self._lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
@@ -211,6 +212,7 @@ def _handler(server: ScriptedServer) -> type[BaseHTTPRequestHandler]:
             if self.path != "/v1/chat/completions":
                 self._send(404, _error("not found", "NotFound", 404))
                 return
+            server.auth.add(self.headers.get("Authorization"))
             code, payload = server.chat(body)
             self._send(code, payload)
 

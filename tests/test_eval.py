@@ -180,3 +180,16 @@ def test_sandbox_failures_are_infrastructure_not_scored(server, tmp_path) -> Non
     record = execs.records[0]
     assert record.failure is FailureClass.INFRASTRUCTURE and record.error_phase == "exec"
     assert record.reward is None and "could not be run" in record.transcript[2]["content"]
+
+
+def test_api_key_comes_from_the_named_variable(server, tmp_path, monkeypatch) -> None:
+    from harbor_async.evaluation import EvalConfigError
+
+    monkeypatch.delenv("EVAL_TEST_KEY", raising=False)
+    with pytest.raises(EvalConfigError, match="EVAL_TEST_KEY is not set"):
+        _eval(server, tmp_path, ["solver"], api_key_name="EVAL_TEST_KEY")
+    assert not (tmp_path / "job").exists()
+    monkeypatch.setenv("EVAL_TEST_KEY", "sekret")
+    result = _eval(server, tmp_path, ["solver"], num_tasks=1, api_key_name="EVAL_TEST_KEY")
+    assert result.records[0].reward == 1.0 and server.auth == {"Bearer sekret"}
+    assert "sekret" not in (result.job_dir / "config.json").read_text()
