@@ -59,6 +59,17 @@ __all__ = [
     "get_loop",
     "open_engine",
     "submit",
+    "evaluate",
+    "evaluate_sync",
     "load_suite",
     "load_task",
 ]
+
+
+def __getattr__(name: str):
+    # evaluate pulls in openai and the shim: imported on first use, not with the package.
+    if name in ("evaluate", "evaluate_sync"):
+        from harbor_async import evaluation
+
+        return getattr(evaluation, name)
+    raise AttributeError(f"module 'harbor_async' has no attribute {name!r}")

@@ -92,6 +92,8 @@ class Episode:
         self.guard = guard
         self._counted = False  # counted by the guard as awaiting its batch reward
         self._verified = False
+        #: Commands the sandbox could not run (not a failing command): evaluation blames the infrastructure.
+        self.exec_errors: list[SandboxError] = []
         self.owner: Any = None  # a weak reference to the env, for PREPARING lookups
         self._retired = False
         self._launched = False
@@ -252,8 +254,10 @@ class Episode:
                 )
             return f"Error: the command timed out after {_seconds(timeout)} and was stopped."
         except SandboxClosedError as exc:
+            self.exec_errors.append(exc)
             return describe_unavailable(exc)
         except SandboxError as exc:
+            self.exec_errors.append(exc)
             return f"Error: the command could not be run ({exc})."
         finally:
             self.tool_seconds += anyio.current_time() - began

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from harbor_async.cli import eval as _eval
 from harbor_async.cli import report as _report
 from harbor_async.cli import run as _run
 from harbor_async.cli.bench import bench_app
@@ -70,6 +71,7 @@ app.add_typer(sandboxes_app, name="sandboxes")
 app.command("report")(_report.report)
 app.command("view")(_report.view)
 app.add_typer(bench_app, name="bench")
+app.command("eval")(_eval.eval_command)
 
 
 def main() -> None:  # pragma: no cover - console entry
