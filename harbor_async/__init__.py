@@ -27,7 +27,8 @@ from harbor_async.errors import (
 )
 from harbor_async.loop import call, get_loop, open_engine, submit
 from harbor_async.policy import Limits, RetryPolicy, Timeouts
-from harbor_async.sandbox import ExecOutput, Sandbox, SandboxState, VerifyResult
+from harbor_async.results import ExecOutput, VerifyResult
+from harbor_async.sandbox import Sandbox, SandboxState
 from harbor_async.stats import EngineStats
 from harbor_async.tasks import TaskSuite, load_suite, load_task
 

@@ -16,7 +16,8 @@ from harbor_async.errors import EngineClosedError
 from harbor_async.logs import get_logger
 from harbor_async.naming import new_run_label
 from harbor_async.policy import Limits, RetryPolicy, Timeouts
-from harbor_async.sandbox import TRUNCATION_MARKER, Sandbox, SandboxContext
+from harbor_async.results import TRUNCATION_MARKER
+from harbor_async.sandbox import Sandbox, SandboxContext
 from harbor_async.stats import EngineStats, StatsRecorder
 
 if TYPE_CHECKING:

@@ -28,16 +28,16 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import structlog
 
 from harbor_async import serve as _serve
 from harbor_async.agent import Agent, AgentLimits, Sampling
-from harbor_async.errors import FailureClass, HarborAsyncError, Phase, SandboxClosedError, SandboxError
+from harbor_async.errors import FailureClass, HarborAsyncError, Phase, SandboxError, failure_class
 from harbor_async.jobs import JobFolder
+from harbor_async.logs import get_logger
 from harbor_async.records import EpisodeRecord, episode_key
 from harbor_async.scoring import DEFAULT_SUCCESS_THRESHOLD, summarize, sweep_summary
 
-log = structlog.get_logger("harbor_async.eval")
+log = get_logger("harbor_async.eval")
 
 
 class EvalConfigError(HarborAsyncError, ValueError):
@@ -291,7 +291,7 @@ class _Run:
             self.on_record(record)
 
     async def _run_episode(self, agent: Agent, spec: ModelSpec, task, root: Path, attempt: int) -> EpisodeRecord:
-        from shim import runtime
+        from shim import engines
         from shim.env import _await_loop
 
         record = EpisodeRecord(
@@ -310,7 +310,7 @@ class _Run:
             reset_at = time.monotonic()  # the engine's episode deadline counts from the reset
             observation = await anyio.to_thread.run_sync(env.reset, str(task.task_dir))
             episode = env._episode
-            await _await_loop(runtime.submit(episode.wait_ready))
+            await _await_loop(engines.submit(episode.wait_ready))
             if episode.error is not None:
                 record.set_error(FailureClass.INFRASTRUCTURE, episode.error, Phase.START.value)
                 return record
@@ -360,18 +360,19 @@ class _Run:
         return record
 
     async def _verify(self, record: EpisodeRecord, episode) -> None:
-        from shim import runtime
+        from shim import engines
         from shim.env import _await_loop
 
         try:
-            verdict = await _await_loop(runtime.submit(episode.sandbox.verify))
+            verdict = await _await_loop(engines.submit(episode.sandbox.verify))
         except SandboxError as exc:
-            # A sandbox that is gone is the infrastructure's failure, not the verifier's.
-            verifier = exc.phase is Phase.VERIFY and not isinstance(exc, SandboxClosedError)
-            record.set_error(FailureClass.VERIFIER if verifier else FailureClass.INFRASTRUCTURE, exc)
-            record.reward = 0.0 if verifier else None
+            failure = failure_class(exc)
+            record.set_error(failure, exc)
+            record.verifier_output = getattr(exc, "output", None)
+            record.reward = None if failure.rerun else 0.0
             return
         episode.reward = verdict.reward  # the shim must not verify again
+        record.verifier_output = verdict.output
         if record.failure is None or record.failure.scored:
             record.reward, record.rewards = verdict.reward, dict(verdict.rewards)
 
@@ -413,7 +414,7 @@ def resolve_harness(agent: str, backend: str) -> type:
 def _copy_times(record: EpisodeRecord, episode) -> None:
     sandbox = getattr(episode, "sandbox", None)
     if sandbox is not None:
-        record.start_attempts = sandbox.attempts
+        record.start_attempts = sandbox.start_attempts
         record.seconds.update({k: round(v, 4) for k, v in sandbox.times.seconds.items()})
 
 

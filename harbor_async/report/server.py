@@ -15,13 +15,12 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import structlog
-
 from harbor_async.errors import HarborAsyncError
+from harbor_async.logs import get_logger
 from harbor_async.report.render import render
 from harbor_async.report.source import BenchmarkSource, load_source
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 HOST = "127.0.0.1"
 
