@@ -1,0 +1,74 @@
+"""A fresh virtual environment with harbor-async installed from its built wheel (no source tree).
+
+Built once per test session (tests/test_wheel.py and tests/test_doctor.py share
+it): ``uv build --wheel``, ``uv venv``, ``uv pip install`` of the wheel with the
+lock's versions as constraints (so the install comes from uv's cache and
+matches what the rest of the suite tests). Only the core is installed: no
+extras, so the environment also shows what a missing extra looks like.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class WheelEnv:
+    """The built wheel and the environment it is installed in."""
+
+    wheel: Path
+    root: Path
+
+    @property
+    def python(self) -> Path:
+        return self.root / "bin" / "python"
+
+    @property
+    def cli(self) -> Path:
+        return self.root / "bin" / "harbor-async"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The process environment for the venv: nothing of the source tree or of uv's project venv."""
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "UV_PROJECT_ENVIRONMENT")}
+        env["PATH"] = f"{self.root / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+        env["VIRTUAL_ENV"] = str(self.root)
+        env.update(extra)
+        return env
+
+
+def _uv(*args: str, cwd: Path = REPO, timeout: float = 600) -> str:
+    uv = shutil.which("uv")
+    assert uv is not None, "uv is needed to build and install the wheel"
+    done = subprocess.run([uv, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"uv {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+@functools.cache
+def wheel_env() -> WheelEnv:
+    """Build the wheel and install it into a fresh venv (once per session; removed at exit)."""
+    base = Path(tempfile.mkdtemp(prefix="harbor-async-wheel-"))
+    import atexit
+
+    atexit.register(shutil.rmtree, base, True)
+    dist = base / "dist"
+    _uv("build", "--wheel", "--out-dir", str(dist))
+    wheels = sorted(dist.glob("harbor_async-*.whl"))
+    assert len(wheels) == 1, wheels
+    constraints = base / "constraints.txt"
+    constraints.write_text(
+        _uv("export", "--locked", "--all-extras", "--no-hashes", "--no-emit-project", "--format", "requirements-txt")
+    )
+    root = base / "venv"
+    _uv("venv", "--python", sys.executable, str(root), cwd=base)
+    _uv("pip", "install", "--python", str(root / "bin" / "python"), "-c", str(constraints), str(wheels[0]), cwd=base)
+    return WheelEnv(wheel=wheels[0], root=root)
