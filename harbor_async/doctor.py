@@ -48,11 +48,14 @@ __all__ = [
 #: Supported ranges: what pyproject.toml allows, and what ``doctor`` checks.
 #: ``trl-internals`` is the narrower range of code that reaches into TRL's
 #: private methods (``shim.reference``): only the releases CI tested.
+#: ``trl-env-reward``: TRL reads an env's ``get_reward`` as a reward source
+#: from 1.8 on (1.7 would list it as a tool).
 SUPPORTED: dict[str, str] = {
     "python": ">=3.12",
     "harbor": ">=0.25,<0.27",
     "trl": ">=1.7,<2",
     "trl-internals": ">=1.7,<1.17",
+    "trl-env-reward": ">=1.8,<2",
     "datasets": ">=4.0",
     "openai": ">=1.50",
     "jinja2": ">=3.1",

@@ -42,6 +42,7 @@ from shim import runtime
 from shim.env import AGENTS, HarborEnv, _close_budget
 from shim.episode import stop_episodes
 from shim.options import EngineOptions, EngineOptionsKwargs
+from harbor_async.doctor import require_supported
 from shim.rewards import _outcome_reward_func, with_env_reward
 
 if TYPE_CHECKING:
@@ -189,6 +190,8 @@ class HarborSpec:
                 "env_reward=False the reward would be counted twice (get_reward + reward_funcs)"
             )
         self._env_reward = owns_reward if env_reward is None else bool(env_reward)
+        if self._env_reward:  # TRL reads get_reward from 1.8 on; before, it would be a tool the model sees
+            require_supported("trl", "HarborSpec(env_reward=True)", "trl-env-reward")
         self._options = EngineOptions.from_kwargs(dict(engine_options))
         self._backend_kwargs = dict(backend_kwargs or {})
         resolve_backend(environment_type).environment_class()  # fail here, not mid-training

@@ -76,3 +76,26 @@ def test_the_installed_trainer_sees_only_the_harness_tool(tiny_model, tmp_path: 
         env.close()  # still callable by user code, though no tool
     finally:
         spec.close()
+
+
+def test_env_owned_reward_runs_where_trl_reads_get_reward_and_is_refused_before(tiny_model, tmp_path: Path):
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    from harbor_async.doctor import SUPPORTED, UnsupportedVersionError
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    if Version(importlib.metadata.version("trl")) < Version("1.8"):
+        with pytest.raises(UnsupportedVersionError) as caught:
+            shim.HarborSpec(example_suite_path(), environment_type="simulated", env_reward=True)
+        assert caught.value.supported == SUPPORTED["trl-env-reward"] == ">=1.8,<2"
+        assert "HarborSpec(env_reward=True) needs trl>=1.8,<2" in str(caught.value)
+        return
+    spec = shim.HarborSpec(example_suite_path(), environment_type="simulated", num_tasks=2, env_reward=True)
+    try:
+        trainer = _trainer(tiny_model, tmp_path / "out", spec)
+        assert [tool.__name__ for tool in trainer.tools] == ["bash"]  # get_reward is no tool...
+        assert trainer.reward_func_names == ["HarborBashEnv"]  # ...but the one reward source, named after the class
+    finally:
+        spec.close()
