@@ -371,6 +371,7 @@ def _packages(*dists: str) -> Callable[[], list[Check]]:
 #: Feature or backend name -> its checks. ``core`` is always requested.
 FEATURES: dict[str, Callable[[], list[Check]]] = {
     "core": _core,
+    "simulated": lambda: [],  # in-process: nothing beyond the core
     "local": _local,
     "limits": lambda: [check_cgroups()],
     "docker": _docker_checks,

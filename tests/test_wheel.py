@@ -80,3 +80,23 @@ def test_bench_says_it_needs_a_source_checkout(venv, tmp_path: Path):
     # ...and nothing named `benchmarks` was installed to collide with the user's own.
     probe = _run(venv, [str(venv.python), "-c", "import importlib.util; print(importlib.util.find_spec('benchmarks'))"], tmp_path)
     assert probe.stdout.strip() == "None"
+
+
+#: Per extra: what must import with only that extra installed (and nothing it does not bring).
+EXTRA_IMPORTS = {
+    "eval": ("import openai, jinja2, matplotlib, harbor_async", "trl"),
+    "ray": ("import ray, harbor_async", "trl"),
+    "trl": ("import trl, datasets, shim; from trl import GRPOTrainer; from trl.experimental.harbor import HarborSpec", "ray"),
+}
+
+
+@pytest.mark.parametrize("extra", sorted(EXTRA_IMPORTS))
+def test_each_extra_installs_and_imports_on_its_own(extra: str, tmp_path: Path):
+    env = wheel_env(extra)
+    imports, absent = EXTRA_IMPORTS[extra]
+    done = _run(env, [str(env.python), "-c", imports], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    probe = _run(env, [str(env.python), "-c", f"import importlib.util as u; print(u.find_spec({absent!r}))"], tmp_path)
+    assert probe.stdout.strip() == "None"
+    ready = _run(env, [str(env.cli), "doctor", "--only", "-b", "local", "-f", extra], tmp_path)
+    assert ready.returncode == 0, ready.stdout[-3000:]

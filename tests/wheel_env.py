@@ -53,9 +53,13 @@ def _uv(*args: str, cwd: Path = REPO, timeout: float = 600) -> str:
     return done.stdout
 
 
+#: What the project's [tool.uv] exclude-dependencies keeps out (GPU-only parts of torch).
+GPU_ONLY = ("triton", "nvidia-cusolver", "cuda-bindings", "cuda-pathfinder")
+
+
 @functools.cache
-def wheel_env() -> WheelEnv:
-    """Build the wheel and install it into a fresh venv (once per session; removed at exit)."""
+def _built() -> tuple[Path, Path]:
+    """(the wheel, a folder with constraints.txt and excludes.txt): built once per session, removed at exit."""
     base = Path(tempfile.mkdtemp(prefix="harbor-async-wheel-"))
     import atexit
 
@@ -64,11 +68,23 @@ def wheel_env() -> WheelEnv:
     _uv("build", "--wheel", "--out-dir", str(dist))
     wheels = sorted(dist.glob("harbor_async-*.whl"))
     assert len(wheels) == 1, wheels
-    constraints = base / "constraints.txt"
-    constraints.write_text(
+    (base / "constraints.txt").write_text(
         _uv("export", "--locked", "--all-extras", "--no-hashes", "--no-emit-project", "--format", "requirements-txt")
     )
-    root = base / "venv"
+    (base / "excludes.txt").write_text("\n".join(GPU_ONLY) + "\n")
+    return wheels[0], base
+
+
+@functools.cache
+def wheel_env(extra: str | None = None) -> WheelEnv:
+    """A fresh venv with the wheel (plus one extra) installed, at the lock's versions (once per session)."""
+    wheel, base = _built()
+    root = base / f"venv-{extra or 'core'}"
     _uv("venv", "--python", sys.executable, str(root), cwd=base)
-    _uv("pip", "install", "--python", str(root / "bin" / "python"), "-c", str(constraints), str(wheels[0]), cwd=base)
-    return WheelEnv(wheel=wheels[0], root=root)
+    target = f"{wheel}[{extra}]" if extra else str(wheel)
+    _uv(
+        "pip", "install", "--no-config", "--python", str(root / "bin" / "python"),
+        "-c", str(base / "constraints.txt"), "--excludes", str(base / "excludes.txt"), target,
+        cwd=base,
+    )  # fmt: skip
+    return WheelEnv(wheel=wheel, root=root)

@@ -13,7 +13,7 @@ from harbor_async.cli.common import fail, out
 def doctor(
     backend: Annotated[
         list[str] | None,
-        typer.Option("--backend", "-b", help="A backend you will use: local, docker, e2b, modal, daytona, runloop (repeatable; default: local)."),
+        typer.Option("--backend", "-b", help="A backend you will use: local, simulated, docker, e2b, modal, daytona, runloop (repeatable; default: local)."),
     ] = None,
     feature: Annotated[
         list[str] | None,
