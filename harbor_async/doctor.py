@@ -376,7 +376,7 @@ FEATURES: dict[str, Callable[[], list[Check]]] = {
     "limits": lambda: [check_cgroups()],
     "docker": _docker_checks,
     **{name: _cloud(name) for name in _CLOUD},
-    "trl": _packages("trl", "datasets"),
+    "trl": _packages("trl", "datasets", "transformers", "torch"),  # the last two: whatever TRL accepts
     "eval": _packages("openai", "jinja2", "matplotlib"),
     "ray": _packages("ray"),
 }
