@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-import types
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
@@ -62,12 +61,13 @@ BACKENDS_DROPPING_COPY = frozenset({"e2b"})
 class not_a_tool(Generic[R]):
     """A method that TRL does not expose as a tool.
 
-    TRL turns every public *function* of an env class into a tool.
+    TRL turns every public *function* of an env class into a tool (1.15+),
+    or every public *bound method* of an instance (1.7 to 1.14).
     ``functools.partialmethod`` does not help (on Python 3.12 it returns a
     plain function when read from the class); this descriptor returns itself
-    from the class and a bound method from an instance, so
-    ``inspect.isfunction(type(env).close)`` is ``False`` and ``env.close()``
-    works.
+    from the class and a ``functools.partial`` (no bound method) from an
+    instance, so neither ``inspect.isfunction(type(env).close)`` nor
+    ``inspect.ismethod(env.close)`` holds, and ``env.close()`` works.
     """
 
     def __init__(self, func: Callable[..., R]) -> None:
@@ -77,7 +77,7 @@ class not_a_tool(Generic[R]):
     def __get__(self, instance: object | None, owner: type | None = None) -> Any:
         if instance is None:
             return self
-        return types.MethodType(self.__func__, instance)
+        return functools.partial(self.__func__, instance)
 
 
 def _command_error(command: object, timeout: object) -> str | None:

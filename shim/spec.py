@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, Unpack
 
 from harbor_async.backends import resolve_backend
+from harbor_async.doctor import require_supported
 from harbor_async.tasks import load_suite
 from shim import engines
 from shim.env import AGENTS, HarborEnv, _close_budget
@@ -195,6 +196,8 @@ class HarborSpec:
                 "env_reward=False the reward would be counted twice (get_reward + reward_funcs)"
             )
         self._env_reward = owns_reward if env_reward is None else bool(env_reward)
+        if self._env_reward:  # TRL reads get_reward from 1.8 on; before, it would be a tool the model sees
+            require_supported("trl", "HarborSpec(env_reward=True)", "trl-env-reward")
         self._options = EngineOptions.from_kwargs(dict(engine_options))
         self._backend_kwargs = dict(backend_kwargs or {})
         backend = resolve_backend(environment_type)

@@ -97,6 +97,7 @@ def wait_until(predicate, timeout: float = 10.0) -> None:
 # ── TRL's tool discovery and API surface ────────────────────────────────────
 
 
+@pytest.mark.trl_api
 def test_trl_discovers_only_the_harness_tools():
     assert trl_tool_names(shim.HarborBashEnv) == ["bash"]
     assert trl_tool_names(shim.HarborEnv) == []
@@ -116,6 +117,7 @@ def test_trl_discovers_only_the_harness_tools():
     assert "close" in trl_tool_names(WithPartial)
 
 
+@pytest.mark.trl_api
 def test_bash_tool_schema_is_trls():
     from transformers.utils import get_json_schema
     from trl.experimental.harbor import HarborBashEnv as TRLBashEnv
@@ -154,6 +156,7 @@ def test_fresh_env_reads_zero_without_starting_anything():
 # ── HarborSpec: TRL's dataset, agent rules and factory ──────────────────────
 
 
+@pytest.mark.trl_api
 @pytest.mark.parametrize(
     "selection",
     [{}, {"num_tasks": 3}, {"indices": [7, 0, -1]}, {"include_metadata": False}],
@@ -170,6 +173,7 @@ def test_train_dataset_equals_trls(selection):
     assert len(ours) > 0
 
 
+@pytest.mark.trl_api
 def test_agent_resolution_matches_trl(tmp_path: Path):
     from trl.experimental.harbor import HarborBashEnv as TRLBashEnv
     from trl.experimental.harbor import HarborSpec as TRLSpec
@@ -280,6 +284,7 @@ def test_reset_returns_at_once_and_starts_the_batch_together():
     assert SimulatedEnvironment.live_now == 0
 
 
+@pytest.mark.trl_api
 def test_reset_requires_task_dir_like_trl():
     from trl.experimental.harbor import HarborBashEnv as TRLBashEnv
 
@@ -597,6 +602,7 @@ ROLLOUTS = {
 }
 
 
+@pytest.mark.trl_api
 def test_same_rollouts_give_trls_prompts_outputs_and_rewards():
     from benchmarks.reference import ReferenceHarborBashEnv, close_reference_env
 

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from harbor_async.cli import doctor as _doctor
 from harbor_async.cli import eval as _eval
 from harbor_async.cli import report as _report
 from harbor_async.cli import run as _run
@@ -72,6 +73,7 @@ app.command("report")(_report.report)
 app.command("view")(_report.view)
 app.add_typer(bench_app, name="bench")
 app.command("eval")(_eval.eval_command)
+app.command("doctor")(_doctor.doctor)
 
 
 def main() -> None:  # pragma: no cover - console entry

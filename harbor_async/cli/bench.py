@@ -63,6 +63,13 @@ def _kwargs(env: str, latency: str, ek: list[str] | None, old_json: str | None) 
 
 
 def _setup(log_level: str | None) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("benchmarks") is None:  # the wheel ships the product, not the benchmarks
+        raise fail(
+            "`harbor-async bench` runs the benchmarks of a source checkout, which this installation lacks: "
+            "run it from a clone of the repository (`uv run harbor-async bench ...`)"
+        )
     setup_logging(log_level)
 
 

@@ -26,7 +26,7 @@ def _report_module():
 
         from harbor_async import report
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise fail(f"the report needs the 'report' extra (Jinja2, matplotlib): pip install 'harbor-async[report]' ({exc})") from None
+        raise fail(f"the report needs the 'eval' extra (Jinja2, matplotlib): pip install 'harbor-async[eval]' ({exc})") from None
     return report
 
 
