@@ -28,7 +28,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import tomllib
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
@@ -88,31 +87,6 @@ def _resolve_agent(agent: str | type[HarborEnv]) -> type[HarborEnv]:
     if not (isinstance(cls, type) and issubclass(cls, HarborEnv)):
         raise TypeError(f"agent {agent!r} must resolve to a HarborEnv subclass, got {cls!r}")
     return cls
-
-
-def _read_task_meta(task_dir: Path) -> dict[str, Any]:
-    """TRL's metadata columns from ``task.toml`` (``None`` where absent)."""
-    try:
-        config = tomllib.loads((task_dir / "task.toml").read_text())
-    except Exception:  # noqa: BLE001 - as TRL: unreadable metadata is no metadata
-        return {}
-    meta = config.get("metadata", {})
-    return {column: meta.get(key) for column, key in _META_COLUMNS.items()}
-
-
-def _task_candidates(root: Path) -> list[Path]:
-    """The task folders of a suite root in suite order (the rule of ``load_suite``'s scan)."""
-    return sorted(
-        (
-            child
-            for child in root.iterdir()
-            if child.is_dir()
-            and not child.name.startswith(".")
-            and child.name != "__pycache__"
-            and (child / "task.toml").is_file()
-        ),
-        key=lambda p: p.name,
-    )
 
 
 def _make_env(
@@ -217,13 +191,8 @@ class HarborSpec:
         position in the suite. Task folders are absolute.
         """
         suite = load_suite(self._dataset, num_tasks=self._num_tasks, indices=self._indices)
-        valid = {task.task_dir.resolve() for task in suite.tasks}
-        candidates = _task_candidates(suite.root)
-        if self._indices is not None:
-            picks = [(index, candidates[index]) for index in self._indices]
-        else:
-            picks = list(enumerate(candidates[: self._num_tasks] if self._num_tasks is not None else candidates))
-        return [(index, path) for index, path in picks if path.resolve() in valid]
+        self._metadata = [dict(task.config.metadata) for task in suite.tasks]
+        return list(zip(suite.positions, (task.task_dir for task in suite.tasks), strict=True))
 
     @cached_property
     def train_dataset(self) -> Dataset:
@@ -242,10 +211,9 @@ class HarborSpec:
             "task_dir": [str(path) for _, path in selection],
             "task_index": [index for index, _ in selection],
         }
-        if self._include_metadata:
-            metas = [_read_task_meta(path) for _, path in selection]
-            for column in _META_COLUMNS:
-                rows[column] = [meta.get(column) for meta in metas]
+        if self._include_metadata:  # the suite already parsed each task.toml
+            for column, key in _META_COLUMNS.items():
+                rows[column] = [meta.get(key) for meta in self._metadata]
         return Dataset.from_dict(rows)
 
     @cached_property

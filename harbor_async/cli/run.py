@@ -354,6 +354,7 @@ def tasks(
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     indices: IndicesOpt = None,
+    env: Annotated[str | None, typer.Option("--env", "-e", help="With 'local': mark the tasks whose FROM image the host's userland does not match.")] = None,
 ) -> None:
     """List a suite's valid tasks (as -p/-d/-i/-x/-l select them) and report the invalid ones."""
     setup_logging()
@@ -365,6 +366,15 @@ def tasks(
     table.add_column("#", justify="right")
     table.add_column("task", overflow="fold")
     table.add_column("path", overflow="fold")
+    local = env == "local"
+    if local:
+        from harbor_async.backends.local import task_image_mismatch
+
+        table.add_column("image on local", overflow="fold")
     for i, task in enumerate(loaded.tasks):
-        table.add_row(str(i), Text(task.name), Text(str(task.paths.task_dir)))
+        cells = [str(i), Text(task.name), Text(str(task.paths.task_dir))]
+        if local:
+            mismatch = task_image_mismatch(task.paths.task_dir, task.config.environment.docker_image)
+            cells.append(Text(mismatch or "ok"))
+        table.add_row(*cells)
     out.print(table)

@@ -35,6 +35,7 @@ from harbor_async.backends.local.layout import (
     under,
 )
 from harbor_async.files import remove_tree
+from harbor_async.tasks import task_path_escapes
 
 #: Host /etc entries copied into the sandbox's /etc (public, read by the userland).
 ETC_COPIED = (
@@ -54,7 +55,6 @@ ETC_WRITTEN = {
     "protocols: files\nservices: files\n",
 }
 #: The tasks' folders whose symlinks must stay inside the task folder.
-TASK_ENTRIES = ("instruction.md", "tests", "solution", "environment")
 
 _MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -195,13 +195,8 @@ def check_task_paths(task_dir: Path) -> None:
     Raises:
         TaskPathEscapeError: naming the path and where it leads.
     """
-    root = task_dir.resolve()
-    for name in TASK_ENTRIES:
-        path = task_dir / name
-        if os.path.lexists(path):
-            target = path.resolve()
-            if not target.is_relative_to(root):
-                raise TaskPathEscapeError(path, target)
+    for path, target in task_path_escapes(task_dir):
+        raise TaskPathEscapeError(path, target)
 
 
 def apply_copy(fs: Path, context: Path, step: CopyStep, workdir: str) -> None:
