@@ -5,6 +5,12 @@ CLI) reaches it with :func:`call` (blocks for the result) or :func:`submit`
 (returns a ``concurrent.futures.Future``). The thread is a daemon started on
 first use; at interpreter exit (and on SIGTERM) it stops every engine's live
 sandboxes within a bounded time and never hangs the exit.
+
+Why not ``anyio.from_thread.start_blocking_portal``: leaving its context waits
+for the loop thread without a bound, and exit must stay bounded even when a
+backend wedged the loop with a blocking call. So this module owns the (daemon)
+thread and runs anyio's own ``BlockingPortal`` in it; plain submits skip the
+portal's hand-shake (measured: 40 µs against 85 µs, see :meth:`LoopThread.submit`).
 """
 
 from __future__ import annotations
