@@ -19,7 +19,7 @@ from pathlib import Path
 from unittest.mock import patch
 
 import pytest
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 
 import shim
 import shim.rewards
@@ -27,7 +27,7 @@ from harbor_async.backends.simulated import SimulatedEnvironment
 from harbor_async.errors import InfrastructureBudgetError, SandboxLimitError
 from harbor_async.suites import example_suite_path
 from shim import engines
-from tests.test_shim_grpo import TASKS, ScriptedGeneration, _instructions
+from tests.test_shim_grpo import TASKS, ScriptedGeneration, _grpo_args, _instructions
 from tests.tiny_model import build_tiny_qwen3
 
 FAILING_TASK = "csv-max-price"
@@ -51,33 +51,12 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), corpus=list(_instructions(indices)))
 
 
-def _args(out: Path, batch: int, generations: int) -> GRPOConfig:
-    return GRPOConfig(
-        output_dir=str(out),
-        use_vllm=False,
-        max_steps=1,
-        per_device_train_batch_size=batch,
-        num_generations=generations,
-        max_completion_length=128,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        bf16=False,
-        use_cpu=True,
-        shuffle_dataset=False,
-        dataloader_num_workers=0,
-        seed=0,
-        disable_tqdm=True,
-    )
-
-
 def _trainer(tmp_path: Path, spec: shim.HarborSpec, tiny_model, batch: int, generations: int) -> GRPOTrainer:
     model_dir, tokenizer = tiny_model
     return GRPOTrainer(
         model=str(model_dir),
         processing_class=tokenizer,
-        args=_args(tmp_path / "out", batch, generations),
+        args=_grpo_args(tmp_path / "out", 1, batch, generations, completion=128),
         train_dataset=spec.train_dataset,
         environment_factory=spec.environment_factory,
         reward_funcs=spec.reward_funcs,
