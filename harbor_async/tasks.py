@@ -77,8 +77,8 @@ class TaskSuite:
         tasks: the valid tasks as Harbor :class:`~harbor.models.task.task.Task`
             objects, sorted by folder name (or in ``indices`` order).
         invalid: task folders that failed validation, with their reasons.
-        positions: each task's position among the suite's task folders (the
-            ``indices`` that select it; TRL's ``task_index``).
+        positions: each task's position among the suite's task folders, as
+            the caller's ``indices`` spelt it (``-1`` stays ``-1``: TRL's ``task_index``).
     """
 
     root: Path
@@ -374,12 +374,13 @@ def load_suite(
     tasks: list[Task] = []
     positions: list[int] = []
     position = {path: i for i, path in enumerate(candidates)}
+    labels = [operator.index(i) for i in indices] if indices is not None else [position[p] for p in selected]
     loaded: dict[Path, Task] = {}
     failed: dict[Path, InvalidTask] = {}
-    for task_dir in selected:
+    for task_dir, label in zip(selected, labels, strict=True):
         if task_dir in loaded:
             tasks.append(loaded[task_dir])
-            positions.append(position[task_dir])
+            positions.append(label)
             continue
         if task_dir in failed:
             continue
@@ -393,7 +394,7 @@ def load_suite(
             continue
         loaded[task_dir] = task
         tasks.append(task)
-        positions.append(position[task_dir])
+        positions.append(label)
     invalid.extend(failed.values())
     invalid.sort(key=lambda t: t.path.name)
 

@@ -55,6 +55,17 @@ def _simulated_observations():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_rollout_guards():
+    """Each test starts with the shim's failure budgets untouched (they are per option set, process-wide)."""
+    yield
+    import sys
+
+    engines = sys.modules.get("shim.engines")
+    if engines is not None:
+        engines._guards.clear()
+
+
 def _bwrap_pids() -> set[str]:
     """Live bubblewrap processes of this session's sandboxes (zombies hold nothing)."""
     found = subprocess.run(["ps", "-eo", "pid=,stat=,comm=,args="], capture_output=True, text=True)

@@ -359,7 +359,8 @@ async def test_printing_at_full_speed_keeps_the_callers_memory_flat(env: LocalEn
     finally:
         stop.set()
         sampler.join()
-    assert max(peak) < 300 * 1024 * 1024, max(peak)
+    # Measured as growth: the test process may already hold torch and the rest of the suite.
+    assert max(peak) - peak[0] < 100 * 1024 * 1024, (peak[0], max(peak))
     assert len(result.stdout) <= 1024 * 1024 + 100
     assert "bytes of output dropped" in result.stdout
     assert result.stdout.startswith("y\ny\n") and result.stdout.endswith("y\n")

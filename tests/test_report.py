@@ -181,7 +181,7 @@ def test_cli_report_of_a_real_run(tmp_path: Path, suite_root: Path) -> None:
     (job / CONFIG_NAME).write_text(json.dumps({"command": "run", "suite": "example"}))
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     ran = subprocess.run(
-        [sys.executable, "-m", "harbor_async", "run", str(suite_root), "--json", str(job / EPISODES_NAME), "-n", "4", "-c", "4"],
+        [sys.executable, "-m", "harbor_async", "run", str(suite_root), "--json", str(job / EPISODES_NAME), "-l", "4", "-n", "4"],
         capture_output=True, text=True, timeout=240, env=env,
     )  # fmt: skip
     assert ran.returncode == 0, ran.stderr[-2000:]

@@ -67,7 +67,7 @@ def _setup(log_level: str | None) -> None:
 
     if importlib.util.find_spec("benchmarks") is None:  # the wheel ships the product, not the benchmarks
         raise fail(
-            "`harbor-async bench` runs the benchmarks of a source checkout, which this installation lacks: "
+            "`harbor-async bench` needs a source checkout (the benchmarks are not in the wheel): "
             "run it from a clone of the repository (`uv run harbor-async bench ...`)"
         )
     setup_logging(log_level)
