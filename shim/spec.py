@@ -43,6 +43,7 @@ from shim.env import AGENTS, HarborEnv, _close_budget
 from shim.episode import stop_episodes
 from shim.options import EngineOptions, EngineOptionsKwargs
 from shim.rewards import _outcome_reward_func, with_env_reward
+from shim.trl_harness import adapt_trl_harness, is_trl_harness
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -59,11 +60,14 @@ _META_COLUMNS: dict[str, str] = {
 }
 
 
-def _resolve_agent(agent: str | type[HarborEnv]) -> type[HarborEnv]:
-    """Resolve ``agent=`` to a ``HarborEnv`` subclass, with TRL's rules and errors.
+def _resolve_agent(agent: str | type) -> type:
+    """Resolve ``agent=`` to a harness class, with TRL's rules and errors.
 
     Accepts a ``HarborEnv`` subclass, a built-in name (``"bash"``), a module
     import path (``"pkg.module:Class"``) or a file path (``"path/to/file.py:Class"``).
+    The class is the shim's ``HarborEnv`` subclass or, unchanged, a subclass of
+    TRL's ``trl.experimental.harbor.HarborEnv`` (run on the engine through
+    :func:`~shim.trl_harness.adapt_trl_harness`, applied by :func:`_env_class`).
     """
     if isinstance(agent, type):
         cls = agent
@@ -83,9 +87,19 @@ def _resolve_agent(agent: str | type[HarborEnv]) -> type[HarborEnv]:
             f"Unknown agent {agent!r}; use a built-in name ({sorted(AGENTS)}), an import path "
             "'pkg.module:Class', a file path 'path/to/file.py:Class', or a HarborEnv subclass."
         )
+    if is_trl_harness(cls):
+        return cls
     if not (isinstance(cls, type) and issubclass(cls, HarborEnv)):
-        raise TypeError(f"agent {agent!r} must resolve to a HarborEnv subclass, got {cls!r}")
+        raise TypeError(
+            f"agent {agent!r} must resolve to a HarborEnv subclass (shim.HarborEnv or "
+            f"trl.experimental.harbor.HarborEnv), got {cls!r}"
+        )
     return cls
+
+
+def _env_class(cls: type) -> type[HarborEnv]:
+    """The shim env class for a resolved harness: itself, or a TRL harness rebased on the shim."""
+    return adapt_trl_harness(cls) if is_trl_harness(cls) else cls
 
 
 def _read_task_meta(task_dir: Path) -> dict[str, Any]:
@@ -121,7 +135,12 @@ def _make_env(
     env_reward: bool,
     token: str | None = None,
 ) -> HarborEnv:
-    """The environment factory's body (module level, so the partial pickles)."""
+    """The environment factory's body (module level, so the partial pickles).
+
+    ``cls`` is the harness as resolved (a TRL harness is adapted here, so the
+    partial holds the importable class, not the adapted one).
+    """
+    cls = _env_class(cls)
     env_cls = with_env_reward(cls) if env_reward else cls
     env = env_cls(environment_type=environment_type)
     env._configure(options, backend_kwargs)
@@ -181,7 +200,8 @@ class HarborSpec:
         self._num_tasks = num_tasks
         self._indices = indices
         self._include_metadata = include_metadata
-        self._env_cls = _resolve_agent(agent)
+        self._agent_cls = _resolve_agent(agent)  # what the factory pickles
+        self._env_cls = _env_class(self._agent_cls)
         owns_reward = callable(getattr(self._env_cls, "get_reward", None))
         if env_reward is False and owns_reward:
             raise ValueError(
@@ -245,7 +265,7 @@ class HarborSpec:
         """
         return partial(
             _make_env,
-            self._env_cls,
+            self._agent_cls,
             self._environment_type,
             self._options,
             self._backend_kwargs,
