@@ -8,6 +8,8 @@ call is in the per-call profile, and nothing is left behind.
 
 from __future__ import annotations
 
+import subprocess
+
 import anyio
 import pytest
 
@@ -56,6 +58,10 @@ async def test_one_build_per_image_and_no_down_before_up(example_tasks):
     for profile in later:
         assert [t.skipped for t in profile if t.call == "compose build"] == [True]
         assert [t.skipped for t in profile if t.call.startswith("docker inspect")] == [True]
+    # One named image for the task, kept in the daemon's cache; no per-project image left behind.
+    (image,) = {environment._main_image_name for environment in sandboxes}
+    assert image.startswith("hb__")
+    assert subprocess.run(["docker", "image", "inspect", image], capture_output=True, check=False).returncode == 0
     summary = summarize_profiles(PROFILES)
     assert summary["start: compose build"]["count"] == 3 and summary["start: compose build"]["skipped"] == 2
     assert summary["start: compose up"]["mean_seconds"] > 0.0

@@ -11,10 +11,17 @@ starts queue for the cores.
 :class:`FastStartDockerEnvironment` keeps Harbor's start and changes only the
 calls it makes (by overriding the two helpers the start goes through):
 
-- ``compose build`` runs once per image per process (Harbor's image tag is
-  content-addressed, ``hb__<environment id>``, so an unchanged task reuses it;
-  Harbor's per-image lock already serialises the first build). ``compose up``
-  still builds an image that went missing meanwhile.
+- the image is built once per task per process: Harbor's build file gives the
+  ``main`` service no image name and ``pull_policy: build``, so every
+  sandbox's ``compose up`` rebuilds (a layer-cache hit, but a full Compose
+  build) an image named after its own project, and its ``down --rmi local``
+  deletes it. A small overlay names the image with Harbor's content-addressed
+  tag (``hb__<environment id>``: an unchanged task reuses it) and sets
+  ``pull_policy: never``; the first start of a task runs ``compose build``
+  (Harbor's per-image lock serialises it), the others reuse the image, and the
+  stop's ``down`` runs without ``--rmi local`` (which would delete it). The images stay in the
+  daemon's cache after the run, as Harbor's prebuilt images do (``docker rmi
+  'hb__*'`` removes them). Tasks with a prebuilt image are left as they are.
 - the image's OS is inspected once per image per process;
 - ``compose down`` before this sandbox's first ``up`` is skipped: the project
   name is the sandbox's fresh session id, so there is nothing to tear down.
@@ -27,8 +34,10 @@ Every Compose call and inspection is timed into the sandbox's
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from harbor.environments.base import ExecResult
@@ -80,6 +89,21 @@ class FastStartDockerEnvironment(DockerEnvironment):
             self._record("start (total)", time.perf_counter() - begin)
             self._phase = "run"
 
+    @property
+    def _docker_compose_paths(self) -> list[Path]:
+        paths = list(super()._docker_compose_paths)
+        if getattr(self, "_use_prebuilt", True):  # set by start(); a prebuilt image needs nothing
+            return paths
+        return [*paths, self._image_overlay()]
+
+    def _image_overlay(self) -> Path:
+        """The overlay naming the task's image (written once into the sandbox's trial folder)."""
+        path = Path(self.trial_paths.trial_dir) / "harbor-async-image.json"
+        if not path.exists():
+            main = {"image": self._main_image_name, "pull_policy": "never"}
+            path.write_text(json.dumps({"services": {"main": main}}))
+        return path
+
     async def _run_docker_compose_command(self, command: list[str], *args: Any, **kwargs: Any) -> ExecResult:
         name = f"compose {command[0]}" if command else "compose"
         if command[:1] == ["build"] and self._main_image_name in self._built_images:
@@ -88,6 +112,10 @@ class FastStartDockerEnvironment(DockerEnvironment):
         if command[:1] == ["down"] and not self._went_up and self._phase == "start":
             self._record(name, 0.0, skipped=True)  # a fresh project: nothing to take down
             return ExecResult(stdout="", stderr="", return_code=0)
+        if command[:1] == ["down"] and "--rmi" in command and not getattr(self, "_use_prebuilt", True):
+            # Compose's --rmi local also removes a named image that has a build section: keep the task's image.
+            at = command.index("--rmi")
+            command = command[:at] + command[at + 2 :]
         begin = time.perf_counter()
         result = await super()._run_docker_compose_command(command, *args, **kwargs)
         self._record(name, time.perf_counter() - begin)
