@@ -58,6 +58,14 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "latencies": {"start_latency": 0.3, "exec_latency": 0.5, "verify_latency": 0.3, "stop_latency": 0.0},
         "trl_steps": 0,
     },
+    "smoke": {  # for the benchmark's own test: tiny and fast
+        "batch": 4,
+        "generations": 2,
+        "turns": 2,
+        "steps": 2,
+        "latencies": {"start_latency": 0.05, "exec_latency": 0.2, "verify_latency": 0.05, "stop_latency": 0.0},
+        "trl_steps": 2,
+    },
 }
 TRAINERS = ("grpo-trainer", "harbor-grpo-trainer")
 
