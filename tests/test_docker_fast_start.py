@@ -1,8 +1,8 @@
 """Cheaper docker starts (harbor_async/backends/docker/fast_start.py) on a real Docker daemon.
 
-Two sandboxes of one task in one run: the image is built (or found) by the
-first start only, neither start runs the pointless ``compose down``, commands
-run inside the containers, the engine's overlay still applies, every Compose
+Three sandboxes of one task in one run: the image is built by the first start
+only, no start runs the pointless ``compose down``, commands run inside the
+containers through ``docker exec`` with Harbor's semantics, the engine's overlay still applies, every Compose
 call is in the per-call profile, and nothing is left behind.
 """
 
@@ -38,6 +38,10 @@ async def test_one_build_per_image_and_no_down_before_up(example_tasks):
             async with engine.episode(task, "docker-fast") as sandbox:
                 sandboxes.append(sandbox.environment)
                 outputs[index] = (await sandbox.exec("cat /proc/1/comm; pwd")).stdout
+                # Harbor's exec semantics through docker exec: cwd, env, user, merged stderr, exit code
+                result = await sandbox.exec("echo out; echo err >&2; echo $INVENTORY_FILE; id -un; exit 3")
+                lines = sorted(result.output.splitlines())  # the two streams interleave freely, as with Compose
+                assert (lines, result.exit_code) == (["/workdir/data/inventory.csv", "err", "out", "root"], 3)
 
         await one(0)  # the first start builds (or finds) the image
         async with anyio.create_task_group() as tg:  # then two at once, both from the cache
@@ -53,6 +57,8 @@ async def test_one_build_per_image_and_no_down_before_up(example_tasks):
         assert calls[-1] == ("start (total)", False)
         stop_calls = [(t.call, t.skipped) for t in profile if t.phase == "run"]
         assert ("compose down", False) in stop_calls  # stop() still takes the project down
+        # commands in the main container go through docker exec, not a Compose process each
+        assert ("docker exec", False) in stop_calls and ("compose exec", False) not in stop_calls
     first, *later = profiles
     assert [t.skipped for t in first if t.call == "compose build"] == [False]
     for profile in later:

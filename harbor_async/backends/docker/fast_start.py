@@ -23,6 +23,11 @@ calls it makes (by overriding the two helpers the start goes through):
   daemon's cache after the run, as Harbor's prebuilt images do (``docker rmi
   'hb__*'`` removes them). Tasks with a prebuilt image are left as they are.
 - the image's OS is inspected once per image per process;
+- a command in the ``main`` container runs through ``docker exec`` on the
+  container (found once, by its Compose labels) instead of ``docker compose
+  exec``, which loads the whole project in a new Compose process for every
+  command; same flags (``-w``, ``-e``, ``-u``), same shell, no TTY, stdout and
+  stderr merged, as Harbor's call gives them. Other services go through Compose.
 - ``compose down`` before this sandbox's first ``up`` is skipped: the project
   name is the sandbox's fresh session id, so there is nothing to tear down.
   The ``down`` of ``stop()`` runs as before.
@@ -34,6 +39,7 @@ Every Compose call and inspection is timed into the sandbox's
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -41,7 +47,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from harbor.environments.base import ExecResult
-from harbor.environments.docker.docker import DockerEnvironment
+from harbor.environments.docker.docker import DockerEnvironment, _sanitize_docker_compose_project_name
+
+#: ``docker compose exec`` flags that take a value, as Harbor passes them (``_compose_exec``).
+_EXEC_FLAGS = ("-w", "-e", "-u")
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,7 @@ class FastStartDockerEnvironment(DockerEnvironment):
         self.call_profile: list[CallTiming] = []
         self._went_up = False
         self._phase = "start"
+        self._main_container: str | None = None
 
     @classmethod
     def forget_images(cls) -> None:
@@ -112,6 +122,13 @@ class FastStartDockerEnvironment(DockerEnvironment):
         if command[:1] == ["down"] and not self._went_up and self._phase == "start":
             self._record(name, 0.0, skipped=True)  # a fresh project: nothing to take down
             return ExecResult(stdout="", stderr="", return_code=0)
+        if command[:1] == ["exec"] and self._went_up:
+            argv = await self._docker_exec_argv(command)
+            if argv is not None:
+                begin = time.perf_counter()
+                result = await self._run_docker(argv, **kwargs)
+                self._record("docker exec", time.perf_counter() - begin)
+                return result
         if command[:1] == ["down"] and "--rmi" in command and not getattr(self, "_use_prebuilt", True):
             # Compose's --rmi local also removes a named image that has a build section: keep the task's image.
             at = command.index("--rmi")
@@ -123,6 +140,58 @@ class FastStartDockerEnvironment(DockerEnvironment):
             self._built_images.add(self._main_image_name)
         if command[:1] == ["up"]:
             self._went_up = True
+        return result
+
+    async def _docker_exec_argv(self, command: list[str]) -> list[str] | None:
+        """``docker exec`` arguments for a ``compose exec`` in the main container; ``None``: use Compose."""
+        at = 1
+        while at < len(command) and command[at] in _EXEC_FLAGS:
+            at += 2
+        if at >= len(command) or command[at] != "main":
+            return None
+        container = await self._find_main_container()
+        if container is None:
+            return None
+        return ["docker", "exec", *command[1:at], container, *command[at + 1 :]]
+
+    async def _find_main_container(self) -> str | None:
+        """The id of this project's main container (looked up once, by Compose's labels)."""
+        if self._main_container is None:
+            project = _sanitize_docker_compose_project_name(self.session_id)
+            result = await self._run_docker(
+                ["docker", "ps", "-q", "--no-trunc",
+                 "--filter", f"label=com.docker.compose.project={project}",
+                 "--filter", "label=com.docker.compose.service=main"],
+            )  # fmt: skip
+            ids = (result.stdout or "").split()
+            if result.return_code != 0 or len(ids) != 1:
+                return None  # not exactly one: let Compose resolve it
+            self._main_container = ids[0]
+        return self._main_container
+
+    async def _run_docker(
+        self,
+        argv: list[str],
+        check: bool = False,
+        timeout_sec: int | None = None,
+        stdin_data: bytes | None = None,
+        on_output: Any = None,
+    ) -> ExecResult:
+        """Run a docker CLI command the way Harbor runs Compose (merged output, its timeout and streaming)."""
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE if stdin_data is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        if on_output is not None:
+            result = await self._collect_streamed_output(
+                process, timeout_sec=timeout_sec, stdin_data=stdin_data, on_output=on_output
+            )
+        else:
+            result = await self._collect_buffered_output(process, timeout_sec=timeout_sec, stdin_data=stdin_data)
+        if check and result.return_code != 0:
+            raise RuntimeError(f"docker command failed: {' '.join(argv[:3])}: rc={result.return_code}: {result.stdout}")
         return result
 
     async def _validate_image_os(self, image_name: str) -> None:
