@@ -34,7 +34,9 @@ VARIANTS = (("trl", "docker"), ("shim", "docker"), ("shim", "docker-fast"), ("sh
 
 def _images_in_daemon() -> int:
     """How many of the daemon's images are Harbor task images (``hb__*``): the cache state at the start."""
-    found = subprocess.run(["docker", "images", "--format", "{{.Repository}}"], capture_output=True, text=True, check=False)
+    found = subprocess.run(
+        ["docker", "images", "--format", "{{.Repository}}"], capture_output=True, text=True, check=False
+    )
     return sum(1 for name in found.stdout.split() if name.startswith("hb__"))
 
 
@@ -50,8 +52,9 @@ def run(batch: int = 8, turns: int = 3, steps: int = 3, log: Any = print) -> dic
             batch=batch,
             turns=turns,
             steps=steps,
-            on_step=lambda i, t: log(f"  step {i + 1}: {t.total:.2f} s (reset {t.reset:.2f}, tools {t.tools:.2f}, "
-                                     f"rewards {t.rewards:.2f})"),  # fmt: skip
+            on_step=lambda i, t: log(
+                f"  step {i + 1}: {t.total:.2f} s (reset {t.reset:.2f}, tools {t.tools:.2f}, rewards {t.rewards:.2f})"
+            ),
         )
         data = grpo.to_dict()
         data["first_step"] = data["step_totals"][0]

@@ -167,7 +167,11 @@ def _round(envs: Sequence[Any], commands: Sequence[str]) -> None:
     from shim.tool_dispatch import run_tool_round
 
     calls = [
-        ([{"type": "function", "function": {"name": "bash", "arguments": {"command": command}}}], {"bash": env.bash}, {})
+        (
+            [{"type": "function", "function": {"name": "bash", "arguments": {"command": command}}}],
+            {"bash": env.bash},
+            {},
+        )
         for env, command in zip(envs, commands, strict=True)
     ]
     with ThreadPoolExecutor(len(calls)) as pool:

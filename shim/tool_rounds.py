@@ -64,7 +64,6 @@ def tool_call_loop(  # TRL's own shape, kept for a line-by-line diff with its re
         tool_images_len_before = [len(tool_images[i]) for i in idxs_with_tool]
         prompts_len_before = [len(prompts[i]) for i in idxs_with_tool]
 
-
         # ── harbor-async: every rollout's calls of this round at once (TRL: one rollout after another) ──
         outcomes = self._harbor_run_tool_round(
             [
@@ -107,9 +106,7 @@ def tool_call_loop(  # TRL's own shape, kept for a line-by-line diff with its re
                 else:
                     break
             suffix_ids = self._get_tool_suffix_ids(tool_messages)
-            prompt_completion_tool_ids.append(
-                prompt_ids[idx_with_tool] + completion_ids[idx_with_tool] + suffix_ids
-            )
+            prompt_completion_tool_ids.append(prompt_ids[idx_with_tool] + completion_ids[idx_with_tool] + suffix_ids)
 
         # Drop tool results whose addition would push the sequence past max_completion_length (the completion
         # budget) or past the backend context ceiling (vLLM and transformers will error out on inputs longer than
@@ -133,9 +130,7 @@ def tool_call_loop(  # TRL's own shape, kept for a line-by-line diff with its re
                 del prompts[idx_with_tool][prompts_len_before[idx] :]
         # Keep only non-overlong items for further processing
         idxs_with_tool = [idx for idx, o in zip(idxs_with_tool, overlong, strict=True) if not o]
-        prompt_completion_tool_ids = [
-            pct for pct, o in zip(prompt_completion_tool_ids, overlong, strict=True) if not o
-        ]
+        prompt_completion_tool_ids = [pct for pct, o in zip(prompt_completion_tool_ids, overlong, strict=True) if not o]
         if not idxs_with_tool:
             break  # all overlong, exit tool loop
 
@@ -238,9 +233,7 @@ def tool_call_loop(  # TRL's own shape, kept for a line-by-line diff with its re
         else:
             per_prompt_tools = [self.tools] * len(idxs_with_tool)
         post_tool_completions = [
-            parse_response(
-                self._tokenizer, ids, prefix=prompt_completion_tool_ids[idx], tools=per_prompt_tools[idx]
-            )
+            parse_response(self._tokenizer, ids, prefix=prompt_completion_tool_ids[idx], tools=per_prompt_tools[idx])
             if ids
             else {}
             for idx, ids in enumerate(post_tool_ids)

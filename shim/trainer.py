@@ -106,7 +106,7 @@ def check_trl_version(version: str | None = None) -> None:
     found = trl.__version__ if version is None else version
     try:
         release = Version(found).release[:2]
-    except Exception as exc:  # noqa: BLE001 - an unparsable version is an untested one
+    except Exception as exc:
         raise UnsupportedTRLVersionError(found) from exc
     if release != Version(TESTED_TRL_VERSION).release[:2]:
         raise UnsupportedTRLVersionError(found)

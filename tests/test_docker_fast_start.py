@@ -8,8 +8,6 @@ call is in the per-call profile, and nothing is left behind.
 
 from __future__ import annotations
 
-import subprocess
-
 import anyio
 import pytest
 
@@ -67,7 +65,8 @@ async def test_one_build_per_image_and_no_down_before_up(example_tasks):
     # One named image for the task, kept in the daemon's cache; no per-project image left behind.
     (image,) = {environment._main_image_name for environment in sandboxes}
     assert image.startswith("hb__")
-    assert subprocess.run(["docker", "image", "inspect", image], capture_output=True, check=False).returncode == 0
+    inspect = await anyio.run_process(["docker", "image", "inspect", image], check=False)
+    assert inspect.returncode == 0
     summary = summarize_profiles(PROFILES)
     assert summary["start: compose build"]["count"] == 3 and summary["start: compose build"]["skipped"] == 2
     assert summary["start: compose up"]["mean_seconds"] > 0.0
