@@ -21,7 +21,9 @@ from typing import Any
 
 from harbor_async.tasks import load_suite
 
-IMPLEMENTATIONS = ("trl", "shim")
+IMPLEMENTATIONS = ("trl", "shim", "shim-rounds")
+#: ``shim-rounds``: the shim's envs with each turn's calls dispatched by HarborGRPOTrainer's own
+#: round code (:func:`shim.tool_dispatch.run_tool_round`, all rollouts at once) instead of one after another.
 
 #: Simulated cloud latencies (seconds) from the issue: start, exec, verify, stop.
 CLOUD_LATENCIES = {"start_latency": 0.5, "exec_latency": 0.05, "verify_latency": 1.0, "stop_latency": 0.5}
@@ -52,6 +54,8 @@ class GrpoRun:
     steps: list[StepTimes] = field(default_factory=list)
     teardown: float = 0.0
     mean_reward: float = 0.0
+    #: On ``docker-fast``: every start's Compose calls, by kind (count, skipped, seconds).
+    start_profile: dict = field(default_factory=dict)
 
     @property
     def later_step_mean(self) -> float:
@@ -83,7 +87,7 @@ def _make_envs(implementation: str, backend: str, batch: int, backend_kwargs: di
 
         envs = [ReferenceHarborBashEnv(environment_type=backend, backend_kwargs=backend_kwargs) for _ in range(batch)]
         return envs, _outcome_reward_func
-    if implementation == "shim":
+    if implementation in ("shim", "shim-rounds"):
         from shim import HarborBashEnv
         from shim.rewards import _outcome_reward_func
 
@@ -131,6 +135,9 @@ def run_grpo_steps(
             after_reset = time.perf_counter()
             scripts = [_commands(turns, task.config.metadata.get("gold_answer")) for task in picks]
             for turn in range(turns):
+                if implementation == "shim-rounds":
+                    _round(envs, [script[turn] for script in scripts])
+                    continue
                 for env, script in zip(envs, scripts, strict=True):
                     env.bash(script[turn])
             after_tools = time.perf_counter()
@@ -145,4 +152,27 @@ def run_grpo_steps(
         _close(implementation, envs)
         run.teardown = time.perf_counter() - begin
     run.mean_reward = sum(rewards) / len(rewards) if rewards else 0.0
+    if backend == "docker-fast":
+        from harbor_async.backends.docker.fast_start import PROFILES, summarize_profiles
+
+        run.start_profile = summarize_profiles(PROFILES)
+        PROFILES.clear()
     return run
+
+
+def _round(envs: Sequence[Any], commands: Sequence[str]) -> None:
+    """One turn through HarborGRPOTrainer's dispatch: every rollout's ``bash`` call at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shim.tool_dispatch import run_tool_round
+
+    calls = [
+        (
+            [{"type": "function", "function": {"name": "bash", "arguments": {"command": command}}}],
+            {"bash": env.bash},
+            {},
+        )
+        for env, command in zip(envs, commands, strict=True)
+    ]
+    with ThreadPoolExecutor(len(calls)) as pool:
+        run_tool_round(calls, None, pool)

@@ -12,9 +12,14 @@ own sandbox, ``spec.reward_funcs`` verifies a batch concurrently, and
 Modules: :mod:`shim.spec` (``HarborSpec``), :mod:`shim.env` (``HarborEnv``,
 ``HarborBashEnv``), :mod:`shim.rewards` (batched reward, env-owned reward),
 :mod:`shim.episode` (one rollout on the loop thread), :mod:`shim.options`
-(engine options), :mod:`shim.engines` (shared engines), :mod:`benchmarks.reference`
-(TRL's own env on any backend, for comparisons; imports trl).
+(engine options), :mod:`shim.engines` (shared engines), :mod:`shim.trl_harness`
+(TRL-style harness classes run on the engine), :mod:`shim.trainer`
+(``HarborGRPOTrainer``: concurrent tool rounds, failed sandboxes out of the loss,
+env metrics; imported on first use, as it imports trl and torch),
+:mod:`benchmarks.reference` (TRL's own env on any backend, for comparisons; imports trl).
 """
+
+from typing import TYPE_CHECKING, Any
 
 from harbor_async.errors import InfrastructureBudgetError, PreflightError, SandboxLimitError
 from shim.env import AGENTS, HarborBashEnv, HarborEnv
@@ -23,13 +28,26 @@ from shim.spec import HarborSpec
 
 import shim.harnesses  # noqa: E402,F401 - registers the "python" and "terminal" harnesses in AGENTS
 
+if TYPE_CHECKING:
+    from shim.trainer import HarborGRPOTrainer
+
 __all__ = [
     "AGENTS",
     "EngineOptions",
     "HarborBashEnv",
     "HarborEnv",
+    "HarborGRPOTrainer",
     "HarborSpec",
     "InfrastructureBudgetError",
     "PreflightError",
     "SandboxLimitError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # HarborGRPOTrainer imports trl and torch: only when asked for.
+    if name == "HarborGRPOTrainer":
+        from shim.trainer import HarborGRPOTrainer
+
+        return HarborGRPOTrainer
+    raise AttributeError(f"module 'shim' has no attribute {name!r}")

@@ -28,10 +28,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import types
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
-from functools import cached_property, partial
+from functools import cache, cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, Unpack
 
@@ -44,6 +45,7 @@ from shim.episode import stop_episodes
 from shim.options import EngineOptions, EngineOptionsKwargs
 from shim.preflight import preflight as run_preflight
 from shim.rewards import _outcome_reward_func, with_env_reward
+from shim.trl_harness import adapt_trl_harness, is_trl_harness
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -60,11 +62,14 @@ _META_COLUMNS: dict[str, str] = {
 }
 
 
-def _resolve_agent(agent: str | type[HarborEnv]) -> type[HarborEnv]:
-    """Resolve ``agent=`` to a ``HarborEnv`` subclass, with TRL's rules and errors.
+def _resolve_agent(agent: str | type) -> type:
+    """Resolve ``agent=`` to a harness class, with TRL's rules and errors.
 
     Accepts a ``HarborEnv`` subclass, a built-in name (``"bash"``), a module
     import path (``"pkg.module:Class"``) or a file path (``"path/to/file.py:Class"``).
+    The class is the shim's ``HarborEnv`` subclass or, unchanged, a subclass of
+    TRL's ``trl.experimental.harbor.HarborEnv`` (run on the engine through
+    :func:`~shim.trl_harness.adapt_trl_harness`, applied by :func:`_env_class`).
     """
     if isinstance(agent, type):
         cls = agent
@@ -73,9 +78,7 @@ def _resolve_agent(agent: str | type[HarborEnv]) -> type[HarborEnv]:
     elif ":" in agent:
         target, _, cls_name = agent.rpartition(":")  # rpartition: keep a Windows drive ("D:\...") whole
         if target.endswith(".py") or os.path.sep in target:  # file path: load the module from the file
-            spec = importlib.util.spec_from_file_location(Path(target).stem, target)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            module = _load_agent_file(str(Path(target).absolute()))
         else:
             module = importlib.import_module(target)
         cls = getattr(module, cls_name)
@@ -84,20 +87,55 @@ def _resolve_agent(agent: str | type[HarborEnv]) -> type[HarborEnv]:
             f"Unknown agent {agent!r}; use a built-in name ({sorted(AGENTS)}), an import path "
             "'pkg.module:Class', a file path 'path/to/file.py:Class', or a HarborEnv subclass."
         )
+    if is_trl_harness(cls):
+        return cls
     if not (isinstance(cls, type) and issubclass(cls, HarborEnv)):
-        raise TypeError(f"agent {agent!r} must resolve to a HarborEnv subclass, got {cls!r}")
+        raise TypeError(f"agent {agent!r} must resolve to a HarborEnv subclass, got {cls!r}")  # TRL's text
     return cls
 
 
+@cache
+def _load_agent_file(path: str) -> types.ModuleType:
+    """The module of a harness file, loaded once per process (one class per file: caches and TRL's probes agree)."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _agent_reference(agent: str | type, cls: type) -> str | type:
+    """What the environment factory holds: the class, or for a harness file its absolute ``path:Class``.
+
+    A class loaded from a file is not importable by name, so it does not pickle;
+    the path does, and the factory resolves it (once per process) where it runs.
+    """
+    if isinstance(agent, str) and ":" in agent and agent not in AGENTS:
+        target, _, cls_name = agent.rpartition(":")
+        if target.endswith(".py") or os.path.sep in target:
+            return f"{Path(target).absolute()}:{cls_name}"
+    return cls
+
+
+def _env_class(cls: type) -> type[HarborEnv]:
+    """The shim env class for a resolved harness: itself, or a TRL harness rebased on the shim."""
+    return adapt_trl_harness(cls) if is_trl_harness(cls) else cls
+
+
 def _make_env(
-    cls: type[HarborEnv],
+    cls: type | str,
     environment_type: str,
     options: EngineOptions,
     backend_kwargs: Mapping[str, Any],
     env_reward: bool,
     token: str | None = None,
 ) -> HarborEnv:
-    """The environment factory's body (module level, so the partial pickles)."""
+    """The environment factory's body (module level, so the partial pickles).
+
+    ``cls`` is the harness as resolved, or the ``path:Class`` of a harness file
+    (see :func:`_agent_reference`). A TRL harness is adapted here, so that the
+    partial holds the importable class, not the adapted one.
+    """
+    cls = _env_class(_resolve_agent(cls) if isinstance(cls, str) else cls)
     env_cls = with_env_reward(cls) if env_reward else cls
     env = env_cls(environment_type=environment_type)
     env._configure(options, backend_kwargs)
@@ -114,7 +152,9 @@ class HarborSpec:
             local folder holding ``tasks/<name>/task.toml`` (or ``<name>/task.toml``).
         agent: the harness, i.e. the tool surface: a built-in name (``"bash"``),
             ``"package.module:Class"``, ``"path/to/file.py:Class"`` or a
-            :class:`~shim.env.HarborEnv` subclass. Unknown names raise
+            :class:`~shim.env.HarborEnv` subclass. A harness written for TRL
+            (a subclass of ``trl.experimental.harbor.HarborEnv``) runs unchanged
+            on the engine (see :mod:`shim.trl_harness`). Unknown names raise
             ``ValueError``; anything that is not a ``HarborEnv`` subclass ``TypeError``.
         environment_type: the backend: a Harbor type (``"docker"``, ``"e2b"``,
             ...), ``"local"`` (bubblewrap), ``"simulated"``, or an import path
@@ -162,7 +202,9 @@ class HarborSpec:
         self._num_tasks = num_tasks
         self._indices = indices
         self._include_metadata = include_metadata
-        self._env_cls = _resolve_agent(agent)
+        agent_cls = _resolve_agent(agent)
+        self._agent_ref = _agent_reference(agent, agent_cls)  # what the factory pickles
+        self._env_cls = _env_class(agent_cls)
         owns_reward = callable(getattr(self._env_cls, "get_reward", None))
         if env_reward is False and owns_reward:
             raise ValueError(
@@ -225,7 +267,7 @@ class HarborSpec:
         """
         return partial(
             _make_env,
-            self._env_cls,
+            self._agent_ref,
             self._environment_type,
             self._options,
             self._backend_kwargs,

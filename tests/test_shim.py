@@ -195,10 +195,13 @@ def test_agent_resolution_matches_trl(tmp_path: Path):
     assert cls.__name__ == "Echo" and issubclass(cls, shim.HarborEnv)
     assert trl_tool_names(cls) == ["echo"]
 
+    # TRL's own harness classes run unchanged (issue 14; tests/test_trainer_harness.py).
+    trl_cls = shim.HarborSpec(suite, agent=TRLBashEnv, environment_type="local")._env_cls
+    assert issubclass(trl_cls, TRLBashEnv) and issubclass(trl_cls, shim.HarborEnv)
+
     for bad, error in (
         ("nope", ValueError),
         (dict, TypeError),
-        (TRLBashEnv, TypeError),
         ("json:JSONDecoder", TypeError),
     ):
         with pytest.raises(error) as ours:

@@ -14,6 +14,7 @@ from harbor_async.errors import AsyncLibraryError, BackendError
 SHORT_NAMES: dict[str, str] = {
     "local": "harbor_async.backends.local:LocalEnvironment",
     "simulated": "harbor_async.backends.simulated:SimulatedEnvironment",
+    "docker-fast": "harbor_async.backends.docker.fast_start:FastStartDockerEnvironment",
 }
 
 
@@ -45,7 +46,7 @@ class BackendSpec:
         an init (see :mod:`harbor_async.backends.docker.overlay`) unless
         ``options["docker_overlay"]`` is false; other backends want nothing.
         """
-        if self.type == "docker" and options.get("docker_overlay", True):
+        if (self.type == "docker" or self.name == "docker-fast") and options.get("docker_overlay", True):
             from harbor_async.backends.docker.overlay import overlay_extras
 
             return overlay_extras(trial_dir, run_label, sandbox_id, task_env, backend_kwargs)

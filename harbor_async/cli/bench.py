@@ -136,3 +136,29 @@ def grpo_step(
     from benchmarks.cli import grpo_step as run_it
 
     run_it(name, _ints(batch_sizes, "--batch-sizes"), turns, steps, impls, kwargs, out)
+
+
+@bench_app.command("trainer-step")
+def trainer_step(
+    scenario: Annotated[str, typer.Option(help="cloud (B=64, simulated cloud latencies) or cpu-step (a real CPU step, B=16).")] = "cloud",
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file.")] = DEFAULT_OUT,
+    log_level: LogOpt = None,
+) -> None:
+    """GRPOTrainer with the plain shim against HarborGRPOTrainer (concurrent tool rounds); writes trainer-step-SCENARIO.json."""
+    _setup(log_level)
+    from benchmarks.trainer_step import main as run_it
+
+    run_it(["--scenario", scenario, "--out", str(out)])
+
+
+@bench_app.command("docker-step")
+def docker_step(
+    steps: Annotated[int, typer.Option("--steps", "-s", min=2)] = 3,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file.")] = DEFAULT_OUT,
+    log_level: LogOpt = None,
+) -> None:
+    """GRPO steps on Harbor's docker backend, B=8 distinct task images: TRL's env, the shim, docker-fast; writes docker-step.json."""
+    _setup(log_level)
+    from benchmarks.docker_step import main as run_it
+
+    run_it(["--steps", str(steps), "--out", str(out)])

@@ -1,0 +1,344 @@
+"""GRPO steps of a real ``GRPOTrainer`` on CPU: the plain shim against ``HarborGRPOTrainer``, beside TRL's env.
+
+Each run trains a tiny Qwen3 (built on the fly, tests/tiny_model.py) with
+``model.generate`` scripted: every rollout makes ``turns`` bash tool calls,
+one per turn, then answers. The environments are the shim's on the simulated
+backend, so only their latencies cost time. Two trainers, same data, same
+script:
+
+- ``grpo-trainer``: TRL's ``GRPOTrainer`` with the shim's ``HarborSpec`` (its
+  tool loop calls one rollout after another);
+- ``harbor-grpo-trainer``: :class:`shim.trainer.HarborGRPOTrainer` (each round's
+  rollouts at once, through its own dispatch code).
+
+Both are timed the same way by :class:`_Timing`, wrapped around the trainer's
+own methods: the step's wall time (a callback), and the trainer thread's
+environment time = the resets (from the start of
+``_generate_and_score_completions`` to ``_generate``) + the tool loop minus the
+generations inside it + the reward functions. TRL's own env
+(``benchmarks.reference``) is measured by the GRPO-step replay of
+:mod:`benchmarks.grpo_step`, in the same run, since one of its steps at B = 64
+takes minutes.
+
+Two scenarios (``SCENARIOS``): ``cloud`` (B = 64, T = 3, the replay's cloud
+latencies) and ``cpu-step`` (B = 16, T = 3, start 0.3 s, exec 0.5 s, verify 0.3 s).
+Run: ``python -m benchmarks.trainer_step --scenario cloud``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Each scenario: batch, generations per prompt, turns, steps, simulated latencies, TRL replay steps (0: none).
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "cloud": {
+        "batch": 64,
+        "generations": 8,
+        "turns": 3,
+        "steps": 3,
+        "latencies": {"start_latency": 0.5, "exec_latency": 0.05, "verify_latency": 1.0, "stop_latency": 0.5},
+        "trl_steps": 2,
+    },
+    "cpu-step": {
+        "batch": 16,
+        "generations": 4,
+        "turns": 3,
+        "steps": 3,
+        "latencies": {"start_latency": 0.3, "exec_latency": 0.5, "verify_latency": 0.3, "stop_latency": 0.0},
+        "trl_steps": 0,
+    },
+    "smoke": {  # for the benchmark's own test: tiny and fast
+        "batch": 4,
+        "generations": 2,
+        "turns": 2,
+        "steps": 2,
+        "latencies": {"start_latency": 0.05, "exec_latency": 0.2, "verify_latency": 0.05, "stop_latency": 0.0},
+        "trl_steps": 2,
+    },
+}
+TRAINERS = ("grpo-trainer", "harbor-grpo-trainer")
+
+
+@dataclass
+class TrainerStep:
+    """One training step: wall time and the trainer thread's environment time by part (seconds)."""
+
+    wall: float
+    reset: float
+    tools: float
+    rewards: float
+    generation: float
+
+    @property
+    def env(self) -> float:
+        """The step's environment time."""
+        return self.reset + self.tools + self.rewards
+
+
+@dataclass
+class TrainerRun:
+    """One trainer over ``steps`` steps."""
+
+    trainer: str
+    batch: int
+    turns: int
+    steps: list[TrainerStep] = field(default_factory=list)
+    logged_env_wait: list[float] = field(default_factory=list)  # HarborGRPOTrainer's own env/wait_s
+
+    def later(self, attr: str) -> float:
+        """Mean of ``attr`` over the steps after the first (model warm-up and first starts excluded)."""
+        later = self.steps[1:] or self.steps
+        return statistics.fmean(getattr(s, attr) for s in later)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["step_env"] = [round(s.env, 4) for s in self.steps]
+        data["later_wall_mean"] = round(self.later("wall"), 4)
+        data["later_env_mean"] = round(self.later("env"), 4)
+        return data
+
+
+def _timed(base: type) -> type:
+    """``base`` (a GRPOTrainer class) with the benchmark's timers around its own methods."""
+
+    class Timed(base):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.bench_steps: list[dict[str, float]] = []
+            self._bench: dict[str, float] = {}
+            super().__init__(*args, **kwargs)
+
+        def _generate_and_score_completions(self, inputs):
+            self._bench = {"reset": 0.0, "tools": 0.0, "rewards": 0.0, "generation": 0.0, "begin": time.perf_counter()}
+            output = super()._generate_and_score_completions(inputs)
+            self.bench_steps.append(dict(self._bench))
+            return output
+
+        def _generate(self, prompts):
+            self._bench["reset"] = time.perf_counter() - self._bench["begin"]
+            return super()._generate(prompts)
+
+        def _generate_single_turn(self, *args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return super()._generate_single_turn(*args, **kwargs)
+            finally:
+                self._bench["generation"] += time.perf_counter() - begin
+
+        def _tool_call_loop(self, *args):
+            begin, generation = time.perf_counter(), self._bench["generation"]
+            try:
+                return super()._tool_call_loop(*args)
+            finally:
+                inside = self._bench["generation"] - generation
+                self._bench["tools"] += time.perf_counter() - begin - inside
+
+        def _calculate_rewards(self, *args):
+            begin = time.perf_counter()
+            try:
+                return super()._calculate_rewards(*args)
+            finally:
+                self._bench["rewards"] += time.perf_counter() - begin
+
+    Timed.__name__ = f"Timed{base.__name__}"
+    return Timed
+
+
+class _Script:
+    """``model.generate``: a bash call on each of the first ``turns`` turns, then a final answer."""
+
+    def __init__(self, tokenizer: Any, turns: int) -> None:
+        from tests.tiny_model import encode_exact
+
+        self.tokenizer = tokenizer
+        self.turns = turns
+        call = json.dumps({"name": "bash", "arguments": {"command": "ls /workdir"}})
+        self.call_ids = encode_exact(tokenizer, f"<tool_call>\n{call}\n</tool_call><|im_end|>")
+        self.final_ids = encode_exact(tokenizer, "Done.<|im_end|>")
+
+    def __call__(self, input_ids: Any, **kwargs: Any) -> Any:
+        import torch
+
+        pad = self.tokenizer.pad_token_id
+        rows = []
+        for row in input_ids.tolist():
+            done = self.tokenizer.decode([t for t in row if t != pad]).count("<tool_response>")
+            rows.append(self.call_ids if done < self.turns else self.final_ids)
+        width = max(len(r) for r in rows)
+        completion = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=input_ids.device)
+        return torch.cat([input_ids, completion], dim=-1)
+
+
+def run_trainer(trainer: str, scenario: dict[str, Any], model_dir: Path, tokenizer: Any, out: Path) -> TrainerRun:
+    """Train ``scenario["steps"]`` steps with one trainer; time each step."""
+    from unittest.mock import patch
+
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import shim
+    from harbor_async.suites import example_suite_path
+    from shim.trainer import HarborGRPOTrainer
+
+    batch, turns = scenario["batch"], scenario["turns"]
+    spec = shim.HarborSpec(
+        example_suite_path(),
+        environment_type="simulated",
+        backend_kwargs=scenario["latencies"],
+        max_live_sandboxes=2 * batch + 8,  # this batch's sandboxes and the last one's, while they stop
+    )
+    args = GRPOConfig(
+        output_dir=str(out / trainer),
+        use_vllm=False,
+        max_steps=scenario["steps"],
+        per_device_train_batch_size=batch,
+        num_generations=scenario["generations"],
+        max_completion_length=1024,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        bf16=False,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+    )
+    walls: list[float] = []
+
+    class Wall(TrainerCallback):
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            walls.append(-time.perf_counter())
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            walls[-1] += time.perf_counter()
+
+    cls = _timed(HarborGRPOTrainer if trainer == "harbor-grpo-trainer" else GRPOTrainer)
+    instance = cls(
+        model=str(model_dir),
+        processing_class=tokenizer,
+        args=args,
+        train_dataset=spec.train_dataset,
+        environment_factory=spec.environment_factory,
+        reward_funcs=spec.reward_funcs,
+        callbacks=[Wall()],
+    )
+    try:
+        with patch.object(instance.model, "generate", side_effect=_Script(tokenizer, turns)):
+            instance.train()
+    finally:
+        spec.close()
+    run = TrainerRun(trainer, batch, turns)
+    for wall, parts in zip(walls, instance.bench_steps, strict=True):
+        run.steps.append(TrainerStep(wall, parts["reset"], parts["tools"], parts["rewards"], parts["generation"]))
+    run.logged_env_wait = [e["env/wait_s"] for e in instance.state.log_history if "env/wait_s" in e]
+    return run
+
+
+def _child_env() -> None:
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore")
+
+
+def run_one(name: str, trainer: str, log: Any = print) -> dict[str, Any]:
+    """One trainer on one scenario, in this process (tiny model built here); its run as JSON."""
+    _child_env()
+    from tests.tiny_model import build_tiny_qwen3
+
+    scenario = SCENARIOS[name]
+    with tempfile.TemporaryDirectory(prefix="trainer-step-") as tmp:
+        out = Path(tmp)
+        model_dir, tokenizer = build_tiny_qwen3(out / "tiny", corpus=["ls /workdir", "Done."])
+        log(f"{name}: {trainer}, B={scenario['batch']}, T={scenario['turns']}, {scenario['steps']} steps")
+        run = run_trainer(trainer, scenario, model_dir, tokenizer, out)
+    for i, step in enumerate(run.steps):
+        log(f"  step {i + 1}: wall {step.wall:.2f} s, env {step.env:.2f} s (reset {step.reset:.2f}, "
+            f"tools {step.tools:.2f}, rewards {step.rewards:.2f}), generation {step.generation:.2f} s")  # fmt: skip
+    return run.to_dict()
+
+
+def run_scenario(name: str, trainers: tuple[str, ...] = TRAINERS, log: Any = print) -> dict[str, Any]:
+    """Every trainer on one scenario, each in a fresh process, then TRL's env (the replay) where asked.
+
+    A fresh process per trainer: a second trainer in the same process computes
+    its model steps markedly slower (measured: 9 s instead of 4 s a step), which
+    would bias the comparison by the order of the runs.
+    """
+    scenario = SCENARIOS[name]
+    result: dict[str, Any] = {"scenario": name, **scenario, "runs": [], "trl_env": None}
+    for trainer in trainers:
+        with tempfile.TemporaryDirectory(prefix="trainer-step-run-") as tmp:
+            target = Path(tmp) / "run.json"
+            command = [sys.executable, "-m", "benchmarks.trainer_step", "--scenario", name, "--single", trainer]
+            subprocess.run([*command, "--run-json", str(target)], check=True)
+            result["runs"].append(json.loads(target.read_text()))
+    if scenario["trl_steps"]:
+        _child_env()
+        from benchmarks.grpo_step import run_grpo_steps
+
+        log(f"{name}: TRL's env (GRPO-step replay), B={scenario['batch']}, {scenario['trl_steps']} steps")
+        trl = run_grpo_steps(
+            "trl",
+            backend="simulated",
+            batch=scenario["batch"],
+            turns=scenario["turns"],
+            steps=scenario["trl_steps"],
+            backend_kwargs=scenario["latencies"],
+            on_step=lambda i, t: log(f"  TRL step {i + 1}: {t.total:.2f} s"),
+        )
+        result["trl_env"] = trl.to_dict()
+    result["summary"] = summarize(result)
+    return result
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """Later-step means and the ratios the issue asks for."""
+    runs = {run["trainer"]: run for run in result["runs"]}
+    summary: dict[str, Any] = {}
+    plain, harbor = runs.get("grpo-trainer"), runs.get("harbor-grpo-trainer")
+    for key, run in runs.items():
+        summary[f"{key}/later_wall_s"] = run["later_wall_mean"]
+        summary[f"{key}/later_env_s"] = run["later_env_mean"]
+    if plain and harbor:
+        summary["wall_ratio_plain_over_harbor"] = round(plain["later_wall_mean"] / harbor["later_wall_mean"], 2)
+        summary["env_ratio_plain_over_harbor"] = round(plain["later_env_mean"] / harbor["later_env_mean"], 2)
+    if result.get("trl_env") and harbor:
+        summary["trl_env/later_s"] = result["trl_env"]["later_step_mean"]
+        summary["env_ratio_trl_over_harbor"] = round(result["trl_env"]["later_step_mean"] / harbor["later_env_mean"], 1)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="cloud")
+    parser.add_argument("--trainers", default=",".join(TRAINERS))
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--single", choices=TRAINERS, help=argparse.SUPPRESS)  # a child: one trainer
+    parser.add_argument("--run-json", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.single:
+        args.run_json.write_text(json.dumps(run_one(args.scenario, args.single)))
+        return
+    trainers = tuple(t.strip() for t in args.trainers.split(",") if t.strip())
+    result = run_scenario(args.scenario, trainers)
+    from benchmarks.report import write_json
+
+    path = write_json(args.out / f"trainer-step-{args.scenario}.json", "trainer-step", result)
+    print(json.dumps(result["summary"], indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

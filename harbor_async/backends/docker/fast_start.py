@@ -1,0 +1,223 @@
+"""Cheaper Harbor ``docker`` starts: each image built once per run, no pointless Compose calls, a per-call profile.
+
+Harbor's ``DockerEnvironment.start`` runs, for every sandbox, a ``compose
+build`` (a cache hit after the first, but still a Compose process that loads
+the project and asks the daemon), a ``docker inspect`` of the image's OS, a
+``compose down --remove-orphans`` for a project name that was made fresh a
+moment ago (nothing to remove), then ``compose up`` and a few execs. On a small
+machine each Compose process costs about a second of CPU, and a batch's
+starts queue for the cores.
+
+:class:`FastStartDockerEnvironment` keeps Harbor's start and changes only the
+calls it makes (by overriding the two helpers the start goes through):
+
+- the image is built once per task per process: Harbor's build file gives the
+  ``main`` service no image name and ``pull_policy: build``, so every
+  sandbox's ``compose up`` rebuilds (a layer-cache hit, but a full Compose
+  build) an image named after its own project, and its ``down --rmi local``
+  deletes it. A small overlay names the image with Harbor's content-addressed
+  tag (``hb__<environment id>``: an unchanged task reuses it) and sets
+  ``pull_policy: never``; the first start of a task runs ``compose build``
+  (Harbor's per-image lock serialises it), the others reuse the image, and the
+  stop's ``down`` runs without ``--rmi local`` (which would delete it). The images stay in the
+  daemon's cache after the run, as Harbor's prebuilt images do (``docker rmi
+  'hb__*'`` removes them). Tasks with a prebuilt image are left as they are.
+- the image's OS is inspected once per image per process;
+- a command in the ``main`` container runs through ``docker exec`` on the
+  container (found once, by its Compose labels) instead of ``docker compose
+  exec``, which loads the whole project in a new Compose process for every
+  command; same flags (``-w``, ``-e``, ``-u``), same shell, no TTY, stdout and
+  stderr merged, as Harbor's call gives them. Other services go through Compose.
+- ``compose down`` before this sandbox's first ``up`` is skipped: the project
+  name is the sandbox's fresh session id, so there is nothing to tear down.
+  The ``down`` of ``stop()`` runs as before.
+
+Every Compose call and inspection is timed into the sandbox's
+:attr:`~FastStartDockerEnvironment.call_profile` (and the process-wide
+:data:`PROFILES`), so a benchmark can say where a start's time goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from harbor.environments.base import ExecResult
+from harbor.environments.docker.docker import DockerEnvironment, _sanitize_docker_compose_project_name
+
+#: ``docker compose exec`` flags that take a value, as Harbor passes them (``_compose_exec``).
+_EXEC_FLAGS = ("-w", "-e", "-u")
+
+
+@dataclass(frozen=True)
+class CallTiming:
+    """One call a sandbox made: what, how long, and whether it was skipped."""
+
+    session: str
+    call: str  # "compose build", "compose up", "docker inspect", ...
+    seconds: float
+    skipped: bool = False
+    phase: str = "start"  # "start" until start() returns, then "run"
+
+
+#: Every call of every fast-start sandbox in this process, in the order they finished (for benchmarks).
+PROFILES: list[CallTiming] = []
+
+
+class FastStartDockerEnvironment(DockerEnvironment):
+    """Harbor's docker environment with the start's redundant calls removed (see the module doc)."""
+
+    #: Images built (or found built) by this process: one build per image per run.
+    _built_images: ClassVar[set[str]] = set()
+    #: Images whose OS was checked by this process.
+    _checked_images: ClassVar[set[str]] = set()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.call_profile: list[CallTiming] = []
+        self._went_up = False
+        self._phase = "start"
+        self._main_container: str | None = None
+
+    @classmethod
+    def forget_images(cls) -> None:
+        """Forget which images were built and checked (a new run; tests)."""
+        cls._built_images.clear()
+        cls._checked_images.clear()
+
+    async def start(self, force_build: bool) -> None:
+        if force_build:  # the caller asks for a rebuild: honour it once for this image
+            self._built_images.discard(self._main_image_name)
+        begin = time.perf_counter()
+        try:
+            await super().start(force_build)
+        finally:
+            self._record("start (total)", time.perf_counter() - begin)
+            self._phase = "run"
+
+    @property
+    def _docker_compose_paths(self) -> list[Path]:
+        paths = list(super()._docker_compose_paths)
+        if getattr(self, "_use_prebuilt", True):  # set by start(); a prebuilt image needs nothing
+            return paths
+        return [*paths, self._image_overlay()]
+
+    def _image_overlay(self) -> Path:
+        """The overlay naming the task's image (written once into the sandbox's trial folder)."""
+        path = Path(self.trial_paths.trial_dir) / "harbor-async-image.json"
+        if not path.exists():
+            main = {"image": self._main_image_name, "pull_policy": "never"}
+            path.write_text(json.dumps({"services": {"main": main}}))
+        return path
+
+    async def _run_docker_compose_command(self, command: list[str], *args: Any, **kwargs: Any) -> ExecResult:
+        name = f"compose {command[0]}" if command else "compose"
+        if command[:1] == ["build"] and self._main_image_name in self._built_images:
+            self._record(name, 0.0, skipped=True)
+            return ExecResult(stdout="", stderr="", return_code=0)
+        if command[:1] == ["down"] and not self._went_up and self._phase == "start":
+            self._record(name, 0.0, skipped=True)  # a fresh project: nothing to take down
+            return ExecResult(stdout="", stderr="", return_code=0)
+        if command[:1] == ["exec"] and self._went_up:
+            argv = await self._docker_exec_argv(command)
+            if argv is not None:
+                begin = time.perf_counter()
+                result = await self._run_docker(argv, **kwargs)
+                self._record("docker exec", time.perf_counter() - begin)
+                return result
+        if command[:1] == ["down"] and "--rmi" in command and not getattr(self, "_use_prebuilt", True):
+            # Compose's --rmi local also removes a named image that has a build section: keep the task's image.
+            at = command.index("--rmi")
+            command = command[:at] + command[at + 2 :]
+        begin = time.perf_counter()
+        result = await super()._run_docker_compose_command(command, *args, **kwargs)
+        self._record(name, time.perf_counter() - begin)
+        if command[:1] == ["build"] and result.return_code == 0:
+            self._built_images.add(self._main_image_name)
+        if command[:1] == ["up"]:
+            self._went_up = True
+        return result
+
+    async def _docker_exec_argv(self, command: list[str]) -> list[str] | None:
+        """``docker exec`` arguments for a ``compose exec`` in the main container; ``None``: use Compose."""
+        at = 1
+        while at < len(command) and command[at] in _EXEC_FLAGS:
+            at += 2
+        if at >= len(command) or command[at] != "main":
+            return None
+        container = await self._find_main_container()
+        if container is None:
+            return None
+        return ["docker", "exec", *command[1:at], container, *command[at + 1 :]]
+
+    async def _find_main_container(self) -> str | None:
+        """The id of this project's main container (looked up once, by Compose's labels)."""
+        if self._main_container is None:
+            project = _sanitize_docker_compose_project_name(self.session_id)
+            result = await self._run_docker(
+                ["docker", "ps", "-q", "--no-trunc",
+                 "--filter", f"label=com.docker.compose.project={project}",
+                 "--filter", "label=com.docker.compose.service=main"],
+            )  # fmt: skip
+            ids = (result.stdout or "").split()
+            if result.return_code != 0 or len(ids) != 1:
+                return None  # not exactly one: let Compose resolve it
+            self._main_container = ids[0]
+        return self._main_container
+
+    async def _run_docker(
+        self,
+        argv: list[str],
+        check: bool = False,
+        timeout_sec: int | None = None,
+        stdin_data: bytes | None = None,
+        on_output: Any = None,
+    ) -> ExecResult:
+        """Run a docker CLI command the way Harbor runs Compose (merged output, its timeout and streaming)."""
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE if stdin_data is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        if on_output is not None:
+            result = await self._collect_streamed_output(
+                process, timeout_sec=timeout_sec, stdin_data=stdin_data, on_output=on_output
+            )
+        else:
+            result = await self._collect_buffered_output(process, timeout_sec=timeout_sec, stdin_data=stdin_data)
+        if check and result.return_code != 0:
+            raise RuntimeError(f"docker command failed: {' '.join(argv[:3])}: rc={result.return_code}: {result.stdout}")
+        return result
+
+    async def _validate_image_os(self, image_name: str) -> None:
+        if image_name in self._checked_images:
+            self._record("docker inspect (image os)", 0.0, skipped=True)
+            return
+        begin = time.perf_counter()
+        await super()._validate_image_os(image_name)
+        self._record("docker inspect (image os)", time.perf_counter() - begin)
+        self._checked_images.add(image_name)
+
+    def _record(self, call: str, seconds: float, skipped: bool = False) -> None:
+        timing = CallTiming(self.session_id, call, seconds, skipped, self._phase)
+        self.call_profile.append(timing)
+        PROFILES.append(timing)
+
+
+def summarize_profiles(profiles: list[CallTiming]) -> dict[str, dict[str, float]]:
+    """Per call kind and phase: count, skipped, total and mean seconds (a table for the benchmark's output)."""
+    summary: dict[str, dict[str, float]] = {}
+    for timing in profiles:
+        row = summary.setdefault(f"{timing.phase}: {timing.call}", {"count": 0, "skipped": 0, "seconds": 0.0})
+        row["count"] += 1
+        row["skipped"] += int(timing.skipped)
+        row["seconds"] += timing.seconds
+    for row in summary.values():
+        ran = row["count"] - row["skipped"]
+        row["mean_seconds"] = row["seconds"] / ran if ran else 0.0
+    return summary

@@ -1,0 +1,294 @@
+"""``HarborGRPOTrainer``: TRL's ``GRPOTrainer`` with concurrent tool rounds, failed sandboxes out of the loss, env metrics.
+
+Opt-in, one line::
+
+    from shim import HarborGRPOTrainer, HarborSpec
+
+    trainer = HarborGRPOTrainer(              # was: GRPOTrainer(
+        model=..., args=GRPOConfig(...),
+        train_dataset=spec.train_dataset,
+        environment_factory=spec.environment_factory,
+        reward_funcs=spec.reward_funcs,
+    )
+
+Three changes to a ``GRPOTrainer`` step, nothing else:
+
+1. **Concurrent tool rounds.** TRL's ``_tool_call_loop`` calls the tools of
+   one rollout after another; here each round's calls of *all* rollouts run at
+   once on a thread pool (each thread blocks in the env's sync tool method,
+   which waits on the shim's loop thread). A rollout's own calls stay in order,
+   sync results before async ones, with TRL's ``{"error": ...}`` messages and
+   failure counts: the messages, their order, the masks, the logprobs and the
+   token accounting are GRPOTrainer's own (see :mod:`shim.tool_rounds`, TRL
+   1.16's loop with only the calling block replaced). Tools passed as
+   ``tools=`` (not env methods) are shared by all rollouts, so they must be
+   thread-safe; ``tool_workers=1`` gives TRL's serial behaviour back.
+   (TRL's ``AsyncGRPOTrainer`` needs none of this: its rollout worker already
+   runs rollouts concurrently and sync tools on a thread pool, ``_tool_pool``.)
+2. **Infrastructure failures out of the loss.** A rollout whose rewards are
+   all ``None`` (TRL: NaN, already left out of its group's statistics and
+   given advantage 0) or whose env reports ``infrastructure_failure`` gets its
+   completion mask (and tool mask) zeroed and the batch's token count
+   recomputed, so neither the policy term, the KL term nor the token-count
+   normalisation sees it; for the loss types that average over sequences
+   (``grpo``, ``sapo``, ``luspo``, ``dr_grpo``) its rows are dropped before the
+   loss, so the sequence count does not see it either. Counted and logged as
+   ``harbor/infrastructure_failures``.
+3. **Environment metrics** appended to the trainer's logs each generation
+   batch (see :data:`METRIC_KEYS`): the seconds the trainer thread waited on
+   environments (resets, tool rounds, rewards), the engines' start / exec /
+   verify latency p50 and p99 (over the engine's life), new failures by phase,
+   and live sandboxes.
+
+Written against TRL 1.16; any other TRL version is refused with
+:class:`UnsupportedTRLVersionError`.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import trl
+from packaging.version import Version
+from trl import GRPOTrainer
+
+from harbor_async.errors import HarborAsyncError
+from shim import engines
+from shim.tool_rounds import RolloutCalls, RolloutOutcome, run_tool_round, tool_call_loop
+
+#: The TRL release series this integration copies its tool loop from and was tested with.
+TESTED_TRL_VERSION = "1.16"
+#: Key of the per-row "failed for infrastructure reasons" flag in the trainer's generation batch.
+FAILED_KEY = "harbor_infrastructure_failed"
+#: Loss types that average over sequences: failed rows are dropped so the count of sequences excludes them.
+ROW_AVERAGED_LOSSES = frozenset({"grpo", "sapo", "luspo", "dr_grpo"})
+#: Default size of the tool-round thread pool (threads are made as rounds need them).
+DEFAULT_TOOL_WORKERS = 256
+#: Phases whose latency percentiles are logged.
+LATENCY_PHASES = ("start", "exec", "verify")
+#: Phases whose failures are logged.
+FAILURE_PHASES = ("start", "exec", "verify", "stop")
+#: Every metric this trainer adds to the logs (latencies only for phases with samples).
+METRIC_KEYS = (
+    "harbor/infrastructure_failures",
+    "harbor/infrastructure_failure_frequency",
+    "env/wait_s",
+    "env/wait_reset_s",
+    "env/wait_tools_s",
+    "env/wait_rewards_s",
+    "env/live_sandboxes",
+    *(f"env/{phase}_{q}_s" for phase in LATENCY_PHASES for q in ("p50", "p99")),
+    *(f"env/failures/{phase}" for phase in FAILURE_PHASES),
+)
+
+
+class UnsupportedTRLVersionError(HarborAsyncError, RuntimeError):
+    """The installed TRL is not the release series ``HarborGRPOTrainer`` was written against."""
+
+    def __init__(self, found: str) -> None:
+        self.found = found
+        self.tested = TESTED_TRL_VERSION
+        super().__init__(
+            f"HarborGRPOTrainer copies TRL {TESTED_TRL_VERSION}'s tool loop and was tested with TRL "
+            f"{TESTED_TRL_VERSION}.x only; TRL {found} is installed. Install trl=={TESTED_TRL_VERSION}.* "
+            "or use GRPOTrainer with the shim's HarborSpec (serial tool rounds)."
+        )
+
+
+def check_trl_version(version: str | None = None) -> None:
+    """Raise :class:`UnsupportedTRLVersionError` unless ``version`` (default: TRL's) is a 1.16.x release."""
+    found = trl.__version__ if version is None else version
+    try:
+        release = Version(found).release[:2]
+    except Exception as exc:
+        raise UnsupportedTRLVersionError(found) from exc
+    if release != Version(TESTED_TRL_VERSION).release[:2]:
+        raise UnsupportedTRLVersionError(found)
+
+
+class HarborGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` whose tool rounds run all rollouts at once, with failed sandboxes kept out of the loss.
+
+    Takes every ``GRPOTrainer`` argument, plus:
+
+    Args:
+        tool_workers: threads running a round's rollouts (default
+            :data:`DEFAULT_TOOL_WORKERS`; more rollouts than threads queue).
+            ``1`` runs them one after another, as TRL does.
+
+    Raises:
+        UnsupportedTRLVersionError: the installed TRL is not 1.16.x.
+    """
+
+    def __init__(self, *args: Any, tool_workers: int | None = None, **kwargs: Any) -> None:
+        check_trl_version()
+        if tool_workers is not None and (isinstance(tool_workers, bool) or tool_workers < 1):
+            raise ValueError(f"tool_workers must be a positive integer or None, got {tool_workers!r}")
+        self._harbor_tool_workers = DEFAULT_TOOL_WORKERS if tool_workers is None else int(tool_workers)
+        self._harbor_pool: ThreadPoolExecutor | None = None
+        self._harbor_wait: dict[str, float] = defaultdict(float)
+        self._harbor_batch_begin = time.perf_counter()
+        self._harbor_rewards: torch.Tensor | None = None
+        self._harbor_failures_seen: dict[str, int] = {}
+        super().__init__(*args, **kwargs)
+
+    # ── concurrent tool rounds ───────────────────────────────────────────
+
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        """TRL 1.16's loop, each round's rollouts at once (see :mod:`shim.tool_rounds`)."""
+        return tool_call_loop(
+            self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+        )
+
+    def _harbor_run_tool_round(self, rollouts: Sequence[RolloutCalls]) -> list[RolloutOutcome]:
+        """One round's calls of every rollout; the trainer thread's wait is timed."""
+        begin = time.perf_counter()
+        try:
+            return run_tool_round(rollouts, getattr(self, "async_loop", None), self._tool_pool())
+        finally:
+            self._harbor_wait["tools"] += time.perf_counter() - begin
+
+    def _tool_pool(self) -> ThreadPoolExecutor | None:
+        if self._harbor_tool_workers == 1:
+            return None
+        if self._harbor_pool is None:
+            self._harbor_pool = ThreadPoolExecutor(self._harbor_tool_workers, thread_name_prefix="harbor-tools")
+            # Idle threads only: let them go with the trainer, without waiting.
+            weakref.finalize(self, self._harbor_pool.shutdown, wait=False)
+        return self._harbor_pool
+
+    # ── timing of the other environment calls ────────────────────────────
+
+    def _generate(self, prompts: list):
+        # GRPOTrainer resets every env (and builds the batch's env pool) between the start of
+        # _generate_and_score_completions and this call: that span is the reset wait.
+        self._harbor_wait["reset"] += time.perf_counter() - self._harbor_batch_begin
+        return super()._generate(prompts)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        begin = time.perf_counter()
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._harbor_wait["rewards"] += time.perf_counter() - begin
+        self._harbor_rewards = rewards
+        return rewards
+
+    # ── failed sandboxes out of the loss ─────────────────────────────────
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        self._harbor_wait.clear()
+        self._harbor_rewards = None
+        self._harbor_batch_begin = time.perf_counter()
+        output = super()._generate_and_score_completions(inputs)
+        failed = self._failed_rows(len(inputs), output["completion_mask"].device)
+        mask_failed_rows(output, failed, self.accelerator.gather)
+        self._log_env_metrics("train" if self.model.training else "eval", failed)
+        return output
+
+    def _failed_rows(self, count: int, device: torch.device) -> torch.Tensor:
+        """This process's rows that failed for infrastructure reasons (bool, shape ``(count,)``)."""
+        failed = torch.zeros(count, dtype=torch.bool, device=device)
+        rewards = self._harbor_rewards
+        if rewards is not None and rewards.ndim == 2 and rewards.shape[1] > 0:
+            start = self.accelerator.process_index * count  # rewards are gathered over processes
+            failed |= torch.isnan(rewards[start : start + count]).all(dim=1).to(device)
+        if self.environments:
+            flags = [bool(getattr(env, "infrastructure_failure", False)) for env in self.environments]
+            failed |= torch.tensor(flags, dtype=torch.bool, device=device)
+        return failed
+
+    def _compute_loss(self, model, inputs):
+        failed = inputs.get(FAILED_KEY)
+        if failed is None or not bool(failed.any()) or self.loss_type not in ROW_AVERAGED_LOSSES:
+            return super()._compute_loss(model, inputs)  # masks alone exclude the rows from this loss
+        if "pixel_values" in inputs:
+            return super()._compute_loss(model, inputs)  # image rows cannot be cut per row; masks only
+        if bool(failed.all()):
+            # Nothing to learn from: a zero loss that still reaches every parameter (the backward needs a graph).
+            return super()._compute_loss(model, inputs) * 0.0
+        return super()._compute_loss(model, select_rows(inputs, ~failed))
+
+    # ── metrics ──────────────────────────────────────────────────────────
+
+    def _log_env_metrics(self, mode: str, failed: torch.Tensor) -> None:
+        metrics = self._metrics[mode]
+        device = failed.device
+        n_failed = self.accelerator.gather(failed.sum()).sum().item()
+        n_rows = self.accelerator.gather(torch.tensor(failed.numel(), device=device)).sum().item()
+        metrics["harbor/infrastructure_failures"].append(float(n_failed))
+        metrics["harbor/infrastructure_failure_frequency"].append(n_failed / n_rows if n_rows else 0.0)
+        wait = self._harbor_wait
+        for part in ("reset", "tools", "rewards"):
+            metrics[f"env/wait_{part}_s"].append(wait[part])
+        metrics["env/wait_s"].append(wait["reset"] + wait["tools"] + wait["rewards"])
+        snapshot = engine_snapshot()
+        metrics["env/live_sandboxes"].append(float(snapshot["live"]))
+        for key, value in snapshot["latency"].items():
+            metrics[key].append(value)
+        for phase in FAILURE_PHASES:
+            total = snapshot["failures"].get(phase, 0)
+            metrics[f"env/failures/{phase}"].append(float(total - self._harbor_failures_seen.get(phase, 0)))
+            self._harbor_failures_seen[phase] = total
+
+
+def mask_failed_rows(output: dict[str, Any], failed: torch.Tensor, gather: Any) -> None:
+    """Zero the failed rows' completion and tool masks; recompute the token count; add :data:`FAILED_KEY`.
+
+    ``num_items_in_batch`` is recomputed exactly as GRPOTrainer computes it
+    (the gathered sum of ``completion_mask * tool_mask``), so it is unchanged
+    when nothing failed.
+    """
+    keep = (~failed).to(output["completion_mask"].dtype).unsqueeze(1)
+    output["completion_mask"] = output["completion_mask"] * keep
+    loss_mask = output["completion_mask"]
+    if output.get("tool_mask") is not None:
+        output["tool_mask"] = output["tool_mask"] * keep.to(output["tool_mask"].dtype)
+        loss_mask = loss_mask * output["tool_mask"]
+    output["num_items_in_batch"] = gather(loss_mask.sum()).sum()
+    output[FAILED_KEY] = failed
+
+
+def select_rows(inputs: dict[str, Any], keep: torch.Tensor) -> dict[str, Any]:
+    """The micro-batch's rows where ``keep`` is true (tensors and lists of one entry per row; scalars as they are)."""
+    rows = keep.numel()
+    index = keep.nonzero(as_tuple=True)[0].tolist()
+    selected: dict[str, Any] = {}
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == rows:
+            selected[key] = value[keep.to(value.device)]
+        elif isinstance(value, list) and len(value) == rows:
+            selected[key] = [value[i] for i in index]
+        else:
+            selected[key] = value
+    return selected
+
+
+def engine_snapshot() -> dict[str, Any]:
+    """Live sandboxes, latency percentiles and failure totals by phase, over every engine the shim opened.
+
+    Read on the loop thread, where the counters change. With several engines
+    a percentile is the largest of theirs (percentiles do not add up).
+    """
+    empty: dict[str, Any] = {"live": 0, "latency": {}, "failures": {}}
+    if not engines.loop_running():
+        return empty
+
+    def read() -> list[Any]:
+        return [engine.stats() for engine in engines.open_engines()]
+
+    stats = engines.call(read)
+    latency: dict[str, float] = {}
+    failures: dict[str, int] = defaultdict(int)
+    for snapshot in stats:
+        for phase, summary in snapshot.phases.items():
+            failures[phase] += summary.failures
+            if phase in LATENCY_PHASES and summary.count:
+                for q in ("p50", "p99"):
+                    key = f"env/{phase}_{q}_s"
+                    latency[key] = max(latency.get(key, 0.0), float(getattr(summary, q)))
+    return {"live": sum(s.live for s in stats), "latency": latency, "failures": dict(failures)}

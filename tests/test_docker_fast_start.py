@@ -1,0 +1,73 @@
+"""Cheaper docker starts (harbor_async/backends/docker/fast_start.py) on a real Docker daemon.
+
+Three sandboxes of one task in one run: the image is built by the first start
+only, no start runs the pointless ``compose down``, commands run inside the
+containers through ``docker exec`` with Harbor's semantics, the engine's overlay still applies, every Compose
+call is in the per-call profile, and nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from harbor_async.backends.docker.fast_start import PROFILES, FastStartDockerEnvironment, summarize_profiles
+from harbor_async.engine import Engine
+from tests.test_docker import OUR_PREFIX, docker_leftovers
+
+pytestmark = [pytest.mark.docker, pytest.mark.usefixtures("docker_daemon")]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # Harbor's docker backend runs on asyncio only
+
+
+@pytest.mark.anyio
+async def test_one_build_per_image_and_no_down_before_up(example_tasks):
+    task = next(t for t in example_tasks if t.name.endswith("env-inventory-lookup"))
+    FastStartDockerEnvironment.forget_images()
+    PROFILES.clear()
+    outputs: dict[int, str] = {}
+    sandboxes = []
+    async with Engine() as engine:
+
+        async def one(index: int) -> None:
+            async with engine.episode(task, "docker-fast") as sandbox:
+                sandboxes.append(sandbox.environment)
+                outputs[index] = (await sandbox.exec("cat /proc/1/comm; pwd")).stdout
+                # Harbor's exec semantics through docker exec: cwd, env, user, merged stderr, exit code
+                result = await sandbox.exec("echo out; echo err >&2; echo $INVENTORY_FILE; id -un; exit 3")
+                lines = sorted(result.output.splitlines())  # the two streams interleave freely, as with Compose
+                assert (lines, result.exit_code) == (["/workdir/data/inventory.csv", "err", "out", "root"], 3)
+
+        await one(0)  # the first start builds (or finds) the image
+        async with anyio.create_task_group() as tg:  # then two at once, both from the cache
+            tg.start_soon(one, 1)
+            tg.start_soon(one, 2)
+
+    assert outputs == {i: "docker-init\n/workdir\n" for i in range(3)}  # the overlay's init; the task's WORKDIR
+    profiles = [environment.call_profile for environment in sandboxes]
+    for profile in profiles:
+        calls = [(t.call, t.skipped) for t in profile if t.phase == "start"]
+        assert ("compose down", True) in calls and ("compose down", False) not in calls
+        assert ("compose up", False) in calls
+        assert calls[-1] == ("start (total)", False)
+        stop_calls = [(t.call, t.skipped) for t in profile if t.phase == "run"]
+        assert ("compose down", False) in stop_calls  # stop() still takes the project down
+        # commands in the main container go through docker exec, not a Compose process each
+        assert ("docker exec", False) in stop_calls and ("compose exec", False) not in stop_calls
+    first, *later = profiles
+    assert [t.skipped for t in first if t.call == "compose build"] == [False]
+    for profile in later:
+        assert [t.skipped for t in profile if t.call == "compose build"] == [True]
+        assert [t.skipped for t in profile if t.call.startswith("docker inspect")] == [True]
+    # One named image for the task, kept in the daemon's cache; no per-project image left behind.
+    (image,) = {environment._main_image_name for environment in sandboxes}
+    assert image.startswith("hb__")
+    inspect = await anyio.run_process(["docker", "image", "inspect", image], check=False)
+    assert inspect.returncode == 0
+    summary = summarize_profiles(PROFILES)
+    assert summary["start: compose build"]["count"] == 3 and summary["start: compose build"]["skipped"] == 2
+    assert summary["start: compose up"]["mean_seconds"] > 0.0
+    assert docker_leftovers(OUR_PREFIX) == {}

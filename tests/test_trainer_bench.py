@@ -1,0 +1,36 @@
+"""The trainer-step benchmark runs end to end on its smoke scenario and writes complete results.
+
+Speed is measured by the benchmark itself; here only what must hold whatever the
+machine: every step timed, TRL's env replayed, and the concurrent rounds' tool
+time below the serial loop's (2 turns x 4 rollouts x 0.2 s serial, against
+2 x 0.2 s at once).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_trainer_step_benchmark_smoke(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.trainer_step", "--scenario", "smoke", "--out", str(tmp_path)],
+        capture_output=True, text=True, cwd=REPO, timeout=600, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads((tmp_path / "trainer-step-smoke.json").read_text())
+    assert data["benchmark"] == "trainer-step" and data["machine"]["packages"]["trl"] == "1.16.0"
+    runs = {run["trainer"]: run for run in data["runs"]}
+    assert set(runs) == {"grpo-trainer", "harbor-grpo-trainer"}
+    for run in runs.values():
+        assert len(run["steps"]) == 2 and all(step["wall"] > step["tools"] > 0 for step in run["steps"])
+    assert runs["harbor-grpo-trainer"]["logged_env_wait"]  # the trainer's own metric reached the logs
+    serial = min(step["tools"] for step in runs["grpo-trainer"]["steps"])
+    rounds = max(step["tools"] for step in runs["harbor-grpo-trainer"]["steps"])
+    assert serial > 1.6 and rounds < serial
+    assert len(data["trl_env"]["steps"]) == 2
+    assert {"wall_ratio_plain_over_harbor", "env_ratio_trl_over_harbor"} <= set(data["summary"])
