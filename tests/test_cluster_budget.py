@@ -1,0 +1,137 @@
+"""The cluster budget on a real Ray cluster (a head and a worker node started here): caps across processes.
+
+Live sandboxes are counted by the backend (marker files of
+tests/cluster_backend.py), never by the budget's ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from harbor_async.cluster import BatchExceedsCapError, ray_budget
+from harbor_async.cluster.connect import DEFAULT_ACTOR_NAME, DEFAULT_NAMESPACE
+from harbor_async.engine import Engine
+from harbor_async.policy import Limits
+from tests.cluster_backend import observed_peak
+from tests.cluster_helpers import REPO, child_env, ray_cluster  # noqa: F401 - the fixture
+
+# Sized for 2 busy cores: a heartbeat every second, a lease lost after 6 s of silence.
+LEASE_TIMEOUT = 6.0
+
+
+@pytest.fixture
+def live_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "live"
+    folder.mkdir()
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def fresh_actor(ray_cluster):  # noqa: F811
+    """Each test creates the budget actor with its own caps; end it afterwards."""
+    yield
+    import ray
+
+    try:
+        ray.kill(ray.get_actor(DEFAULT_ACTOR_NAME, namespace=DEFAULT_NAMESPACE))
+    except ValueError:
+        pass
+
+
+def _child(cluster, live: Path, tmp: Path, *args: object, barrier: bool = False) -> subprocess.Popen:
+    (tmp / "child-tmp").mkdir(exist_ok=True)
+    env = child_env(HARA_LIVE_DIR=str(live), TMPDIR=str(tmp / "child-tmp"), HARA_BARRIER="1" if barrier else "0")
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.cluster_child", cluster.address, *map(str, args)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _result(proc: subprocess.Popen, timeout: float) -> dict:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _actor():
+    import ray
+
+    return ray, ray.get_actor(DEFAULT_ACTOR_NAME, namespace=DEFAULT_NAMESPACE)
+
+
+def test_three_processes_never_exceed_the_cluster_cap(ray_cluster, live_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    procs = [_child(ray_cluster, live_dir, tmp_path, 4, 5, 1.0, LEASE_TIMEOUT) for _ in range(3)]
+    results = [_result(p, timeout=240) for p in procs]
+    assert [r["errors"] for r in results] == [[], [], []]
+    assert [r["started"] for r in results] == [5, 5, 5]
+    # 15 sandboxes held 1 s each under a cap of 4: the backend saw exactly 4 at once, never more.
+    assert observed_peak(live_dir) == 4
+    ray, actor = _actor()
+    stats = ray.get(actor.stats.remote())
+    assert stats["live_used"] == 0 and stats["live_peak"] == 4
+    assert ray.get(actor.ledger.remote())["sandboxes"] == []
+
+
+def test_a_killed_process_loses_its_leases_within_the_heartbeat_timeout(
+    ray_cluster, live_dir: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    holder = _child(ray_cluster, live_dir, tmp_path, 4, 4, 600, LEASE_TIMEOUT)
+    for _ in range(4):  # it holds the whole cap
+        line = holder.stdout.readline()
+        assert line.startswith("started"), holder.stderr.read()[-3000:] if not line else line
+    ray, actor = _actor()
+    assert ray.get(actor.stats.remote())["live_used"] == 4
+    waiter = _child(ray_cluster, live_dir, tmp_path, 4, 2, 0.2, LEASE_TIMEOUT)
+    deadline = time.monotonic() + 90
+    while ray.get(actor.stats.remote())["live_waiting"] < 1:  # the waiter asks and is made to wait
+        assert waiter.poll() is None and time.monotonic() < deadline, waiter.stderr.read()[-3000:]
+        time.sleep(0.2)
+    killed_at = time.monotonic()
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    result = _result(waiter, timeout=120)
+    released_after = time.monotonic() - killed_at
+    assert result == {"started": 2, "errors": []}
+    # Released within the timeout plus the reaper's period and the waiter's start and exit.
+    assert LEASE_TIMEOUT - 1.5 < released_after < LEASE_TIMEOUT + 15
+    ledger = ray.get(actor.ledger.remote())
+    assert ledger["sandboxes"] == []
+    assert {row["pid"] for row in ledger["orphans"]} == {holder.pid}  # what the killed rank left behind
+    assert len(ledger["orphans"]) == 4
+
+
+def test_batches_are_leased_all_or_nothing_so_ranks_take_turns(
+    ray_cluster, live_dir: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    # Two "ranks" each need 3 sandboxes live at once (a barrier); the cap is 4.
+    # Per-sandbox leases could leave each with 2 and waiting forever; batch leases make them take turns.
+    procs = [_child(ray_cluster, live_dir, tmp_path, 4, 3, 1.0, LEASE_TIMEOUT, 3, barrier=True) for _ in range(2)]
+    results = [_result(p, timeout=240) for p in procs]
+    assert results == [{"started": 3, "errors": []}] * 2
+    assert observed_peak(live_dir) == 3  # one batch at a time: 3 + 3 > 4
+    ray, actor = _actor()
+    assert ray.get(actor.stats.remote())["live_used"] == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_batch_above_the_cap_is_refused_naming_cap_and_batch(ray_cluster, anyio_backend) -> None:  # noqa: F811
+    budget = ray_budget.factory(address=ray_cluster.address, max_live=4, batch=6, lease_timeout=LEASE_TIMEOUT)
+    with pytest.raises(BatchExceedsCapError) as info:
+        async with Engine(limits=Limits(live_sandboxes=None), budget=budget):
+            pass
+    assert info.value.cap == 4 and info.value.batch == 6
+    assert "cluster cap of 4" in str(info.value) and "batch of 6" in str(info.value)
