@@ -112,6 +112,23 @@ def test_a_killed_process_loses_its_leases_within_the_heartbeat_timeout(
     assert {row["pid"] for row in ledger["orphans"]} == {holder.pid}  # what the killed rank left behind
     assert len(ledger["orphans"]) == 4
 
+    # The command line reads the same ledger, and reaping clears this host's orphans.
+    cli = [sys.executable, "-m", "harbor_async", "sandboxes"]
+    listed = subprocess.run(
+        [*cli, "list", "--ray", "--ray-address", ray_cluster.address, "--json"],
+        env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [row["state"] for row in rows] == ["orphaned"] * 4 and {row["pid"] for row in rows} == {holder.pid}
+    reaped = subprocess.run(
+        [*cli, "reap", "--ray", "--ray-address", ray_cluster.address],
+        env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert reaped.returncode == 0, reaped.stderr[-2000:]
+    assert "4 orphans cleared" in reaped.stdout
+    assert ray.get(actor.ledger.remote())["orphans"] == []
+
 
 def test_batches_are_leased_all_or_nothing_so_ranks_take_turns(
     ray_cluster, live_dir: Path, tmp_path: Path  # noqa: F811

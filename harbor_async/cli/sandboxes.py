@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from harbor_async.cli.cluster import RayAddressOpt
 from harbor_async.logs import configure_logging
 from harbor_async.reaper import (
     BACKENDS,
@@ -38,6 +39,7 @@ RootOpt = Annotated[
     typer.Option("--local-root", help="Local-backend base folder besides $HARBOR_ASYNC_LOCAL_ROOT (repeatable)."),
 ]
 LabelOpt = Annotated[str | None, typer.Option("--run-label", help="Only the sandboxes of this run label.")]
+RayLedgerOpt = Annotated[bool, typer.Option("--ray", help="The Ray cluster budget's ledger instead of this machine.")]
 
 
 def _check(backend: str) -> None:
@@ -84,10 +86,16 @@ def list_command(
     local_root: RootOpt = None,
     run_label: LabelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per sandbox instead of a table.")] = False,
+    ray: RayLedgerOpt = False,
+    ray_address: RayAddressOpt = None,
 ) -> None:
     """List the sandboxes of harbor-async runs on this machine, live or left behind."""
     _check(backend)
     configure_logging()
+    if ray:
+        from harbor_async.cli.cluster import ledger_list
+
+        return ledger_list(ray_address, as_json)
     problems: list[str] = []
     found = list_sandboxes(backend, roots=local_root or (), run_label=run_label, errors=problems)
     for problem in problems:
@@ -118,6 +126,8 @@ def reap_command(
     ] = False,
     local_root: RootOpt = None,
     run_label: LabelOpt = None,
+    ray: RayLedgerOpt = False,
+    ray_address: RayAddressOpt = None,
 ) -> None:
     """Remove sandboxes whose owning process is dead.
 
@@ -138,6 +148,10 @@ def reap_command(
     except ValueError as exc:
         err.print(f"[bold red]error:[/] --older-than: {exc}")
         raise typer.Exit(2) from None
+    if ray:  # the cluster ledger: expire silent holders, remove this host's orphans
+        from harbor_async.cli.cluster import ledger_reap
+
+        raise typer.Exit(ledger_reap(ray_address, age))
     report = reap(age, include_live_owners=force, backend=backend, roots=local_root or (), run_label=run_label)
     if report.reaped:
         out.print(_table("reaped", report.reaped))
