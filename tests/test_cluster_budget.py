@@ -47,9 +47,13 @@ def fresh_actor(ray_cluster):  # noqa: F811
         pass
 
 
-def _child(cluster, live: Path, tmp: Path, *args: object, barrier: bool = False) -> subprocess.Popen:
+def _child(
+    cluster, live: Path, tmp: Path, *args: object, barrier: bool = False, **env_extra: str
+) -> subprocess.Popen:
     (tmp / "child-tmp").mkdir(exist_ok=True)
-    env = child_env(HARA_LIVE_DIR=str(live), TMPDIR=str(tmp / "child-tmp"), HARA_BARRIER="1" if barrier else "0")
+    env = child_env(
+        HARA_LIVE_DIR=str(live), TMPDIR=str(tmp / "child-tmp"), HARA_BARRIER="1" if barrier else "0", **env_extra
+    )
     return subprocess.Popen(
         [sys.executable, "-m", "tests.cluster_child", cluster.address, *map(str, args)],
         cwd=REPO,
@@ -152,3 +156,23 @@ async def test_a_batch_above_the_cap_is_refused_naming_cap_and_batch(ray_cluster
             pass
     assert info.value.cap == 4 and info.value.batch == 6
     assert "cluster cap of 4" in str(info.value) and "batch of 6" in str(info.value)
+
+
+def test_ranks_of_one_run_whose_batches_exceed_the_cap_are_refused_on_every_rank(
+    ray_cluster, live_dir: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    # Two ranks of one torchrun-style world (they would meet in collectives mid-step,
+    # so they cannot take turns): batches of 2 + 2 against a cap of 3.
+    world = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "TORCHELASTIC_RUN_ID": "t"}
+    procs = [
+        _child(ray_cluster, live_dir, tmp_path, 3, 2, 0.1, LEASE_TIMEOUT, 2, RANK=str(rank), **world)
+        for rank in range(2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode != 0
+        assert "WorldExceedsCapError" in err, err[-3000:]
+        assert "need 4 live sandboxes at once (rank 0: 2, rank 1: 2), above the cluster cap of 3" in err
+    assert list(live_dir.glob("live-*")) == []  # refused before any sandbox started
+    ray, actor = _actor()
+    assert ray.get(actor.stats.remote())["live_used"] == 0

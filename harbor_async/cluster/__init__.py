@@ -20,6 +20,8 @@ from harbor_async.cluster.errors import (
     ClusterUnavailableError,
     LeaseExpiredError,
     RayNotInstalledError,
+    WorldExceedsCapError,
+    WorldRendezvousError,
 )
 
 __all__ = [
@@ -29,4 +31,6 @@ __all__ = [
     "ClusterUnavailableError",
     "LeaseExpiredError",
     "RayNotInstalledError",
+    "WorldExceedsCapError",
+    "WorldRendezvousError",
 ]

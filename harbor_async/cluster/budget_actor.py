@@ -108,6 +108,7 @@ class BudgetActor:
         self._tokens = 1.0
         self._refilled = time.monotonic()
         self._reaper: asyncio.Task | None = None
+        self.worlds: dict[str, dict[str, Any]] = {}  # distributed runs: group -> size, members, event
 
     # ── configuration ────────────────────────────────────────────────────
 
@@ -173,6 +174,12 @@ class BudgetActor:
     def _drop_holder(self, holder: str, *, orphan: bool) -> list[dict[str, Any]]:
         """Take back every lease and request of ``holder``; returns the sandboxes it held."""
         self.holders.pop(holder, None)
+        for group, world in list(self.worlds.items()):
+            world["members"] = {r: m for r, m in world["members"].items() if m["holder"] != holder}
+            if not world["members"]:
+                del self.worlds[group]
+            elif len(world["members"]) < world["size"] and world["event"].is_set():
+                world["event"] = asyncio.Event()  # a restarted rank waits for the others again
         rows: list[dict[str, Any]] = []
         for lease in [lease for lease in self.leases.values() if lease.holder == holder]:
             rows += [{**row, "orphaned": time.time()} for row in lease.sandboxes.values()]
@@ -186,6 +193,31 @@ class BudgetActor:
                     request.future.set_result({"expired": True})
             self._grant(pool)
         return rows
+
+    # ── distributed runs ─────────────────────────────────────────────────
+
+    async def join_world(
+        self, group: str, size: int, rank: int, holder: str, batch: int, timeout: float
+    ) -> dict[str, Any]:
+        """Wait until all ``size`` ranks of ``group`` joined, then check that their batches fit the cap together.
+
+        Replies ``{"ok": True}``, ``{"refused": {cap, batch (the sum), batches}}``
+        or ``{"timeout": [ranks that joined]}``.
+        """
+        world = self.worlds.setdefault(group, {"size": size, "members": {}, "event": asyncio.Event()})
+        world["members"][rank] = {"holder": holder, "batch": batch}
+        if len(world["members"]) >= world["size"]:
+            world["event"].set()
+        try:
+            await asyncio.wait_for(world["event"].wait(), timeout)
+        except TimeoutError:
+            return {"timeout": sorted(world["members"])}
+        batches = {f"rank {r}": m["batch"] for r, m in sorted(world["members"].items())}
+        total = sum(batches.values())
+        cap = self.caps.max_live
+        if cap is not None and total > cap:
+            return {"refused": {"cap": cap, "batch": total, "batches": batches}}
+        return {"ok": True}
 
     # ── leases ───────────────────────────────────────────────────────────
 

@@ -52,3 +52,28 @@ class BatchExceedsCapError(ClusterError, ValueError):
 
 class LeaseExpiredError(ClusterError):
     """This holder missed its heartbeats for longer than the lease timeout; its leases were taken back."""
+
+
+class WorldExceedsCapError(BatchExceedsCapError):
+    """The ranks of one distributed run need more live sandboxes at once than the cluster cap.
+
+    Ranks of one torch.distributed/accelerate world meet in collectives
+    between the start of a batch and its reward, so they cannot take turns:
+    every rank's batch must be live at the same time. Refused when the engines
+    open, on every rank, instead of hanging in the first step.
+    """
+
+    def __init__(self, cap: int, batch: int, batches: Mapping[str, int] | None = None) -> None:
+        ClusterError.__init__(self)
+        self.cap, self.batch, self.batches = cap, batch, dict(batches or {})
+        per_rank = ", ".join(f"{holder}: {n}" for holder, n in self.batches.items())
+        self.args = (
+            f"the {len(self.batches)} ranks of this distributed run need {batch} live sandboxes at once "
+            f"({per_rank}), above the cluster cap of {cap}; ranks meet in collectives between a batch's "
+            f"start and its reward, so they cannot take turns: lower max_live_sandboxes per rank or raise "
+            f"the cluster cap (cluster_max_live / --max-live) to at least {batch}",
+        )
+
+
+class WorldRendezvousError(ClusterError):
+    """Not every rank of the distributed run joined the cluster budget in time."""

@@ -17,12 +17,18 @@ Two lease modes:
 
 - ``batch=None`` (``run``/``eval``: every episode needs one sandbox): one
   lease per sandbox; a waiting start holds nothing.
-- ``batch=n`` (GRPO ranks, whose whole generation batch must be live at once
-  before any of it frees a slot): the process leases ``n`` slots all or
-  nothing on its first start, its sandboxes use them, and the block goes back
-  when its last sandbox stops. Ranks take turns instead of each holding part
-  of a batch; a batch above the cluster cap raises
+- ``batch=n``: the process leases ``n`` slots all or nothing on its first
+  start, its sandboxes use them, and the block goes back when its last
+  sandbox stops. Independent processes (jobs, evals) then take turns instead
+  of each holding part of a batch; a batch above the cluster cap raises
   :class:`~harbor_async.cluster.errors.BatchExceedsCapError` at once.
+  The ranks of one torch.distributed/accelerate run cannot take turns: they
+  meet in collectives between a batch's start and its reward, so every rank's
+  batch must be live at once. Their engines meet at the actor when they open
+  (``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE`` name the run) and, if the
+  batches add up to more than the cap, every rank fails at once with
+  :class:`~harbor_async.cluster.errors.WorldExceedsCapError` naming the cap
+  and each rank's batch, instead of hanging in the first step.
 
 A daemon thread sends a heartbeat every ``lease_timeout / 6`` seconds; the
 actor takes back the leases of a holder silent for ``lease_timeout``.
@@ -48,7 +54,13 @@ import sniffio
 from harbor_async.budget import LocalBudget
 from harbor_async.cluster.budget_actor import DEFAULT_LEASE_TIMEOUT, Caps, get_or_create
 from harbor_async.cluster.connect import DEFAULT_ACTOR_NAME, DEFAULT_NAMESPACE, node_name
-from harbor_async.cluster.errors import BatchExceedsCapError, LeaseExpiredError
+from harbor_async.cluster.errors import (
+    BatchExceedsCapError,
+    LeaseExpiredError,
+    WorldExceedsCapError,
+    WorldRendezvousError,
+)
+from harbor_async.cluster.ranks import World, current_world
 from harbor_async.logs import get_logger
 from harbor_async.policy import Limits
 
@@ -143,6 +155,26 @@ class RayBudget:
         return self._cluster_exec()
 
     # ── the rest ─────────────────────────────────────────────────────────
+
+    def join_world(self, world: World, group: str, timeout: float) -> None:
+        """Meet the other ranks of a distributed run at the actor; refuse if their batches exceed the cap.
+
+        Blocks (up to ``timeout``) until every rank opened its engine: ranks
+        cannot take turns (see :class:`WorldExceedsCapError`), so a cap too
+        small for all of them together fails on every rank, at once.
+        """
+        import ray
+
+        reply = ray.get(
+            self.actor.join_world.remote(group, world.size, world.rank, self.holder, self.batch or 1, timeout)
+        )
+        if "refused" in reply:
+            refused = reply["refused"]
+            raise WorldExceedsCapError(refused["cap"], refused["batch"], refused["batches"])
+        if "timeout" in reply:
+            raise WorldRendezvousError(
+                f"only ranks {reply['timeout']} of {world.size} joined the cluster budget within {timeout:g} s"
+            )
 
     def close(self) -> None:
         """Stop the heartbeat and give back every lease now (idempotent; also at interpreter exit)."""
@@ -271,6 +303,7 @@ class RayBudgetFactory:
     batch: int | None = None
     namespace: str = DEFAULT_NAMESPACE
     name: str = DEFAULT_ACTOR_NAME
+    rendezvous_timeout: float = 600.0
 
     def caps(self) -> Caps | None:
         """The caps to create the actor with; ``None`` (no cap given): join the running actor as it is."""
@@ -285,7 +318,23 @@ class RayBudgetFactory:
         caps = ray.get(actor.get_caps.remote())
         if self.batch is not None and caps["max_live"] is not None and self.batch > caps["max_live"]:
             raise BatchExceedsCapError(caps["max_live"], self.batch)
-        return RayBudget(actor, limits, batch=self.batch, caps=caps)
+        budget = RayBudget(actor, limits, batch=self.batch, caps=caps)
+        world, group = current_world(), _world_group()
+        if self.batch is not None and world.size > 1 and group is not None:
+            try:
+                budget.join_world(world, group, self.rendezvous_timeout)
+            except BaseException:
+                budget.close()
+                raise
+        return budget
+
+
+def _world_group() -> str | None:
+    """What names this distributed run for the actor: its rendezvous address (torchrun, accelerate)."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    return f"{addr}:{port}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('WORLD_SIZE', '')}"
 
 
 def factory(
