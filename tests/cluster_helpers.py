@@ -71,7 +71,7 @@ class RayCluster:
         self.nodes.append(
             subprocess.Popen(
                 [RAY, "start", *args, *common],
-                env=child_env(),
+                env=child_env(TMPDIR=self.temp_dir),  # what a killed worker leaves stays in the cluster's folder
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
