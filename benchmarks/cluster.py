@@ -88,11 +88,14 @@ async def start_latency(address: str | None, n: int = 200) -> list[float]:
     return times
 
 
-def many_processes(address: str, processes: int = 4, per_process: int = 250, hold: float = 20.0) -> dict:
-    """``processes`` processes each holding ``per_process`` simulated sandboxes at once, under one cap."""
+def many_processes(
+    address: str, processes: int = 4, per_process: int = 250, hold: float = 20.0, cap: int | None = None
+) -> dict:
+    """``processes`` processes each asking for ``per_process`` simulated sandboxes at once, under one cap
+    (default: exactly what they ask for together; a smaller cap shows it holds)."""
     import ray
 
-    cap = processes * per_process
+    cap = cap or processes * per_process
     actor = get_or_create(Caps(max_live=cap), address=address)
     ray.get(actor.reset_peaks.remote())
     t0 = time.perf_counter()
@@ -146,6 +149,9 @@ def main() -> None:
             "ray_budget_p95": round(_pct(cluster, 0.95), 3),
         }
         result["many_processes"] = many_processes(address, per_process=args.per_process)
+        result["many_processes_cap_below_demand"] = many_processes(
+            address, per_process=args.per_process, cap=args.per_process * 4 * 3 // 5, hold=3.0
+        )
         for name in ("bench-leases", "bench-throughput", "bench-starts"):
             try:
                 ray.kill(ray.get_actor(name, namespace="harbor-async"))

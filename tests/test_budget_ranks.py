@@ -64,3 +64,20 @@ def test_budget_options() -> None:
     assert isinstance(factory, RayBudgetFactory)
     assert (factory.address, factory.max_live, factory.batch) == ("127.0.0.1:1", 20, 4)
     hash(options)  # still one shared engine per option set
+
+
+def test_cli_budget_options() -> None:
+    import typer
+
+    from harbor_async.cli.cluster import budget_from_options
+
+    assert budget_from_options("local") is None  # the default: process-local, as before
+    with pytest.raises(typer.Exit):
+        budget_from_options("local", max_live=4)  # a cluster cap without the cluster budget
+    with pytest.raises(typer.Exit):
+        budget_from_options("redis")
+    factory = budget_from_options("ray", "127.0.0.1:6379", 20, 5.0)
+    assert isinstance(factory, RayBudgetFactory)
+    assert (factory.address, factory.max_live, factory.creates_per_second, factory.batch) == (
+        "127.0.0.1:6379", 20, 5.0, None  # run/eval: one lease per sandbox
+    )

@@ -40,6 +40,7 @@ import asyncio
 import atexit
 import os
 import socket
+import sys
 import threading
 import uuid
 import weakref
@@ -251,6 +252,8 @@ class _Heartbeat(threading.Thread):
         import ray
 
         while not self._stopped.wait(self._interval):
+            if sys.is_finalizing():  # the interpreter is going: atexit unregisters
+                return
             if self._budget() is None:
                 self._at_exit()
                 return
