@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+# The private local instance needs no token (Ray would otherwise write one to ~/.ray);
+# against a real cluster, set RAY_AUTH_MODE as that cluster requires.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import anyio
 

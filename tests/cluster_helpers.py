@@ -13,6 +13,8 @@ import os
 # Before anything imports Ray: under `uv run`, Ray would otherwise re-run every
 # worker with `uv run` in a copy of the working folder (see harbor_async.cluster.connect).
 os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
+# A test cluster on 127.0.0.1 that does not depend on (or write) a token in ~/.ray.
+os.environ["RAY_AUTH_MODE"] = "disabled"
 import signal
 import socket
 import subprocess
@@ -79,7 +81,14 @@ class RayCluster:
         )
 
     def start(self, timeout: float = 180.0) -> RayCluster:
-        """Start the head, then the workers; return once every node is alive."""
+        """Start the head, then the workers; return once every node is alive (or stop what started)."""
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> RayCluster:
         import ray
 
         self._start_node(0)

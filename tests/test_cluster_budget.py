@@ -176,3 +176,37 @@ def test_ranks_of_one_run_whose_batches_exceed_the_cap_are_refused_on_every_rank
     assert list(live_dir.glob("live-*")) == []  # refused before any sandbox started
     ray, actor = _actor()
     assert ray.get(actor.stats.remote())["live_used"] == 0
+
+
+@pytest.mark.anyio
+async def test_an_engine_under_either_loop_keeps_the_cap_and_a_cancelled_wait_leaks_nothing(
+    ray_cluster, example_tasks, anyio_backend  # noqa: F811
+) -> None:
+    from harbor_async.backends.simulated import SimulatedEnvironment
+
+    budget = ray_budget.factory(address=ray_cluster.address, max_live=2, lease_timeout=LEASE_TIMEOUT)
+    async with Engine(limits=Limits(live_sandboxes=None), budget=budget) as engine:
+
+        async def one(i: int) -> None:
+            async with engine.episode(example_tasks[i], "simulated", backend_kwargs={"start_latency": 0.05}):
+                await anyio.sleep(0.1)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(one, i)
+        assert SimulatedEnvironment.peak_live == 2  # counted by the backend
+
+        ray, actor = _actor()
+        async with engine.episode(example_tasks[0], "simulated"), engine.episode(example_tasks[1], "simulated"):
+            with anyio.move_on_after(1.0):  # a third start waits for a slot; give up waiting
+                async with engine.episode(example_tasks[2], "simulated"):
+                    raise AssertionError("a third sandbox started under a cap of 2")
+            for _ in range(50):  # the withdrawal is sent without waiting for the reply
+                stats = ray.get(actor.stats.remote())
+                if stats["live_waiting"] == 0:
+                    break
+                await anyio.sleep(0.1)
+            assert stats["live_used"] == 2 and stats["live_waiting"] == 0  # the withdrawn wait is gone
+        await anyio.sleep(0.5)  # releases are sent without waiting for the reply
+        stats = ray.get(actor.stats.remote())
+        assert stats["live_used"] == 0 and stats["leases"] == 0

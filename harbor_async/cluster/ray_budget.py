@@ -195,27 +195,38 @@ class RayBudget:
                 self.actor.release.remote(lease)
 
     async def _lease(self, n: int, pool: str, sandbox: dict[str, Any] | None) -> str:
-        """Wait for ``n`` slots of ``pool`` at once; a cancelled wait is withdrawn at the actor."""
-        request_id = uuid.uuid4().hex
-        ref = self.actor.acquire.remote(self.holder, request_id, n, pool, sandbox)
-        try:
-            reply = await _resolve(ref)
-        except BaseException:
-            self.actor.cancel.remote(request_id)  # ordered after the acquire: drops or releases it
-            raise
-        if "lease" in reply:
-            return reply["lease"]
-        if "refused" in reply:
-            refused = reply["refused"]
-            raise BatchExceedsCapError(refused["cap"], refused["batch"], refused["batches"])
-        if reply.get("expired"):
-            self.expired = True
-            self._register()  # join again: the old leases are gone, this request asks anew
-            raise LeaseExpiredError(
-                f"holder {self.holder} missed its heartbeats for over {self.caps['lease_timeout']} s; "
-                "its leases were taken back"
-            )
-        raise LeaseExpiredError(f"lease request withdrawn: {reply}")
+        """Wait for ``n`` slots of ``pool`` at once; a cancelled wait is withdrawn at the actor.
+
+        A holder the actor expired (its heartbeats stalled past the timeout)
+        registers again and asks once more.
+        """
+        for _ in range(2):
+            request_id = uuid.uuid4().hex
+            ref = self.actor.acquire.remote(self.holder, request_id, n, pool, sandbox)
+            try:
+                reply = await _resolve(ref)
+            except BaseException:
+                self.actor.cancel.remote(request_id)  # ordered after the acquire: drops or releases it
+                raise
+            if "lease" in reply:
+                return reply["lease"]
+            if "refused" in reply:
+                refused = reply["refused"]
+                raise BatchExceedsCapError(refused["cap"], refused["batch"], refused["batches"])
+            if not reply.get("expired"):
+                break
+            log.warning("cluster.lease_expired", holder=self.holder)
+            self._forget_leases()
+            await anyio.to_thread.run_sync(self._register)
+        raise LeaseExpiredError(
+            f"holder {self.holder} lost its leases (no heartbeat for {self.caps['lease_timeout']} s): {reply}"
+        )
+
+    def _forget_leases(self) -> None:
+        """The actor took our leases back: stop counting on them (live sandboxes keep their local slots)."""
+        self._leases.clear()
+        self._block = None
+        self.expired = False
 
     def _maybe_return_block(self) -> None:
         """Return the batch block once no sandbox of this process uses or waits for it."""
@@ -257,8 +268,14 @@ class _Heartbeat(threading.Thread):
             if self._budget() is None:
                 self._at_exit()
                 return
+            if not ray.is_initialized():  # disconnected: a call now would start a local Ray instance
+                self.stop()
+                return
             try:
                 alive = ray.get(self._actor.heartbeat.remote(self._holder), timeout=self._interval * 3)
+            except ray.exceptions.RayActorError:  # the actor is gone (killed): nobody to tell
+                self.stop()
+                return
             except Exception as exc:  # noqa: BLE001 - a missed beat is retried; the timeout is generous
                 log.warning("cluster.heartbeat_failed", holder=self._holder, error=str(exc))
                 continue
