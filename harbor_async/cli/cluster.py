@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Annotated, Any
 
 import typer
@@ -136,8 +137,9 @@ def ledger_list(ray_address: str | None, as_json: bool) -> None:
         out.print("`harbor-async sandboxes reap --ray` removes the orphans of this host")
 
 
-def ledger_reap(ray_address: str | None, older_than: float | None = None) -> int:
-    """``sandboxes reap --ray``: expire silent holders now, then remove this host's orphans.
+def ledger_reap(ray_address: str | None, older_than: timedelta | float | None = None) -> int:
+    """``sandboxes reap --ray``: expire holders silent for ``older_than`` (default: the lease timeout)
+    now, then remove this host's orphans.
 
     Returns the exit code: 1 when a sandbox of this host could not be removed.
     Orphans of other hosts are listed: run the command there.
@@ -147,6 +149,8 @@ def ledger_reap(ray_address: str | None, older_than: float | None = None) -> int
     from harbor_async.reaper import reap
 
     actor = _actor(ray_address)
+    if isinstance(older_than, timedelta):
+        older_than = older_than.total_seconds()
     ray.get(actor.reap.remote(older_than))
     orphans = ray.get(actor.ledger.remote())["orphans"]
     host = socket.gethostname()
