@@ -45,6 +45,10 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from trl.experimental.harbor import HarborBashEnv, HarborEnv
 
 from harbor_async.backends import resolve_backend
+from harbor_async.doctor import require_supported
+
+# This module overrides TRL's private _start: only the TRL releases CI tested.
+require_supported("trl", "shim.reference (TRL's HarborEnv internals)", "trl-internals")
 
 #: (import path, extra kwargs) for the Harbor environment the current ``_start`` creates.
 _OVERRIDE: contextvars.ContextVar[tuple[str, dict[str, Any]] | None] = contextvars.ContextVar(

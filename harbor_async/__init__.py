@@ -27,7 +27,8 @@ from harbor_async.errors import (
 )
 from harbor_async.loop import call, get_loop, open_engine, submit
 from harbor_async.policy import Limits, RetryPolicy, Timeouts
-from harbor_async.sandbox import ExecOutput, Sandbox, SandboxState, VerifyResult
+from harbor_async.results import ExecOutput, VerifyResult
+from harbor_async.sandbox import Sandbox, SandboxState
 from harbor_async.stats import EngineStats
 from harbor_async.tasks import TaskSuite, load_suite, load_task
 
@@ -59,6 +60,17 @@ __all__ = [
     "get_loop",
     "open_engine",
     "submit",
+    "evaluate",
+    "evaluate_sync",
     "load_suite",
     "load_task",
 ]
+
+
+def __getattr__(name: str):
+    # evaluate pulls in openai and the shim: imported on first use, not with the package.
+    if name in ("evaluate", "evaluate_sync"):
+        from harbor_async import evaluation
+
+        return getattr(evaluation, name)
+    raise AttributeError(f"module 'harbor_async' has no attribute {name!r}")

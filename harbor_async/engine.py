@@ -16,7 +16,8 @@ from harbor_async.errors import EngineClosedError
 from harbor_async.logs import get_logger
 from harbor_async.naming import new_run_label
 from harbor_async.policy import Limits, RetryPolicy, Timeouts
-from harbor_async.sandbox import TRUNCATION_MARKER, Sandbox, SandboxContext
+from harbor_async.results import TRUNCATION_MARKER
+from harbor_async.sandbox import Sandbox, SandboxContext
 from harbor_async.stats import EngineStats, StatsRecorder
 
 if TYPE_CHECKING:
@@ -191,7 +192,7 @@ class Engine:
 
     def stop_soon(self, sandbox: Sandbox) -> None:
         """Schedule ``sandbox``'s stop in the background (call on the loop)."""
-        if sandbox.done:
+        if sandbox.done or self._closing:  # a closing engine stops every sandbox itself
             return
         if self._tg is None:
             raise EngineClosedError("the engine is not running")

@@ -46,7 +46,7 @@ class SandboxError(HarborAsyncError):
         phase: the lifecycle phase that failed.
         task: the task name.
         sandbox_id: the engine's id of the sandbox.
-        attempt: the attempt number (1-based; only start retries).
+        start_attempt: the start attempt it happened in (1-based; only starts are retried).
     """
 
     kind = "failed"
@@ -58,31 +58,31 @@ class SandboxError(HarborAsyncError):
         sandbox_id: str,
         detail: str = "",
         *,
-        attempt: int = 1,
+        start_attempt: int = 1,
     ) -> None:
         self.phase = Phase(phase)
         self.task = task
         self.sandbox_id = sandbox_id
         self.detail = detail
-        self.attempt = attempt
+        self.start_attempt = start_attempt
         super().__init__(self._message())
 
     def _message(self) -> str:
         where = f"task {self.task!r}, sandbox {self.sandbox_id}"
-        if self.attempt > 1:
-            where += f", attempt {self.attempt}"
+        if self.start_attempt > 1:
+            where += f", start attempt {self.start_attempt}"
         text = f"{self.phase.value} {self.kind} ({where})"
         return f"{text}: {self.detail}" if self.detail else text
 
     def __reduce__(self):  # keep the error picklable across processes
         return (
             _rebuild_sandbox_error,
-            (type(self), self.phase, self.task, self.sandbox_id, self.detail, self.attempt),
+            (type(self), self.phase, self.task, self.sandbox_id, self.detail, self.start_attempt),
         )
 
 
-def _rebuild_sandbox_error(cls, phase, task, sandbox_id, detail, attempt):
-    return cls(phase, task, sandbox_id, detail, attempt=attempt)
+def _rebuild_sandbox_error(cls, phase, task, sandbox_id, detail, start_attempt):
+    return cls(phase, task, sandbox_id, detail, start_attempt=start_attempt)
 
 
 class SandboxTimeout(SandboxError, TimeoutError):
@@ -126,6 +126,25 @@ class VerifyError(SandboxError):
     """The task's verifier could not produce a reward."""
 
 
+class VerifierFailure(VerifyError):
+    """The verifier ran but gave no valid reward, or ran past its budget: the episode scores 0.
+
+    Attributes:
+        output: the verifier's stdout and stderr (their tails), if any.
+    """
+
+    def __init__(self, *args: Any, output: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.output = output
+
+    def __reduce__(self):
+        return (_rebuild_verifier_failure, (self.phase, self.task, self.sandbox_id, self.detail, self.start_attempt, self.output))
+
+
+def _rebuild_verifier_failure(phase, task, sandbox_id, detail, start_attempt, output):
+    return VerifierFailure(phase, task, sandbox_id, detail, start_attempt=start_attempt, output=output)
+
+
 class StopError(SandboxError):
     """The sandbox could not be stopped cleanly."""
 
@@ -134,6 +153,12 @@ class SandboxClosedError(SandboxError):
     """The sandbox was already stopped (or never started) when it was used."""
 
     kind = "unavailable"
+
+
+class SandboxCancelledError(SandboxError):
+    """The phase was cancelled before it finished (a stop, a superseded start, a signal): not a failure."""
+
+    kind = "cancelled"
 
 
 PHASE_ERRORS: dict[Phase, type[SandboxError]] = {
@@ -236,3 +261,46 @@ class FailureClass(StrEnum):
 
 
 _RERUN = frozenset({FailureClass.INFRASTRUCTURE, FailureClass.MODEL_SERVER, FailureClass.CANCELLED})
+
+
+class LogSettingError(HarborAsyncError, ValueError):
+    """A log level or format that does not exist (from a flag or the environment)."""
+
+
+class ModelServerError(HarborAsyncError):
+    """The policy's model server failed (unreachable, errors after retries, died): not the model's episode."""
+
+
+class InfrastructureBudgetError(HarborAsyncError, RuntimeError):
+    """Too many sandboxes failed for infrastructure reasons: the run stops instead of scoring zeros.
+
+    Attributes:
+        cause: the last infrastructure error seen.
+    """
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+class SandboxLimitError(HarborAsyncError, ValueError):
+    """A live-sandbox limit is below what the caller needs alive at once (it would wait on itself)."""
+
+
+class PreflightError(HarborAsyncError, RuntimeError):
+    """The backend could not start and stop one sandbox before the run: a configuration problem."""
+
+
+def failure_class(exc: BaseException) -> FailureClass:
+    """Who ``exc`` is blamed on (see :class:`FailureClass`)."""
+    if isinstance(exc, SandboxCancelledError) or not isinstance(exc, Exception):
+        return FailureClass.CANCELLED
+    if isinstance(exc, ModelServerError):
+        return FailureClass.MODEL_SERVER
+    if isinstance(exc, VerifierFailure):
+        return FailureClass.VERIFIER
+    if isinstance(exc, SandboxError):
+        if exc.phase is Phase.AGENT or (isinstance(exc, EpisodeDeadlineError) and exc.phase is not Phase.START):
+            return FailureClass.AGENT
+        return FailureClass.INFRASTRUCTURE
+    return FailureClass.INFRASTRUCTURE

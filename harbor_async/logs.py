@@ -7,9 +7,9 @@ warnings and errors to stderr as it does for any library.
 
 Applications that want this project's console or JSON lines call
 :func:`configure_logging` (the command line and the benchmarks do): it puts one
-handler on the ``harbor_async`` logger and picks the renderer. Its level and
-format come from the arguments, else ``HARBOR_ASYNC_LOG_LEVEL`` /
-``HARBOR_ASYNC_LOG_FORMAT``, else ``warning`` and ``console``.
+handler on the ``harbor_async`` logger and picks the renderer. Each setting is
+taken from the argument (a command-line flag), else ``HARBOR_ASYNC_LOG_LEVEL``
+/ ``HARBOR_ASYNC_LOG_FORMAT``, else the default (``warning``, ``console``).
 """
 
 from __future__ import annotations
@@ -17,12 +17,20 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import structlog
 
+from harbor_async.errors import LogSettingError
+
 ROOT_LOGGER = "harbor_async"
-LEVELS = ("debug", "info", "warning", "error")
+LEVEL_ENV = "HARBOR_ASYNC_LOG_LEVEL"
+FORMAT_ENV = "HARBOR_ASYNC_LOG_FORMAT"
+DEFAULT_LEVEL = "warning"
+DEFAULT_FORMAT = "console"
+LEVELS = ("debug", "info", "warning", "error", "critical")
 FORMATS = ("console", "json")
 
 
@@ -82,32 +90,57 @@ def get_logger(name: str = ROOT_LOGGER, **context: Any) -> Any:
     ).bind(**context)
 
 
-def resolve_settings(level: str | None = None, fmt: str | None = None) -> tuple[str, str]:
-    """Level and format: the arguments, else the environment variables, else the defaults.
+def log_settings(level: str | None = None, fmt: str | None = None) -> tuple[str, str]:
+    """The level and format to use: the argument, else the environment variable, else the default.
 
     Raises:
-        ValueError: an unknown level or format (naming where it came from).
+        LogSettingError: naming the setting, where it came from and the choices.
     """
-    level_source = "level" if level else "HARBOR_ASYNC_LOG_LEVEL"
-    fmt_source = "format" if fmt else "HARBOR_ASYNC_LOG_FORMAT"
-    level = (level or os.environ.get("HARBOR_ASYNC_LOG_LEVEL") or "warning").lower()
-    fmt = (fmt or os.environ.get("HARBOR_ASYNC_LOG_FORMAT") or "console").lower()
-    if level not in LEVELS:
-        raise ValueError(f"log {level_source} must be one of {', '.join(LEVELS)}, got {level!r}")
-    if fmt not in FORMATS:
-        raise ValueError(f"log {fmt_source} must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    return level, fmt
+    chosen = []
+    for value, env, default, choices, what in (
+        (level, LEVEL_ENV, DEFAULT_LEVEL, LEVELS, "log level"),
+        (fmt, FORMAT_ENV, DEFAULT_FORMAT, FORMATS, "log format"),
+    ):
+        source = "given"
+        if value is None or not value.strip():
+            value, source = os.environ.get(env, ""), f"from ${env}"
+            if not value.strip():
+                value, source = default, "default"
+        value = value.strip().lower()
+        if value not in choices:
+            raise LogSettingError(f"{what} {value!r} ({source}) is not one of {', '.join(choices)}")
+        chosen.append(value)
+    return chosen[0], chosen[1]
+
+
+@contextmanager
+def quieter(level: str = "error") -> Iterator[None]:
+    """Within the block, drop the library's log events below ``level`` (for what the caller reports itself)."""
+    logger = logging.getLogger(ROOT_LOGGER)
+    previous = logger.level
+    wanted = logging.getLevelNamesMapping()[level.upper()]
+    if logger.getEffectiveLevel() >= wanted:
+        yield
+        return
+    logger.setLevel(wanted)
+    try:
+        yield
+    finally:
+        logger.setLevel(previous)
 
 
 def configure_logging(level: str | None = None, fmt: str | None = None, *, force: bool = False) -> None:
     """Send the library's events to stderr as console text or JSON lines (for applications).
 
     A no-op when already configured, unless ``force``.
+
+    Raises:
+        LogSettingError: an unknown level or format.
     """
     global _handler
     if _handler is not None and not force:
         return
-    level, fmt = resolve_settings(level, fmt)
+    level, fmt = log_settings(level, fmt)
     _renderer.use(fmt)
     logger = logging.getLogger(ROOT_LOGGER)
     if _handler is not None:

@@ -8,6 +8,7 @@ so the name alone says which process owns the sandbox.
 
 from __future__ import annotations
 
+import heapq
 import os
 import re
 import uuid
@@ -33,8 +34,12 @@ COMPOSE_PROJECT_LABEL = "com.docker.compose.project"
 
 #: A session id of the engine with its default run label: ``ha<pid>x<6 hex>-<10 hex>``.
 SESSION_RE = re.compile(r"(?P<label>ha(?P<pid>\d+)x[0-9a-f]{6})-[0-9a-f]{10}")
-#: Harbor's trial folder of a sandbox: ``harbor-async-<session id>-<mkdtemp suffix>``.
+#: Harbor's trial folder of a sandbox: ``harbor-async-<run label>-<10 hex slot>-trialdir``
+#: (older runs: ``harbor-async-<session id>-<mkdtemp suffix>``); either way its
+#: middle part reads as a session id of the run.
 TRIAL_DIR_RE = re.compile(rf"^{PREFIX}-(?P<session>{SESSION_RE.pattern})-[A-Za-z0-9_]{{8}}$")
+#: The file in a trial folder naming the sandbox it belongs to.
+TRIAL_MARKER_NAME = ".harbor-async-sandbox"
 
 
 def new_run_label() -> str:
@@ -47,9 +52,33 @@ def new_sandbox_id(run_label: str) -> str:
     return f"{run_label}-{uuid.uuid4().hex[:10]}"
 
 
-def trial_dir_prefix(sandbox_id: str) -> str:
-    """The ``mkdtemp`` prefix of a sandbox's Harbor trial folder."""
-    return f"{PREFIX}-{sandbox_id}-"
+class TrialDirNames:
+    """Names for the sandboxes' Harbor trial folders that are reused once a folder is removed.
+
+    Python 3.12 interns every path component pathlib parses and never frees
+    an interned string; a unique folder name per sandbox (as ``mkdtemp``
+    makes) would grow a long training run's memory by about 100 bytes per
+    sandbox. A run's names are ``harbor-async-<run label>-<slot>-trialdir``,
+    with slots reused, so they stay as many as the sandboxes alive at once.
+    The folder's :data:`TRIAL_MARKER_NAME` file names its sandbox.
+    """
+
+    def __init__(self, run_label: str) -> None:
+        self.run_label = run_label
+        self._free: list[int] = []
+        self._next = 0
+
+    def acquire(self) -> str:
+        """A name no live sandbox of this run uses."""
+        if self._free:
+            slot = heapq.heappop(self._free)
+        else:
+            slot, self._next = self._next, self._next + 1
+        return f"{PREFIX}-{self.run_label}-{slot:010x}-trialdir"
+
+    def release(self, name: str) -> None:
+        """``name``'s folder is gone: its slot may be reused."""
+        heapq.heappush(self._free, int(name.rsplit("-", 2)[1], 16))
 
 
 def owner_from_session(session: str) -> tuple[str | None, int | None]:

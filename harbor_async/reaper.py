@@ -42,8 +42,6 @@ owners outside it: without the ``pid_ns`` record it takes them for dead.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
 import subprocess
@@ -56,29 +54,23 @@ from typing import Any, Literal
 
 
 from harbor_async.backends.docker import cleanup as docker_cleanup
+from harbor_async.backends.local import cleanup as local_cleanup
 from harbor_async.errors import ReaperError
 from harbor_async.files import remove_tree
 from harbor_async.leftovers import (
-    pid_namespace,
     earliest,
     mtime,
-    parse_time,
     temp_dirs,
     Resource,
     SandboxInfo,
-    comm,
-    has_live_parent,
-    kill,
     nested_pids,
     owner_alive,
-    process_start_time,
-    processes,
 )
 from harbor_async.logs import get_logger
 from harbor_async.naming import (
-    MARKER_NAME,
     SESSION_RE,
     TRIAL_DIR_RE,
+    TRIAL_MARKER_NAME,
     local_roots,
     owner_from_session,
 )
@@ -111,74 +103,6 @@ class ReapReport:
 # ─── local (bubblewrap) ─────────────────────────────────────────────────────
 
 
-def _read_marker(folder: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((folder / MARKER_NAME).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _bwrap_processes() -> list[tuple[int, list[str]]]:
-    return [
-        (pid, argv)
-        for pid, _state, argv in processes()
-        if os.path.basename(argv[0]) == "bwrap" or comm(pid) == "bwrap"
-    ]
-
-
-def _scan_local(roots: Sequence[Path]) -> dict[str, SandboxInfo]:
-    found: dict[str, SandboxInfo] = {}
-    bwraps = _bwrap_processes()
-    for root in roots:
-        try:
-            folders = sorted(p for p in root.iterdir() if p.name.startswith("harbor-async-") and p.is_dir())
-        except OSError:
-            continue
-        for folder in folders:
-            marker = _read_marker(folder)
-            session = str(marker.get("session_id") or "")
-            match = SESSION_RE.search(folder.name)
-            if not session and match is not None:
-                session = match.group(0)
-            session = session or folder.name
-            label, pid = owner_from_session(session)
-            label = marker.get("run_label") or label
-            owner = marker.get("owner_pid")
-            pid = owner if isinstance(owner, int) else pid
-            created = parse_time(marker.get("created_at")) or mtime(folder)
-            info = SandboxInfo("local", session, label, pid, created)
-            fs = str(folder / "fs")
-            pids = {bpid for bpid, argv in bwraps if fs in argv}
-            # The marker's pids (bwrap, or nsenter joining the sandbox): only if
-            # they still run that program and started after the sandbox (not a reused pid).
-            for mpid in marker.get("pids") or []:
-                started = process_start_time(mpid) if isinstance(mpid, int) else None
-                if (
-                    started is not None
-                    and comm(mpid) in ("bwrap", "nsenter")
-                    and (created is None or started >= created - timedelta(seconds=2))
-                ):
-                    pids.add(mpid)
-            for bpid in sorted(pids):
-                info.resources.append(Resource("process", str(bpid), comm(bpid)))
-            info.owned_by_live_process = has_live_parent(pids)
-            namespace = marker.get("pid_ns")
-            info.foreign_pid = bool(namespace) and namespace != pid_namespace()
-            info.resources.append(Resource("folder", str(folder)))
-            # Two roots may hold the same session id: key by folder.
-            found[str(folder)] = info
-    return found
-
-
-def _remove_local(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
-    pids = [int(r.ref) for info in sandboxes for r in info.resources if r.kind == "process"]
-    left = kill(pids)
-    if left:
-        errors.append(f"bwrap processes {left} survived SIGKILL")
-    _remove_folders(sandboxes, "folder", errors)
-
-
 def _remove_folders(sandboxes: Sequence[SandboxInfo], kind: str, errors: list[str]) -> None:
     """Remove every resource of ``kind`` (a folder) of ``sandboxes``; failures go to ``errors``."""
     for info in sandboxes:
@@ -204,8 +128,17 @@ def _scan_trial_dirs() -> dict[str, list[tuple[Path, datetime | None]]]:
     for entry in entries:
         match = _TRIAL_DIR.match(entry.name)
         if match is not None and entry.is_dir():
-            found.setdefault(match["session"], []).append((entry, mtime(entry)))
+            found.setdefault(_trial_session(entry, match["session"]), []).append((entry, mtime(entry)))
     return found
+
+
+def _trial_session(folder: Path, named: str) -> str:
+    """The sandbox a trial folder belongs to: its marker's, else the one its name carries."""
+    try:
+        marked = (folder / TRIAL_MARKER_NAME).read_text().strip()
+    except OSError:
+        return named
+    return marked if SESSION_RE.fullmatch(marked) else named
 
 
 # ─── public API ─────────────────────────────────────────────────────────────
@@ -261,7 +194,7 @@ def list_sandboxes(
             sandboxes.append(info)
             by_session[info.id] = info
     if backend in ("local", "all"):
-        for info in _scan_local(local_roots(roots)).values():
+        for info in local_cleanup.scan(local_roots(roots)).values():
             info.owner_alive = _alive(info, nested)
             sandboxes.append(info)
             by_session.setdefault(info.id, info)
@@ -378,7 +311,7 @@ def _remove(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
         except (OSError, subprocess.TimeoutExpired) as exc:
             errors.append(f"docker: {exc}")
     if local:
-        _remove_local(local, errors)
+        local_cleanup.remove(local, errors)
     _remove_folders(sandboxes, "trial-dir", errors)
 
 

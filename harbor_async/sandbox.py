@@ -28,21 +28,23 @@ from harbor_async.errors import (
     BackendExecTimeout,
     EpisodeDeadlineError,
     Phase,
+    SandboxCancelledError,
     SandboxClosedError,
     SandboxError,
     SandboxTimeout,
+    VerifierFailure,
 )
 from harbor_async.logs import get_logger
-from harbor_async.naming import new_sandbox_id, trial_dir_prefix
+from harbor_async.naming import TRIAL_MARKER_NAME, TrialDirNames, new_sandbox_id
 from harbor_async.policy import RetryPolicy, Timeouts
+from harbor_async.results import ExecOutput, PhaseTimes, VerifyResult, scalar_reward, truncate_output
 from harbor_async.stats import StatsRecorder
 
 if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment
     from harbor.models.task.task import Task
 
-#: TRL's marker for cut output, kept so that prompts match TRL's env exactly.
-TRUNCATION_MARKER = "\n... [truncated]"
+VERIFIER_OUTPUT_LIMIT = 20_000
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class SandboxContext:
         on_done: called once a sandbox is stopped and holds nothing (the engine's ledger).
         start_options: backend start options (e.g. ``docker_overlay``), see
             :meth:`BackendSpec.start_extras`.
+        trial_names: the run's Harbor trial-folder names.
     """
 
     run_label: str
@@ -72,6 +75,11 @@ class SandboxContext:
     stats: StatsRecorder
     on_done: Callable[[Sandbox], None]
     start_options: Mapping[str, Any] = field(default_factory=dict)
+    trial_names: TrialDirNames | None = None
+
+    def __post_init__(self) -> None:
+        if self.trial_names is None:
+            object.__setattr__(self, "trial_names", TrialDirNames(self.run_label))
 
 
 class SandboxState(StrEnum):
@@ -83,56 +91,6 @@ class SandboxState(StrEnum):
     STOPPING = "stopping"
     STOPPED = "stopped"
     FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class ExecOutput:
-    """The result of one command.
-
-    ``output`` is stdout followed by stderr, cut to the engine's limit with a
-    marker; ``stdout``/``stderr`` are the untruncated streams.
-    """
-
-    output: str
-    stdout: str
-    stderr: str
-    exit_code: int
-    truncated: bool
-    seconds: float
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """The verifier's verdict: the scalar reward and every key it wrote."""
-
-    reward: float
-    rewards: dict[str, float | int]
-    seconds: float
-
-
-@dataclass
-class PhaseTimes:
-    """Seconds spent in each phase of one sandbox (summed over retries and calls)."""
-
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    def add(self, phase: Phase, seconds: float) -> None:
-        """Add ``seconds`` to ``phase``."""
-        self.seconds[phase.value] = self.seconds.get(phase.value, 0.0) + seconds
-
-
-def scalar_reward(rewards: dict[str, float | int]) -> float:
-    """The scalar Harbor rewards reduce to: ``reward`` if present, else the first key."""
-    if not rewards:
-        return 0.0
-    return float(rewards.get("reward", next(iter(rewards.values()))))
-
-
-def truncate_output(text: str, limit: int | None, marker: str = TRUNCATION_MARKER) -> tuple[str, bool]:
-    """Cut ``text`` to ``limit`` characters plus ``marker``; ``None`` keeps it whole."""
-    if limit is None or len(text) <= limit:
-        return text, False
-    return text[:limit] + marker, True
 
 
 class Sandbox:
@@ -152,17 +110,18 @@ class Sandbox:
         episode_timeout: float | None = None,
     ) -> None:
         self.context = context
+        self.timeouts = context.timeouts.for_task(task)
         self.task = task
         self.task_name: str = task.name
         self.backend = backend
         self.id = new_sandbox_id(context.run_label)
         self.state = SandboxState.PENDING
-        self.attempts = 0
+        self.start_attempts = 0
         self.times = PhaseTimes()
         self.start_error: SandboxError | None = None
         self.stop_error: SandboxError | None = None
         self._backend_kwargs = dict(backend_kwargs or {})
-        episode = episode_timeout if episode_timeout is not None else context.timeouts.episode
+        episode = episode_timeout if episode_timeout is not None else self.timeouts.episode
         self._deadline = anyio.current_time() + episode if episode is not None else math.inf
         self._env: BaseEnvironment | None = None
         self._trial_dir: Path | None = None
@@ -220,7 +179,7 @@ class Sandbox:
         await self.wait_started()
         environment = self.environment
         limit = self.context.max_output if max_output == "default" else max_output
-        budget = timeout if timeout is not None else self.context.timeouts.exec
+        budget = timeout if timeout is not None else self.timeouts.exec
         async with self.context.budget.exec_slot():
             async with self._phase(Phase.EXEC, budget=budget) as seconds:
                 # The engine's scope is exact; the backend's own timeout is a backstop.
@@ -236,7 +195,7 @@ class Sandbox:
         """Copy a host file or folder into the sandbox."""
         await self.wait_started()
         source = Path(source)
-        async with self.context.budget.exec_slot(), self._phase(Phase.EXEC, budget=self.context.timeouts.exec):
+        async with self.context.budget.exec_slot(), self._phase(Phase.EXEC, budget=self.timeouts.exec):
             if source.is_dir():
                 await self.environment.upload_dir(source, target)
             else:
@@ -245,37 +204,80 @@ class Sandbox:
     async def download(self, source: str, target: Path | str, *, directory: bool = False) -> None:
         """Copy a sandbox file (or folder, with ``directory=True``) to the host."""
         await self.wait_started()
-        async with self.context.budget.exec_slot(), self._phase(Phase.EXEC, budget=self.context.timeouts.exec):
+        async with self.context.budget.exec_slot(), self._phase(Phase.EXEC, budget=self.timeouts.exec):
             if directory:
                 await self.environment.download_dir(source, target)
             else:
                 await self.environment.download_file(source, target)
 
     async def verify(self) -> VerifyResult:
-        """Run the task's verifier with Harbor's own verifier; return the reward."""
+        """Run the task's verifier with Harbor's own verifier; return the reward.
+
+        Raises :class:`~harbor_async.errors.VerifierFailure` when the verifier ran
+        but gave no valid reward (a missing, empty or malformed reward file) or
+        ran past its budget: the model's episode, not the infrastructure's. The
+        verifier's output is kept on the result and on that error.
+        """
         from harbor.models.trial.config import VerifierConfig
         from harbor.models.trial.paths import EnvironmentPaths
         from harbor.verifier.factory import VerifierFactory
+        from harbor.verifier.verifier import (
+            RewardFileEmptyError,
+            RewardFileNotFoundError,
+            VerifierOutputParseError,
+        )
 
         await self.wait_started()
         environment = self.environment
-        async with (
-            self.context.budget.exec_slot(),
-            self._phase(Phase.VERIFY, budget=self.context.timeouts.verify) as seconds,
-        ):
-            # test.sh redirects into the verifier dir; the shell cannot create its parent.
-            env_paths = EnvironmentPaths.for_os(environment.os)
-            await environment.empty_dirs([env_paths.verifier_dir], chmod=True)
-            verifier = VerifierFactory.create_verifier_from_config(
-                VerifierConfig(),
-                task=self.task,
-                trial_paths=self._trial_paths(),
-                environment=environment,
-                override_env=self.task.config.verifier.env or None,
-            )
-            result = await verifier.verify()
+        try:
+            async with (
+                self.context.budget.exec_slot(),
+                self._phase(Phase.VERIFY, budget=self.timeouts.verify) as seconds,
+            ):
+                # test.sh redirects into the verifier dir; the shell cannot create its parent.
+                env_paths = EnvironmentPaths.for_os(environment.os)
+                await environment.empty_dirs([env_paths.verifier_dir], chmod=True)
+                verifier = VerifierFactory.create_verifier_from_config(
+                    VerifierConfig(),
+                    task=self.task,
+                    trial_paths=self._trial_paths(),
+                    environment=environment,
+                    override_env=self.task.config.verifier.env or None,
+                )
+                try:
+                    result = await verifier.verify()
+                except (RewardFileNotFoundError, RewardFileEmptyError, VerifierOutputParseError) as exc:
+                    raise VerifierFailure(
+                        Phase.VERIFY, self.task_name, self.id, f"{type(exc).__name__}: {exc}",
+                        output=self._verifier_output(),
+                    ) from exc  # fmt: skip
+        except SandboxTimeout as exc:
+            if isinstance(exc, EpisodeDeadlineError):
+                raise
+            raise VerifierFailure(
+                Phase.VERIFY, self.task_name, self.id, f"the verifier {exc.detail}", output=self._verifier_output()
+            ) from exc
         rewards = dict(result.rewards or {})
-        return VerifyResult(scalar_reward(rewards), rewards, seconds())
+        return VerifyResult(scalar_reward(rewards), rewards, seconds(), self._verifier_output())
+
+    def _verifier_output(self) -> str | None:
+        """The verifier's stdout and stderr as Harbor saved them in the trial folder (the tail of each)."""
+        if self._trial_dir is None:
+            return None
+        folder = self._trial_paths().verifier_dir
+        parts = []
+        for name in ("test-stdout.txt", "test-stderr.txt"):
+            try:
+                with open(folder / name, "rb") as fh:
+                    fh.seek(0, 2)
+                    size = fh.tell()
+                    fh.seek(max(0, size - VERIFIER_OUTPUT_LIMIT))
+                    text = fh.read().decode(errors="replace")
+            except OSError:
+                continue
+            if text:
+                parts.append(text if size <= VERIFIER_OUTPUT_LIMIT else "[...]\n" + text)
+        return "\n".join(parts) if parts else None
 
     async def run_agent(self, agent: str = "oracle") -> None:
         """Run one of Harbor's agents that needs no model (``oracle`` or ``nop``)."""
@@ -291,13 +293,13 @@ class Sandbox:
                 logs_dir=paths.agent_dir,
                 task_dir=self.task.paths.task_dir,
                 trial_paths=paths,
-                agent_timeout_sec=self.context.timeouts.agent,
+                agent_timeout_sec=self.timeouts.agent,
             )
         elif agent in ("nop", "none"):
             runner = NopAgent(logs_dir=paths.agent_dir)
         else:
             raise ValueError(f"unknown agent {agent!r}; use 'oracle' or 'none'")
-        async with self.context.budget.exec_slot(), self._phase(Phase.AGENT, budget=self.context.timeouts.agent):
+        async with self.context.budget.exec_slot(), self._phase(Phase.AGENT, budget=self.timeouts.agent):
             await runner.run(self.task.instruction, environment, AgentContext())
 
     async def stop(self) -> None:
@@ -320,7 +322,7 @@ class Sandbox:
                 if self._env is not None:
                     self.state = SandboxState.STOPPING
                     try:
-                        async with self._phase(Phase.STOP, budget=self.context.timeouts.stop):
+                        async with self._phase(Phase.STOP, budget=self.timeouts.stop):
                             await self._env.stop(delete=True)
                     except SandboxError as exc:
                         self.stop_error = exc
@@ -346,7 +348,9 @@ class Sandbox:
         stats = self.context.stats
         with anyio.CancelScope() as scope:
             self._start_scope = scope
-            wait = self._budget(Phase.START, self.context.timeouts.slot)
+            if self._stop_claimed:  # stopped before the start began: it never does
+                scope.cancel()
+            wait = self._budget(Phase.START, self.timeouts.slot)
             try:
                 with anyio.fail_after(wait if math.isfinite(wait) else None):
                     await self.context.budget.acquire_live(self)
@@ -367,6 +371,9 @@ class Sandbox:
                 await self._start()
         if self.state is SandboxState.RUNNING:
             stats.started += 1
+        elif isinstance(self.start_error, SandboxCancelledError):
+            stats.cancelled += 1  # superseded or stopped first: not a failure
+            await self.stop()
         else:
             stats.failed += 1
             if self.start_error is not None:
@@ -386,10 +393,10 @@ class Sandbox:
         """Create and start the environment, retrying transient failures."""
         self.state = SandboxState.STARTING
         try:
-            async for attempt in self.context.retry.retrying():
+            async for attempt in self.context.retry.retrying(self._deadline):
                 with attempt:
-                    self.attempts = attempt.retry_state.attempt_number
-                    if self.attempts > 1:
+                    self.start_attempts = attempt.retry_state.attempt_number
+                    if self.start_attempts > 1:
                         self.context.stats.retried += 1
                     await self._start_once()
         except BaseException as exc:
@@ -415,8 +422,8 @@ class Sandbox:
         )
 
         await self.context.budget.create_turn()
-        async with self._phase(Phase.START, budget=self.context.timeouts.start, wrap=False):
-            self._trial_dir = Path(tempfile.mkdtemp(prefix=trial_dir_prefix(self.id)))
+        async with self._phase(Phase.START, budget=self.timeouts.start, wrap=False):
+            self._trial_dir = self._make_trial_dir()
             paths = self._trial_paths()
             paths.mkdir()
             kwargs = {"run_label": self.context.run_label, **self._backend_kwargs}
@@ -453,7 +460,7 @@ class Sandbox:
         with anyio.CancelScope(shield=True):
             env, self._env = self._env, None
             if env is not None:
-                with anyio.move_on_after(self.context.timeouts.stop or math.inf):
+                with anyio.move_on_after(self.timeouts.stop or math.inf):
                     try:
                         await env.stop(delete=True)
                     except Exception as exc:  # the start error is the one that matters
@@ -469,9 +476,22 @@ class Sandbox:
             raise SandboxClosedError(Phase.EXEC, self.task_name, self.id, "sandbox has no trial directory")
         return TrialPaths(trial_dir=self._trial_dir)
 
+    def _make_trial_dir(self) -> Path:
+        names = self.context.trial_names
+        while True:
+            folder = Path(tempfile.gettempdir()) / names.acquire()
+            try:
+                folder.mkdir(mode=0o700)
+            except FileExistsError:  # left by someone else: keep its slot taken
+                continue
+            (folder / TRIAL_MARKER_NAME).write_text(self.id)
+            return folder
+
     def _remove_trial_dir(self) -> None:
         if self._trial_dir is not None:
             shutil.rmtree(self._trial_dir, ignore_errors=True)
+            if not self._trial_dir.exists():
+                self.context.trial_names.release(self._trial_dir.name)
             self._trial_dir = None
 
     def _budget(self, phase: Phase, budget: float | None) -> float:
@@ -485,21 +505,20 @@ class Sandbox:
         """Turn any exception from ``phase`` into the typed error, chained to it."""
         if isinstance(exc, SandboxError):
             return exc
-        attempt = max(self.attempts, 1)
+        attempt = max(self.start_attempts, 1)
         error: SandboxError
         if isinstance(exc, TimeoutError):
             detail = f"no result within {budget:.3g} s" if budget is not None else str(exc)
             deadline = self._deadline - anyio.current_time() <= 0 and phase is not Phase.STOP
             kind = EpisodeDeadlineError if deadline else SandboxTimeout
-            error = kind(phase, self.task_name, self.id, detail, attempt=attempt)
+            error = kind(phase, self.task_name, self.id, detail, start_attempt=attempt)
         elif isinstance(exc, BackendExecTimeout):
-            error = SandboxTimeout(phase, self.task_name, self.id, str(exc), attempt=attempt)
+            error = SandboxTimeout(phase, self.task_name, self.id, str(exc), start_attempt=attempt)
+        elif isinstance(exc, anyio.get_cancelled_exc_class()):
+            error = SandboxCancelledError(phase, self.task_name, self.id, "cancelled before it finished", start_attempt=attempt)
         else:
-            if isinstance(exc, anyio.get_cancelled_exc_class()):
-                detail = "cancelled before it finished"
-            else:
-                detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            error = PHASE_ERRORS[phase](phase, self.task_name, self.id, detail, attempt=attempt)
+            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            error = PHASE_ERRORS[phase](phase, self.task_name, self.id, detail, start_attempt=attempt)
         error.__cause__ = exc
         return error
 
@@ -519,7 +538,7 @@ class Sandbox:
             if limit <= 0:
                 if phase is not Phase.STOP and self._deadline <= begin:
                     raise EpisodeDeadlineError(
-                        phase, self.task_name, self.id, "the episode deadline has passed", attempt=max(self.attempts, 1)
+                        phase, self.task_name, self.id, "the episode deadline has passed", start_attempt=max(self.start_attempts, 1)
                     )
                 raise TimeoutError(f"the {phase.value} budget is {limit:.3g} s")
             with anyio.fail_after(limit if math.isfinite(limit) else None, shield=phase is Phase.STOP):
@@ -538,7 +557,7 @@ class Sandbox:
             if outcome != "cancelled":
                 self.context.stats.record(phase.value, seconds, outcome == "ok")
             log = self._log.debug if outcome in ("ok", "cancelled") else self._log.warning
-            log("phase", phase=phase.value, attempt=max(self.attempts, 1), seconds=round(seconds, 4), outcome=outcome)
+            log("phase", phase=phase.value, start_attempt=max(self.start_attempts, 1), seconds=round(seconds, 4), outcome=outcome)
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.id} task={self.task_name!r} backend={self.backend.name!r} {self.state}>"

@@ -145,3 +145,43 @@ def paired_difference(
         low, high = np.quantile(means, [alpha, 1.0 - alpha])
         result["ci"] = (float(low), float(high))
     return result
+
+
+def sweep_summary(
+    checkpoints: Sequence[tuple[str, int | None, Sequence[EpisodeRecord]]],
+    *,
+    k: int | None = None,
+    success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
+) -> dict[str, Any]:
+    """Scores of several checkpoints of one suite, in the order given (by step).
+
+    ``checkpoints`` is ``(model, step, records)`` per checkpoint. Returns
+    ``rows`` (mean reward and pass@k with their intervals, per checkpoint),
+    ``vs_first`` (each checkpoint minus the first) and ``neighbours`` (each
+    minus the one before), the last two with paired per-task bootstrap intervals.
+    """
+    rows = []
+    for model, step, records in checkpoints:
+        summary = summarize(records, k=k, success_threshold=success_threshold)
+        rows.append(
+            {
+                "model": model,
+                "step": step,
+                "episodes": summary["episodes"],
+                "mean_reward": summary["mean_reward"],
+                "mean_reward_ci": summary["mean_reward_ci"],
+                "pass_at_k": summary["pass_at_k"],
+                "failures": summary["failures"],
+            }
+        )
+
+    def pair(i: int, j: int) -> dict[str, Any]:
+        diff = paired_difference(checkpoints[i][2], checkpoints[j][2])
+        return {"base": checkpoints[i][0], "other": checkpoints[j][0], **diff}
+
+    return {
+        "rows": rows,
+        "vs_first": [pair(0, j) for j in range(1, len(checkpoints))],
+        "neighbours": [pair(j - 1, j) for j in range(1, len(checkpoints))],
+        "success_threshold": success_threshold,
+    }

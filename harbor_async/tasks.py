@@ -20,6 +20,7 @@ tasks as there. A broken task never breaks the suite: it is reported in
 from __future__ import annotations
 
 import operator
+import os
 import re
 import tomllib
 from collections.abc import Iterator, Sequence
@@ -76,11 +77,14 @@ class TaskSuite:
         tasks: the valid tasks as Harbor :class:`~harbor.models.task.task.Task`
             objects, sorted by folder name (or in ``indices`` order).
         invalid: task folders that failed validation, with their reasons.
+        positions: each task's position among the suite's task folders (the
+            ``indices`` that select it; TRL's ``task_index``).
     """
 
     root: Path
     tasks: list[Task]
     invalid: list[InvalidTask] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
 
     @property
     def task_dirs(self) -> list[Path]:
@@ -111,6 +115,23 @@ def _validation_summary(error: ValidationError) -> str:
         loc = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
     return "; ".join(parts)
+
+
+#: The parts of a task folder that a loader or a backend reads from the host.
+TASK_ENTRIES = ("instruction.md", "tests", "solution", "environment")
+
+
+def task_path_escapes(task_dir: Path) -> list[tuple[Path, Path]]:
+    """The task's entries (:data:`TASK_ENTRIES`) that are symlinks leading out of it, with their targets."""
+    root = task_dir.resolve()
+    found = []
+    for name in TASK_ENTRIES:
+        path = task_dir / name
+        if os.path.lexists(path):
+            target = path.resolve()
+            if not target.is_relative_to(root):
+                found.append((path, target))
+    return found
 
 
 def load_task(path: Path | str) -> Task:
@@ -152,6 +173,8 @@ def load_task(path: Path | str) -> Task:
     except (ValueError, TypeError) as e:
         raise TaskLoadError(task_dir, f"invalid task.toml: {e}") from e
 
+    for entry, target in task_path_escapes(task_dir):  # as Docker refuses a build-context escape
+        raise TaskLoadError(task_dir, f"{entry.name} leads out of the task folder (to {target}); refusing to follow it")
     if not config.environment.docker_image and not (task_dir / "environment").is_dir():
         raise TaskLoadError(task_dir, "missing environment/ folder (and no [environment].docker_image)")
     if not config.steps:
@@ -349,11 +372,14 @@ def load_suite(
     selected = _select(candidates, tasks_root, num_tasks, indices)
 
     tasks: list[Task] = []
+    positions: list[int] = []
+    position = {path: i for i, path in enumerate(candidates)}
     loaded: dict[Path, Task] = {}
     failed: dict[Path, InvalidTask] = {}
     for task_dir in selected:
         if task_dir in loaded:
             tasks.append(loaded[task_dir])
+            positions.append(position[task_dir])
             continue
         if task_dir in failed:
             continue
@@ -367,6 +393,7 @@ def load_suite(
             continue
         loaded[task_dir] = task
         tasks.append(task)
+        positions.append(position[task_dir])
     invalid.extend(failed.values())
     invalid.sort(key=lambda t: t.path.name)
 
@@ -374,4 +401,4 @@ def load_suite(
         log.warning("invalid task left out of suite", path=str(bad.path), reason=bad.reason)
     if not tasks:
         raise EmptySuiteError(tasks_root, invalid)
-    return TaskSuite(root=tasks_root, tasks=tasks, invalid=invalid)
+    return TaskSuite(root=tasks_root, tasks=tasks, invalid=invalid, positions=positions)

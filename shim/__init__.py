@@ -16,10 +16,20 @@ Modules: :mod:`shim.spec` (``HarborSpec``), :mod:`shim.env` (``HarborEnv``,
 (TRL's own env on any backend, for comparisons; imports trl).
 """
 
+from harbor_async.errors import InfrastructureBudgetError, PreflightError, SandboxLimitError
 from shim.env import AGENTS, HarborBashEnv, HarborEnv
 from shim.options import EngineOptions
 from shim.spec import HarborSpec
 
 import shim.harnesses  # noqa: E402,F401 - registers the "python" and "terminal" harnesses in AGENTS
 
-__all__ = ["AGENTS", "EngineOptions", "HarborBashEnv", "HarborEnv", "HarborSpec"]
+__all__ = [
+    "AGENTS",
+    "EngineOptions",
+    "HarborBashEnv",
+    "HarborEnv",
+    "HarborSpec",
+    "InfrastructureBudgetError",
+    "PreflightError",
+    "SandboxLimitError",
+]

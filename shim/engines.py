@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from harbor_async import loop as _loop
 from harbor_async.engine import Engine
+from shim.guard import RolloutGuard
 from shim.options import EngineOptions
 
 T = TypeVar("T")
@@ -25,6 +26,7 @@ T = TypeVar("T")
 # never held while the loop thread works (the loop reads it too: no deadlock).
 _engines: dict[EngineOptions, Future[Engine]] = {}
 _engines_lock = threading.Lock()
+_guards: dict[EngineOptions, RolloutGuard] = {}
 
 
 def prepare_exit_handlers() -> None:
@@ -75,6 +77,17 @@ def engine_for(options: EngineOptions) -> Engine:
             slot.set_exception(exc)
             raise
     return slot.result()
+
+
+def guard_for(options: EngineOptions) -> RolloutGuard:
+    """The rollout guard shared by every env with ``options`` (see :mod:`shim.guard`)."""
+    with _engines_lock:
+        guard = _guards.get(options)
+        if guard is None:
+            guard = _guards[options] = RolloutGuard(
+                options.max_live_sandboxes, options.max_failure_share, options.max_start_failures_in_a_row
+            )
+        return guard
 
 
 def open_engines() -> list[Engine]:

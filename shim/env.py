@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-import types
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
@@ -62,12 +61,13 @@ BACKENDS_DROPPING_COPY = frozenset({"e2b"})
 class not_a_tool(Generic[R]):
     """A method that TRL does not expose as a tool.
 
-    TRL turns every public *function* of an env class into a tool.
+    TRL turns every public *function* of an env class into a tool (1.15+),
+    or every public *bound method* of an instance (1.7 to 1.14).
     ``functools.partialmethod`` does not help (on Python 3.12 it returns a
     plain function when read from the class); this descriptor returns itself
-    from the class and a bound method from an instance, so
-    ``inspect.isfunction(type(env).close)`` is ``False`` and ``env.close()``
-    works.
+    from the class and a ``functools.partial`` (no bound method) from an
+    instance, so neither ``inspect.isfunction(type(env).close)`` nor
+    ``inspect.ismethod(env.close)`` holds, and ``env.close()`` works.
     """
 
     def __init__(self, func: Callable[..., R]) -> None:
@@ -77,7 +77,7 @@ class not_a_tool(Generic[R]):
     def __get__(self, instance: object | None, owner: type | None = None) -> Any:
         if instance is None:
             return self
-        return types.MethodType(self.__func__, instance)
+        return functools.partial(self.__func__, instance)
 
 
 def _command_error(command: object, timeout: object) -> str | None:
@@ -165,17 +165,23 @@ class HarborEnv:
         """
         if task_dir is None:
             raise ValueError("HarborEnv.reset requires `task_dir` (provided by the dataset row).")
+        guard = engines.guard_for(self._options)
         with self._state_lock:
             previous, self._episode = self._episode, None
             self._episodes[:] = [e for e in self._episodes if not e.finished]
+        if previous is not None:
+            previous.uncount_rollout()  # now, not when the loop retires it: the count must be exact here
         try:
+            guard.check()  # too many infrastructure failures: stop the trainer, do not train on zeros
             task = _load_task_cached(task_dir)
+            engine = engines.engine_for(self._options)
+            episode = Episode(task, engine, self._backend, self._backend_kwargs, guard)
+            if not self._owns_reward():
+                episode.count_rollout()
         except BaseException:
             if previous is not None:
                 engines.submit(previous.retire)
             raise
-        engine = engines.engine_for(self._options)
-        episode = Episode(task, engine, self._backend, self._backend_kwargs)
         episode.owner = weakref.ref(self)
         with self._state_lock:
             self._episode = episode
@@ -184,21 +190,33 @@ class HarborEnv:
         future.add_done_callback(_report_unexpected)
         return task.instruction + self.PROMPT_SUFFIX
 
+    def _owns_reward(self) -> bool:
+        # An env-owned reward (AsyncGRPOTrainer) frees each sandbox as its rollout ends: no batch to wait for.
+        return callable(getattr(type(self), "get_reward", None))
+
     @property
-    def reward(self) -> float:
+    def reward(self) -> float | None:
         """The verifier's reward for the current rollout (verified once, lazily, then cached).
 
         A fresh env that was never reset reads 0.0 without touching any backend
-        (or even starting the loop thread). A sandbox that failed to start, or
-        a verifier that failed, reads 0.0 as well. Verifying stops the sandbox
-        in the background. ``spec.reward_funcs`` verifies a whole batch at once.
+        (or even starting the loop thread). A verifier that gave no valid reward
+        reads 0.0 (the model's episode); a sandbox that failed for infrastructure
+        reasons reads ``None``: there is no verdict, and TRL leaves the rollout
+        out of its group statistics. Verifying stops the sandbox in the
+        background. ``spec.reward_funcs`` verifies a whole batch at once.
         """
         episode = self._episode
         if episode is None:
             return 0.0
-        if episode.reward is not None:
+        if episode.verified:
             return episode.reward
         return engines.call(episode.verify)
+
+    @property
+    def infrastructure_failure(self) -> bool:
+        """Whether the current rollout was left without a verdict for infrastructure reasons."""
+        episode = self._episode
+        return episode is not None and episode.verified and episode.reward is None
 
     def _exec(self, command: str, timeout: float | None = None) -> str:
         """Run a shell command in the sandbox; return combined stdout+stderr (truncated to 8k).
@@ -233,12 +251,12 @@ class HarborEnv:
             return await episode.exec(command, timeout)
         return await _await_loop(engines.submit(episode.exec, command, timeout))
 
-    async def _areward(self) -> float:
+    async def _areward(self) -> float | None:
         """:attr:`reward` for async callers (the env-owned ``get_reward`` path)."""
         episode = self._episode
         if episode is None:
             return 0.0
-        if episode.reward is not None:
+        if episode.verified:
             return episode.reward
         if engines.in_loop_thread():
             return await episode.verify()

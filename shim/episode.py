@@ -5,7 +5,10 @@
 the harness prepares it in the background while the trainer generates. Tool
 calls and the reward wait on the loop for that preparation, never on the
 trainer thread's own clock. Failures become values here (an error message for
-a tool call, a 0.0 reward), so that one bad sandbox never crashes a batch.
+a tool call; a reward of ``None`` when the infrastructure failed, so that the
+trainer leaves the rollout out instead of scoring the model 0), so that one bad
+sandbox never crashes a batch. A :class:`~shim.guard.RolloutGuard` counts them
+and stops the run when too many fail.
 
 Every method below except the constructor runs on the loop thread.
 """
@@ -19,7 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from harbor_async.errors import EngineClosedError, Phase, SandboxClosedError, SandboxError, SandboxTimeout, StartError
+from harbor_async.errors import (
+    EngineClosedError,
+    EpisodeDeadlineError,
+    FailureClass,
+    Phase,
+    SandboxClosedError,
+    SandboxError,
+    SandboxTimeout,
+    StartError,
+    failure_class,
+)
 from harbor_async.logs import get_logger
 
 if TYPE_CHECKING:
@@ -28,6 +41,7 @@ if TYPE_CHECKING:
     from harbor_async.backends import BackendSpec
     from harbor_async.engine import Engine
     from harbor_async.sandbox import Sandbox
+    from shim.guard import RolloutGuard
 
 log = get_logger("harbor_async.shim")
 
@@ -48,9 +62,11 @@ class Episode:
         sandbox: the engine's sandbox (``None`` until :meth:`run` launched it).
         error: why no command can run in this episode (a start or setup
             failure, or the episode was closed first); ``None`` when ready.
-        reward: the verifier's reward, once verified (then cached).
-        reward_error: why the reward is 0.0 without a verdict (failed start or
-            verifier), if so.
+        reward: the verifier's reward, once verified (then cached); ``None``
+            when the infrastructure failed (the rollout is left out of training).
+        reward_error: why there is no verdict (failed start, setup or verifier), if so.
+        failure: the class of that failure (infrastructure, verifier, agent, cancelled).
+        tool_seconds: seconds this rollout's commands took, summed.
     """
 
     def __init__(
@@ -59,6 +75,7 @@ class Episode:
         engine: Engine,
         backend: BackendSpec,
         backend_kwargs: dict[str, Any],
+        guard: RolloutGuard | None = None,
     ) -> None:
         self.task = task
         self.engine = engine
@@ -68,6 +85,15 @@ class Episode:
         self.error: BaseException | None = None
         self.reward: float | None = None
         self.reward_error: BaseException | None = None
+        self.failure: FailureClass | None = None
+        self.tool_seconds = 0.0
+        #: The rollout's tool-time budget: the task's ``[agent] timeout_sec`` (or the option), multiplied.
+        self.agent_budget: float | None = engine.timeouts.for_task(task).agent
+        self.guard = guard
+        self._counted = False  # counted by the guard as awaiting its batch reward
+        self._verified = False
+        #: Commands the sandbox could not run (not a failing command): evaluation blames the infrastructure.
+        self.exec_errors: list[SandboxError] = []
         self.owner: Any = None  # a weak reference to the env, for PREPARING lookups
         self._retired = False
         self._launched = False
@@ -76,6 +102,26 @@ class Episode:
         self._verify_lock: anyio.Lock | None = None
 
     # ── state readable from any thread ───────────────────────────────────
+
+    def count_rollout(self) -> None:
+        """Have the guard count this rollout as awaiting its batch reward (on the caller's thread).
+
+        Raises :class:`~harbor_async.errors.SandboxLimitError` when the limit is below what is needed.
+        """
+        if self.guard is not None:
+            self.guard.open_rollout()
+            self._counted = True
+
+    def uncount_rollout(self) -> None:
+        """The rollout no longer awaits a reward (scored or abandoned); idempotent, any thread."""
+        if self._counted and self.guard is not None:
+            self._counted = False
+            self.guard.close_rollout()
+
+    @property
+    def verified(self) -> bool:
+        """Whether the reward (or its absence) is settled."""
+        return self._verified
 
     @property
     def finished(self) -> bool:
@@ -117,7 +163,14 @@ class Episode:
             self._launched = True
             with anyio.CancelScope() as self._scope:
                 try:
-                    await self.sandbox.wait_started()
+                    try:
+                        await self.sandbox.wait_started()
+                    except SandboxError as exc:
+                        if self.guard is not None and failure_class(exc) is FailureClass.INFRASTRUCTURE:
+                            self.guard.record_start(exc)
+                        raise
+                    if self.guard is not None:
+                        self.guard.record_start(None)
                     token = PREPARING.set(self)
                     try:
                         # TRL counts its setup steps as part of the start: same budget.
@@ -127,6 +180,8 @@ class Episode:
                         PREPARING.reset(token)
                 except Exception as exc:  # noqa: BLE001 - any setup failure only ends this episode
                     self.error = exc
+                    # The harness's own code failing is the agent's failure; a sandbox error is not.
+                    self.failure = failure_class(exc) if isinstance(exc, SandboxError) else FailureClass.AGENT
                     if not isinstance(exc, SandboxError):
                         log.warning("harness setup failed", task=self.task.name, error=repr(exc))
                     # An unusable sandbox gives its slot back now, not at the reward.
@@ -145,6 +200,7 @@ class Episode:
     def retire(self) -> None:
         """End the episode: cancel a start or setup in progress, stop the sandbox in the background."""
         self._retired = True
+        self.uncount_rollout()
         if self._scope is not None:
             self._scope.cancel()
         self._stop_soon()
@@ -174,50 +230,82 @@ class Episode:
         if self.error is not None:
             return describe_unavailable(self.error)
         assert self.sandbox is not None
+        if self.agent_budget is not None:  # TRL cannot end a rollout: later calls read the limit
+            left = self.agent_budget - self.tool_seconds
+            if left <= 0:
+                return (
+                    f"Error: this task's time limit for the agent ({_seconds(self.agent_budget)}) was reached; "
+                    "no more commands run in this episode."
+                )
+            agent_limited = timeout is None or left < timeout
+            timeout = left if agent_limited else timeout
+        else:
+            agent_limited = False
+        began = anyio.current_time()
         try:
             result = await self.sandbox.exec(command, timeout=timeout)
-        except SandboxTimeout as exc:
-            if "episode deadline" in exc.detail:
-                return "Error: the episode's time limit was reached; the command was stopped."
+        except EpisodeDeadlineError:
+            return "Error: the episode's time limit was reached; the command was stopped."
+        except SandboxTimeout:
+            if agent_limited:
+                return (
+                    f"Error: this task's time limit for the agent ({_seconds(self.agent_budget)}) was reached; "
+                    "the command was stopped."
+                )
             return f"Error: the command timed out after {_seconds(timeout)} and was stopped."
         except SandboxClosedError as exc:
+            self.exec_errors.append(exc)
             return describe_unavailable(exc)
         except SandboxError as exc:
+            self.exec_errors.append(exc)
             return f"Error: the command could not be run ({exc})."
+        finally:
+            self.tool_seconds += anyio.current_time() - began
         # TRL's format: stdout then stderr, cut at 8000 characters (by the engine), or a placeholder.
         return result.output or f"(empty output, rc={result.exit_code})"
 
-    async def verify(self) -> float:
+    async def verify(self) -> float | None:
         """The verifier's reward, computed once; the sandbox is stopped in the background right after.
 
-        A start, setup or verifier failure gives 0.0 (kept in :attr:`reward_error`)
-        rather than an exception, so one broken sandbox does not fail the batch.
+        Never raises. A verifier that gave no valid reward, or an agent that ran
+        out of time, scores 0.0 (the model's episode); a start, setup or
+        infrastructure failure gives ``None`` (no verdict: TRL leaves the rollout
+        out of its group statistics). The cause is kept in :attr:`reward_error`
+        and its class in :attr:`failure`.
         """
-        if self.reward is not None:
+        if self._verified:
             return self.reward
         if self._verify_lock is None:
             self._verify_lock = anyio.Lock()
         async with self._verify_lock:  # concurrent readers share one verification
-            if self.reward is not None:
+            if self._verified:
                 return self.reward
             await self.wait_ready()
-            if self.error is not None:
-                reward, self.reward_error = 0.0, self.error
-            else:
+            error = self.error
+            reward: float | None = None
+            if error is None:
                 assert self.sandbox is not None
                 try:
                     reward = (await self.sandbox.verify()).reward
                 except SandboxError as exc:
-                    reward, self.reward_error = 0.0, exc
-                    log.warning("verification failed; reward 0.0", task=self.task.name, error=str(exc))
-            self.reward = reward
+                    error = exc
+            if error is not None:
+                self.reward_error = error
+                self.failure = self.failure if error is self.error and self.failure else failure_class(error)
+                reward = None if self.failure.rerun else 0.0
+                log.warning(
+                    "no verdict for a rollout", task=self.task.name, failure=self.failure.value, reward=reward,
+                    error=str(error),
+                )  # fmt: skip
+            self.reward, self._verified = reward, True
+            self.uncount_rollout()
             self._stop_soon()
             return reward
 
 
-async def verify_episodes(episodes: Sequence[Episode]) -> list[float]:
+async def verify_episodes(episodes: Sequence[Episode]) -> list[float | None]:
     """Verify every episode concurrently (one loop call for a whole batch); rewards in order."""
-    rewards: list[float] = [0.0] * len(episodes)
+    rewards: list[float | None] = [None] * len(episodes)
 
     async def one(index: int, episode: Episode) -> None:
         rewards[index] = await episode.verify()

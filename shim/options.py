@@ -11,7 +11,7 @@ across the whole batch, not per env.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, TypedDict
 
 from harbor_async.policy import Limits, RetryPolicy, Timeouts
@@ -24,13 +24,13 @@ class EngineOptions:
     Attributes:
         max_live_sandboxes: sandboxes alive at once across every env with these
             options (a sandbox counts from its create call until its stop is
-            confirmed). Further starts wait for a slot. ``None``: unlimited.
-            Keep it at least the number of rollouts in flight (GRPOTrainer: the
-            generation batch, plus the previous batch's sandboxes while they
-            stop): GRPOTrainer verifies, and so frees slots, only after every
-            rollout of the batch has finished its tool calls, so a rollout
-            waiting for a slot held by its own batch would wait until the
-            engine's slot timeout (600 s) and then see a start error.
+            confirmed). Further starts wait for a slot. ``None`` (default):
+            unlimited, so a batch of any size never waits on itself. With
+            GRPOTrainer's batch reward every rollout of a generation batch holds
+            its sandbox until the batch is verified: a ``reset`` that would need
+            more than this many rollouts alive raises
+            :class:`~harbor_async.errors.SandboxLimitError` at once (a provider
+            cap below the batch size means a smaller generation batch).
         creates_per_second: at most this many sandbox creations per second
             (provider rate limits). ``None``: unlimited.
         concurrent_execs: commands and verifier runs in flight at once across
@@ -45,6 +45,18 @@ class EngineOptions:
             phase but the stop. ``None``: no episode deadline.
         start_attempts: start attempts for transient failures (jittered
             exponential backoff); a permanent failure is not retried.
+        agent_timeout: seconds of tool time a rollout may use (the sum of its
+            commands) when its task sets no ``[agent] timeout_sec``; ``None``: no limit.
+        timeout_multiplier, agent_timeout_multiplier, verifier_timeout_multiplier,
+        environment_build_timeout_multiplier: Harbor's multipliers of the
+            task's (or these) timeouts; see :meth:`harbor_async.policy.Timeouts.for_task`.
+        max_failure_share: when more than this share of a batch's rollouts
+            failed for infrastructure reasons, the reward raises
+            :class:`~harbor_async.errors.InfrastructureBudgetError` and stops
+            the trainer. ``None``: never.
+        max_start_failures_in_a_row: after this many sandbox starts failed one
+            after another, the next ``reset`` or reward raises the same error.
+            ``None``: never.
         per_rank_limits: under torchrun/accelerate (``WORLD_SIZE`` set), divide
             ``max_live_sandboxes``, ``concurrent_execs`` and
             ``creates_per_second`` by the world size, so that the numbers given
@@ -54,16 +66,17 @@ class EngineOptions:
             actor (``pip install 'harbor-async[ray]'``; see
             :mod:`harbor_async.cluster.ray_budget`). With ``"ray"``,
             ``max_live_sandboxes`` is this process's batch, leased all or
-            nothing (set it to the rank's generation batch; ``None``: one lease
-            per sandbox), and ``cluster_max_live`` / ``cluster_creates_per_second``
-            are the caps of the whole cluster.
+            nothing (set it to the rank's generation batch; ``None``: under
+            torchrun/accelerate, ``cluster_max_live // WORLD_SIZE``, else one
+            lease per sandbox), and ``cluster_max_live`` /
+            ``cluster_creates_per_second`` are the caps of the whole cluster.
         ray_address: the Ray cluster (``None``: ``RAY_ADDRESS`` or the local one).
         cluster_max_live: live sandboxes across the cluster (``budget="ray"``;
             ``None`` with no rate either: join the running budget actor as it is).
         cluster_creates_per_second: sandbox creations per second across the cluster.
     """
 
-    max_live_sandboxes: int | None = 64
+    max_live_sandboxes: int | None = None
     creates_per_second: float | None = None
     concurrent_execs: int | None = None
     start_timeout: float | None = 600.0
@@ -72,6 +85,13 @@ class EngineOptions:
     stop_timeout: float | None = 120.0
     episode_timeout: float | None = None
     start_attempts: int = 3
+    agent_timeout: float | None = None
+    timeout_multiplier: float = 1.0
+    agent_timeout_multiplier: float | None = None
+    verifier_timeout_multiplier: float | None = None
+    environment_build_timeout_multiplier: float | None = None
+    max_failure_share: float | None = 0.5
+    max_start_failures_in_a_row: int | None = 8
     per_rank_limits: bool = False
     budget: str = "local"
     ray_address: str | None = None
@@ -81,7 +101,7 @@ class EngineOptions:
     def __post_init__(self) -> None:
         if self.budget not in ("local", "ray"):
             raise ValueError(f"budget must be 'local' or 'ray', got {self.budget!r}")
-        for name in ("max_live_sandboxes", "concurrent_execs", "cluster_max_live"):
+        for name in ("max_live_sandboxes", "concurrent_execs", "max_start_failures_in_a_row", "cluster_max_live"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -93,12 +113,20 @@ class EngineOptions:
             "verify_timeout",
             "stop_timeout",
             "episode_timeout",
+            "agent_timeout",
+            "timeout_multiplier",
+            "agent_timeout_multiplier",
+            "verifier_timeout_multiplier",
+            "environment_build_timeout_multiplier",
         ):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isnan(value)
             ):
                 raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+        share = self.max_failure_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1):
+            raise ValueError(f"max_failure_share must be a number in [0, 1] or None, got {share!r}")
         if isinstance(self.start_attempts, bool) or not isinstance(self.start_attempts, int) or self.start_attempts < 1:
             raise ValueError(f"start_attempts must be an integer >= 1, got {self.start_attempts!r}")
 
@@ -131,7 +159,14 @@ class EngineOptions:
             limits = divide_limits(limits)
         kwargs: dict[str, Any] = {}
         if self.budget == "ray":
+            from harbor_async.cluster.ranks import current_world
             from harbor_async.cluster.ray_budget import factory
+
+            world = current_world().size
+            if limits.live_sandboxes is None and world > 1 and self.cluster_max_live is not None:
+                # Ranks need their batches live at once: without a batch given, each rank's
+                # batch is its share of the cluster cap (a larger rollout batch is refused).
+                limits = replace(limits, live_sandboxes=max(1, self.cluster_max_live // world))
 
             kwargs["budget"] = factory(
                 address=self.ray_address,
@@ -148,6 +183,11 @@ class EngineOptions:
                 verify=self.verify_timeout,
                 stop=self.stop_timeout,
                 episode=self.episode_timeout,
+                agent=self.agent_timeout,
+                timeout_multiplier=self.timeout_multiplier,
+                agent_timeout_multiplier=self.agent_timeout_multiplier,
+                verifier_timeout_multiplier=self.verifier_timeout_multiplier,
+                environment_build_timeout_multiplier=self.environment_build_timeout_multiplier,
             ),
             "retry": RetryPolicy(attempts=self.start_attempts),
         }
@@ -169,6 +209,13 @@ class EngineOptionsKwargs(TypedDict, total=False):
     stop_timeout: float | None
     episode_timeout: float | None
     start_attempts: int
+    agent_timeout: float | None
+    timeout_multiplier: float
+    agent_timeout_multiplier: float | None
+    verifier_timeout_multiplier: float | None
+    environment_build_timeout_multiplier: float | None
+    max_failure_share: float | None
+    max_start_failures_in_a_row: int | None
     per_rank_limits: bool
     budget: str
     ray_address: str | None

@@ -29,21 +29,26 @@ from shim.episode import Episode, verify_episodes
 
 def _outcome_reward_func(
     environments: Sequence[Any] | None = None,
-    environment_reward: Sequence[float] | None = None,
+    environment_reward: Sequence[float | None] | None = None,
     log_metric: Callable[[str, float], None] | None = None,
     **_: Any,
-) -> list[float]:
+) -> list[float | None]:
     """Default reward: the Harbor verifier's scalar per rollout (TRL's name, so metric keys match).
 
     ``GRPOTrainer`` passes the live envs as ``environments=``: every env not yet
     verified is verified concurrently, in one call to the loop thread, and each
     verified sandbox is stopped in the background. ``environment_reward=``
     (already captured rewards) is returned as floats, as TRL does. A rollout
-    whose sandbox failed scores 0.0; with ``log_metric`` (GRPOTrainer passes
-    it), their share is logged as ``harbor/failure_frequency``.
+    whose sandbox failed for infrastructure reasons reads ``None`` (TRL turns it
+    into NaN and leaves it out of its group's mean and standard deviation); a
+    verifier that gave no reward scores 0.0. With ``log_metric`` (GRPOTrainer
+    passes it), the share of rollouts without a verdict is logged as
+    ``harbor/failure_frequency``. When that share passes the engine options'
+    ``max_failure_share`` this raises
+    :class:`~harbor_async.errors.InfrastructureBudgetError`, which stops the trainer.
     """
     if environment_reward is not None:
-        return [float(r) for r in environment_reward]
+        return [None if r is None else float(r) for r in environment_reward]
     if environments is None:
         raise ValueError(
             "the Harbor outcome reward needs the rollouts' environments (`environments=`, as GRPOTrainer "
@@ -51,17 +56,18 @@ def _outcome_reward_func(
             "neither, use HarborSpec(..., env_reward=True) so that each env reports its own reward"
         )
     rewards = verify_environments(environments)
+    ours = [env for env in environments if isinstance(env, HarborEnv) and env._episode is not None]
+    failed = [env._episode for env in ours if env._episode.reward is None]
     if log_metric is not None and environments:
-        failed = sum(
-            1
-            for env in environments
-            if isinstance(env, HarborEnv) and env._episode is not None and env._episode.reward_error is not None
-        )
-        log_metric("harbor/failure_frequency", failed / len(environments))
+        log_metric("harbor/failure_frequency", len(failed) / len(environments))
+    if ours:
+        guard = engines.guard_for(ours[0]._options)
+        guard.record_batch(len(failed), len(environments), failed[-1].reward_error if failed else None)
+        guard.check()
     return rewards
 
 
-def verify_environments(environments: Sequence[Any]) -> list[float]:
+def verify_environments(environments: Sequence[Any]) -> list[float | None]:
     """Every env's reward, in order; the shim's envs are verified together in one loop call.
 
     Envs of other kinds (a plain TRL env) are read through their ``reward``.
@@ -73,23 +79,23 @@ def verify_environments(environments: Sequence[Any]) -> list[float]:
             episode = env._episode
             if episode is None:
                 rewards[index] = 0.0
-            elif episode.reward is not None:
+            elif episode.verified:
                 rewards[index] = episode.reward
             else:
                 pending.append((index, episode))
         else:
-            rewards[index] = float(env.reward)
+            rewards[index] = None if env.reward is None else float(env.reward)
     if pending:
         values = engines.call(verify_episodes, [episode for _, episode in pending])
         for (index, _), value in zip(pending, values, strict=True):
             rewards[index] = value
-    return [float(r) for r in rewards]  # type: ignore[arg-type]
+    return rewards
 
 
 class EnvOwnedReward:
     """Mixin giving a ``HarborEnv`` TRL's env-owned reward method, ``get_reward``."""
 
-    async def get_reward(self: Any) -> float:
+    async def get_reward(self: Any) -> float | None:
         """The verifier's reward for the finished rollout (verified once; the sandbox is then stopped).
 
         Async, so TRL awaits it on its own event loop without blocking that loop

@@ -28,7 +28,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import tomllib
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
@@ -37,11 +36,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, Unpack
 
 from harbor_async.backends import resolve_backend
+from harbor_async.doctor import require_supported
 from harbor_async.tasks import load_suite
 from shim import engines
 from shim.env import AGENTS, HarborEnv, _close_budget
 from shim.episode import stop_episodes
 from shim.options import EngineOptions, EngineOptionsKwargs
+from shim.preflight import preflight as run_preflight
 from shim.rewards import _outcome_reward_func, with_env_reward
 
 if TYPE_CHECKING:
@@ -88,31 +89,6 @@ def _resolve_agent(agent: str | type[HarborEnv]) -> type[HarborEnv]:
     return cls
 
 
-def _read_task_meta(task_dir: Path) -> dict[str, Any]:
-    """TRL's metadata columns from ``task.toml`` (``None`` where absent)."""
-    try:
-        config = tomllib.loads((task_dir / "task.toml").read_text())
-    except Exception:  # noqa: BLE001 - as TRL: unreadable metadata is no metadata
-        return {}
-    meta = config.get("metadata", {})
-    return {column: meta.get(key) for column, key in _META_COLUMNS.items()}
-
-
-def _task_candidates(root: Path) -> list[Path]:
-    """The task folders of a suite root in suite order (the rule of ``load_suite``'s scan)."""
-    return sorted(
-        (
-            child
-            for child in root.iterdir()
-            if child.is_dir()
-            and not child.name.startswith(".")
-            and child.name != "__pycache__"
-            and (child / "task.toml").is_file()
-        ),
-        key=lambda p: p.name,
-    )
-
-
 def _make_env(
     cls: type[HarborEnv],
     environment_type: str,
@@ -154,6 +130,10 @@ class HarborSpec:
             AsyncGRPOTrainer, see :mod:`shim.rewards`). ``None`` (default):
             ``True`` only if the harness class defines ``get_reward`` itself.
         backend_kwargs: extra constructor arguments for every Harbor environment.
+        preflight: start and stop one sandbox of the backend here, on the first
+            task, and raise :class:`~harbor_async.errors.PreflightError` if it
+            cannot start (a missing extra, bubblewrap, credentials, image).
+            ``False`` skips it.
         **engine_options: limits, timeouts and retries shared by the envs; see
             :class:`~shim.options.EngineOptions` (``max_live_sandboxes``,
             ``creates_per_second``, ``concurrent_execs``, ``start_timeout``,
@@ -174,6 +154,7 @@ class HarborSpec:
         include_metadata: bool = True,
         env_reward: bool | None = None,
         backend_kwargs: Mapping[str, Any] | None = None,
+        preflight: bool = True,
         **engine_options: Unpack[EngineOptionsKwargs],
     ) -> None:
         if num_tasks is not None and indices is not None:
@@ -191,10 +172,15 @@ class HarborSpec:
                 "env_reward=False the reward would be counted twice (get_reward + reward_funcs)"
             )
         self._env_reward = owns_reward if env_reward is None else bool(env_reward)
+        if self._env_reward:  # TRL reads get_reward from 1.8 on; before, it would be a tool the model sees
+            require_supported("trl", "HarborSpec(env_reward=True)", "trl-env-reward")
         self._options = EngineOptions.from_kwargs(dict(engine_options))
         self._backend_kwargs = dict(backend_kwargs or {})
-        resolve_backend(environment_type).environment_class()  # fail here, not mid-training
+        backend = resolve_backend(environment_type)
+        backend.environment_class()  # fail here, not mid-training
         self._token = uuid.uuid4().hex
+        if preflight and self._selection:
+            run_preflight(self._selection[0][1], backend, self._options, self._backend_kwargs)
 
     # ── public surface ───────────────────────────────────────────────────
 
@@ -207,13 +193,8 @@ class HarborSpec:
         position in the suite. Task folders are absolute.
         """
         suite = load_suite(self._dataset, num_tasks=self._num_tasks, indices=self._indices)
-        valid = {task.task_dir.resolve() for task in suite.tasks}
-        candidates = _task_candidates(suite.root)
-        if self._indices is not None:
-            picks = [(index, candidates[index]) for index in self._indices]
-        else:
-            picks = list(enumerate(candidates[: self._num_tasks] if self._num_tasks is not None else candidates))
-        return [(index, path) for index, path in picks if path.resolve() in valid]
+        self._metadata = [dict(task.config.metadata) for task in suite.tasks]
+        return list(zip(suite.positions, (task.task_dir for task in suite.tasks), strict=True))
 
     @cached_property
     def train_dataset(self) -> Dataset:
@@ -232,10 +213,9 @@ class HarborSpec:
             "task_dir": [str(path) for _, path in selection],
             "task_index": [index for index, _ in selection],
         }
-        if self._include_metadata:
-            metas = [_read_task_meta(path) for _, path in selection]
-            for column in _META_COLUMNS:
-                rows[column] = [meta.get(column) for meta in metas]
+        if self._include_metadata:  # the suite already parsed each task.toml
+            for column, key in _META_COLUMNS.items():
+                rows[column] = [meta.get(key) for meta in self._metadata]
         return Dataset.from_dict(rows)
 
     @cached_property

@@ -42,7 +42,7 @@ def test_grpo_step_compares_trl_and_the_shim(tmp_path):
 
 
 def test_throughput_reports_rates_latencies_and_memory(tmp_path):
-    bench("throughput", "-b", "simulated", "--latency", "zero", "-n", "12", "-c", "1,4", out=tmp_path)
+    bench("throughput", "-e", "simulated", "--latency", "zero", "--episodes", "12", "-n", "1,4", out=tmp_path)
     data = json.loads((tmp_path / "throughput-simulated.json").read_text())
     assert [r["concurrency"] for r in data["runs"]] == [1, 4]
     for r in data["runs"]:

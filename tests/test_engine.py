@@ -8,6 +8,7 @@ import pytest
 from harbor_async.backends.simulated import SimulatedEnvironment
 from harbor_async.engine import Engine, EngineClosedError
 from harbor_async.errors import (
+    SandboxCancelledError,
     AsyncLibraryError,
     BackendError,
     Phase,
@@ -74,7 +75,7 @@ async def test_concurrent_exec_limit(example_tasks):
 async def test_transient_start_failures_are_retried(example_tasks):
     async with engine(backend_kwargs=dict(fail_first_starts=2)) as eng:
         async with eng.episode(example_tasks[0], "simulated") as sandbox:
-            assert sandbox.attempts == 3
+            assert sandbox.start_attempts == 3
             assert (await sandbox.verify()).reward == 1.0
         assert eng.stats().retried == 2
 
@@ -86,7 +87,7 @@ async def test_transient_start_failures_give_up_after_the_cap(example_tasks):
             await sandbox.wait_started()
         await sandbox.stop()
         assert eng.live_sandboxes() == []
-    assert info.value.attempt == 3
+    assert info.value.start_attempt == 3
     assert info.value.phase is Phase.START
     assert "SimulatedTransientError" in str(info.value)
 
@@ -100,7 +101,7 @@ async def test_permanent_start_failure_fails_fast(example_tasks):
         with pytest.raises(StartError) as info:
             with anyio.fail_after(2):  # a retry would sleep >= 5 s
                 await sandbox.wait_started()
-    assert info.value.attempt == 1
+    assert info.value.start_attempt == 1
     assert "SandboxBuildFailedError" in str(info.value)
     assert info.value.task == example_tasks[0].name
     assert info.value.sandbox_id == sandbox.id
@@ -142,7 +143,7 @@ async def test_cancelling_a_batch_stops_every_sandbox(example_tasks):
                 started += 1
                 await sandbox.exec("long", timeout=60)
 
-        with anyio.move_on_after(0.5):
+        with anyio.move_on_after(1.5):
             async with anyio.create_task_group() as tg:
                 for i in range(12):
                     tg.start_soon(one, i)
@@ -190,9 +191,27 @@ async def test_stop_before_start_finished_cancels_the_start(example_tasks):
         await anyio.sleep(0.05)
         with anyio.fail_after(5):
             await sandbox.stop()
-        with pytest.raises(StartError, match="cancelled"):
+        with pytest.raises(SandboxCancelledError, match="cancelled"):
             await sandbox.wait_started()
         assert eng.live_sandboxes() == []
+        stats = eng.stats()
+        assert (stats.failed, stats.cancelled) == (0, 1)  # a cancelled start is not a failure
+
+
+@pytest.mark.parametrize("queued", [False, True])
+async def test_stop_right_after_launch_returns_at_once(example_tasks, queued):
+    limits = Limits(live_sandboxes=1)
+    async with engine(limits=limits, backend_kwargs=dict(start_latency=30.0)) as eng:
+        if queued:  # the only slot is taken: the second sandbox waits for it
+            blocker = eng.launch(example_tasks[0], "simulated")
+            await anyio.sleep(0.05)
+        sandbox = eng.launch(example_tasks[0], "simulated")
+        began = anyio.current_time()
+        await sandbox.stop()
+        assert anyio.current_time() - began < 0.1
+        assert sandbox.done and eng.stats().failed == 0
+        if queued:
+            await blocker.stop()
 
 
 async def test_unknown_backend_is_a_clear_error(example_tasks):

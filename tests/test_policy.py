@@ -9,7 +9,7 @@ from harbor_async.backends import resolve_backend
 from harbor_async.backends.simulated import Latency, SimulatedTransientError
 from harbor_async.errors import BackendError, Phase, StartError
 from harbor_async.policy import is_transient
-from harbor_async.sandbox import scalar_reward, truncate_output
+from harbor_async.results import scalar_reward, truncate_output
 from harbor_async.stats import percentile
 
 

@@ -120,15 +120,15 @@ def test_owner_alive_rejects_a_reused_pid():
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
         # A process that started before the sandbox was created may own it ...
-        assert reaper.owner_alive(sleeper.pid, now + timedelta(seconds=5)) is True
+        assert leftovers.owner_alive(sleeper.pid, now + timedelta(seconds=5)) is True
         # ... one that started after it (the pid was reused) does not.
-        assert reaper.owner_alive(sleeper.pid, now - timedelta(days=1)) is False
+        assert leftovers.owner_alive(sleeper.pid, now - timedelta(days=1)) is False
     finally:
         sleeper.kill()
         sleeper.wait()
-    assert reaper.owner_alive(sleeper.pid, now) is False
-    assert reaper.owner_alive(None, now) is None
-    assert reaper.owner_alive(os.getpid(), now - timedelta(days=365)) is True
+    assert leftovers.owner_alive(sleeper.pid, now) is False
+    assert leftovers.owner_alive(None, now) is None
+    assert leftovers.owner_alive(os.getpid(), now - timedelta(days=365)) is True
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare as root")
@@ -145,9 +145,9 @@ def test_an_owner_inside_a_nested_pid_namespace_counts_as_alive():
         created = datetime.now(UTC)
         dead = _dead_pid()
         # As if the owner had recorded pid `dead` inside its namespace, where the sleeper has it.
-        assert reaper.owner_alive(dead, created, {dead: [sleeper]}) is True
-        assert reaper.owner_alive(dead, created - timedelta(days=1), {dead: [sleeper]}) is False
-        assert reaper.owner_alive(dead, created, {}) is False
+        assert leftovers.owner_alive(dead, created, {dead: [sleeper]}) is True
+        assert leftovers.owner_alive(dead, created - timedelta(days=1), {dead: [sleeper]}) is False
+        assert leftovers.owner_alive(dead, created, {}) is False
     finally:
         inner.kill()
         inner.wait()
@@ -227,11 +227,11 @@ def test_reap_kills_the_orphaned_bwrap_processes_of_a_dead_owners_sandbox(tmp_pa
         result = _harbor_async("sandboxes", "reap", "--backend", "local", "--local-root", str(tmp_path))
         assert result.returncode == 0, result.stdout + result.stderr
         assert "reaped 1" in result.stdout
-        assert reaper.process_start_time(orphan) is None  # gone (or a zombie of init's)
+        assert leftovers.process_start_time(orphan) is None  # gone (or a zombie of init's)
         assert not folder.exists()
         assert _live_processes_mentioning(str(fs)) == []
     finally:
-        if reaper.process_start_time(orphan) is not None:
+        if leftovers.process_start_time(orphan) is not None:
             os.kill(orphan, signal.SIGKILL)
 
 
@@ -317,7 +317,7 @@ async def test_engine_reap_stale_removes_what_a_killed_run_left(tmp_path, monkey
 
 def test_cli_rejects_bad_options():
     bad_backend = _harbor_async("sandboxes", "reap", "--backend", "podman")
-    assert bad_backend.returncode == 2 and "--backend" in bad_backend.stderr
+    assert bad_backend.returncode == 2 and "--env" in bad_backend.stderr
     bad_age = _harbor_async("sandboxes", "reap", "--older-than", "soon")
     assert bad_age.returncode == 2 and "not a duration" in bad_age.stderr
 

@@ -4,43 +4,36 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from harbor_async.engine import Engine
-from harbor_async.policy import Limits
-from harbor_async.runner import run_suite
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def harbor_async(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "harbor_async", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-        env=env,
-    )
+from harbor_async.errors import FailureClass
+from harbor_async.policy import Limits, Timeouts
+from harbor_async.errors import failure_class as classify
+from harbor_async.runner import PlannedEpisode, run_suite
+from tests.cli_helpers import harbor_async, records
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.anyio
 async def test_oracle_solutions_score_one_on_the_local_backend(example_tasks):
     async with Engine(limits=Limits(live_sandboxes=4)) as engine:
-        records = await run_suite(engine, example_tasks, "local", agent="oracle", concurrency=4)
+        found = await run_suite(engine, example_tasks, "local", agent="oracle", concurrency=4)
         stats = engine.stats()
-    assert len(records) == len(example_tasks) >= 8
-    assert [r.task for r in records] == [t.name for t in example_tasks]
-    assert {r.task: r.reward for r in records} == {t.name: 1.0 for t in example_tasks}
-    assert all(r.error is None for r in records)
+    assert len(found) == len(example_tasks) >= 8
+    assert [r.task for r in found] == [t.name for t in example_tasks]
+    assert [r.task_path for r in found] == [str(t.paths.task_dir) for t in example_tasks]
+    assert {r.task: r.reward for r in found} == {t.name: 1.0 for t in example_tasks}
+    assert all(r.error is None and r.error_class is None for r in found)
     assert stats.peak_live <= 4 and stats.live == 0
-    multi = [r for r in records if len(r.rewards) > 1]
+    multi = [r for r in found if len(r.rewards) > 1]
     assert multi and all(set(r.rewards) >= {"reward"} for r in multi)
+    # Phases are spans from the episode's start, in order, and the verifier's output is kept.
+    for r in found:
+        assert [p.phase for p in r.phases] == ["start", "agent", "verify", "stop"]
+        assert r.phases[0].start == 0.0 and all(a.end <= b.start + 1e-3 for a, b in zip(r.phases, r.phases[1:]))
+        assert r.verifier_output  # every bundled test script says what it checked
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
@@ -52,71 +45,136 @@ async def test_wrong_or_missing_answers_score_zero(example_tasks):
             wrote = await sandbox.exec("echo 1.00 > /workdir/answer.txt && cat /workdir/answer.txt")
             assert wrote.output.strip() == "1.00" and wrote.exit_code == 0
             assert (await sandbox.verify()).reward == 0.0
-        records = await run_suite(engine, example_tasks, "local", agent="none", concurrency=4)
-    assert all(r.reward == 0.0 for r in records), records
+        found = await run_suite(engine, example_tasks, "local", agent="none", concurrency=4)
+    assert all(r.reward == 0.0 for r in found), found
 
 
-def test_cli_run_writes_records_and_a_table(tmp_path):
-    out = tmp_path / "episodes.jsonl"
-    result = harbor_async("run", "--concurrency", "4", "--json", str(out))
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.anyio
+async def test_failures_are_classified_and_blamed_on_their_first_phase(example_tasks, tmp_path):
+    task = example_tasks[0]
+    # A verifier that writes no reward file: the verifier's failure, scored 0, its output kept.
+    broken = tmp_path / "no-reward"
+    shutil.copytree(task.paths.task_dir, broken)
+    (broken / "tests" / "test.sh").write_text("#!/bin/sh\necho checking the answer [environment]\nexit 3\n")
+    # A verifier that hangs: timed out, the verifier's too.
+    hung = tmp_path / "hung"
+    shutil.copytree(task.paths.task_dir, hung)
+    (hung / "tests" / "test.sh").write_text("#!/bin/sh\necho started\nsleep 600\n")
+    from harbor_async.tasks import load_task
+
+    tasks = [load_task(broken), load_task(hung)]
+    async with Engine(timeouts=Timeouts(verify=2)) as engine:
+        no_reward, timed_out = await run_suite(engine, [PlannedEpisode(t, 3) for t in tasks], "local", concurrency=2)
+    assert no_reward.error_class == "verifier" and no_reward.error_phase == "verify"
+    assert no_reward.reward == 0.0 and no_reward.attempt == 3
+    assert "checking the answer [environment]" in no_reward.verifier_output
+    assert timed_out.error_class == "verifier" and timed_out.error_type == "VerifierFailure"
+    assert timed_out.reward == 0.0 and "started" in (timed_out.verifier_output or "")
+    assert classify(RuntimeError("bug")) is FailureClass.INFRASTRUCTURE
+
+
+def test_cli_run_scores_the_bundled_suite_ten_of_ten(tmp_path):
+    out = tmp_path / "export.jsonl"
+    result = harbor_async("run", "-n", "4", "-o", str(tmp_path / "jobs"), "--job-name", "main", "--json", str(out))
     assert result.returncode == 0, result.stderr
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(records) >= 8
-    assert all(r["reward"] == 1.0 and r["error"] is None for r in records)
-    assert all({"start", "agent", "verify", "stop"} <= set(r["seconds"]) for r in records)
-    assert "mean reward 1.000" in result.stdout
+    job = tmp_path / "jobs" / "main"
+    found = records(job)
+    assert len(found) == 10
+    assert all(r["reward"] == 1.0 and r["error"] is None for r in found)
+    assert all({"start", "agent", "verify", "stop"} <= set(r["seconds"]) for r in found)
+    assert [json.loads(line) for line in out.read_text().splitlines()] == sorted(found, key=lambda r: r["task"])
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["mean_reward"] == summary["mean_reward_completed"] == 1.0 and summary["complete"]
+    assert "10 episodes: mean reward 1.000 over all (failures count 0), 1.000 over the 10 completed" in result.stdout
     assert "csv-column-sum" in result.stdout
 
 
 def test_cli_run_fails_on_infrastructure_errors(tmp_path):
-    out = tmp_path / "episodes.jsonl"
     result = harbor_async(
-        "run", "--backend", "tests.broken_backend:FailingStartEnvironment", "-n", "2", "--json", str(out)
+        "run", "-e", "tests.broken_backend:FailingStartEnvironment", "-l", "2", "-o", str(tmp_path), "--job-name", "j"
     )
     assert result.returncode == 1, result.stderr
     assert "infrastructure failure" in result.stderr
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(records) == 2
-    assert all(r["error_kind"] == "infrastructure" and r["error_phase"] == "start" for r in records)
-    assert all("disk full" in r["error"] for r in records)
+    found = records(tmp_path / "j")
+    assert len(found) == 2
+    assert all(r["error_class"] == "infrastructure" and r["error_phase"] == "start" for r in found)
+    assert all("disk full" in r["error"] and r["reward"] is None for r in found)
+    assert "- over the 0 completed" in result.stdout  # never a mean of nothing dressed as a score
 
 
-def test_cli_json_logs_carry_phase_events():
-    result = harbor_async("run", "-n", "1", "--log-level", "debug", "--log-format", "json")
+def test_cli_json_logs_carry_phase_events_and_info_one_line_per_episode(tmp_path):
+    result = harbor_async("run", "-l", "2", "--log-level", "debug", "--log-format", "json", "-o", str(tmp_path))
     assert result.returncode == 0, result.stderr
     events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     phases = {e["phase"] for e in events if e.get("event") == "phase"}
     assert phases >= {"start", "agent", "verify", "stop"}
-    assert all({"task", "sandbox", "seconds", "outcome", "attempt"} <= set(e) for e in events if e.get("event") == "phase")
+    assert all({"task", "sandbox", "seconds", "outcome", "start_attempt"} <= set(e) for e in events if e.get("event") == "phase")
+    info = harbor_async("run", "-l", "3", "--log-level", "info", "--log-format", "json", "-o", str(tmp_path))
+    lines = [json.loads(line) for line in info.stderr.splitlines() if line.startswith("{")]
+    episodes = [e for e in lines if e.get("event") == "episode"]
+    assert len(episodes) == 3 and all(e["reward"] == 1.0 and e["level"] == "info" for e in episodes)
+    assert not [e for e in lines if e.get("event") == "phase"]  # phases are debug
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["run", "/no/such/suite"], "does not exist"),
-        (["run", "--backend", "dockr"], "unknown backend 'dockr'"),
-        (["run", "--backend", "no_such_module:Env"], "cannot be loaded"),
-        (["run", "--agent", "claude"], "unknown agent"),
-        (["run", "--num-tasks", "2", "--indices", "1"], "not both"),
+        (["run", "-p", "/no/such/suite"], "does not exist"),
+        (["run", "-e", "dockr"], "unknown backend 'dockr'"),
+        (["run", "-e", "no_such_module:Env"], "cannot be loaded"),
+        (["run", "-a", "claude"], "unknown agent"),
+        (["run", "-l", "2", "--indices", "1"], "not both"),
+        (["run", "--indices", "abc"], "'abc' is not an integer"),
+        (["run", "--indices", "99"], "out of range"),
+        (["run", "--episode-timeout", "0"], "--episode-timeout must be a finite number of seconds above 0"),
+        (["run", "--episode-timeout", "-1"], "--episode-timeout must be a finite number of seconds above 0"),
+        (["run", "--episode-timeout", "nan"], "got nan"),
+        (["run", "--start-timeout", "0"], "--start-timeout must be"),
+        (["run", "--timeout-multiplier", "0"], "--timeout-multiplier must be a finite number above 0"),
+        (["run", "--verifier-timeout-multiplier", "inf"], "--verifier-timeout-multiplier must be"),
+        (["run", "--log-level", "loud"], "log level 'loud' (given) is not one of"),
+        (["run", "--log-format", "xml"], "log format 'xml' (given) is not one of"),
+        (["run", "--ek", "novalue"], "expected key=value"),
+        (["run", "-n", "0"], "--n-concurrent"),
+        (["run", "-k", "zero"], "--n-attempts"),
+        (["run", "-p", ".", "-d", "org/name"], "give one suite"),
+        (["tasks", "--indices", "1,x"], "'x' is not an integer"),
+        (["sandboxes", "list", "-e", "podman"], "-e/--env must be one of"),
+        (["sandboxes", "reap", "--older-than", "soon"], "--older-than"),
     ],
 )
-def test_cli_bad_input_is_a_clear_error(args, message):
-    result = harbor_async(*args)
+def test_cli_bad_input_is_a_one_line_error(args, message, tmp_path):
+    result = harbor_async(*args, "-o", str(tmp_path)) if args[0] == "run" else harbor_async(*args)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("Bytecode")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert message in lines[0]
+    assert not list(tmp_path.iterdir()), "a job folder was made for bad input"
 
 
-def test_cli_reports_invalid_tasks_and_runs_the_rest(tmp_path, suite_root):
+def test_cli_log_settings_flag_then_environment_then_default(tmp_path):
+    env = {"HARBOR_ASYNC_LOG_FORMAT": "json", "HARBOR_ASYNC_LOG_LEVEL": "info"}
+    from_env = harbor_async("run", "-l", "1", "-o", str(tmp_path), env=env)
+    events = [json.loads(line) for line in from_env.stderr.splitlines() if line.startswith("{")]
+    assert [e["event"] for e in events if e["level"] == "info"].count("episode") == 1
+    flag_wins = harbor_async("run", "-l", "1", "-o", str(tmp_path), "--log-format", "console", "--log-level", "warning", env=env)
+    assert flag_wins.returncode == 0
+    assert not any(line.startswith("{") for line in flag_wins.stderr.splitlines()) and "info" not in flag_wins.stderr
+    bad_env = harbor_async("run", "-l", "1", "-o", str(tmp_path), env={"HARBOR_ASYNC_LOG_LEVEL": "chatty"})
+    assert bad_env.returncode == 2 and "from $HARBOR_ASYNC_LOG_LEVEL" in bad_env.stderr
+
+
+def test_cli_reports_invalid_tasks_once_and_runs_the_rest(tmp_path, suite_root):
     suite = tmp_path / "suite"
     shutil.copytree(suite_root / "tasks" / "csv-column-sum", suite / "tasks" / "good")
     broken = suite / "tasks" / "broken"
     shutil.copytree(suite_root / "tasks" / "csv-column-sum", broken)
     (broken / "task.toml").write_text("this is = = not toml")
-    result = harbor_async("run", str(suite))
+    result = harbor_async("run", "-p", str(suite), "-o", str(tmp_path / "jobs"))
     assert result.returncode == 0, result.stderr
-    assert "skipped invalid task" in result.stderr and "broken" in result.stderr
-    assert "1 episodes, mean reward 1.000" in result.stdout
+    assert result.stderr.count("broken") == 1 and "skipped invalid task" in result.stderr
+    assert "1 episodes: mean reward 1.000" in result.stdout
 
 
 def test_cli_tasks_lists_the_suite():

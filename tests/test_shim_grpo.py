@@ -114,14 +114,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), corpus=list(_instructions(list(TASKS))))
 
 
-def _grpo_args(out: Path, max_steps: int) -> GRPOConfig:
+def _grpo_args(out: Path, max_steps: int, batch: int = 4, generations: int = 2, completion: int = 512) -> GRPOConfig:
     return GRPOConfig(
         output_dir=str(out),
         use_vllm=False,
         max_steps=max_steps,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=512,
+        per_device_train_batch_size=batch,
+        num_generations=generations,
+        max_completion_length=completion,
         learning_rate=1e-2,
         logging_steps=1,
         report_to=[],

@@ -644,3 +644,30 @@ def test_task_load_error_pickles():
 
     err = pickle.loads(pickle.dumps(TaskLoadError(Path("/x"), "because")))
     assert (err.path, err.reason) == (Path("/x"), "because")
+
+
+@pytest.mark.parametrize("entry", ["instruction.md", "tests"])
+def test_a_task_entry_that_is_a_symlink_out_of_the_task_is_refused(tmp_path, entry):
+    outside = tmp_path / "host-secret"
+    outside.mkdir()
+    (outside / "instruction.md").write_text("the host's file\n")
+    (outside / "test.sh").write_text("#!/bin/sh\n")
+    task = make_task(tmp_path / "tasks", "escape")
+    target = task / entry
+    shutil.rmtree(target) if target.is_dir() else target.unlink()
+    target.symlink_to(outside / "instruction.md" if entry == "instruction.md" else outside)
+    with pytest.raises(TaskLoadError, match=f"{entry} leads out of the task folder"):
+        load_task(task)
+
+
+def test_tasks_on_local_marks_a_from_image_the_host_does_not_match(tmp_path):
+    task = make_task(tmp_path / "tasks", "alpine-task")
+    (task / "environment" / "Dockerfile").write_text("FROM alpine:3.20\nWORKDIR /workdir\n")
+    make_task(tmp_path / "tasks", "plain-task")
+    result = subprocess.run(
+        ["harbor-async", "tasks", "-p", str(tmp_path), "-e", "local"], capture_output=True, text=True,
+        env={**os.environ, "COLUMNS": "250"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = {line.split("│")[2].strip(): line for line in result.stdout.splitlines() if "-task" in line}
+    assert "alpine" in rows["alpine-task"] and rows["plain-task"].rstrip(" │").endswith("ok")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -75,6 +75,10 @@ class Latency:
         return self.a
 
 
+#: Start times kept for tests and benchmarks.
+OBSERVATIONS_KEPT = 10_000
+
+
 class SimulatedEnvironment(BaseEnvironment):
     """A Harbor environment that only sleeps and fails on purpose.
 
@@ -92,7 +96,8 @@ class SimulatedEnvironment(BaseEnvironment):
     # Observations across all instances, for tests and benchmarks.
     live_now: ClassVar[int] = 0
     peak_live: ClassVar[int] = 0
-    start_times: ClassVar[list[float]] = []
+    #: The latest start times (bounded: a long run must not grow memory).
+    start_times: ClassVar[deque[float]] = deque(maxlen=OBSERVATIONS_KEPT)
     execs_now: ClassVar[int] = 0
     peak_execs: ClassVar[int] = 0
     _starts_by_task: ClassVar[dict[str, int]] = defaultdict(int)
@@ -157,7 +162,7 @@ class SimulatedEnvironment(BaseEnvironment):
         """Clear the cross-instance counters (tests call this first)."""
         cls.live_now = 0
         cls.peak_live = 0
-        cls.start_times = []
+        cls.start_times = deque(maxlen=OBSERVATIONS_KEPT)
         cls.execs_now = 0
         cls.peak_execs = 0
         cls._starts_by_task.clear()

@@ -1,37 +1,79 @@
-"""The ``harbor-async`` command line: one module per command, imported here.
+"""The ``harbor-async`` command line: one module per command, registered here.
 
 Commands import heavy or optional code (the shim, the benchmarks, evaluation)
 inside their bodies, so that ``harbor-async --help`` and the core stay light.
+The flags follow ``harbor run``'s wherever the meaning is the same.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import typer
 
+from harbor_async.cli import doctor as _doctor
+from harbor_async.cli import eval as _eval
+from harbor_async.cli import report as _report
 from harbor_async.cli import run as _run
+from harbor_async.cli.bench import bench_app
 from harbor_async.cli.sandboxes import sandboxes_app
 
-app = typer.Typer(
+
+class _App(typer.Typer):
+    """Typer, with a bad option value reported on one line (``error: ...``, exit 2) instead of a box."""
+
+    def __call__(self, *args, **kwargs):
+        from typer.main import get_command
+
+        from harbor_async.cli.common import say
+
+        try:
+            code = get_command(self).main(*args, standalone_mode=False, **kwargs)
+        except typer.Abort:
+            sys.exit(1)
+        except typer.TyperException as exc:  # click's usage errors: a bad flag or value
+            where = getattr(getattr(exc, "ctx", None), "command_path", None)
+            hint = f" (see `{where} --help`)" if where else ""
+            say("error:", " ".join(exc.format_message().split()) + hint, "bold red")
+            sys.exit(getattr(exc, "exit_code", 2))
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = _App(
     name="harbor-async",
     help="Async episode engine for Harbor sandboxes.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"harbor-async {version('harbor-async')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", "-v", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Async episode engine for Harbor sandboxes."""
+
+
 app.command("run")(_run.run)
 app.command("tasks")(_run.tasks)
 app.add_typer(sandboxes_app, name="sandboxes")
-
-
-def _add_bench() -> None:
-    from benchmarks.cli import bench_app
-
-    app.add_typer(bench_app, name="bench")
-
-
-_add_bench()
+app.command("report")(_report.report)
+app.command("view")(_report.view)
+app.add_typer(bench_app, name="bench")
+app.command("eval")(_eval.eval_command)
+app.command("doctor")(_doctor.doctor)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -1,15 +1,102 @@
-"""What every command shares: the consoles and the bad-input exit."""
+"""What every command shares: consoles, markup-safe printing, the bad-input exit, option parsing.
+
+Names, paths and messages come from users' files and from exceptions; rich would
+read ``[/]`` or ``[environment]`` in them as markup (and crash or drop the text).
+So every such text is printed as a :class:`~rich.text.Text` or escaped, never
+formatted into a markup string.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+from typing import Any
+
 import typer
 from rich.console import Console
+from rich.markup import escape
+from rich.text import Text
 
 out = Console()
+if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
+    out = Console(width=200)
 err = Console(stderr=True, soft_wrap=True)
 
+__all__ = [
+    "err",
+    "escape",
+    "fail",
+    "out",
+    "parse_indices",
+    "parse_kwargs",
+    "positive",
+    "say",
+    "setup_logging",
+]
 
-def fail(message: str, code: int = 2) -> typer.Exit:
-    """Print ``message`` as an error and return the exit to raise (2: bad input)."""
-    err.print(f"[bold red]error:[/] {message}")
+
+def say(label: str, message: object, style: str = "yellow", *, console: Console | None = None) -> None:
+    """Print ``label`` in ``style`` then ``message`` verbatim (no markup read in it)."""
+    (console or err).print(Text.assemble((label, style), " ", str(message)))
+
+
+def fail(message: object, code: int = 2) -> typer.Exit:
+    """Print ``message`` as a one-line error and return the exit to raise (2: bad input)."""
+    text = " ".join(str(message).split()) if code == 2 else str(message)
+    say("error:", text, "bold red")
     return typer.Exit(code)
+
+
+def positive(name: str, value: float | None, *, allow_none: bool = True) -> float | None:
+    """``value`` when it is a finite number above 0 (or ``None`` if allowed); else exit 2 naming ``name``."""
+    if value is None:
+        if allow_none:
+            return None
+        raise fail(f"{name} is required")
+    if not math.isfinite(value) or value <= 0:
+        raise fail(f"{name} must be a finite number of seconds above 0, got {value}")
+    return value
+
+
+def parse_indices(text: str | None, name: str = "--indices") -> list[int] | None:
+    """``"0,3,-1"`` as integers; exit 2 naming the bad item."""
+    if text is None:
+        return None
+    items = [item.strip() for item in text.split(",")]
+    if not any(items):
+        raise fail(f"{name} is empty: give comma-separated task indices such as 0,3")
+    picked = []
+    for item in items:
+        try:
+            picked.append(int(item))
+        except ValueError:
+            raise fail(f"{name}: {item!r} is not an integer (give comma-separated task indices such as 0,3)") from None
+    return picked
+
+
+def parse_kwargs(pairs: list[str] | None, name: str = "--ek") -> dict[str, Any]:
+    """``key=value`` pairs as Harbor's CLI reads them: JSON values (numbers, booleans, lists), else text."""
+    result: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            raise fail(f"{name} {pair!r}: expected key=value")
+        if value in ("True", "False"):
+            result[key] = value == "True"
+            continue
+        try:
+            result[key] = json.loads(value)
+        except ValueError:
+            result[key] = value
+    return result
+
+
+def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
+    """Configure logging for a command: the flag, else the environment variable, else the default; exit 2 if bad."""
+    from harbor_async.logs import LogSettingError, configure_logging
+
+    try:
+        configure_logging(level, fmt, force=True)
+    except LogSettingError as exc:
+        raise fail(exc) from None

@@ -1,10 +1,20 @@
-"""``harbor-async run`` and ``harbor-async tasks``: episodes of a suite."""
+"""``harbor-async run`` and ``harbor-async tasks``: episodes of a suite, in Harbor's dialect.
+
+Every run is a job folder (``-o/--jobs-dir``/``--job-name``, as Harbor's): its
+settings in ``config.json``, one record a line in ``episodes.jsonl`` appended
+and flushed as each episode ends, ``summary.json`` at the end. ``--resume``
+runs what a job is missing. Signals stop the batch cleanly (see
+:mod:`harbor_async.cli.interrupts`).
+"""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
+from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import IO, Annotated, Any
 
 import anyio
 import typer
@@ -16,128 +26,355 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
-from harbor_async.backends import resolve_backend
-from harbor_async.cli.common import err, fail, out
-from harbor_async.engine import Engine
+from harbor_async.cli.common import (
+    err,
+    fail,
+    out,
+    parse_indices,
+    parse_kwargs,
+    positive,
+    say,
+    setup_logging,
+)
+from harbor_async.cli.interrupts import Interrupts
+from harbor_async.cli.selection import (
+    describe_episodes,
+    load_tasks,
+    plan_episodes,
+    reload_episodes,
+    suite_source,
+)
 from harbor_async.errors import HarborAsyncError
-from harbor_async.logs import configure_logging
-from harbor_async.policy import Limits, Timeouts
-from harbor_async.runner import AGENTS, EpisodeRecord, run_suite
+from harbor_async.records import EpisodeRecord
+from harbor_async.runner import MODEL_FREE_AGENTS, PlannedEpisode
 
-SuiteArg = Annotated[
-    str | None,
-    typer.Argument(help="Suite: a local task tree or a Hugging Face dataset repo id (default: the bundled example suite)."),
+PHASES = ("start", "agent", "verify", "stop")
+DEFAULT_JOBS_DIR = Path("jobs")
+
+# ── options shared by `run` and `tasks` (Harbor's spellings; older ones hidden) ──
+SuiteArg = Annotated[str | None, typer.Argument(hidden=True, help="Older spelling of -p/-d.")]
+PathOpt = Annotated[
+    Path | None, typer.Option("--path", "-p", help="A local suite: <root>/tasks/*/task.toml or <root>/*/task.toml.")
 ]
-PHASES = ("start", "agent", "exec", "verify", "stop")
+DatasetOpt = Annotated[
+    str | None, typer.Option("--dataset", "-d", help="A Hugging Face dataset repo id: org/name or org/name@revision.")
+]
+NTasksOpt = Annotated[
+    int | None, typer.Option("--n-tasks", "-l", min=1, help="At most N tasks (applied after -i/-x).")
+]
+OldNumTasksOpt = Annotated[int | None, typer.Option("--num-tasks", min=1, hidden=True)]
+IncludeOpt = Annotated[
+    list[str] | None, typer.Option("--include-task-name", "-i", help="Only tasks whose name matches this glob (repeatable).")
+]
+ExcludeOpt = Annotated[
+    list[str] | None, typer.Option("--exclude-task-name", "-x", help="Leave out tasks whose name matches this glob (repeatable).")
+]
+IndicesOpt = Annotated[str | None, typer.Option("--indices", help="Comma-separated task positions, as TRL's HarborSpec takes them.")]
 
-
-def _load(suite: str | None, num_tasks: int | None, indices: str | None):
-    from harbor_async.tasks import load_suite
-
-    picked = [int(i) for i in indices.split(",")] if indices else None
-    loaded = load_suite(suite, num_tasks=num_tasks, indices=picked)
-    for bad in loaded.invalid:
-        err.print(f"[yellow]skipped invalid task[/] {bad.path}: {bad.reason}")
-    return loaded
+# Options that define a job: with --resume they come from the job's config.json.
+_JOB_OPTIONS = (
+    "suite", "path", "dataset", "env", "backend", "agent", "n_attempts", "n_tasks", "num_tasks", "include",
+    "exclude", "indices", "ek", "timeout_multiplier", "agent_timeout_multiplier", "verifier_timeout_multiplier",
+    "environment_build_timeout_multiplier", "episode_timeout", "start_timeout", "jobs_dir", "job_name",
+)  # fmt: skip
 
 
 def run(
+    ctx: typer.Context,
     suite: SuiteArg = None,
-    backend: Annotated[str, typer.Option("--backend", "-b", help="Harbor type (docker, e2b, ...), 'local', 'simulated' or module:Class.")] = "local",
-    agent: Annotated[str, typer.Option("--agent", "-a", help=f"One of: {', '.join(AGENTS)}.")] = "oracle",
-    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1, help="Episodes (and live sandboxes) at once.")] = 8,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write one JSON record per episode to this file.")] = None,
-    num_tasks: Annotated[int | None, typer.Option("--num-tasks", "-n", min=1, help="Only the first N tasks.")] = None,
-    indices: Annotated[str | None, typer.Option("--indices", help="Comma-separated task indices.")] = None,
-    episode_timeout: Annotated[float | None, typer.Option(help="Seconds for a whole episode.")] = None,
-    start_timeout: Annotated[float, typer.Option(help="Seconds for one start attempt.")] = 600.0,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
-    log_format: Annotated[str, typer.Option(help="console or json.")] = "console",
+    path: PathOpt = None,
+    dataset: DatasetOpt = None,
+    env: Annotated[str | None, typer.Option("--env", "-e", help="Harbor type (docker, e2b, ...), 'local', 'simulated' or module:Class.", show_default="local")] = None,
+    backend: Annotated[str | None, typer.Option("--backend", "-b", hidden=True)] = None,
+    agent: Annotated[str, typer.Option("--agent", "-a", help=f"One of: {', '.join(MODEL_FREE_AGENTS)} (none and nop: no agent).")] = "oracle",
+    n_concurrent: Annotated[int | None, typer.Option("--n-concurrent", "-n", min=1, help="Episodes (and live sandboxes) at once.", show_default="8")] = None,
+    concurrency: Annotated[int | None, typer.Option("--concurrency", "-c", min=1, hidden=True)] = None,
+    n_attempts: Annotated[int, typer.Option("--n-attempts", "-k", min=1, help="Episodes per task; pass@k is reported when above 1.")] = 1,
+    n_tasks: NTasksOpt = None,
+    num_tasks: OldNumTasksOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    indices: IndicesOpt = None,
+    ek: Annotated[list[str] | None, typer.Option("--ek", "--environment-kwarg", help="Backend keyword argument key=value (repeatable); values are read as JSON when they parse.")] = None,
+    timeout_multiplier: Annotated[float, typer.Option("--timeout-multiplier", help="Multiplies the start, exec, agent and verifier budgets.")] = 1.0,
+    agent_timeout_multiplier: Annotated[float | None, typer.Option("--agent-timeout-multiplier", help="Multiplies the agent budget (overrides --timeout-multiplier).")] = None,
+    verifier_timeout_multiplier: Annotated[float | None, typer.Option("--verifier-timeout-multiplier", help="Multiplies the verifier budget (overrides --timeout-multiplier).")] = None,
+    environment_build_timeout_multiplier: Annotated[float | None, typer.Option("--environment-build-timeout-multiplier", help="Multiplies the start budget (overrides --timeout-multiplier).")] = None,
+    episode_timeout: Annotated[float | None, typer.Option(help="Seconds for a whole episode (all phases but the stop).")] = None,
+    start_timeout: Annotated[float | None, typer.Option(help="Seconds for one start attempt.", show_default="600")] = None,
+    jobs_dir: Annotated[Path, typer.Option("--jobs-dir", "-o", help="Folder of job folders.")] = DEFAULT_JOBS_DIR,
+    job_name: Annotated[str | None, typer.Option("--job-name", help="The job folder's name.", show_default="a timestamp")] = None,
+    resume: Annotated[Path | None, typer.Option("--resume", help="A job folder: run only its missing episodes and those a resume reruns.")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Also export the job's records (one JSON object a line) to this file.")] = None,
+    log_level: Annotated[str | None, typer.Option(help="debug, info, warning or error.", show_default="$HARBOR_ASYNC_LOG_LEVEL or warning")] = None,
+    log_format: Annotated[str | None, typer.Option(help="console or json.", show_default="$HARBOR_ASYNC_LOG_FORMAT or console")] = None,
 ) -> None:
-    """Run every task of a suite once, concurrently, and report rewards and timings.
+    """Run every task of a suite (k times each), concurrently, into a job folder; report rewards and timings.
 
     Exits 1 when any episode failed for an infrastructure reason (start, exec,
-    verify or stop), 2 on bad input.
+    stop, a sandbox limit), 2 on bad input, 130/143/129 on SIGINT/SIGTERM/SIGHUP.
     """
-    configure_logging(log_level, log_format, force=True)
-    if agent not in AGENTS:
-        raise fail(f"unknown agent {agent!r}; use one of {', '.join(AGENTS)}")
-    try:
-        resolve_backend(backend).environment_class()
-        loaded = _load(suite, num_tasks, indices)
-    except (HarborAsyncError, ValueError, FileNotFoundError, IndexError) as exc:
-        raise fail(str(exc)) from None
+    from harbor_async.jobs import JobFolder, JobFolderError
 
-    records = anyio.run(_run_all, loaded.tasks, backend, agent, concurrency, episode_timeout, start_timeout)
+    setup_logging(log_level, log_format)
+    concurrency = n_concurrent or concurrency or 8
+    if resume is not None:
+        given = [name for name in _JOB_OPTIONS if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise fail(f"--resume takes the job's settings from its config.json; drop {flags}")
+        try:
+            job = JobFolder.open(resume)
+            config = job.config
+        except JobFolderError as exc:
+            raise fail(exc) from None
+        episodes = reload_episodes(config.get("episodes", []))
+        settings = config.get("settings", {})
+    else:
+        settings = _settings(
+            suite_source(suite, path, dataset), env or backend or "local", agent, n_attempts, ek,
+            timeout_multiplier, agent_timeout_multiplier, verifier_timeout_multiplier,
+            environment_build_timeout_multiplier, episode_timeout, start_timeout,
+        )  # fmt: skip
+        loaded = load_tasks(
+            settings["source"], n_tasks=n_tasks or num_tasks, indices=parse_indices(indices), include=include, exclude=exclude
+        )
+        settings["source"], settings["dataset"] = str(loaded.root), dataset
+        episodes = plan_episodes(loaded.tasks, n_attempts)
+    spec, timeouts = _resolve(settings)
+
+    export = _open_export(json_path)  # an unwritable export fails now, not after the batch
+    if resume is None:
+        config = {"command": "run", "created_at": _now(), "settings": settings, "episodes": describe_episodes(episodes)}
+        try:
+            job = JobFolder.create(jobs_dir, job_name, config)
+        except JobFolderError as exc:
+            raise fail(exc) from None
+    keys = [_key(e) for e in episodes]
+    done = job.latest()
+    todo = [e for e, key in zip(episodes, keys, strict=True) if key not in done or done[key].rerun]
+    if resume is not None:
+        err.print(Text(f"resuming {job.path}: {len(episodes) - len(todo)} of {len(episodes)} episodes kept, {len(todo)} to run"))
+    else:
+        err.print(Text(f"job folder {job.path}"))
+
+    interrupts = Interrupts()
+    new: list[EpisodeRecord] = []
+    with interrupts:
+        try:
+            anyio.run(_batch, todo, spec, settings["agent"], concurrency, timeouts, settings["ek"], job, new, interrupts)
+        finally:
+            job.close()
+    latest = job.latest()
+    records = [latest[key] for key in keys if key in latest]
     _print_table(records)
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        with json_path.open("w") as fh:
+    summary = _summary(records, len(episodes), settings, interrupted=interrupts.name or None)
+    job.write_summary(summary)
+    _print_summary(summary, records)
+    if export is not None:
+        with export:
             for record in records:
-                fh.write(json.dumps(record.to_dict()) + "\n")
-        err.print(f"wrote {len(records)} records to {json_path}")
-    broken = [r for r in records if r.infrastructure_failure]
+                export.write(json.dumps(record.to_dict(), ensure_ascii=False) + "\n")
+        err.print(Text(f"exported {len(records)} records to {json_path}"))
+    if interrupts.exit_code is not None:
+        left = len(episodes) - sum(1 for r in records if not r.rerun)
+        say(f"interrupted by {interrupts.name}:", f"{left} episodes to run; resume with `harbor-async run --resume {job.path}`")
+        raise typer.Exit(interrupts.exit_code)
+    broken = [r for r in records if r.rerun]
     if broken:
         for r in broken:
-            err.print(f"[bold red]infrastructure failure[/] {r.task}: {r.error}")
+            say(f"{r.error_class} failure", f"{r.task} (attempt {r.attempt}): {r.error}", "bold red")
         raise typer.Exit(1)
 
 
-async def _run_all(tasks, backend, agent, concurrency, episode_timeout, start_timeout) -> list[EpisodeRecord]:
-    timeouts = Timeouts(start=start_timeout, episode=episode_timeout)
+def _settings(source, env, agent, k, ek, mult, agent_mult, verifier_mult, build_mult, episode_timeout, start_timeout) -> dict[str, Any]:
+    """Check every job-defining value once (exit 2 with the reason) and keep it as config.json does."""
+    if agent not in MODEL_FREE_AGENTS:
+        raise fail(f"unknown agent {agent!r}; use one of {', '.join(MODEL_FREE_AGENTS)}")
+    for name, value in (
+        ("--timeout-multiplier", mult), ("--agent-timeout-multiplier", agent_mult),
+        ("--verifier-timeout-multiplier", verifier_mult), ("--environment-build-timeout-multiplier", build_mult),
+    ):  # fmt: skip
+        if value is not None and not (value > 0 and value != float("inf")):
+            raise fail(f"{name} must be a finite number above 0, got {value}")
+    positive("--episode-timeout", episode_timeout)
+    positive("--start-timeout", start_timeout)
+    return {
+        "source": source if not isinstance(source, Path) else str(source),
+        "env": env,
+        "agent": agent,
+        "n_attempts": k,
+        "ek": parse_kwargs(ek),
+        "multipliers": {"all": mult, "agent": agent_mult, "verifier": verifier_mult, "environment_build": build_mult},
+        "episode_timeout": episode_timeout,
+        "start_timeout": start_timeout,
+    }
+
+
+def _resolve(settings: dict[str, Any]):
+    """The backend (resolved and loaded once, here) and the phase budgets of a job's settings."""
+    from harbor_async.backends import resolve_backend
+    from harbor_async.policy import Timeouts
+
+    try:
+        spec = resolve_backend(settings["env"])
+        spec.environment_class()
+    except HarborAsyncError as exc:
+        raise fail(exc) from None
+    base = Timeouts()
+    m = settings.get("multipliers", {})
+    # Each sandbox applies the multipliers to its task's own budgets (Timeouts.for_task).
+    timeouts = replace(
+        base,
+        start=settings.get("start_timeout") or base.start,
+        episode=settings.get("episode_timeout"),
+        timeout_multiplier=m.get("all") or 1.0,
+        agent_timeout_multiplier=m.get("agent"),
+        verifier_timeout_multiplier=m.get("verifier"),
+        environment_build_timeout_multiplier=m.get("environment_build"),
+    )
+    return spec, timeouts
+
+
+def _open_export(path: Path | None) -> IO[str] | None:
+    if path is None:
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.open("w", encoding="utf-8")
+    except OSError as exc:
+        raise fail(f"cannot write --json {path}: {exc.strerror or exc}") from None
+
+
+async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, timeouts, ek, job, new: list[EpisodeRecord], interrupts: Interrupts) -> None:
+    """Run the episodes into the job folder; a signal cancels the batch (records of cancelled episodes kept)."""
+    from harbor_async.engine import Engine
+    from harbor_async.policy import Limits
+    from harbor_async.runner import run_suite
+
+    if not todo:
+        return
     with Progress(
-        TextColumn("[bold]episodes"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("reward sum {task.fields[score]:.1f}"),
-        TimeElapsedColumn(),
-        console=err,
-        transient=False,
-    ) as progress:
-        bar = progress.add_task("episodes", total=len(tasks), score=0.0)
+        TextColumn("[bold]episodes"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("reward sum {task.fields[score]:.1f}"), TimeElapsedColumn(),
+        console=err, transient=False,
+    ) as progress:  # fmt: skip
+        bar = progress.add_task("episodes", total=len(todo), score=0.0)
         score = 0.0
 
         def done(record: EpisodeRecord) -> None:
             nonlocal score
-            score += record.reward or 0.0
+            job.append(record)  # flushed before the next episode can end
+            new.append(record)
+            score += record.score
             progress.update(bar, advance=1, score=score)
 
-        async with Engine(limits=Limits(live_sandboxes=concurrency), timeouts=timeouts) as engine:
-            return await run_suite(engine, tasks, backend, agent=agent, concurrency=concurrency, on_done=done)
+        # run_suite's limiter is the batch's one concurrency limit (the engine gets none).
+        async with Engine(limits=Limits(live_sandboxes=None), timeouts=timeouts, backend_kwargs=ek) as engine:
+            interrupts.leftovers = lambda: [s.id for s in engine.live_sandboxes()]
+            with anyio.CancelScope() as batch:
+                interrupts.arm(batch.cancel)
+                await run_suite(engine, todo, spec, agent=agent, concurrency=concurrency, on_done=done)
+        interrupts.disarm()
+
+
+def _key(episode: PlannedEpisode) -> str:
+    from harbor_async.records import episode_key
+
+    return episode_key(str(episode.task.paths.task_dir), episode.attempt)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _summary(records: list[EpisodeRecord], planned: int, settings: dict[str, Any], *, interrupted: str | None) -> dict[str, Any]:
+    from harbor_async.scoring import summarize
+
+    k = int(settings.get("n_attempts") or 1)
+    summary = summarize(records, k=k)
+    summary["planned_episodes"] = planned
+    summary["complete"] = interrupted is None and len(records) == planned and not any(r.rerun for r in records)
+    summary["interrupted_by"] = interrupted
+    if k == 1:
+        summary["pass_at_k"] = {}
+    return summary
 
 
 def _print_table(records: list[EpisodeRecord]) -> None:
+    if not records:
+        return
+    names = Counter(name for name, _ in {(r.task, r.task_path) for r in records})
+    attempts = any(r.attempt for r in records)
     table = Table(title="episodes")
-    table.add_column("task")
+    table.add_column("task", overflow="fold")
+    if attempts:
+        table.add_column("attempt", justify="right")
     table.add_column("reward", justify="right")
-    used = [p for p in PHASES if any(p in r.seconds for r in records)]
+    used = [p for p in PHASES if any(s.phase == p for r in records for s in r.phases)]
     for phase in used:
         table.add_column(f"{phase} s", justify="right")
-    table.add_column("error")
+    table.add_column("failure")
+    table.add_column("error", overflow="fold", ratio=1)
     for r in records:
-        reward = "-" if r.reward is None else f"{r.reward:g}"
-        cells = [f"{r.seconds[p]:.3f}" if p in r.seconds else "" for p in used]
-        table.add_row(r.task, reward, *cells, (r.error or "")[:80])
-    scored = [r.reward for r in records if r.reward is not None]
-    mean = sum(scored) / len(scored) if scored else 0.0
+        spans = {s.phase: s.seconds for s in r.phases}
+        name = r.task if names[r.task] == 1 else r.task_path  # same names: tell them apart by path
+        row = [Text(name)]
+        if attempts:
+            row.append(str(r.attempt))
+        row.append("-" if r.reward is None else f"{r.reward:g}")
+        row += [f"{spans[p]:.3f}" if p in spans else "" for p in used]
+        row += [Text(r.error_class or ""), Text(r.error or "")]
+        table.add_row(*row)
     out.print(table)
-    out.print(f"{len(records)} episodes, mean reward {mean:.3f}, {sum(r.infrastructure_failure for r in records)} infrastructure failures")
+
+
+def _print_summary(summary: dict[str, Any], records: list[EpisodeRecord]) -> None:
+    def fmt(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    failures = ", ".join(f"{n} {cls}" for cls, n in summary["failures"].items()) or "none"
+    out.print(Text(
+        f"{summary['episodes']} episodes: mean reward {fmt(summary['mean_reward'])} over all "
+        f"(failures count 0), {fmt(summary['mean_reward_completed'])} over the {summary['completed']} completed; "
+        f"failures: {failures}"
+    ))  # fmt: skip
+    if summary["pass_at_k"]:
+        out.print(Text("  ".join(f"pass@{k} {fmt(v['value'])}" for k, v in summary["pass_at_k"].items())))
 
 
 def tasks(
     suite: SuiteArg = None,
-    num_tasks: Annotated[int | None, typer.Option("--num-tasks", "-n", min=1)] = None,
+    path: PathOpt = None,
+    dataset: DatasetOpt = None,
+    n_tasks: NTasksOpt = None,
+    num_tasks: OldNumTasksOpt = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    indices: IndicesOpt = None,
+    env: Annotated[str | None, typer.Option("--env", "-e", help="With 'local': mark the tasks whose FROM image the host's userland does not match.")] = None,
 ) -> None:
-    """List a suite's valid tasks and report the invalid ones."""
-    try:
-        loaded = _load(suite, num_tasks, None)
-    except (HarborAsyncError, ValueError, FileNotFoundError, IndexError) as exc:
-        raise fail(str(exc)) from None
-    table = Table(title=f"tasks in {loaded.root}")
+    """List a suite's valid tasks (as -p/-d/-i/-x/-l select them) and report the invalid ones."""
+    setup_logging()
+    loaded = load_tasks(
+        suite_source(suite, path, dataset), n_tasks=n_tasks or num_tasks, indices=parse_indices(indices),
+        include=include, exclude=exclude,
+    )  # fmt: skip
+    table = Table(title=Text(f"tasks in {loaded.root}"))
     table.add_column("#", justify="right")
-    table.add_column("task")
-    table.add_column("path")
+    table.add_column("task", overflow="fold")
+    table.add_column("path", overflow="fold")
+    local = env == "local"
+    if local:
+        from harbor_async.backends.local import task_image_mismatch
+
+        table.add_column("image on local", overflow="fold")
     for i, task in enumerate(loaded.tasks):
-        table.add_row(str(i), task.name, str(task.paths.task_dir))
+        cells = [str(i), Text(task.name), Text(str(task.paths.task_dir))]
+        if local:
+            mismatch = task_image_mismatch(task.paths.task_dir, task.config.environment.docker_image)
+            cells.append(Text(mismatch or "ok"))
+        table.add_row(*cells)
     out.print(table)

@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from harbor_async.cli.cluster import RayAddressOpt
-from harbor_async.logs import configure_logging
+from harbor_async.cli.common import fail, out, say, setup_logging
 from harbor_async.reaper import (
     BACKENDS,
     SandboxInfo,
@@ -28,12 +28,8 @@ sandboxes_app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console()
-if not out.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
-    out = Console(width=200)
-err = Console(stderr=True, soft_wrap=True)
-
-BackendOpt = Annotated[str, typer.Option("--backend", "-b", help=f"One of: {', '.join(BACKENDS)}.")]
+EnvOpt = Annotated[str | None, typer.Option("--env", "-e", help=f"One of: {', '.join(BACKENDS)}.", show_default="all")]
+OldBackendOpt = Annotated[str | None, typer.Option("--backend", "-b", hidden=True)]
 RootOpt = Annotated[
     list[Path] | None,
     typer.Option("--local-root", help="Local-backend base folder besides $HARBOR_ASYNC_LOCAL_ROOT (repeatable)."),
@@ -42,10 +38,13 @@ LabelOpt = Annotated[str | None, typer.Option("--run-label", help="Only the sand
 RayLedgerOpt = Annotated[bool, typer.Option("--ray", help="The Ray cluster budget's ledger instead of this machine.")]
 
 
-def _check(backend: str) -> None:
-    if backend not in BACKENDS:
-        err.print(f"[bold red]error:[/] --backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        raise typer.Exit(2)
+def _check(env: str | None, backend: str | None) -> str:
+    """The backend to scan (``-e``, or the older ``-b``); exit 2 when unknown. Also sets up logging."""
+    chosen = env or backend or "all"
+    if chosen not in BACKENDS:
+        raise fail(f"-e/--env must be one of {', '.join(BACKENDS)}, got {chosen!r}")
+    setup_logging()
+    return chosen
 
 
 def _alive(info: SandboxInfo) -> str:
@@ -76,13 +75,14 @@ def _table(title: str, sandboxes: list[SandboxInfo], reasons: dict[int, str] | N
         ]  # fmt: skip
         if reasons is not None:
             row.append(reasons.get(id(info), ""))
-        table.add_row(*row)
+        table.add_row(*(Text(str(cell)) for cell in row))  # ids and reasons are data, not markup
     return table
 
 
 @sandboxes_app.command("list")
 def list_command(
-    backend: BackendOpt = "all",
+    env: EnvOpt = None,
+    backend: OldBackendOpt = None,
     local_root: RootOpt = None,
     run_label: LabelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per sandbox instead of a table.")] = False,
@@ -90,8 +90,7 @@ def list_command(
     ray_address: RayAddressOpt = None,
 ) -> None:
     """List the sandboxes of harbor-async runs on this machine, live or left behind."""
-    _check(backend)
-    configure_logging()
+    backend = _check(env, backend)
     if ray:
         from harbor_async.cli.cluster import ledger_list
 
@@ -99,7 +98,7 @@ def list_command(
     problems: list[str] = []
     found = list_sandboxes(backend, roots=local_root or (), run_label=run_label, errors=problems)
     for problem in problems:
-        err.print(f"[yellow]not scanned:[/] {problem}")
+        say("not scanned:", problem)
     if as_json:
         for info in found:
             typer.echo(json.dumps(info.to_dict()))
@@ -120,7 +119,8 @@ def reap_command(
             "--older-than", help="Only sandboxes at least this old: 90s, 10m, 2h, 1d (also admits unknown owners)."
         ),
     ] = None,
-    backend: BackendOpt = "all",
+    env: EnvOpt = None,
+    backend: OldBackendOpt = None,
     force: Annotated[
         bool, typer.Option("--force", help="Also remove sandboxes whose owning process is still alive.")
     ] = False,
@@ -138,16 +138,14 @@ def reap_command(
     A sandbox whose owner is unknown (no pid recorded, or one of another pid
     namespace) is removed only with --older-than or --force.
 
-    Exits 1 when something could not be removed (or, with --backend docker,
+    Exits 1 when something could not be removed (or, with -e docker,
     when Docker could not be scanned).
     """
-    _check(backend)
-    configure_logging()
+    backend = _check(env, backend)
     try:
         age = parse_duration(older_than) if older_than is not None else None
     except ValueError as exc:
-        err.print(f"[bold red]error:[/] --older-than: {exc}")
-        raise typer.Exit(2) from None
+        raise fail(f"--older-than: {exc}") from None
     if ray:  # the cluster ledger: expire silent holders, remove this host's orphans
         from harbor_async.cli.cluster import ledger_reap
 
@@ -159,9 +157,9 @@ def reap_command(
         reasons = {id(info): why for info, why in report.skipped}
         out.print(_table("kept", [info for info, _ in report.skipped], reasons))
     for problem in report.unscanned:
-        err.print(f"[yellow]not scanned:[/] {problem}")
+        say("not scanned:", problem)
     for problem in report.errors:
-        err.print(f"[bold red]problem:[/] {problem}")
+        say("problem:", problem, "bold red")
     out.print(f"reaped {len(report.reaped)}, kept {len(report.skipped)}, problems {len(report.errors)}")
     # Asked for docker explicitly and it could not be looked at: that is a failure too.
     if not report.ok or (backend == "docker" and report.unscanned):

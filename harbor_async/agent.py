@@ -1,0 +1,341 @@
+"""The evaluation agent: an async tool-calling loop against an OpenAI-compatible server.
+
+The model sees what it saw in training (TRL's ``GRPOTrainer`` with a shim
+harness as ``environment_factory``):
+
+- the tools are the harness's public functions, listed as TRL lists them
+  (``inspect.getmembers(type(env), inspect.isfunction)`` minus ``reset``,
+  ``get_reward`` and ``_private`` names), each described by transformers'
+  ``get_json_schema``;
+- the prompt is one user message: the task instruction + ``PROMPT_SUFFIX``
+  (what ``env.reset()`` returns, appended to the dataset's empty user message);
+- a tool result is ``str(result)``; a failing or unknown tool is
+  ``str({"error": message})``, TRL's text for a tool that raised.
+
+Tool calls of one reply run one after another (tools may share state);
+sync tool methods run in worker threads under the caller's limiter, never on
+the event loop. Transient model-server errors (429, 5xx, timeouts, connection
+resets) are retried with tenacity; when the retries run out the episode ends
+with :class:`ModelServerError` (a model-server failure, rerun by a resume).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import openai
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
+
+from harbor_async.errors import HarborAsyncError
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
+#: Names TRL never exposes as tools, though they are public functions.
+NOT_TOOLS = frozenset({"reset", "get_reward"})
+
+
+class ModelServerError(HarborAsyncError):
+    """The model server kept failing (or refused the request) after the retries ran out."""
+
+
+class ToolsetError(HarborAsyncError, TypeError):
+    """A harness exposes no tool, or a tool whose schema transformers cannot build."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling options of every chat completion (``None``: the server's default)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+
+    def request_kwargs(self) -> dict[str, Any]:
+        """The options set, as ``chat.completions.create`` keywords."""
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    """When an episode's loop ends besides a reply without tool calls.
+
+    ``max_total_tokens`` bounds the conversation's length as the server
+    counts it (prompt + completion tokens of the latest reply), the budget
+    TRL's ``max_completion_length`` and the model's context bound in training.
+    ``timeout`` is the agent's wall-clock budget (the task's ``[agent]
+    timeout_sec`` when not set).
+    """
+
+    max_turns: int = 50
+    max_total_tokens: int | None = None
+    timeout: float | None = None
+    retries: int = 5
+    retry_max_wait: float = 30.0
+
+
+@dataclass
+class Toolset:
+    """A harness instance's tools: the schemas the model sees and the callables behind them."""
+
+    schemas: list[dict[str, Any]]
+    sync: dict[str, Callable[..., Any]]
+    async_: dict[str, Callable[..., Any]]
+
+    @property
+    def names(self) -> list[str]:
+        """Tool names in schema order."""
+        return [s["function"]["name"] for s in self.schemas]
+
+
+def build_toolset(env: object) -> Toolset:
+    """The tools of a harness instance, exactly as TRL's GRPOTrainer builds them.
+
+    TRL lists functions on the *class* (listing the instance would evaluate
+    properties), binds them to the instance, and renders each bound method
+    with transformers' ``get_json_schema`` inside the chat template.
+    """
+    try:
+        from transformers.utils import get_json_schema
+    except ImportError as exc:  # the `eval` extra
+        raise ToolsetError(
+            "evaluation needs transformers for the tool schemas: pip install 'harbor-async[eval]'"
+        ) from exc
+
+    schemas: list[dict[str, Any]] = []
+    sync: dict[str, Callable[..., Any]] = {}
+    async_: dict[str, Callable[..., Any]] = {}
+    for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction):
+        if name in NOT_TOOLS or name.startswith("_"):
+            continue
+        method = getattr(env, name)
+        try:
+            schemas.append(get_json_schema(method))
+        except Exception as exc:  # transformers raises its own TypeError subclasses
+            raise ToolsetError(f"tool {type(env).__name__}.{name}: {exc}") from exc
+        (async_ if inspect.iscoroutinefunction(method) else sync)[name] = method
+    if not schemas:
+        raise ToolsetError(f"harness {type(env).__name__} exposes no tool")
+    return Toolset(schemas, sync, async_)
+
+
+def initial_messages(observation: str) -> list[dict[str, Any]]:
+    """TRL's prompt: the dataset's empty user message with ``reset()``'s text appended."""
+    return [{"role": "user", "content": "" + observation}]
+
+
+def tool_error_text(message: str) -> str:
+    """The text TRL sends back for a tool that raised or does not exist."""
+    return str({"error": message})
+
+
+@dataclass
+class AgentResult:
+    """What one episode's loop produced.
+
+    ``finish_reason``: ``stop`` (a reply without tool calls), ``length`` (a
+    reply cut by ``max_tokens`` without tool calls), ``max_turns``,
+    ``max_total_tokens``, ``context_length`` (the server refused the prompt as
+    too long; the episode is scored), ``agent_timeout``, ``episode_deadline`` (set by the
+    caller when the engine's episode deadline was the tighter bound) or ``model_server``
+    (retries ran out: see ``error``).
+    """
+
+    messages: list[dict[str, Any]]
+    finish_reason: str = "stop"
+    usage: dict[str, int] = field(default_factory=dict)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_failures: int = 0
+    model_seconds: float = 0.0
+    tool_seconds: float = 0.0
+    error: ModelServerError | None = None
+
+
+def _retryable(exc: BaseException) -> bool:
+    if isinstance(exc, openai.APIConnectionError):  # includes APITimeoutError, connection resets
+        return True
+    if isinstance(exc, openai.APIStatusError):
+        return exc.status_code in (408, 409, 429) or exc.status_code >= 500
+    return False
+
+
+_CONTEXT_MARKERS = ("context length", "context_length", "maximum context", "too long", "prompt is too long")
+
+
+def is_context_overflow(exc: BaseException) -> bool:
+    """Whether the server refused the request because the conversation outgrew the context."""
+    if not isinstance(exc, openai.BadRequestError):
+        return False
+    text = f"{getattr(exc, 'code', '') or ''} {exc.message} {exc.body}".lower()
+    return any(marker in text for marker in _CONTEXT_MARKERS)
+
+
+class _ContextOverflow(Exception):
+    pass
+
+
+class Agent:
+    """Runs episodes of one model against one server.
+
+    Args:
+        client: the ``openai.AsyncOpenAI`` client (its own retries off: tenacity retries here).
+        model: the model name sent with every request.
+        sampling: sampling options.
+        limits: loop limits and retries.
+        request_limiter: bounds model requests in flight across episodes.
+        tool_limiter: bounds worker threads running sync tool methods.
+    """
+
+    def __init__(
+        self,
+        client: AsyncOpenAI,
+        model: str,
+        *,
+        sampling: Sampling | None = None,
+        limits: AgentLimits | None = None,
+        request_limiter: anyio.CapacityLimiter | None = None,
+        tool_limiter: anyio.CapacityLimiter | None = None,
+    ) -> None:
+        self.client = client
+        self.model = model
+        self.sampling = sampling or Sampling()
+        self.limits = limits or AgentLimits()
+        self.request_limiter = request_limiter or anyio.CapacityLimiter(16)
+        self.tool_limiter = tool_limiter or anyio.CapacityLimiter(16)
+        self.retries_used = 0
+        self._sampling = self.sampling
+
+    async def run(
+        self, env: object, observation: str, *, timeout: float | None = None, sampling: Sampling | None = None
+    ) -> AgentResult:
+        """Run the loop for one reset harness ``env`` whose ``reset()`` returned ``observation``.
+
+        ``sampling`` overrides the agent's for this episode (a per-attempt
+        seed). Never raises for the model's or the tools' misbehaviour: the
+        outcome is in the result. Cancellation propagates.
+        """
+        toolset = build_toolset(env)
+        result = AgentResult(messages=initial_messages(observation))
+        self._sampling = sampling or self.sampling
+        budget = timeout if timeout is not None else self.limits.timeout
+        with anyio.move_on_after(budget if budget is not None else float("inf")) as scope:
+            await self._loop(toolset, result)
+        if scope.cancelled_caught:
+            result.finish_reason = "agent_timeout"
+        return result
+
+    async def _loop(self, toolset: Toolset, result: AgentResult) -> None:
+        usage = result.usage
+        while True:
+            if result.turns >= self.limits.max_turns:
+                result.finish_reason = "max_turns"
+                return
+            started = time.perf_counter()
+            try:
+                response = await self._complete(result.messages, toolset.schemas, usage)
+            except _ContextOverflow:
+                result.finish_reason = "context_length"
+                return
+            except ModelServerError as exc:
+                result.finish_reason, result.error = "model_server", exc
+                return
+            finally:
+                result.model_seconds += time.perf_counter() - started
+            result.turns += 1
+            if response.usage is not None:
+                for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+                    usage[key] = usage.get(key, 0) + int(getattr(response.usage, key, 0) or 0)
+                usage["last_total_tokens"] = int(response.usage.total_tokens or 0)
+            if not response.choices:  # a server bug, not the model's answer
+                result.finish_reason = "model_server"
+                result.error = ModelServerError(f"model {self.model!r}: a reply without choices")
+                return
+            choice = response.choices[0]
+            message = choice.message
+            calls = list(message.tool_calls or [])
+            assistant: dict[str, Any] = {"role": "assistant", "content": message.content or ""}
+            if calls:
+                assistant["tool_calls"] = [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.function.name, "arguments": call.function.arguments},
+                    }
+                    for call in calls
+                ]
+            assistant["finish_reason"] = choice.finish_reason
+            result.messages.append(assistant)
+            if not calls:
+                result.finish_reason = "length" if choice.finish_reason == "length" else "stop"
+                return
+            for call in calls:  # in order: a tool may depend on the previous one's effect
+                started = time.perf_counter()
+                text, failed = await self._call_tool(toolset, call.function.name, call.function.arguments)
+                result.tool_seconds += time.perf_counter() - started
+                result.tool_calls += 1
+                result.tool_failures += failed
+                result.messages.append(
+                    {"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": text}
+                )
+            limit = self.limits.max_total_tokens
+            if limit is not None and usage.get("last_total_tokens", 0) >= limit:
+                result.finish_reason = "max_total_tokens"
+                return
+
+    async def _complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], usage: dict[str, int]):
+        # What the server sees: OpenAI's message shape (our bookkeeping keys stripped).
+        wire = [{k: v for k, v in m.items() if k != "finish_reason"} for m in messages]
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(_retryable),
+            stop=stop_after_attempt(self.limits.retries + 1),
+            # exponential backoff with jitter, so that many episodes do not retry in lockstep
+            wait=wait_exponential(multiplier=0.5, max=self.limits.retry_max_wait) + wait_random(0, 0.25),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    if attempt.retry_state.attempt_number > 1:
+                        usage["retries"] = usage.get("retries", 0) + 1
+                        self.retries_used += 1
+                    usage["requests"] = usage.get("requests", 0) + 1
+                    async with self.request_limiter:
+                        return await self.client.chat.completions.create(
+                            model=self.model, messages=wire, tools=tools, **self._sampling.request_kwargs()
+                        )
+        except openai.APIError as exc:
+            if is_context_overflow(exc):
+                raise _ContextOverflow from exc
+            status = getattr(exc, "status_code", None)
+            what = f"HTTP {status}" if status else type(exc).__name__
+            raise ModelServerError(f"model {self.model!r}: {what}: {exc}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _call_tool(self, toolset: Toolset, name: str, arguments: str | None) -> tuple[str, bool]:
+        """Run one tool call; return the text for the model and whether the call failed."""
+        try:
+            args = json.loads(arguments or "{}")
+        except ValueError as exc:
+            return tool_error_text(f"Invalid JSON in the arguments of tool {name}: {exc}"), True
+        if not isinstance(args, dict):
+            return tool_error_text(f"The arguments of tool {name} must be a JSON object, got {args!r}"), True
+        try:
+            if name in toolset.sync:
+                fn = functools.partial(toolset.sync[name], **args)
+                value = await anyio.to_thread.run_sync(fn, limiter=self.tool_limiter, abandon_on_cancel=True)
+            elif name in toolset.async_:
+                value = await toolset.async_[name](**args)
+            else:
+                raise ValueError(f"Tool {name} not found.")
+        except Exception as exc:  # as TRL: any tool failure is text for the model
+            return tool_error_text(str(exc)), True
+        return (value if isinstance(value, list) else str(value)), False

@@ -1,0 +1,591 @@
+"""The Harbor environment: ``LocalEnvironment``, a sandbox that commands join like ``docker exec``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import posixpath
+import shutil
+import subprocess
+import time
+import weakref
+import zlib
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import anyio
+from anyio.abc import Process
+from harbor.environments.base import (
+    BaseEnvironment,
+    ExecResult,
+    HealthcheckError,
+    SandboxBuildFailedError,
+)
+from harbor.environments.capabilities import (
+    EnvironmentCapabilities,
+    EnvironmentResourceCapabilities,
+)
+from harbor.models.task.config import EnvironmentConfig, HealthcheckConfig
+from harbor.models.trial.paths import TrialPaths
+
+from harbor_async.backends.local.cleanup import abandon
+from harbor_async.backends.local.dockerfile import DockerfileSpec, parse_dockerfile
+from harbor_async.backends.local.errors import ExecTimeoutError
+from harbor_async.backends.local.images import image_mismatch
+from harbor_async.backends.local.keeper import (
+    Keeper,
+    Tools,
+    find_tools,
+    spawn_from_keeper_thread,
+)
+from harbor_async.backends.local.layout import (
+    BASE_ENV,
+    DEFAULT_MEMORY_MB,
+    DEFAULT_OUTPUT_LIMIT,
+    DEFAULT_PIDS,
+    DEFAULT_STORAGE_MB,
+    KEEPER_START_TIMEOUT,
+    RUN_LABEL_ENV,
+    SPECIAL_DIRS,
+    SYSTEM_DIRS,
+    under,
+)
+from harbor_async.backends.local.limits import (
+    Cgroups,
+    LimitError,
+    Limits,
+    UidLease,
+    cgroup_version,
+    parse_limit,
+    pool_uids_mapped,
+)
+from harbor_async.backends.local.output import OUTPUT_SINK, OutputPipe, read_available
+from harbor_async.backends.local.proctree import end_exec
+from harbor_async.backends.local.rootfs import (
+    apply_copy,
+    build_tree,
+    check_task_paths,
+    chown_tree,
+    host_path,
+    mount_hub,
+    mount_tmpfs,
+    remove_sandbox_folder,
+)
+from harbor_async.backends.local.sandboxing import Confinement, join_argv, keeper_argv
+from harbor_async.backends.local.transfers import (
+    SandboxTransfers,
+)
+from harbor_async.naming import (
+    DEFAULT_LOCAL_ROOT,
+    LOCAL_ROOT_ENV,
+    MARKER_NAME,
+    local_folder_name,
+)
+
+
+class LocalEnvironment(SandboxTransfers, BaseEnvironment):
+    """A Harbor environment on bubblewrap: one long-lived sandbox, commands join it.
+
+    Constructor keywords, besides Harbor's own (all optional; from Harbor's CLI
+    pass them as ``--ek key=value``):
+
+    - ``sandbox_root``: base folder of the sandbox folders (default
+      ``$HARBOR_ASYNC_LOCAL_ROOT`` or ``/tmp/harbor-async-local``).
+    - ``run_label``: names the run in folder names and markers, so a reaper can
+      tell runs apart (default ``$HARBOR_ASYNC_RUN_LABEL`` or ``"adhoc"``).
+    - ``memory_mb``, ``cpus``, ``storage_mb``: defaults of the per-sandbox
+      limits when ``task.toml``'s ``[environment]`` does not state them
+      (4096 MB, no CPU quota, 2048 MB); ``pids_limit``: processes (1024).
+    - ``output_limit``: bytes of each exec stream kept, head and tail halves
+      (1 MiB; what falls between is counted and dropped).
+    """
+
+    #: written with anyio only: safe to drive from trio as well as asyncio.
+    ANYIO_NATIVE = True
+
+    def __init__(
+        self,
+        environment_dir: Path,
+        environment_name: str,
+        session_id: str,
+        trial_paths: TrialPaths,
+        task_env_config: EnvironmentConfig,
+        logger: logging.Logger | None = None,
+        *,
+        sandbox_root: str | Path | None = None,
+        run_label: str | None = None,
+        memory_mb: int | str | None = DEFAULT_MEMORY_MB,
+        cpus: float | str | None = None,
+        storage_mb: int | str | None = DEFAULT_STORAGE_MB,
+        pids_limit: int | str | None = DEFAULT_PIDS,
+        output_limit: int | str | None = DEFAULT_OUTPUT_LIMIT,
+        **kwargs: Any,
+    ) -> None:
+        base = Path(sandbox_root or os.environ.get(LOCAL_ROOT_ENV) or DEFAULT_LOCAL_ROOT)
+        self.run_label: str = run_label or os.environ.get(RUN_LABEL_ENV) or "adhoc"
+        self._base = base.absolute()
+        self._root = self._base / local_folder_name(self.run_label, session_id)
+        self._fs = self._root / "fs"
+        self._spec = DockerfileSpec()
+        self._workdir = "/"
+        self._running: dict[int, Process] = {}  # exec nsenter pid -> process
+        self._launching = 0  # processes being spawned, not yet in _running / _keeper
+        self._keeper: Keeper | None = None
+        self._keeper_finalizer: weakref.finalize[Any, Any] | None = None
+        self._tools: Tools | None = None
+        self._started = False
+        self._marker_live = False  # the marker may be (re)written: between start and stop
+        self._warned_user = False
+        self._created_at = ""
+        self._defaults = Limits(
+            pids=parse_limit(pids_limit, int), memory_mb=parse_limit(memory_mb, int),
+            cpus=parse_limit(cpus, float), storage_mb=parse_limit(storage_mb, int),
+        )  # fmt: skip
+        self._output_limit = parse_limit(output_limit, int)
+        self._confinement: Confinement | None = None
+        self._uid_lease: UidLease | None = None
+        self._mount: Path | None = None  # the sandbox's tmpfs (as root), fs/ links to it
+        super().__init__(
+            environment_dir, environment_name, session_id, trial_paths, task_env_config,
+            logger=logger, **kwargs,
+        )  # fmt: skip
+
+    # -- Harbor's description of this backend --------------------------------
+
+    @staticmethod
+    def type() -> str:
+        """Harbor environment type name."""
+        return "local"
+
+    @property
+    def capabilities(self) -> EnvironmentCapabilities:
+        """No network at all (so "no-network" tasks are honoured); no host mounts."""
+        return EnvironmentCapabilities(disable_internet=True, mounted=False)
+
+    @classmethod
+    def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
+        """CPU and memory limits where this process can make cgroups (root); fractional CPUs."""
+        limited = cgroup_version() is not None
+        return EnvironmentResourceCapabilities(cpu_limit=limited, memory_limit=limited, fractional_cpus=True)
+
+    @property
+    def limits(self) -> Limits:
+        """This sandbox's limits: ``task.toml``'s ``[environment]`` values, else the backend's defaults."""
+        config = self.task_env_config
+        return Limits(
+            pids=self._defaults.pids,
+            memory_mb=config.memory_mb or self._defaults.memory_mb,
+            cpus=config.cpus or self._defaults.cpus,
+            storage_mb=config.storage_mb or self._defaults.storage_mb,
+        )
+
+    @property
+    def host_uid(self) -> int:
+        """The host uid that root inside this sandbox is (the caller's own without root)."""
+        if self._confinement is not None and self._confinement.uid is not None:
+            return self._confinement.uid
+        return os.getuid()
+
+    @property
+    def root(self) -> Path:
+        """The sandbox's folder on the host (marker file + ``fs/``)."""
+        return self._root
+
+    @property
+    def workdir(self) -> str:
+        """Default working directory of ``exec`` (task workdir, else WORKDIR, else ``/``)."""
+        return self._workdir
+
+    @property
+    def ignored(self) -> list[str]:
+        """What of the task's environment definition this backend does not honour."""
+        return list(self._spec.ignored)
+
+    def _validate_definition(self) -> None:
+        """Read the optional Dockerfile; warn once about everything not honoured.
+
+        Raises:
+            TaskPathEscapeError: the task's instruction, tests, solution or
+                environment is a symlink out of the task folder.
+        """
+        task_dir = self.environment_dir.parent
+        if (task_dir / "task.toml").is_file():
+            check_task_paths(task_dir)
+        dockerfile = self.environment_dir / "Dockerfile"
+        text = ""
+        if dockerfile.is_file():
+            text = dockerfile.read_text()
+            self._spec = parse_dockerfile(text, BASE_ENV)
+        ignored = self._spec.ignored
+        mismatch = image_mismatch(text, self.task_env_config.docker_image)
+        if mismatch is not None:
+            ignored.append(mismatch)
+        for step in list(self._spec.copies):
+            if under(step.dest, SYSTEM_DIRS + SPECIAL_DIRS):
+                self._spec.copies.remove(step)
+                ignored.append(f"line {step.line}: COPY into read-only {step.dest}")
+        workdir = self._spec.workdir or "/"
+        if under(workdir, SYSTEM_DIRS + SPECIAL_DIRS):
+            ignored.append(f"WORKDIR {workdir} (read-only host folder; using /)")
+            workdir = "/"
+        self._workdir = self.task_env_config.workdir or workdir
+        if (self.environment_dir / "docker-compose.yaml").exists():
+            ignored.append("docker-compose.yaml (single sandbox only)")
+        if self.task_env_config.docker_image and not dockerfile.is_file():
+            ignored.append(f"docker_image {self.task_env_config.docker_image} (host /usr is used)")
+        if self._host_mounts:
+            ignored.append(f"mounts {[m.get('target') for m in self._host_mounts]}")
+        if ignored:
+            self.logger.warning(
+                "local environment %s ignores %d item(s) of its definition: %s",
+                self.environment_name, len(ignored), "; ".join(ignored),
+            )  # fmt: skip
+
+    # -- lifecycle ------------------------------------------------------------
+
+    async def start(self, force_build: bool) -> None:
+        """Create the sandbox folder, apply the Dockerfile and launch the keeper (milliseconds; no image).
+
+        Raises:
+            SandboxBuildFailedError: ``bwrap``, ``nsenter`` or ``setpriv`` is
+                missing, or bubblewrap cannot create the sandbox.
+        """
+        self._tools = find_tools()
+        try:
+            await anyio.to_thread.run_sync(self._build_tree)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._teardown, True)
+            raise
+        await self._start_keeper()
+        self._started = True
+        self._write_marker()
+        # Prebuilt-image tasks without a Dockerfile ship loose files for the workdir.
+        await self._upload_environment_dir_after_start()
+
+    async def _start_keeper(self) -> None:
+        """Launch the sandbox's long-lived bwrap and take hold of its namespaces.
+
+        bwrap reports the host pid of the sandbox's PID 1 on ``--info-fd``; the
+        init prints ``ready`` once bwrap has finished the setup (mounts, pivot,
+        capabilities), and only then are the namespaces worth joining. Their
+        files are opened here and kept open until ``stop()``: an exec enters
+        them through ``/proc/self/fd/N`` (the files passed down to it), so a
+        recycled pid can never send it into another process's namespaces.
+        """
+        assert self._tools is not None
+        info_read, info_write = os.pipe()
+        ready = OutputPipe()
+        try:
+            assert self._confinement is not None
+            argv = keeper_argv(self._tools, self._mount or self._fs, info_write, self._confinement, self._root)
+            self._launching += 1
+            try:
+                with open(self._root / "keeper.log", "wb") as log, anyio.CancelScope(shield=True):
+                    keeper = Keeper(
+                        await spawn_from_keeper_thread(
+                            argv, stdin=subprocess.DEVNULL, stdout=ready.write_fd, stderr=log,
+                            pass_fds=(info_write,), start_new_session=True,
+                        )  # fmt: skip
+                    )
+            finally:
+                self._launching -= 1
+                os.close(info_write)
+                ready.close_write_end()
+            self._keeper = keeper  # from here on stop() ends it, whatever happens next
+            self._keeper_finalizer = weakref.finalize(
+                self, abandon, keeper, self._confinement, self._mount, self._uid_lease
+            )
+            # At exit the engine stops its sandboxes (a finalizer would kill them
+            # first); what is left then dies with this process (--die-with-parent).
+            self._keeper_finalizer.atexit = False
+            with anyio.move_on_after(KEEPER_START_TIMEOUT) as waited:
+                while not ready.eof and b"\n" not in b"".join(ready.chunks):
+                    if not ready._read_some():
+                        await anyio.wait_readable(ready.read_fd)
+            if waited.cancelled_caught:
+                raise RuntimeError(
+                    f"local sandbox {self.session_id}: bubblewrap did not come up "
+                    f"within {KEEPER_START_TIMEOUT:g} s"
+                )
+            if (ready.text() or "").strip() != "ready":
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    await keeper.wait()
+                detail = (self._root / "keeper.log").read_text(errors="replace").strip()
+                raise SandboxBuildFailedError(
+                    f"bubblewrap could not create local sandbox {self.session_id}: "
+                    f"{detail or f'exit code {keeper.process.returncode}'}"
+                )
+            keeper.attach(json.loads(read_available(info_read) or b"{}"))
+            if os.geteuid() == 0:
+                # The OOM killer of a full memory cgroup must not pick PID 1 (the
+                # sandbox would die with it); only root may lower the score.
+                with contextlib.suppress(OSError):
+                    Path(f"/proc/{keeper.init_pid}/oom_score_adj").write_text("-1000")
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._end_keeper()
+            raise
+        finally:
+            os.close(info_read)
+            ready.close()
+
+    async def _end_keeper(self) -> None:
+        """Kill the sandbox's PID 1 (the kernel then kills every process in its PID namespace)."""
+        keeper, self._keeper = self._keeper, None
+        if keeper is None:
+            return
+        if self._keeper_finalizer is not None:
+            self._keeper_finalizer.detach()
+        keeper.kill_init()
+        # The outer bwrap reaps its child and exits; kill it only if it lingers
+        # (killed first, it would leave the init to the host's init as a zombie).
+        with anyio.move_on_after(5):
+            await keeper.wait()
+        if keeper.process.returncode is None:
+            keeper.process.kill()
+            await keeper.wait()
+        keeper.close()
+
+    def _build_tree(self) -> None:
+        """The sandbox folder, its limits, its sized root filesystem, its tree and COPY (no process yet)."""
+        if self._root.exists():  # left by a killed run with the same label and session
+            self.logger.warning("removing stale local sandbox %s", self._root)
+            remove_sandbox_folder(self._root, self._stale_mount())
+        limits = self.limits
+        confinement = self._confinement = Confinement(limits)
+        # Root of the whole machine (not of a container's user namespace, which
+        # cannot switch to the pool's uids): a host uid of its own, and cgroups.
+        root = os.geteuid() == 0 and pool_uids_mapped()
+        if root:
+            self._uid_lease = UidLease.acquire(zlib.crc32(self._root.name.encode()))
+            confinement.uid = self._uid_lease.uid
+            version = cgroup_version()
+            if version is not None:
+                cgroups = Cgroups(self._root.name, version)
+                try:
+                    cgroups.create(limits)
+                    confinement.cgroups = cgroups
+                except LimitError as exc:  # read-only cgroupfs (a container): rlimits are left
+                    self.logger.warning("local sandbox %s without cgroups: %s", self.session_id, exc)
+        if not self._base.exists():
+            # o+x only: the sandbox's uid must reach its folder, nobody may list them.
+            self._base.mkdir(mode=0o711, parents=True, exist_ok=True)
+        self._root.mkdir(mode=0o711)
+        self._created_at = datetime.now(UTC).isoformat()
+        self._marker_live = True
+        self._write_marker()
+        if root:  # a sized tmpfs in the mount hub; fs/ points at it
+            assert confinement.uid is not None
+            mount = mount_hub() / f"{self._root.name}-{zlib.crc32(str(self._root).encode()):08x}"
+            if mount.exists():
+                remove_sandbox_folder(self._root, mount)
+            mount.mkdir(mode=0o755)
+            self._mount = mount
+            self._write_marker()
+            mount_tmpfs(mount, limits.storage_mb, confinement.uid, confinement.uid)
+            self._fs.symlink_to(mount)
+        else:
+            self._fs.mkdir()
+        build_tree(self._fs)
+        host_path(self._fs, "/", self._workdir, writable=True).mkdir(parents=True, exist_ok=True)
+        for step in self._spec.copies:
+            apply_copy(self._fs, self.environment_dir, step, "/")
+        if confinement.uid is not None:  # the sandbox's root owns its whole tree
+            chown_tree(self._fs, confinement.uid, confinement.uid)
+
+    def _stale_mount(self) -> Path | None:
+        from harbor_async.backends.local.cleanup import read_marker
+
+        mount = read_marker(self._root).get("mount")
+        return Path(mount) if isinstance(mount, str) else None
+
+    def _teardown(self, delete: bool) -> None:
+        """Remove the cgroups, unmount and (``delete``) remove the folder, release the uid (no process left)."""
+        confinement, self._confinement = self._confinement, None
+        if confinement is not None and confinement.cgroups is not None:
+            left = confinement.cgroups.remove()
+            if left:
+                self.logger.warning("local sandbox %s: cgroups not removed: %s", self.session_id, left)
+        if delete:
+            remove_sandbox_folder(self._root, self._mount)
+            self._mount = None
+        if self._uid_lease is not None:
+            self._uid_lease.release()
+            self._uid_lease = None
+
+    async def stop(self, delete: bool = True) -> None:
+        """Kill every process of this sandbox and (``delete``) remove its folder.
+
+        Killing the keeper ends the sandbox's PID namespace: every process in
+        it dies, background processes included; running execs return 137.
+        Idempotent. With ``delete=False`` the folder stays for inspection.
+        """
+        self._started = False
+        # An exec finishing during the removal must not write its marker back.
+        self._marker_live = False
+        with anyio.CancelScope(shield=True):  # teardown must finish even when cancelled
+            # A process being spawned now would escape the kill below, and an
+            # nsenter must not find the namespace files closed (their numbers
+            # reused); spawns take milliseconds, so wait for them.
+            with anyio.move_on_after(5):  # spawns take milliseconds; never hang a stop on one
+                while self._launching:
+                    await anyio.sleep(0.005)
+            if self._keeper is not None:
+                self._keeper.kill_init()
+            for process in list(self._running.values()):
+                await end_exec(process)  # it ends with its command, killed with the namespace
+            # No nsenter is running now: the namespace files may be closed.
+            await self._end_keeper()
+            try:
+                await anyio.to_thread.run_sync(self._teardown, delete)
+            except RuntimeError:  # no new threads at interpreter shutdown
+                self._teardown(delete)
+            if not delete and self._root.exists():
+                self.logger.info("local sandbox kept at %s", self._root)
+
+    # -- commands ---------------------------------------------------------------
+
+    async def exec(
+        self,
+        command: str,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: int | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
+        """Run ``command`` with bash (sh without bash) inside the running sandbox.
+
+        The command joins the sandbox's namespaces, so what it starts in the
+        background keeps running after it returns. Every command runs as root;
+        ``user`` is accepted and ignored (warned once). Past ``timeout_sec``, or
+        when the caller cancels it, the command's whole process tree is killed:
+        its session, its process group and every descendant, not what earlier
+        execs left running.
+
+        Raises:
+            ExecTimeoutError: past ``timeout_sec`` (the process tree is killed first).
+            RuntimeError: the sandbox is not started, or its keeper has died.
+        """
+        if not self._started or self._keeper is None:
+            raise RuntimeError(f"local sandbox {self.session_id} is not started")
+        if not self._keeper.alive():
+            raise RuntimeError(
+                f"local sandbox {self.session_id} is gone: its init process (the keeper) has exited"
+            )
+        user = self._resolve_user(user)
+        if user not in (None, 0, "0", "root") and not self._warned_user:
+            self._warned_user = True
+            self.logger.warning("local environment runs every command as root, not %r", user)
+        variables = {**BASE_ENV, **self._spec.env, **(self._merge_env(env) or {})}
+        workdir = posixpath.join(self._workdir, cwd or self._workdir)
+        shell = "bash" if shutil.which("bash") else "sh"  # resolved with the sandbox's PATH, as bwrap did
+        argv, fds = self._join(variables, workdir, [shell, "-c", command])
+        out, err = OutputPipe(self._output_limit), OutputPipe(self._output_limit)
+        self._launching += 1  # no await since the _started check: stop() waits for this
+        try:
+            with anyio.CancelScope(shield=True):  # a cancelled spawn must not leak a process
+                # Own session: the whole tree can be found and killed without touching ours.
+                process = await anyio.open_process(
+                    argv, stdin=subprocess.DEVNULL, stdout=out.write_fd, stderr=err.write_fd,
+                    start_new_session=True, env={}, pass_fds=fds,
+                )  # fmt: skip
+        except BaseException:
+            out.close()
+            err.close()
+            raise
+        finally:
+            self._launching -= 1
+            out.close_write_end()
+            err.close_write_end()
+        self._running[process.pid] = process  # no await since the launch: stop() sees it
+        self._write_marker()
+        ended = False
+        try:
+            with anyio.move_on_after(timeout_sec or None) as deadline:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(out.pump)
+                    group.start_soon(err.pump)
+                    await process.wait()
+                    # The shell has ended. Background processes it started may
+                    # hold the pipes open for ever: do not wait for their EOF.
+                    group.cancel_scope.cancel()
+                ended = True
+        finally:
+            with anyio.CancelScope(shield=True):
+                if not ended:  # timed out or cancelled
+                    await end_exec(process)
+                await process.aclose()
+            self._running.pop(process.pid, None)
+            for pipe in (out, err):
+                pipe.settle()
+            OUTPUT_SINK.adopt([pipe.read_fd for pipe in (out, err) if not pipe.eof])
+            for pipe in (out, err):
+                if pipe.eof:
+                    pipe.close()
+            self._write_marker()
+        stdout, stderr = out.text(), err.text()
+        if deadline.cancelled_caught:
+            raise ExecTimeoutError(timeout_sec or 0, stdout, stderr)
+        code = process.returncode or 0
+        # Killed by a signal (stop() during the command): report it like a shell.
+        return ExecResult(stdout=stdout, stderr=stderr, return_code=128 - code if code < 0 else code)
+
+    def _join(self, env: dict[str, str], cwd: str, command: list[str]) -> tuple[list[str], tuple[int, ...]]:
+        """The argv (and fds to pass) that runs ``command`` inside the sandbox."""
+        assert self._keeper is not None and self._tools is not None and self._confinement is not None
+        return join_argv(self._tools, self._keeper, self._confinement, env, cwd, command)
+
+    async def run_healthcheck(self, healthcheck: HealthcheckConfig | None = None) -> None:
+        """Harbor's healthcheck loop, with anyio sleeps so that it also runs under trio."""
+        check = healthcheck if healthcheck is not None else self.task_env_config.healthcheck
+        if check is None:
+            return
+        start_period_end = time.monotonic() + check.start_period_sec
+        failures = 0
+        while True:
+            in_start_period = time.monotonic() < start_period_end
+            result = await self.exec(check.command, timeout_sec=int(check.timeout_sec))
+            if result.return_code == 0:
+                return
+            if in_start_period:
+                await anyio.sleep(check.start_interval_sec)
+                continue
+            failures += 1
+            if failures >= check.retries:
+                raise HealthcheckError(
+                    f"Healthcheck failed after {check.retries} consecutive retries: {check.command}"
+                )
+            await anyio.sleep(check.interval_sec)
+
+    # -- bookkeeping ------------------------------------------------------------
+
+    def _write_marker(self) -> None:
+        """Record who owns this sandbox and which processes run it, for a reaper."""
+        if not self._marker_live:
+            return
+        marker = {
+            "run_label": self.run_label,
+            "session_id": self.session_id,
+            "environment_name": self.environment_name,
+            "created_at": self._created_at,
+            "owner_pid": os.getpid(),
+            # the sandbox's bwrap (host pid) and its PID 1 as the host sees it:
+            # killing the latter ends every process of the sandbox
+            "keeper_pid": self._keeper.process.pid if self._keeper is not None else None,
+            "keeper_init_pid": self._keeper.init_pid if self._keeper is not None else None,
+            "pids": sorted(self._running),  # the nsenter of each running exec
+            "host_uid": self._confinement.uid if self._confinement is not None else None,
+            "cgroups": [str(f) for f in self._confinement.cgroups.folders]
+            if self._confinement is not None and self._confinement.cgroups is not None
+            else [],
+            "mount": str(self._mount) if self._mount is not None else None,
+        }
+        temporary = self._root / f"{MARKER_NAME}.tmp"
+        temporary.write_text(json.dumps(marker))
+        temporary.replace(self._root / MARKER_NAME)  # atomic: a reaper never reads half
+
+

@@ -1,0 +1,257 @@
+"""Per-sandbox resource limits: cgroups (v1 or v2), per-sandbox host uids, rlimits.
+
+Each sandbox gets, when this process runs as root:
+
+- its own unprivileged host uid (and gid) from a pool (:class:`UidLease`): root
+  inside the sandbox's user namespace is that uid outside, and RLIMIT_NPROC,
+  which counts processes per uid, is then a per-sandbox limit;
+- a cgroup per controller (:class:`Cgroups`): ``pids.max``, a memory limit and
+  a CPU quota; v2 where the unified hierarchy has the controllers, else v1's
+  ``pids``, ``memory`` and ``cpu`` hierarchies. Every process of the sandbox
+  (the keeper and each exec) is put in them before it starts, by the helper
+  ``helpers/enter-cgroups.sh``.
+
+Without root none of this is possible: the sandbox's root is the caller's own
+uid, and there are no process, memory or CPU limits (see the README).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harbor_async.errors import HarborAsyncError
+from harbor_async.naming import PREFIX
+
+#: First host uid/gid of the per-sandbox pool: past systemd's container range
+#: (524288-1879048191) and below 2**31, which some tools take for signed.
+UID_BASE = 1_879_048_192
+UID_COUNT = 65_536
+#: Where the pool's lock files live (one per uid in use; a lock dies with its holder).
+UID_LOCK_DIRS = ("/run/harbor-async-uids", "/tmp/harbor-async-uids")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CPU_PERIOD_US = 100_000
+
+
+class LimitError(HarborAsyncError, RuntimeError):
+    """A sandbox's limits could not be set up (no free uid, cgroup not writable ...)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one sandbox may use. ``None``: not limited."""
+
+    pids: int | None = 1024
+    memory_mb: int | None = None
+    cpus: float | None = None
+    storage_mb: int | None = None
+
+
+class UidLease:
+    """One host uid of the pool, held (by an ``flock``) until :meth:`release`.
+
+    The lock is released by the kernel when the holding process dies, so a
+    killed run never leaks a uid.
+    """
+
+    def __init__(self, uid: int, fd: int) -> None:
+        self.uid = uid
+        self._fd = fd
+
+    @classmethod
+    def acquire(cls, hint: int = 0) -> UidLease:
+        """Lease a free uid, probing from ``hint`` (spread the probes: a hash of the sandbox's name).
+
+        Raises:
+            LimitError: no lock folder is writable, or all uids are in use.
+        """
+        folder = _lock_dir()
+        for step in range(UID_COUNT):
+            uid = UID_BASE + (hint + step) % UID_COUNT
+            fd = os.open(folder / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    continue
+                raise LimitError(f"cannot lock {folder / str(uid)}: {exc}") from exc
+            return cls(uid, fd)
+        raise LimitError(f"all {UID_COUNT} sandbox uids are in use")
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def pool_uids_mapped() -> bool:
+    """Whether this process's user namespace maps the whole uid pool (it does on a machine's own root;
+    a container's root user namespace usually maps 65,536 uids from 0 only)."""
+    try:
+        lines = Path("/proc/self/uid_map").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        inside, _outside, count = (int(v) for v in line.split())
+        if inside <= UID_BASE and UID_BASE + UID_COUNT <= inside + count:
+            return True
+    return False
+
+
+def _lock_dir() -> Path:
+    for name in UID_LOCK_DIRS:
+        folder = Path(name)
+        try:
+            folder.mkdir(mode=0o700, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(folder, os.W_OK):
+            return folder
+    raise LimitError(f"no writable folder for the sandbox uid locks among {UID_LOCK_DIRS}")
+
+
+def cgroup_version() -> str | None:
+    """``"v2"`` when the unified hierarchy has memory, pids and cpu; ``"v1"`` when
+    v1 has those hierarchies; ``None`` when neither is writable (not root)."""
+    if os.geteuid() != 0:
+        return None
+    unified = CGROUP_ROOT / "cgroup.controllers"
+    try:
+        if {"memory", "pids", "cpu"} <= set(unified.read_text().split()):
+            return "v2"
+    except OSError:
+        pass
+    if all((CGROUP_ROOT / name / "cgroup.procs").exists() for name in ("memory", "pids", "cpu")):
+        return "v1"
+    return None
+
+
+class Cgroups:
+    """The cgroups of one sandbox, named ``harbor-async/<name>`` in each hierarchy."""
+
+    def __init__(self, name: str, version: str) -> None:
+        self.version = version
+        if version == "v2":
+            self.folders = [CGROUP_ROOT / PREFIX / name]
+        else:
+            self.folders = [CGROUP_ROOT / c / PREFIX / name for c in ("pids", "memory", "cpu")]
+
+    @classmethod
+    def of_folders(cls, folders: list[Path]) -> Cgroups:
+        """The cgroups a marker recorded (to remove them; the version does not matter then)."""
+        group = cls("", "v1")
+        group.folders = list(folders)
+        return group
+
+    @property
+    def procs_files(self) -> list[str]:
+        """The ``cgroup.procs`` files a process writes its pid to, to join."""
+        return [str(folder / "cgroup.procs") for folder in self.folders]
+
+    def create(self, limits: Limits) -> None:
+        """Make the cgroups and write the limits.
+
+        Raises:
+            LimitError: a cgroup cannot be made or a limit not written.
+        """
+        try:
+            if self.version == "v2":
+                self._create_v2(limits)
+            else:
+                self._create_v1(limits)
+        except OSError as exc:
+            self.remove()
+            raise LimitError(f"cannot set up the sandbox's cgroups ({self.version}): {exc}") from exc
+
+    def _create_v1(self, limits: Limits) -> None:
+        pids, memory, cpu = self.folders
+        for folder in self.folders:
+            folder.mkdir(parents=True, exist_ok=True)
+        _write(pids / "pids.max", str(limits.pids) if limits.pids else "max")
+        if limits.memory_mb:
+            size = str(limits.memory_mb * 1024 * 1024)
+            _write(memory / "memory.limit_in_bytes", size)
+            swap = memory / "memory.memsw.limit_in_bytes"  # present when swap accounting is on
+            if swap.exists():
+                _write(swap, size)
+        if limits.cpus:
+            _write(cpu / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+            _write(cpu / "cpu.cfs_quota_us", str(max(int(limits.cpus * CPU_PERIOD_US), 1000)))
+
+    def _create_v2(self, limits: Limits) -> None:
+        (folder,) = self.folders
+        parent = folder.parent
+        parent.mkdir(exist_ok=True)
+        # Controllers must be enabled on every level above the sandbox's group.
+        for level in (CGROUP_ROOT, parent):
+            _write(level / "cgroup.subtree_control", "+memory +pids +cpu")
+        folder.mkdir(exist_ok=True)
+        _write(folder / "pids.max", str(limits.pids) if limits.pids else "max")
+        if limits.memory_mb:
+            _write(folder / "memory.max", str(limits.memory_mb * 1024 * 1024))
+            _write(folder / "memory.swap.max", "0")
+        if limits.cpus:
+            _write(folder / "cpu.max", f"{max(int(limits.cpus * CPU_PERIOD_US), 1000)} {CPU_PERIOD_US}")
+
+    def pids(self) -> list[int]:
+        """Every process still in the sandbox's cgroups."""
+        found: set[int] = set()
+        for name in self.procs_files:
+            try:
+                found.update(int(line) for line in Path(name).read_text().split())
+            except (OSError, ValueError):
+                continue
+        return sorted(found)
+
+    def remove(self, wait: float = 5.0) -> list[str]:
+        """Remove the cgroups (they must be empty; dying processes are waited for). Returns what is left."""
+        deadline = time.monotonic() + wait
+        left = []
+        for folder in self.folders:
+            while True:
+                try:
+                    folder.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        left.append(str(folder))
+                        break
+                    time.sleep(0.02)
+        return left
+
+
+def remove_cgroups(folders: list[str]) -> list[str]:
+    """Kill what still runs in leftover cgroup folders, then remove them; returns what is left."""
+    from harbor_async.leftovers import kill
+
+    pids: set[int] = set()
+    for folder in folders:
+        try:
+            pids.update(int(line) for line in Path(folder, "cgroup.procs").read_text().split())
+        except (OSError, ValueError):
+            continue
+    if pids:
+        kill(pids)
+    return Cgroups.of_folders([Path(f) for f in folders]).remove()
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as file:
+        file.write(value)
+
+
+def parse_limit(value: int | float | str | None, kind: type) -> Any:
+    """A keyword given as a number or as text (``--ek memory_mb=512``); ``None``/``""``/``0``: none."""
+    if value in (None, "", "none", "None"):
+        return None
+    number = kind(value)
+    return number if number > 0 else None
+

@@ -1,0 +1,177 @@
+"""Output capture of an exec: pipes read without blocking the loop, and a sink for what outlives its exec."""
+
+from __future__ import annotations
+
+import collections
+import os
+import select
+import threading
+import time
+
+import anyio
+
+from harbor_async.backends.local.layout import OUTPUT_SETTLE_SEC
+
+
+class OutputPipe:
+    """One output pipe of an exec, read without blocking the loop, kept within ``limit`` bytes.
+
+    The first ``limit // 2`` bytes are kept as they come (the head) and the
+    last ``limit // 2`` in a sliding tail; what falls between is counted in
+    :attr:`dropped` and never held, so the caller's memory stays flat however
+    much a command prints. ``limit=None`` keeps everything.
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        self.chunks: list[bytes] = []  # the head (everything when unlimited)
+        self._head_left = limit // 2 if limit is not None else None
+        self._tail_limit = limit - limit // 2 if limit is not None else 0
+        self._tail: collections.deque[bytes] = collections.deque()
+        self._tail_size = 0
+        self.dropped = 0  # bytes neither in the head nor in the tail
+        self.eof = False
+
+    async def pump(self) -> None:
+        while not self.eof:
+            if not self._read_some():
+                await anyio.wait_readable(self.read_fd)
+
+    def _read_some(self) -> bool:
+        """Read what the pipe holds now; False when it holds nothing yet."""
+        try:
+            data = os.read(self.read_fd, 65536)
+        except BlockingIOError:
+            return False
+        if data:
+            self._keep(data)
+        else:
+            self.eof = True
+        return True
+
+    def _keep(self, data: bytes) -> None:
+        if self._head_left is None:
+            self.chunks.append(data)
+            return
+        if self._head_left > 0:
+            head, data = data[: self._head_left], data[self._head_left :]
+            self.chunks.append(head)
+            self._head_left -= len(head)
+        if not data:
+            return
+        self._tail.append(data)
+        self._tail_size += len(data)
+        while self._tail_size > self._tail_limit:  # slide: forget the oldest bytes
+            excess = self._tail_size - self._tail_limit
+            oldest = self._tail[0]
+            if len(oldest) <= excess:
+                self._tail.popleft()
+                self._tail_size -= len(oldest)
+                self.dropped += len(oldest)
+            else:
+                self._tail[0] = oldest[excess:]
+                self._tail_size -= excess
+                self.dropped += excess
+
+    def settle(self) -> None:
+        """Read what is already in the pipe (all the ended shell wrote), briefly."""
+        deadline = time.monotonic() + OUTPUT_SETTLE_SEC
+        while not self.eof and time.monotonic() < deadline and self._read_some():
+            pass
+
+    def data(self) -> bytes:
+        """Head, a note of what was dropped (if anything), tail."""
+        middle = f"\n[... {self.dropped} bytes of output dropped ...]\n".encode() if self.dropped else b""
+        return b"".join(self.chunks) + middle + b"".join(self._tail)
+
+    def text(self) -> str | None:
+        return self.data().decode(errors="replace") or None
+
+    def close_write_end(self) -> None:
+        if self.write_fd >= 0:
+            os.close(self.write_fd)
+            self.write_fd = -1
+
+    def close(self) -> None:
+        self.close_write_end()
+        if self.read_fd >= 0:
+            os.close(self.read_fd)
+            self.read_fd = -1
+
+
+class OutputSink:
+    """Reads and discards what background processes write to the pipes of execs that returned.
+
+    Closing those pipes would kill such a process with SIGPIPE at its next
+    write; not reading them would block it once 64 KiB are buffered. One
+    daemon thread serves every sandbox and exits when it has no pipe left; a
+    pipe is closed at its EOF, when its last writer ends (at the latest when
+    its sandbox stops and the PID namespace dies).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[int] = []
+        self._thread: threading.Thread | None = None
+        self._wake_read = self._wake_write = -1
+
+    def adopt(self, fds: list[int]) -> None:
+        if not fds:
+            return
+        with self._lock:
+            self._pending.extend(fds)
+            if self._thread is None:
+                self._wake_read, self._wake_write = os.pipe()
+                self._thread = threading.Thread(target=self._run, name="harbor-async-output-sink", daemon=True)
+                self._thread.start()
+            else:
+                os.write(self._wake_write, b"\0")
+
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_read, select.POLLIN)
+        watched: set[int] = set()
+        while True:
+            with self._lock:
+                for fd in self._pending:
+                    poller.register(fd, select.POLLIN)
+                    watched.add(fd)
+                self._pending.clear()
+                if not watched:  # nothing left: end (adopt() starts a new thread)
+                    os.close(self._wake_read)
+                    os.close(self._wake_write)
+                    self._thread = None
+                    return
+            for fd, _events in poller.poll():
+                if fd == self._wake_read:
+                    os.read(fd, 4096)
+                    continue
+                try:
+                    data = os.read(fd, 65536)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    poller.unregister(fd)
+                    watched.discard(fd)
+                    os.close(fd)
+
+
+OUTPUT_SINK = OutputSink()
+
+
+def read_available(fd: int) -> bytes:
+    """What a pipe holds now, without waiting (bwrap wrote its info before the init ran)."""
+    os.set_blocking(fd, False)
+    chunks = []
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    return b"".join(chunks)

@@ -1,0 +1,128 @@
+"""Process trees of execs: find an exec's processes and kill them without touching a recycled pid."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import defaultdict
+
+import anyio
+import psutil
+from anyio.abc import Process
+
+
+def stat_fields(pid: int) -> tuple[int, int, int]:
+    """(parent pid, process group, session) of a host process.
+
+    Raises:
+        OSError: the process does not exist (any more).
+    """
+    try:
+        parent = psutil.Process(pid).ppid()
+    except psutil.NoSuchProcess as exc:
+        raise ProcessLookupError(pid) from exc
+    except psutil.Error as exc:
+        raise OSError(str(exc)) from exc
+    return parent, os.getpgid(pid), os.getsid(pid)
+
+
+def process_table() -> dict[int, tuple[int, int, int]]:
+    """pid -> (parent pid, process group, session) of every host process."""
+    table = {}
+    for process in psutil.process_iter(["ppid"]):
+        try:
+            table[process.pid] = (process.info["ppid"], os.getpgid(process.pid), os.getsid(process.pid))
+        except OSError:
+            continue  # ended while listing
+    return table
+
+
+def exec_tree(leader: int, table: dict[int, tuple[int, int, int]]) -> set[int]:
+    """One exec's processes: its session and process group (``leader`` is the nsenter's pid) and their descendants.
+
+    Safe against recycled pids: a pid stays allocated while any process uses
+    it as its session or group, so members found that way are this exec's.
+    """
+    members = {pid for pid, (_ppid, group, session) in table.items() if leader in (pid, group, session)}
+    children: dict[int, list[int]] = defaultdict(list)
+    for pid, (ppid, _group, _session) in table.items():
+        children[ppid].append(pid)
+    pending = list(members)
+    while pending:  # `setsid cmd &` leaves the session but stays a descendant while its parent lives
+        for child in children.get(pending.pop(), ()):
+            if child not in members:
+                members.add(child)
+                pending.append(child)
+    return members
+
+
+def kill_exec_tree(leader: int) -> None:
+    """Stop, then SIGKILL, every process of one exec but its nsenter (see :func:`exec_tree`).
+
+    Stopping first means nothing can fork away while the tree is collected.
+    Each process is signalled through a pidfd, after checking that the pid
+    still names a member, so a pid recycled meanwhile is never hit.
+
+    The nsenter itself (``leader``, outside the sandbox) is only continued (it
+    stops itself when its child is stopped): it must live to reap its child.
+    Killed first, it would hand the child's zombie to the host's init, which
+    may never reap it, and a PID namespace cannot end while a zombie of its
+    own is left: stopping the sandbox would hang.
+    """
+    held: dict[int, int] = {}  # pid -> pidfd
+    try:
+        for _round in range(50):
+            table = process_table()
+            new = exec_tree(leader, table) - held.keys() - {leader}
+            if not new:
+                break
+            for pid in new:
+                try:
+                    fd = os.pidfd_open(pid)
+                except OSError:
+                    continue
+                try:
+                    ppid, group, session = stat_fields(pid)
+                except (OSError, ValueError, IndexError):
+                    os.close(fd)
+                    continue
+                if leader not in (group, session) and ppid not in held and ppid not in new and ppid != leader:
+                    os.close(fd)  # recycled since the listing
+                    continue
+                held[pid] = fd
+                pidfd_signal(fd, signal.SIGSTOP)
+        for fd in held.values():
+            pidfd_signal(fd, signal.SIGKILL)
+    finally:
+        for fd in held.values():
+            os.close(fd)
+    try:
+        os.kill(leader, signal.SIGCONT)  # not reaped yet (the caller holds it): not recycled
+    except ProcessLookupError:
+        pass
+
+
+async def end_exec(process: Process) -> None:
+    """Kill an exec's process tree and wait for its nsenter to exit (it reaps its child, then dies of it).
+
+    Repeated while the nsenter lives: one still entering the namespaces forks
+    its child after a round. Past five seconds the nsenter is killed too.
+    """
+    for _round in range(50):
+        kill_exec_tree(process.pid)
+        with anyio.move_on_after(0.1):
+            await process.wait()
+        if process.returncode is not None:
+            return
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    await process.wait()
+
+
+def pidfd_signal(fd: int, signum: int) -> None:
+    try:
+        signal.pidfd_send_signal(fd, signum)
+    except (ProcessLookupError, PermissionError):
+        pass

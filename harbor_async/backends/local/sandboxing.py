@@ -1,0 +1,127 @@
+"""How a sandbox is confined: the keeper's bwrap command line and the prefix every process of the sandbox starts with.
+
+Every process of a sandbox (the keeper and each exec or transfer) starts on
+the host as::
+
+    sh enter-cgroups.sh <cgroup.procs>... --      # into the sandbox's cgroups (root)
+    setpriv --reuid U --regid U --clear-groups    # the sandbox's own host uid (root)
+    prlimit --nproc=N --core=0 --                 # per-uid process limit (root, no cgroups)
+    bwrap ... / nsenter ...                       # build / join the namespaces
+
+so nothing of the sandbox ever runs as host root: bwrap makes a user
+namespace in which uid 0 is ``U`` (``--unshare-user --uid 0 --gid 0``), and
+an exec enters that namespace as ``U``, the namespace's owner. Without root
+the first three steps are skipped: the caller's uid is root inside.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from harbor_async.backends.local.keeper import Keeper, Tools, sandbox_caps
+from harbor_async.backends.local.layout import (
+    BASE_ENV,
+    KEEPER_INIT,
+    MASKED_PATHS,
+    READONLY_PATHS,
+    SHM_SIZE,
+    SYSTEM_DIRS,
+)
+from harbor_async.backends.local.limits import Cgroups, Limits
+
+_HELPERS = resources.files("harbor_async.backends.local") / "helpers"
+
+
+def helper(name: str) -> str:
+    """Path of a helper program shipped with the package (a real file on disk)."""
+    return str(_HELPERS / name)
+
+
+@dataclass
+class Confinement:
+    """One sandbox's host identity and limits."""
+
+    limits: Limits
+    uid: int | None = None  # the sandbox's host uid (None: the caller's own, not root)
+    cgroups: Cgroups | None = None
+
+    def host_prefix(self, tools: Tools) -> list[str]:
+        """What every process of the sandbox starts with on the host (see the module's docstring)."""
+        argv: list[str] = []
+        if self.cgroups is not None:
+            argv += [tools.sh, helper("enter-cgroups.sh"), *self.cgroups.procs_files, "--"]
+        if self.uid is not None:
+            argv += [tools.setpriv, f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups"]
+            # Where cgroups are missing, RLIMIT_NPROC is what is left: it counts
+            # per real uid, so with a uid of its own it is this sandbox's limit.
+            if self.limits.pids and self.cgroups is None:
+                argv += [tools.prlimit, f"--nproc={self.limits.pids}", "--core=0", "--"]
+        return argv
+
+
+def keeper_argv(tools: Tools, fs: Path, info_fd: int, confinement: Confinement, folder: Path) -> list[str]:
+    """The long-lived bwrap: the sandbox's namespaces, mounts and capabilities, with a waiting init.
+
+    ``fs`` is the sandbox's root; ``folder``, its folder on the host, is named
+    on the command line only (set and unset at once: the sandbox never sees
+    it) so that ``ps`` and a reaper can tell whose bwrap this is.
+    """
+    # --as-pid-1: the init shell is the namespace's PID 1 (bwrap's own init
+    # would show bwrap's host command line inside the sandbox).
+    argv = [
+        *confinement.host_prefix(tools),
+        tools.bwrap, "--unshare-all", "--unshare-user", "--uid", "0", "--gid", "0",
+        # Not --disable-userns: it puts the sandbox in a nested user namespace
+        # that an exec entering as the outer one's owner has no rights over.
+        "--as-pid-1", "--die-with-parent", "--new-session",
+        "--hostname", BASE_ENV["HOSTNAME"], "--bind", str(fs), "/",
+    ]  # fmt: skip
+    for name in SYSTEM_DIRS:
+        if os.path.isdir(name) and not os.path.islink(name):
+            argv += ["--ro-bind", name, name]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_SIZE), "--tmpfs", "/dev/shm"]
+    argv += ["--ro-bind", "/sys", "/sys"]
+    for path in READONLY_PATHS:  # the host's own file, read-only (bwrap binds host paths)
+        if os.path.exists(path):
+            argv += ["--ro-bind", path, path]
+    for path in MASKED_PATHS:
+        if os.path.isdir(path):
+            argv += ["--tmpfs", path, "--remount-ro", path]
+        elif os.path.exists(path):
+            argv += ["--ro-bind", "/dev/null", path]
+    argv += ["--cap-drop", "ALL"]
+    for capability in sandbox_caps():
+        argv += ["--cap-add", capability]
+    argv += ["--clearenv", "--setenv", "PATH", BASE_ENV["PATH"], "--chdir", "/"]
+    argv += ["--setenv", "HARBOR_ASYNC_SANDBOX", str(folder), "--unsetenv", "HARBOR_ASYNC_SANDBOX"]
+    argv += ["--info-fd", str(info_fd)]
+    return [*argv, "--", tools.sh, "-c", KEEPER_INIT]
+
+
+def join_argv(
+    tools: Tools, keeper: Keeper, confinement: Confinement, env: dict[str, str], cwd: str, command: list[str]
+) -> tuple[list[str], tuple[int, ...]]:
+    """The argv that runs ``command`` inside the keeper's namespaces, and the fds it must inherit.
+
+    nsenter enters the namespaces through ``/proc/self/fd/N`` (the namespace
+    files this process holds open, passed down), so a recycled pid can never
+    send it elsewhere; it keeps the sandbox's host uid (``--preserve-credentials``:
+    the namespace's owner, root inside). setpriv then drops the capabilities
+    to the keeper's set and sets no-new-privs; env clears the environment.
+    """
+    argv = [*confinement.host_prefix(tools), tools.nsenter, "--preserve-credentials"]
+    fds = []
+    for name, fd in keeper.namespaces.items():
+        # Entering the mount namespace also makes its root (the sandbox's) ours.
+        argv.append(f"--{'mount' if name == 'mnt' else name}=/proc/self/fd/{fd}")
+        fds.append(fd)
+    caps = ",".join(["-all", *(f"+{c.removeprefix('CAP_').lower()}" for c in sandbox_caps())])
+    argv += [
+        "--", tools.setpriv, f"--inh-caps={caps}", f"--ambient-caps={caps}",
+        f"--bounding-set={caps}", "--no-new-privs",
+        "--", tools.env, "-i", "-C", cwd, "--", *(f"{key}={value}" for key, value in env.items()),
+    ]  # fmt: skip
+    return [*argv, *command], tuple(fds)

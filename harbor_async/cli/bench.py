@@ -1,0 +1,138 @@
+"""``harbor-async bench ...``: the benchmark commands, in Harbor's dialect.
+
+Only the options live here; each command imports :mod:`benchmarks` (and so the
+shim, TRL and matplotlib) inside its body, so that ``harbor-async --help`` and
+every other command never import them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from harbor_async.cli.common import fail, parse_kwargs, setup_logging
+
+bench_app = typer.Typer(
+    name="bench",
+    help="Benchmarks: throughput, engine overhead, GRPO-step environment time (needs the bench and trl extras).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+EnvOpt = Annotated[str | None, typer.Option("--env", "-e", help="Harbor type, 'local', 'simulated' or module:Class.")]
+OldBackendOpt = Annotated[str | None, typer.Option("--backend", "-b", hidden=True)]
+EkOpt = Annotated[
+    list[str] | None,
+    typer.Option("--ek", "--environment-kwarg", help="Backend keyword argument key=value (repeatable; JSON values)."),
+]
+OldKwargsOpt = Annotated[str | None, typer.Option("--backend-kwargs", hidden=True)]
+LatencyOpt = Annotated[
+    str, typer.Option(help="simulated only: 'cloud' (start 0.5, exec 0.05, verify 1, stop 0.5 s) or 'zero'.")
+]
+DEFAULT_OUT = Path("bench-results")
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise fail(f"{name}: {text!r} is not a comma-separated list of integers") from None
+    if not values or any(v < 1 for v in values):
+        raise fail(f"{name}: give positive integers, got {text!r}")
+    return values
+
+
+def _kwargs(env: str, latency: str, ek: list[str] | None, old_json: str | None) -> dict:
+    import json
+
+    if latency not in ("cloud", "zero"):
+        raise fail(f"--latency must be 'cloud' or 'zero', got {latency!r}")
+    from benchmarks.grpo_step import CLOUD_LATENCIES
+
+    kwargs = dict(CLOUD_LATENCIES) if env == "simulated" and latency == "cloud" else {}
+    if old_json:
+        try:
+            kwargs.update(json.loads(old_json))
+        except ValueError as exc:
+            raise fail(f"--backend-kwargs is not a JSON object: {exc}") from None
+    kwargs.update(parse_kwargs(ek))
+    return kwargs
+
+
+def _setup(log_level: str | None) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("benchmarks") is None:  # the wheel ships the product, not the benchmarks
+        raise fail(
+            "`harbor-async bench` runs the benchmarks of a source checkout, which this installation lacks: "
+            "run it from a clone of the repository (`uv run harbor-async bench ...`)"
+        )
+    setup_logging(log_level)
+
+
+LogOpt = Annotated[str | None, typer.Option(help="debug, info, warning or error.", show_default="$HARBOR_ASYNC_LOG_LEVEL or warning")]
+
+
+@bench_app.command()
+def throughput(
+    env: EnvOpt = None,
+    backend: OldBackendOpt = None,
+    episodes: Annotated[int, typer.Option("--episodes", min=1, help="Episodes at each concurrency level.")] = 64,
+    n_concurrent: Annotated[str | None, typer.Option("--n-concurrent", "-n", help="Comma-separated concurrency levels.", show_default="1,8,32")] = None,
+    concurrency: Annotated[str | None, typer.Option("--concurrency", "-c", hidden=True)] = None,
+    latency: LatencyOpt = "cloud",
+    ek: EkOpt = None,
+    backend_kwargs: OldKwargsOpt = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file.")] = DEFAULT_OUT,
+    log_level: LogOpt = None,
+) -> None:
+    """N episodes (start, exec, verify, stop) at each concurrency level on one backend; writes throughput-ENV.json."""
+    _setup(log_level)
+    name = env or backend or "local"
+    levels = _ints(n_concurrent or concurrency or "1,8,32", "--n-concurrent")
+    from benchmarks.cli import throughput as run_it
+
+    run_it(name, episodes, levels, _kwargs(name, latency, ek, backend_kwargs), out)
+
+
+@bench_app.command()
+def overhead(
+    calls: Annotated[int, typer.Option(min=10)] = 2000,
+    sizes: Annotated[str, typer.Option(help="Live sandbox counts to try, comma-separated.")] = "250,500,1000,2000,4000,8000",
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file.")] = DEFAULT_OUT,
+    log_level: LogOpt = None,
+) -> None:
+    """The portal round trip against a direct await, and the sandboxes one loop thread holds; writes overhead.json."""
+    _setup(log_level)
+    from benchmarks.cli import overhead as run_it
+
+    run_it(calls, _ints(sizes, "--sizes"), out)
+
+
+@bench_app.command("grpo-step")
+def grpo_step(
+    env: EnvOpt = None,
+    backend: OldBackendOpt = None,
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes", "-B", help="Comma-separated B values.")] = "64",
+    turns: Annotated[int, typer.Option("--turns", "-T", min=1)] = 3,
+    steps: Annotated[int, typer.Option("--steps", "-s", min=2)] = 3,
+    latency: LatencyOpt = "cloud",
+    implementations: Annotated[str, typer.Option(help="Comma-separated: trl, shim.")] = "trl,shim",
+    ek: EkOpt = None,
+    backend_kwargs: OldKwargsOpt = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file and the PNG plot.")] = DEFAULT_OUT,
+    log_level: LogOpt = None,
+) -> None:
+    """Replay GRPO steps with TRL's HarborBashEnv and the shim's; writes grpo-step-ENV.json and .png."""
+    _setup(log_level)
+    name = env or backend or "simulated"
+    impls = [i.strip() for i in implementations.split(",") if i.strip()]
+    if not impls or set(impls) - {"trl", "shim"}:
+        raise fail(f"--implementations takes trl and/or shim, got {implementations!r}")
+    kwargs = _kwargs(name, latency, ek, backend_kwargs)
+    from benchmarks.cli import grpo_step as run_it
+
+    run_it(name, _ints(batch_sizes, "--batch-sizes"), turns, steps, impls, kwargs, out)

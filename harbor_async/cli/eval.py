@@ -1,0 +1,245 @@
+"""``harbor-async eval``: evaluate checkpoints on a suite with the training harness."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from harbor_async.cli.common import err, fail, out
+
+
+def eval_command(
+    path: Annotated[
+        str | None,
+        typer.Option(
+            "--path", "-p", help="Suite: a local task tree or a dataset repo id (default: the bundled example)."
+        ),
+    ] = None,
+    dataset: Annotated[
+        str | None, typer.Option("--dataset", "-d", help="Suite as a Hugging Face dataset repo id (as -p).")
+    ] = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Model name on --base-url, or a checkpoint folder (glob allowed: 'ckpts/checkpoint-*'); repeat for a sweep.",
+        ),
+    ] = None,
+    base_url: Annotated[
+        str | None, typer.Option("--base-url", help="An OpenAI-compatible server's API root (http://HOST:PORT/v1).")
+    ] = None,
+    serve_cmd: Annotated[
+        str | None,
+        typer.Option(
+            "--serve-cmd", help="Command that serves {model} on {port} (default without --base-url: vllm serve)."
+        ),
+    ] = None,
+    agent: Annotated[
+        str, typer.Option("--agent", "-a", help="Harness: bash, python, terminal, module:Class or file.py:Class.")
+    ] = "bash",
+    env: Annotated[
+        str, typer.Option("--env", "-e", help="Backend: local, simulated, a Harbor type (docker, ...) or module:Class.")
+    ] = "local",
+    attempts: Annotated[int, typer.Option("--n-attempts", "-k", min=1, help="Episodes per task (pass@k up to k).")] = 1,
+    concurrency: Annotated[
+        int, typer.Option("--n-concurrent", "-n", min=1, help="Episodes (and live sandboxes) at once.")
+    ] = 8,
+    jobs_dir: Annotated[Path, typer.Option("--jobs-dir", "-o", help="Folder of job folders.")] = Path("jobs"),
+    job_name: Annotated[str | None, typer.Option("--job-name", help="Job folder name (default: a timestamp).")] = None,
+    resume: Annotated[
+        Path | None, typer.Option("--resume", help="Resume this job folder: run only missing and rerun-class episodes.")
+    ] = None,
+    num_tasks: Annotated[int | None, typer.Option("--n-tasks", "-l", min=1, help="Only the first N tasks.")] = None,
+    api_key_name: Annotated[
+        str | None, typer.Option("--api-key-name", help="Environment variable holding the API key.")
+    ] = None,
+    temperature: Annotated[float | None, typer.Option(help="Sampling temperature.")] = None,
+    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling.")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="Tokens per reply.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
+    max_turns: Annotated[int, typer.Option(min=1, help="Model replies per episode.")] = 50,
+    max_total_tokens: Annotated[
+        int | None, typer.Option(help="Conversation length (tokens) that ends an episode.")
+    ] = None,
+    agent_timeout: Annotated[
+        float | None, typer.Option(help="Seconds for the agent loop (default: the task's [agent] timeout).")
+    ] = None,
+    episode_timeout: Annotated[
+        float | None, typer.Option(help="Seconds for a whole episode (sandbox deadline).")
+    ] = None,
+    max_concurrent_requests: Annotated[int, typer.Option(min=1, help="Model requests in flight at once.")] = 32,
+    request_timeout: Annotated[float, typer.Option(help="Seconds for one model request.")] = 600.0,
+    model_retries: Annotated[
+        int, typer.Option(min=0, help="Retries of a failed model request (429, 5xx, timeouts).")
+    ] = 5,
+    ready_timeout: Annotated[float, typer.Option(help="Seconds a managed server gets to become ready.")] = 900.0,
+    success_threshold: Annotated[
+        float, typer.Option(help="Reward at or above which an episode counts as solved.")
+    ] = 1.0,
+    backend_kwarg: Annotated[
+        list[str] | None, typer.Option("--ek", help="Backend constructor argument KEY=VALUE (repeatable).")
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
+) -> None:
+    """Evaluate models (checkpoints) on a suite with the same harness, tools and prompt as training.
+
+    Writes the job folder (config.json, episodes.jsonl, summary.json; for
+    several models sweep.csv and sweep.png; a managed server's log). Exits 1
+    when an episode failed for an infrastructure or model-server reason, 2 on
+    bad input.
+    """
+    import anyio
+
+    from harbor_async.errors import HarborAsyncError
+    from harbor_async.evaluation import evaluate
+    from harbor_async.logs import configure_logging
+
+    configure_logging(log_level, "console", force=True)
+    if path and dataset:
+        raise fail("give -p PATH or -d DATASET, not both")
+    path = path or dataset
+    if not model and resume is None:
+        raise fail("give at least one -m MODEL (or --resume JOB_DIR)")
+    try:
+        backend_kwargs = dict(item.split("=", 1) for item in backend_kwarg or [])
+    except ValueError:
+        raise fail("--ek takes KEY=VALUE") from None
+    settings: dict[str, Any] = dict(
+        backend_kwargs=backend_kwargs,
+        agent=agent,
+        backend=env,
+        attempts=attempts,
+        concurrency=concurrency,
+        num_tasks=num_tasks,
+        base_url=base_url,
+        serve_cmd=serve_cmd,
+        api_key_name=api_key_name,
+        sampling={
+            k: v
+            for k, v in dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed).items()
+            if v is not None
+        },
+        limits={
+            "max_turns": max_turns,
+            "max_total_tokens": max_total_tokens,
+            "timeout": agent_timeout,
+            "retries": model_retries,
+        },
+        max_concurrent_requests=max_concurrent_requests,
+        request_timeout=request_timeout,
+        success_threshold=success_threshold,
+        episode_timeout=episode_timeout,
+        ready_timeout=ready_timeout,
+    )
+    progress = _Progress()
+    try:
+        with progress:
+            result = anyio.run(
+                lambda: evaluate(
+                    model,
+                    path,
+                    resume=resume,
+                    jobs_dir=jobs_dir,
+                    job_name=job_name,
+                    on_record=progress.record,
+                    on_plan=progress.plan,
+                    **settings,
+                )
+            )
+    except HarborAsyncError as exc:
+        from harbor_async.evaluation import EvalInterrupted
+        from harbor_async.serve import ServerDiedError
+
+        if isinstance(exc, EvalInterrupted):
+            err.print(f"[yellow]{exc}[/]")
+            raise typer.Exit(128 + exc.signum) from None
+        raise fail(f"{type(exc).__name__}: {exc}", code=1 if isinstance(exc, ServerDiedError) else 2) from None
+    _print_summary(result.summary)
+    err.print(f"job folder: {result.job_dir}")
+    if any(r.rerun for r in result.records):
+        raise typer.Exit(1)
+
+
+class _Progress:
+    """A rich progress bar with the live mean reward and failure counts."""
+
+    def __init__(self) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(
+            TextColumn("[bold]episodes"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("mean reward {task.fields[mean]}  {task.fields[errors]}"),
+            TimeElapsedColumn(),
+            console=err,
+        )
+        self.task = None
+        self.total = 0.0
+        self.done = 0
+        self.errors: dict[str, int] = {}
+
+    def __enter__(self) -> _Progress:
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.__exit__(*exc)
+
+    def plan(self, pending: int, total: int) -> None:
+        self.task = self.bar.add_task("episodes", total=pending, mean="-", errors="")
+
+    def record(self, record) -> None:
+        self.done += 1
+        self.total += record.score
+        if record.error_class:
+            self.errors[record.error_class] = self.errors.get(record.error_class, 0) + 1
+        errors = ", ".join(f"{k}: {v}" for k, v in sorted(self.errors.items()))
+        if self.task is not None:
+            self.bar.update(self.task, advance=1, mean=f"{self.total / self.done:.3f}", errors=errors)
+
+
+def _fmt(value: float | None, ci: Any = None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title="evaluation (95% bootstrap intervals over tasks)")
+    table.add_column("model")
+    table.add_column("step", justify="right")
+    table.add_column("episodes", justify="right")
+    table.add_column("mean reward")
+    ks = sorted({int(k) for s in summary["models"].values() for k in s["pass_at_k"]})
+    for k in ks:
+        table.add_column(f"pass@{k}")
+    table.add_column("failures")
+    for name, s in summary["models"].items():
+        cells = [_fmt(s["mean_reward"], s["mean_reward_ci"])]
+        cells += [
+            _fmt((s["pass_at_k"].get(str(k)) or {}).get("value"), (s["pass_at_k"].get(str(k)) or {}).get("ci"))
+            for k in ks
+        ]
+        failures = ", ".join(f"{k}: {v}" for k, v in s["failures"].items())
+        table.add_row(
+            name, str(s.get("step") if s.get("step") is not None else "-"), str(s["episodes"]), *cells, failures
+        )
+    out.print(table)
+    sweep = summary.get("sweep")
+    if sweep:
+        diffs = Table(title="paired differences in mean reward (per-task bootstrap)")
+        for column in ("base", "other", "tasks", "difference"):
+            diffs.add_column(column)
+        seen = set()
+        for pair in sweep["vs_first"] + sweep["neighbours"]:
+            if (pair["base"], pair["other"]) in seen:
+                continue
+            seen.add((pair["base"], pair["other"]))
+            diffs.add_row(pair["base"], pair["other"], str(pair["tasks"]), _fmt(pair["difference"], pair["ci"]))
+        out.print(diffs)

@@ -1,0 +1,111 @@
+"""Which tasks a command runs: Harbor's ``-p``/``-d``, ``-i``/``-x`` globs, ``-l``, ``--indices``, ``-k``."""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from harbor_async.cli.common import fail, say
+from harbor_async.errors import HarborAsyncError
+from harbor_async.logs import quieter
+from harbor_async.runner import PlannedEpisode
+
+if TYPE_CHECKING:
+    from harbor.models.task.task import Task
+
+    from harbor_async.tasks import TaskSuite
+
+_HF_PREFIX = "hf://"
+
+
+def suite_source(suite: str | None, path: Path | None, dataset: str | None) -> str | Path | None:
+    """The one suite source of ``SUITE`` (hidden, older spelling), ``-p`` or ``-d``; ``None``: the bundled suite."""
+    given = [name for name, value in (("SUITE", suite), ("-p/--path", path), ("-d/--dataset", dataset)) if value]
+    if len(given) > 1:
+        raise fail(f"give one suite, not {' and '.join(given)}")
+    if path is not None:
+        return Path(path)  # a Path is always local
+    if dataset:
+        return dataset if dataset.startswith(_HF_PREFIX) else _HF_PREFIX + dataset
+    return suite
+
+
+def load_tasks(
+    source: str | Path | None,
+    *,
+    n_tasks: int | None = None,
+    indices: list[int] | None = None,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+) -> TaskSuite:
+    """Load and select the tasks as Harbor does: globs on task names first, then the first ``n_tasks``.
+
+    Invalid tasks are reported once each, on stderr. Exits 2 on any bad input.
+    """
+    from harbor_async.tasks import load_suite
+
+    if n_tasks is not None and indices is not None:
+        raise fail("pass -l/--n-tasks or --indices, not both")
+    filtered = bool(include or exclude)
+    try:
+        # Without globs only the first n task folders are validated (fast on big suites).
+        # Invalid tasks are reported below, once each: not also as the suite's log warnings.
+        with quieter("error"):
+            loaded = load_suite(source, num_tasks=None if filtered else n_tasks, indices=indices)
+    except (HarborAsyncError, ValueError, FileNotFoundError, IndexError, TypeError) as exc:
+        raise fail(exc) from None
+    for bad in loaded.invalid:
+        say("skipped invalid task", f"{bad.path}: {bad.reason}")
+    if filtered:
+        kept = [t for t in loaded.tasks if _matches(t.name, include, exclude)]
+        if not kept:
+            raise fail(f"no task of {loaded.root} matches {_describe(include, exclude)}")
+        loaded.tasks = kept[:n_tasks] if n_tasks is not None else kept
+    return loaded
+
+
+def _matches(name: str, include: list[str] | None, exclude: list[str] | None) -> bool:
+    if include and not any(fnmatch.fnmatchcase(name, pattern) for pattern in include):
+        return False
+    return not (exclude and any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude))
+
+
+def _describe(include: list[str] | None, exclude: list[str] | None) -> str:
+    parts = [f"-i {p!r}" for p in include or ()] + [f"-x {p!r}" for p in exclude or ()]
+    return " ".join(parts)
+
+
+def plan_episodes(tasks: list[Task], attempts: int) -> list[PlannedEpisode]:
+    """``attempts`` episodes of each task; a task selected twice (``--indices 0,0``) continues its attempt count."""
+    seen: dict[Path, int] = {}
+    episodes = []
+    for task in tasks:
+        first = seen.get(task.paths.task_dir, 0)
+        episodes.extend(PlannedEpisode(task, first + a) for a in range(attempts))
+        seen[task.paths.task_dir] = first + attempts
+    return episodes
+
+
+def describe_episodes(episodes: list[PlannedEpisode]) -> list[dict[str, Any]]:
+    """The plan as ``config.json`` keeps it, for ``--resume``."""
+    return [{"task": e.task.name, "task_path": str(e.task.paths.task_dir), "attempt": e.attempt} for e in episodes]
+
+
+def reload_episodes(described: list[dict[str, Any]]) -> list[PlannedEpisode]:
+    """The plan of a job folder's ``config.json``, its tasks loaded again (exits 2 if one is gone)."""
+    from harbor_async.tasks import load_task
+
+    loaded: dict[str, Task] = {}
+    episodes = []
+    try:
+        for item in described:
+            path = item["task_path"]
+            if path not in loaded:
+                loaded[path] = load_task(path)
+            episodes.append(PlannedEpisode(loaded[path], int(item["attempt"])))
+    except HarborAsyncError as exc:
+        raise fail(f"cannot resume: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise fail(f"cannot resume: config.json has no valid episode list ({exc!r})") from None
+    return episodes

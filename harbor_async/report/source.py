@@ -1,0 +1,119 @@
+"""What a report is made from: a job folder (``run``, ``eval``, a sweep) or benchmark results.
+
+A job is read from its records, not its ``summary.json``, so that a report of a
+job that is still running (or was killed) shows every episode finished so far.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harbor_async.errors import HarborAsyncError
+from harbor_async.jobs import CONFIG_NAME, EPISODES_NAME, SUMMARY_NAME, latest_records, read_records
+from harbor_async.records import EpisodeRecord
+
+
+class ReportSourceError(HarborAsyncError, ValueError):
+    """The path given to the report is neither a job folder, a records file nor benchmark results."""
+
+
+@dataclass
+class JobSource:
+    """A job's records (the last one of each episode) and its settings."""
+
+    name: str
+    path: Path
+    records: list[EpisodeRecord]
+    config: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False
+    episodes_path: Path | None = None
+
+    @property
+    def watched(self) -> list[Path]:
+        """The files whose change means the report is out of date (``view`` polls them)."""
+        return [self.episodes_path or self.path / EPISODES_NAME, self.path / SUMMARY_NAME, self.path / CONFIG_NAME]
+
+
+@dataclass
+class BenchmarkResult:
+    """One benchmark's JSON (``benchmarks/results/*.json``) and its saved plot, if any."""
+
+    name: str
+    data: dict[str, Any]
+    plot: Path | None = None
+
+
+@dataclass
+class BenchmarkSource:
+    """Benchmark results: one JSON file or a folder of them."""
+
+    name: str
+    path: Path
+    results: list[BenchmarkResult]
+
+    @property
+    def watched(self) -> list[Path]:
+        """The files whose change means the report is out of date."""
+        if self.path.is_dir():
+            return sorted(self.path.glob("*.json"))
+        return [self.path]
+
+
+Source = JobSource | BenchmarkSource
+
+
+def load_source(path: str | Path) -> Source:
+    """Read what ``path`` holds.
+
+    - a job folder (``config.json`` and/or ``episodes.jsonl``);
+    - an ``episodes.jsonl`` file of records (``run --json`` writes one);
+    - a benchmark result JSON (with a ``"benchmark"`` key) or a folder of them.
+
+    Raises :class:`ReportSourceError` for anything else.
+    """
+    path = Path(path)
+    if path.is_dir():
+        if (path / EPISODES_NAME).is_file() or (path / CONFIG_NAME).is_file():
+            return _job(path.name, path, path / EPISODES_NAME)
+        results = [r for r in (_benchmark(p) for p in sorted(path.glob("*.json"))) if r is not None]
+        if results:
+            return BenchmarkSource(path.name, path, results)
+        raise ReportSourceError(f"{path} holds no job ({EPISODES_NAME}, {CONFIG_NAME}) and no benchmark results (*.json)")
+    if not path.is_file():
+        raise ReportSourceError(f"{path} does not exist")
+    if path.suffix == ".json":
+        result = _benchmark(path)
+        if result is None:
+            raise ReportSourceError(f"{path} is not a benchmark result (no \"benchmark\" key)")
+        return BenchmarkSource(path.stem, path, [result])
+    if path.suffix == ".jsonl":
+        return _job(path.parent.name if path.name == EPISODES_NAME else path.stem, path.parent, path)
+    raise ReportSourceError(f"{path}: expected a job folder, an episodes .jsonl file or benchmark results (.json)")
+
+
+def _job(name: str, folder: Path, episodes: Path) -> JobSource:
+    config: dict[str, Any] = {}
+    config_path = folder / CONFIG_NAME
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ReportSourceError(f"cannot read {config_path}: {exc}") from exc
+    records = list(latest_records(read_records(episodes)).values())
+    return JobSource(
+        name, folder, records, config if isinstance(config, dict) else {}, (folder / SUMMARY_NAME).is_file(), episodes
+    )
+
+
+def _benchmark(path: Path) -> BenchmarkResult | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or "benchmark" not in data:
+        return None
+    plot = path.with_suffix(".png")
+    return BenchmarkResult(path.stem, data, plot if plot.is_file() else None)

@@ -1,0 +1,240 @@
+"""A deterministic OpenAI-compatible chat server for the evaluation tests (stdlib HTTP, 127.0.0.1 only).
+
+It recognises a bundled task by its instruction (the start of the first user
+message), answers with a real tool call that runs the task's
+``solution/solve.sh`` through the harness's shell tool (``bash``, else
+``run``), then, once it has seen the tool's output, ends the episode with a
+plain reply. So a solved task's reward is the verifier's 1.0.
+
+The model name chooses the behaviour (each is listed by ``/v1/models``):
+
+- ``solver``: solves every task.
+- ``quitter``: answers in prose, never calls a tool (reward 0).
+- ``half``: solves the tasks at even positions of the suite, quits the others.
+- ``misbehave``: first a tool call with malformed JSON arguments, then one to an
+  unknown tool, then solves (both errors go back to the model as tool messages).
+- ``flaky-429`` / ``flaky-500``: every distinct request fails once with 429 / 500, then succeeds.
+- ``always-500``: every request fails with 500.
+- ``slow``: solves, waiting ``slow_seconds`` before every reply.
+- ``context``: solves, then refuses the next request as longer than the context.
+
+Any other model name gets a 404, as vLLM answers. ``GET /stats`` returns the
+requests seen per model. Run as a program for a managed-server test::
+
+    python tests/scripted_server.py --port 8000 [--die-after N] [--suite PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+MODELS = ("solver", "quitter", "half", "misbehave", "flaky-429", "flaky-500", "always-500", "slow", "context")
+EXAMPLE_SUITE = Path(__file__).resolve().parent.parent / "harbor_async" / "suites" / "example" / "tasks"
+
+
+def load_solutions(suite: Path) -> list[tuple[str, str]]:
+    """(instruction, solve.sh) of every task folder, in suite order."""
+    out = []
+    for task in sorted(p for p in suite.iterdir() if (p / "task.toml").is_file()):
+        out.append(((task / "instruction.md").read_text(), (task / "solution" / "solve.sh").read_text()))
+    return out
+
+
+class ScriptedServer:
+    """The server; ``with ScriptedServer() as server: server.base_url``."""
+
+    def __init__(
+        self,
+        suite: Path = EXAMPLE_SUITE,
+        *,
+        port: int = 0,
+        slow_seconds: float = 1.0,
+        die_after: int | None = None,
+    ) -> None:
+        self.solutions = load_solutions(Path(suite))
+        self.slow_seconds = slow_seconds
+        self.die_after = die_after
+        self.requests: Counter[str] = Counter()
+        self.tools: dict[str, list[dict[str, Any]]] = {}  # the tools of the latest request, per model
+        self.seeds: set[int | None] = set()
+        self.auth: set[str | None] = set()  # Authorization headers of chat requests
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
+        self.httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> ScriptedServer:
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self) -> ScriptedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ── behaviour ────────────────────────────────────────────────────────
+
+    def _first_time(self, body: dict[str, Any]) -> bool:
+        """Whether this exact request (model + conversation) arrives for the first time."""
+        digest = hashlib.sha256(json.dumps([body["model"], body["messages"]], sort_keys=True).encode()).hexdigest()
+        with self._lock:
+            if digest in self._seen:
+                return False
+            self._seen.add(digest)
+            return True
+
+    def chat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        model = body.get("model")
+        if model not in MODELS:
+            return 404, _error(f"The model `{model}` does not exist.", "NotFoundError", 404)
+        with self._lock:
+            self.requests[model] += 1
+            self.tools[model] = body.get("tools") or []
+            self.seeds.add(body.get("seed"))
+            total = sum(self.requests.values())
+        if self.die_after is not None and total > self.die_after:
+            os._exit(3)  # a crash, as a server killed by the OOM killer
+        messages = body["messages"]
+        if model == "slow":
+            time.sleep(self.slow_seconds)
+        if model == "always-500" or (model in ("flaky-429", "flaky-500") and self._first_time(body)):
+            code = 429 if model == "flaky-429" else 500
+            return code, _error("try again later", "RateLimitError" if code == 429 else "InternalServerError", code)
+        tools = [t["function"]["name"] for t in body.get("tools") or []]
+        tool_turns = sum(1 for m in messages if m.get("role") == "tool")
+        if model == "context" and tool_turns >= 1:
+            message = "This model's maximum context length is 64 tokens. However, you requested 9000 tokens."
+            return 400, _error(message, "BadRequestError", 400)
+        index, solution = self._task(messages[0].get("content") or "")
+        solve = model != "quitter" and not (model == "half" and index % 2 == 1)
+        if model == "misbehave" and tool_turns == 0:
+            return 200, _reply(body, messages, [_call("bash" if "bash" in tools else tools[0], '{"command": "ls')])
+        if model == "misbehave" and tool_turns == 1:
+            return 200, _reply(body, messages, [_call("no_such_tool", '{"x": 1}')])
+        solved_already = tool_turns >= (3 if model == "misbehave" else 1)
+        if not solve or solution is None or solved_already:
+            return 200, _reply(body, messages, None, "Done." if solve else "I think the answer is 42.")
+        shell = "bash" if "bash" in tools else "run" if "run" in tools else tools[0]
+        return 200, _reply(body, messages, [_call(shell, json.dumps({"command": solution}))])
+
+    def _task(self, prompt: str) -> tuple[int, str | None]:
+        for index, (instruction, solution) in enumerate(self.solutions):
+            if prompt.startswith(instruction):
+                return index, solution
+        return -1, None
+
+
+def _error(message: str, kind: str, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+_CALLS = Counter()
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    _CALLS["n"] += 1
+    return {"id": f"call_{_CALLS['n']}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _reply(body: dict[str, Any], messages: list[dict[str, Any]], calls, text: str | None = None) -> dict[str, Any]:
+    prompt_tokens = len(json.dumps(messages)) // 4
+    completion_tokens = len(json.dumps(calls or text)) // 4 + 1
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    return {
+        "id": "chatcmpl-scripted",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body["model"],
+        "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop"}],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def _handler(server: ScriptedServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:  # quiet: tests read /stats instead
+            pass
+
+        def _send(self, code: int, payload: Any) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            if self.path == "/health":
+                self._send(200, {"status": "ok"})
+            elif self.path == "/v1/models":
+                self._send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in MODELS]})
+            elif self.path == "/stats":
+                self._send(200, dict(server.requests))
+            else:
+                self._send(404, _error("not found", "NotFound", 404))
+
+        def do_POST(self) -> None:  # noqa: N802
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length) or b"{}")
+            if self.path != "/v1/chat/completions":
+                self._send(404, _error("not found", "NotFound", 404))
+                return
+            server.auth.add(self.headers.get("Authorization"))
+            code, payload = server.chat(body)
+            self._send(code, payload)
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--suite", type=Path, default=EXAMPLE_SUITE)
+    parser.add_argument("--die-after", type=int, default=None, help="exit after this many chat requests")
+    parser.add_argument("--slow-seconds", type=float, default=1.0)
+    parser.add_argument("--tag", default="", help="ignored: lets a test find this process by its command line")
+    args = parser.parse_args(argv)
+    server = ScriptedServer(args.suite, port=args.port, slow_seconds=args.slow_seconds, die_after=args.die_after)
+    print(f"scripted server on {server.base_url}", flush=True)
+    try:
+        server.httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

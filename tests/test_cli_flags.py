@@ -1,0 +1,211 @@
+"""Harbor's dialect: every flag of `run`, `tasks`, `bench` and `sandboxes`, each doing what `harbor run`'s does."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+from harbor_async.scoring import pass_at_k
+from tests.cli_helpers import REPO, harbor_async, make_suite, records
+
+
+def run_job(tmp_path, *args: str, name: str = "j", code: int = 0):
+    result = harbor_async("run", "-o", str(tmp_path / "jobs"), "--job-name", name, *args)
+    assert result.returncode == code, result.stdout + result.stderr
+    job = tmp_path / "jobs" / name
+    return result, records(job), json.loads((job / "summary.json").read_text())
+
+
+def test_version():
+    from importlib.metadata import version
+
+    result = harbor_async("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"harbor-async {version('harbor-async')}"
+
+
+def test_path_env_agent_and_concurrency(tmp_path):
+    suite = make_suite(tmp_path / "suite", ["t1", "t2", "t3"])
+    _, found, summary = run_job(tmp_path, "-p", str(suite), "-e", "local", "-a", "none", "-n", "3")
+    assert sorted(r["task"] for r in found) == ["t1", "t2", "t3"]
+    assert all(r["agent"] == "none" and r["reward"] == 0.0 and r["error_class"] is None for r in found)
+    assert all(r["task_path"].startswith(str(suite)) for r in found)
+    assert summary["mean_reward"] == 0.0
+
+
+def test_n_concurrent_bounds_the_live_sandboxes(tmp_path):
+    # 4 episodes whose start takes 0.5 s, 2 at once: two waves of starts.
+    _, found, _ = run_job(tmp_path, "-e", "simulated", "--ek", "start_latency=0.5", "-l", "4", "-n", "2")
+    starts = sorted(r["started_at"] for r in found)
+    assert len(starts) == 4 and starts[1] < starts[2]
+    first_wave = [r for r in found if r["started_at"] in starts[:2]]
+    late = [r for r in found if r["started_at"] in starts[2:]]
+    assert min(x["started_at"] for x in late) > max(x["started_at"] for x in first_wave)
+
+
+def test_n_attempts_gives_k_episodes_per_task_and_pass_at_k(tmp_path):
+    result, found, summary = run_job(
+        tmp_path, "-e", "simulated", "-l", "3", "-k", "4", "--ek", "verify_failure_rate=0.5", "--ek", "seed=7"
+    )
+    assert len(found) == 12
+    by_task: dict[str, list[dict]] = {}
+    for r in found:
+        by_task.setdefault(r["task_path"], []).append(r)
+    assert all(sorted(r["attempt"] for r in rs) == [0, 1, 2, 3] for rs in by_task.values())
+    assert {r["error_class"] for r in found} == {None, "verifier"}  # the seeded faults hit some
+    expected = {
+        k: sum(pass_at_k(4, sum(r["reward"] == 1.0 for r in rs), k) for rs in by_task.values()) / 3 for k in (1, 2, 4)
+    }
+    assert {k: summary["pass_at_k"][str(k)]["value"] for k in (1, 2, 4)} == expected
+    assert "pass@1" in result.stdout and "pass@4" in result.stdout
+
+
+def test_include_exclude_globs_then_n_tasks(tmp_path):
+    result = harbor_async("tasks", "-i", "csv-*", "-x", "*-sum")
+    assert result.returncode == 0, result.stderr
+    listed = re.findall(r"│\s+\d+\s+│\s+(\S+)", result.stdout)
+    assert listed == ["csv-group-by", "csv-max-price"]
+    _, found, _ = run_job(tmp_path, "-e", "simulated", "-i", "csv-*", "-i", "word-*", "-x", "*-sum", "-l", "2")
+    assert [r["task"] for r in sorted(found, key=lambda r: r["task"])] == ["csv-group-by", "csv-max-price"]
+    nothing = harbor_async("run", "-e", "simulated", "-i", "nope-*", "-o", str(tmp_path / "none"))
+    assert nothing.returncode == 2 and "matches -i 'nope-*'" in nothing.stderr
+
+
+def test_ek_drives_the_simulated_backend(tmp_path):
+    _, found, summary = run_job(tmp_path, "-e", "simulated", "-l", "2", "--ek", "verify_failure_rate=1", name="verify")
+    assert all(r["error_class"] == "verifier" and r["reward"] == 0.0 for r in found)
+    assert summary["completed"] == 2 and summary["failures"] == {"verifier": 2}
+    _, found, _ = run_job(
+        tmp_path, "-e", "simulated", "-l", "2", "--ek", "start_permanent_failure_rate=1", name="start", code=1
+    )
+    assert all(r["error_class"] == "infrastructure" and r["error_phase"] == "start" for r in found)
+    assert all(r["error_type"] == "StartError" and "SandboxBuildFailedError" in r["error"] for r in found)
+    _, found, _ = run_job(tmp_path, "-e", "simulated", "-l", "2", "--ek", "start_latency=0.4", "--ek", "reward=0.25", name="slow")
+    assert all(r["phases"][0]["end"] >= 0.4 and r["reward"] == 0.25 for r in found)
+    config = json.loads((tmp_path / "jobs" / "slow" / "config.json").read_text())
+    assert config["settings"]["ek"] == {"start_latency": 0.4, "reward": 0.25}
+
+
+def test_timeout_multipliers_scale_the_phase_budgets(tmp_path):
+    # The verifier budget is 600 s; x 0.001 is 0.6 s, under the simulated verifier's 2 s.
+    _, found, _ = run_job(
+        tmp_path, "-e", "simulated", "-l", "1", "--ek", "verify_latency=2", "--verifier-timeout-multiplier", "0.001",
+        name="verifier",
+    )  # fmt: skip
+    assert found[0]["error_class"] == "verifier" and found[0]["error_type"] == "VerifierFailure"
+    # The start budget (600 s) x 0.001, from the general multiplier.
+    _, found, _ = run_job(
+        tmp_path, "-e", "simulated", "-l", "1", "--ek", "start_latency=2", "--timeout-multiplier", "0.001",
+        name="start", code=1,
+    )  # fmt: skip
+    assert found[0]["error_class"] == "infrastructure" and found[0]["error_phase"] == "start"
+    # The per-phase multiplier overrides the general one: the start gets 600 s x 1.
+    _, found, _ = run_job(
+        tmp_path, "-e", "simulated", "-l", "1", "--ek", "start_latency=1", "--timeout-multiplier", "0.001",
+        "--environment-build-timeout-multiplier", "1", name="override",
+    )  # fmt: skip
+    assert found[0]["error_class"] is None and found[0]["reward"] == 1.0
+    # The agent budget (1800 s) x 0.0001 is 0.18 s, under the oracle's 1 s exec.
+    _, found, _ = run_job(
+        tmp_path, "-e", "simulated", "-l", "1", "--ek", "exec_latency=1", "--agent-timeout-multiplier", "0.0001",
+        name="agent",
+    )  # fmt: skip
+    assert found[0]["error_class"] == "agent" and found[0]["error_phase"] == "agent"
+    _, found, _ = run_job(
+        tmp_path, "-e", "simulated", "-l", "1", "--ek", "start_latency=1", "--episode-timeout", "0.3",
+        name="episode", code=1,
+    )  # fmt: skip
+    assert found[0]["error_phase"] == "start"
+
+
+def test_jobs_dir_job_name_and_json_export(tmp_path):
+    result = harbor_async("run", "-e", "simulated", "-l", "2", cwd=tmp_path)  # the default: ./jobs/<timestamp>
+    assert result.returncode == 0, result.stderr
+    (job,) = (tmp_path / "jobs").iterdir()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d__\d\d-\d\d-\d\d", job.name)
+    assert {p.name for p in job.iterdir()} == {"config.json", "episodes.jsonl", "summary.json"}
+    export = tmp_path / "out" / "all.jsonl"
+    _, found, _ = run_job(tmp_path, "-e", "simulated", "-l", "2", "--json", str(export), name="named")
+    assert [json.loads(line) for line in export.read_text().splitlines()] == sorted(found, key=lambda r: r["task"])
+    again = harbor_async("run", "-e", "simulated", "-o", str(tmp_path / "jobs"), "--job-name", "named")
+    assert again.returncode == 2 and "--resume" in again.stderr
+
+
+def test_unwritable_jobs_folder_or_export_fails_before_any_sandbox_starts(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    sandboxes = tmp_path / "local-root"
+    trials = tmp_path / "tmp"
+    trials.mkdir()
+    env = {"HARBOR_ASYNC_LOCAL_ROOT": str(sandboxes), "TMPDIR": str(trials)}
+    for args, what in (
+        (["-o", str(blocker / "jobs")], "cannot write the job folder"),
+        (["-o", str(tmp_path / "jobs"), "--json", str(blocker / "x.jsonl")], "cannot write --json"),
+    ):
+        result = harbor_async("run", *args, env=env)
+        assert result.returncode == 2, result.stderr
+        assert what in result.stderr and "Traceback" not in result.stderr
+        assert not sandboxes.exists() and not list(trials.iterdir()), "a sandbox was started"
+
+
+def test_resume_refuses_job_defining_flags(tmp_path):
+    run_job(tmp_path, "-e", "simulated", "-l", "1")
+    result = harbor_async("run", "--resume", str(tmp_path / "jobs" / "j"), "-e", "local", "-k", "2")
+    assert result.returncode == 2 and "drop --env, --n-attempts" in result.stderr
+    missing = harbor_async("run", "--resume", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "not a job folder" in missing.stderr
+
+
+def test_dataset_goes_to_the_hub(tmp_path):
+    result = harbor_async("run", "-d", "no-such-org/no-such-suite", "-o", str(tmp_path), env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2
+    assert "'no-such-org/no-such-suite'" in result.stderr and "Hugging Face" in result.stderr
+
+
+def test_older_spellings_still_work_but_are_hidden(tmp_path):
+    result = harbor_async(
+        "run", "--backend", "simulated", "-c", "2", "--num-tasks", "2", "-o", str(tmp_path), "--job-name", "old"
+    )
+    assert result.returncode == 0, result.stderr
+    assert len(records(tmp_path / "old")) == 2
+    shown = harbor_async("run", "--help", env={"COLUMNS": "300"}).stdout
+    assert "--n-concurrent" in shown and "--ek" in shown and "--include-task-name" in shown
+    assert "--backend" not in shown and "--concurrency" not in shown and "--num-tasks" not in shown
+    listed = harbor_async("sandboxes", "list", "-b", "local")
+    assert listed.returncode == 0, listed.stderr
+
+
+def test_sandboxes_speak_the_dialect():
+    listed = harbor_async("sandboxes", "list", "-e", "local", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert "--env" in harbor_async("sandboxes", "reap", "--help", env={"COLUMNS": "300"}).stdout
+
+
+def test_bench_is_imported_only_by_its_commands_and_promises_only_what_it_writes(tmp_path):
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, harbor_async.cli; print(sorted({m.split('.')[0] for m in sys.modules} & {'benchmarks', 'shim', 'trl', 'matplotlib'}))"],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert probe.returncode == 0 and probe.stdout.strip() == "[]", probe.stdout + probe.stderr
+    for command, promise in (("throughput", "JSON file"), ("overhead", "JSON file"), ("grpo-step", "PNG")):
+        help_text = " ".join(harbor_async("bench", command, "--help", env={"COLUMNS": "300"}).stdout.split())
+        assert promise in help_text, help_text
+        if command != "grpo-step":
+            assert "PNG" not in help_text
+    result = harbor_async(
+        "bench", "throughput", "-e", "simulated", "--latency", "zero", "--episodes", "4", "-n", "1,2",
+        "--ek", "start_latency=0.01", "-o", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads((tmp_path / "throughput-simulated.json").read_text())
+    assert [r["concurrency"] for r in data["runs"]] == [1, 2] and data["backend_kwargs"] == {"start_latency": 0.01}
+    assert [p.suffix for p in tmp_path.iterdir()] == [".json"]
+
+
+def test_indices_pick_tasks_by_position_and_a_repeat_is_another_attempt(tmp_path):
+    listed = harbor_async("tasks", "--indices", "2,0")
+    assert re.findall(r"│\s+\d+\s+│\s+(\S+)", listed.stdout) == ["csv-group-by", "count-log-files"]
+    _, found, summary = run_job(tmp_path, "-e", "simulated", "--indices", "0,0", "-k", "2")
+    assert sorted((r["task"], r["attempt"]) for r in found) == [("count-log-files", a) for a in range(4)]
+    assert summary["tasks"] == 1 and summary["episodes"] == 4

@@ -1,0 +1,60 @@
+"""Names and messages are printed as they are: markup characters neither crash nor vanish."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from tests.cli_helpers import harbor_async, make_suite, records
+
+
+def test_names_paths_and_messages_with_markup_characters(tmp_path, suite_root):
+    suite = tmp_path / "we[" / "]suite"  # the path holds "[/]", rich's closing tag
+    make_suite(suite, ["good[red]", "[bold]x"])
+    broken = suite / "tasks" / "broken[i]"
+    shutil.copytree(suite_root / "tasks" / "csv-column-sum", broken)
+    shutil.rmtree(broken / "environment")  # its reason names "[environment].docker_image"
+    assert "[/]" in str(suite)
+
+    listed = harbor_async("tasks", "-p", str(suite))
+    assert listed.returncode == 0, listed.stderr
+    assert "good[red]" in listed.stdout and "[bold]x" in listed.stdout
+    assert listed.stderr.count("[environment].docker_image") == 1
+
+    ran = harbor_async("run", "-p", str(suite), "-o", str(tmp_path / "jobs"), "--job-name", "j")
+    assert ran.returncode == 0, ran.stderr
+    assert "good[red]" in ran.stdout and "[bold]x" in ran.stdout
+    assert ran.stderr.count("[environment].docker_image") == 1 and "Traceback" not in ran.stderr
+    assert sorted(r["task"] for r in records(tmp_path / "jobs" / "j")) == ["[bold]x", "good[red]"]
+
+
+def test_error_messages_keep_their_brackets(tmp_path):
+    result = harbor_async("run", "-p", str(tmp_path / "no[/]such"), "-o", str(tmp_path / "jobs"))
+    assert result.returncode == 2
+    assert "no[/]such" in result.stderr
+
+
+def test_the_error_column_keeps_whole_words(tmp_path):
+    result = harbor_async(
+        "run", "-e", "tests.broken_backend:FailingStartEnvironment", "-l", "1", "-o", str(tmp_path),
+        env={"COLUMNS": "100"},
+    )  # fmt: skip
+    assert result.returncode == 1
+    table = result.stdout.split("episodes:")[0]
+    text = " ".join(cell.strip() for line in table.splitlines() for cell in line.split("│")[-2:-1])
+    assert "simulated: disk full (permanent)" in " ".join(text.split())
+
+
+def test_tasks_of_the_same_name_are_told_apart_by_path(tmp_path):
+    suite = make_suite(tmp_path / "suite", ["a", "b"])
+    for name in ("a", "b"):
+        toml = suite / "tasks" / name / "task.toml"
+        first, rest = toml.read_text().split("\n", 1)
+        toml.write_text(f'{first}\n\n[task]\nname = "org/same"\n{rest}')
+    result = harbor_async("run", "-p", str(suite), "-o", str(tmp_path / "jobs"), "--job-name", "j")
+    assert result.returncode == 0, result.stderr
+    found = records(tmp_path / "jobs" / "j")
+    assert {r["task"] for r in found} == {"org/same"} and len({r["task_path"] for r in found}) == 2
+    assert str(suite / "tasks" / "a") in result.stdout and str(suite / "tasks" / "b") in result.stdout
+    summary = json.loads((tmp_path / "jobs" / "j" / "summary.json").read_text())
+    assert summary["tasks"] == 2 and summary["episodes"] == 2

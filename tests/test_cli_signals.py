@@ -1,0 +1,86 @@
+"""Signals mid-batch: every finished episode's record kept, no sandbox left, exit 128 + signal."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from tests.cli_helpers import (
+    harbor_async,
+    interrupt,
+    make_suite,
+    records,
+    spawn,
+    wait_for,
+)
+
+FAST, SLOW = ["fast-a", "fast-b", "fast-c"], ["slow-a", "slow-b"]
+
+
+@pytest.mark.parametrize(
+    "sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)], ids=["INT", "TERM", "HUP"]
+)
+def test_a_signal_mid_batch_keeps_the_finished_records_and_stops_every_sandbox(tmp_path, leak_probe, sig, code):
+    suite = make_suite(tmp_path / "suite", FAST, SLOW)
+    job = tmp_path / "jobs" / "j"
+    proc = spawn("run", "-p", str(suite), "-o", str(tmp_path / "jobs"), "--job-name", "j", "-n", "5")
+    wait_for(lambda: len(records(job)) >= 3, 120, "the three fast episodes' records")
+    assert proc.poll() is None, "the batch ended before the signal: the slow tasks did not hold it"
+    returncode, out, err, seconds = interrupt(proc, [sig])
+    assert returncode == code, err
+    assert seconds < 30, "stopping the sandboxes took too long"
+    found = {r["task"]: r for r in records(job)}
+    assert set(found) == set(FAST) | set(SLOW)
+    assert all(found[t]["reward"] == 1.0 and found[t]["error_class"] is None for t in FAST)
+    assert all(found[t]["error_class"] == "cancelled" and found[t]["reward"] is None for t in SLOW)
+    assert all(found[t]["error_phase"] == "agent" for t in SLOW)  # the oracle was sleeping
+    # The partial table and the resume hint; the summary says the job is incomplete.
+    assert "slow-a" in out and "cancelled" in out and "fast-c" in out
+    assert f"interrupted by {sig.name}" in err and f"--resume {job}" in err
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["complete"] is False and summary["interrupted_by"] == sig.name
+    assert summary["completed"] == 3 and summary["mean_reward_completed"] == 1.0 and summary["mean_reward"] == 0.6
+    assert not leak_probe.bwrap_pids() and not leak_probe.sandbox_dirs()
+
+
+def test_a_second_signal_does_not_abort_the_cleanup(tmp_path):
+    # Simulated sandboxes whose stop takes 2 s: the second SIGTERM comes while they stop.
+    job = tmp_path / "jobs" / "j"
+    proc = spawn(
+        "run", "-e", "simulated", "--ek", "exec_latency=60", "--ek", "stop_latency=2", "-l", "3",
+        "-o", str(tmp_path / "jobs"), "--job-name", "j",
+    )  # fmt: skip
+    wait_for(lambda: (job / "config.json").exists(), 60, "the job folder")
+    time.sleep(1.5)  # the oracles are running (each exec takes 60 s)
+    returncode, _, err, seconds = interrupt(proc, [signal.SIGTERM, signal.SIGTERM], gap=0.5)
+    assert returncode == 143, err
+    assert "still stopping sandboxes" in err
+    assert seconds >= 1.5, "the second signal cut the 2 s stops short"
+    found = records(job)
+    assert len(found) == 3 and all(r["error_class"] == "cancelled" for r in found)
+    assert all(any(p["phase"] == "stop" and p["end"] - p["start"] >= 1.9 for p in r["phases"]) for r in found)
+
+
+def test_a_third_signal_forces_the_exit_and_names_what_is_left(tmp_path, leak_probe):
+    job = tmp_path / "jobs" / "j"
+    proc = spawn(
+        "run", "-e", "simulated", "--ek", "exec_latency=60", "--ek", "stop_latency=60", "-l", "2",
+        "-o", str(tmp_path / "jobs"), "--job-name", "j",
+    )  # fmt: skip
+    wait_for(lambda: (job / "config.json").exists(), 60, "the job folder")
+    time.sleep(1.5)
+    returncode, _, err, seconds = interrupt(proc, [signal.SIGINT, signal.SIGINT, signal.SIGINT], gap=0.5)
+    assert returncode == 130, err
+    assert seconds < 10, "the third signal did not force the exit"
+    assert "harbor-async sandboxes reap" in err
+    assert "2 sandbox(es) may be left" in err
+    config = json.loads((job / "config.json").read_text())
+    assert len(config["episodes"]) == 2
+    # What it names is what `sandboxes reap` removes: here, the two sandboxes' trial folders.
+    assert leak_probe.sandbox_dirs(), "a forced exit during the stops leaves the trial folders"
+    reaped = harbor_async("sandboxes", "reap")
+    assert reaped.returncode == 0, reaped.stdout + reaped.stderr
+    assert not leak_probe.sandbox_dirs()

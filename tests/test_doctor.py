@@ -1,0 +1,176 @@
+"""``harbor-async doctor``: real checks of this machine, with one thing taken away at a time.
+
+A missing bubblewrap is a ``PATH`` without it, a missing Docker daemon is
+``DOCKER_HOST`` at a socket nobody listens on, a missing extra is the wheel's
+fresh venv (core only; tests/wheel_env.py). The doctor's code is never patched.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from harbor_async.doctor import SUPPORTED, UnsupportedVersionError, require_supported
+from tests.wheel_env import REPO, wheel_env
+
+
+def doctor(*args: str, python: str = sys.executable, cwd: Path = REPO, env: dict | None = None):
+    done = subprocess.run(
+        [python, "-m", "harbor_async", "doctor", "--json", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env if env is not None else dict(os.environ),
+        timeout=120,
+    )
+    assert done.stdout.strip(), done.stderr
+    return done.returncode, json.loads(done.stdout), done.stdout + done.stderr
+
+
+def checks(report: dict, feature: str) -> dict[str, dict]:
+    return {c["name"]: c for c in report["features"][feature]}
+
+
+def test_passes_on_this_machine_for_the_local_backend_and_every_extra():
+    rc, report, _ = doctor("-b", "local", "-f", "trl", "-f", "eval", "-f", "ray")
+    assert rc == 0, report
+    assert report["ok"] and report["requested"] == ["core", "local", "trl", "eval", "ray"]
+    local = checks(report, "local")
+    assert set(local) == {"bwrap", "nsenter", "setpriv", "namespaces"} and all(c["ok"] for c in local.values())
+    assert "sandbox starts" in local["namespaces"]["found"]
+    core = checks(report, "core")
+    assert core["python"]["ok"] and core["harbor"]["found"].startswith("0.25.")
+    assert checks(report, "trl")["trl"]["found"].startswith("1.16.0")
+    # Everything else was looked at too (not asked for: it does not decide the exit code).
+    assert {"docker", "limits", "e2b", "modal", "daytona", "runloop"} <= set(report["features"])
+
+
+@pytest.mark.docker
+def test_passes_for_docker_when_the_daemon_runs():
+    rc, report, _ = doctor("-b", "docker", "--only")
+    assert rc == 0, report
+    docker = checks(report, "docker")
+    assert docker["docker daemon"]["ok"] and docker["docker compose"]["ok"]
+    assert set(report["features"]) == {"core", "docker"}
+
+
+def test_reports_a_missing_bubblewrap(tmp_path: Path):
+    # A PATH with the util-linux tools but no bwrap.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("nsenter", "setpriv"):
+        os.symlink(shutil.which(name), bin_dir / name)
+    rc, report, text = doctor("-b", "local", "--only", env={**os.environ, "PATH": str(bin_dir)})
+    assert rc == 1
+    assert not report["ok"]
+    local = checks(report, "local")
+    assert local["bwrap"] == {
+        "name": "bwrap",
+        "ok": False,
+        "found": "not on PATH",
+        "fix": "install the 'bubblewrap' package (as root: apt-get install bubblewrap)",
+    }
+    assert local["nsenter"]["ok"] and local["setpriv"]["ok"]
+    assert not local["namespaces"]["ok"]
+    # The human-readable form says the same.
+    done = subprocess.run(
+        [sys.executable, "-m", "harbor_async", "doctor", "-b", "local", "--only"],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PATH": str(bin_dir), "COLUMNS": "200"}, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "not ready: local needs bwrap: install the 'bubblewrap' package" in done.stdout
+
+
+def test_reports_a_missing_docker_daemon(tmp_path: Path):
+    dead = tmp_path / "dead.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(dead))
+    listener.close()  # the socket file stays; nobody listens on it
+    rc, report, _ = doctor("-b", "docker", "--only", env={**os.environ, "DOCKER_HOST": f"unix://{dead}"})
+    assert rc == 1
+    docker = checks(report, "docker")
+    assert docker["docker"]["ok"]  # the CLI is there...
+    assert not docker["docker daemon"]["ok"]  # ...the daemon is not
+    assert str(dead) in docker["docker daemon"]["found"]
+    assert "start it" in docker["docker daemon"]["fix"]
+    # Asking for the local backend only: the dead daemon does not matter.
+    rc, report, _ = doctor("-b", "local", env={**os.environ, "DOCKER_HOST": f"unix://{dead}"})
+    assert rc == 0 and not checks(report, "docker")["docker daemon"]["ok"]
+
+
+def test_reports_a_missing_extra_in_a_core_only_install(tmp_path: Path):
+    venv = wheel_env()
+    rc, report, _ = doctor("-b", "local", "-f", "trl", "-f", "ray", "--only", python=str(venv.python), cwd=tmp_path, env=venv.env())
+    assert rc == 1
+    trl = checks(report, "trl")
+    assert trl["trl"] == {
+        "name": "trl",
+        "ok": False,
+        "found": "not installed",
+        "fix": "pip install 'harbor-async[trl]'  (or: uv add 'harbor-async[trl]')",
+    }
+    assert checks(report, "ray")["ray"]["fix"].startswith("pip install 'harbor-async[ray]'")
+    assert all(c["ok"] for c in report["features"]["local"] + report["features"]["core"])
+    # Without the extras asked for, the same install is ready for the local backend.
+    rc, _, _ = doctor("-b", "local", "--only", python=str(venv.python), cwd=tmp_path, env=venv.env())
+    assert rc == 0
+    # Code that depends on TRL internals refuses clearly there.
+    done = subprocess.run(
+        [str(venv.python), "-c", "from harbor_async.doctor import require_supported; require_supported('trl', 'shim.reference', 'trl-internals')"],
+        capture_output=True, text=True, cwd=tmp_path, env=venv.env(), timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "UnsupportedVersionError: shim.reference needs trl>=1.7,<1.17 (tested: 1.7.0, 1.16.0)" in done.stderr
+
+
+def test_credentials_are_checked_never_printed():
+    secret = "sk-doctor-test-9f8e7d"
+    rc, report, text = doctor("-b", "e2b", "--only", env={**os.environ, "E2B_API_KEY": secret})
+    assert checks(report, "e2b")["e2b credentials"]["ok"]
+    assert secret not in text
+    assert rc == (0 if checks(report, "e2b")["e2b"]["ok"] else 1)  # the client package decides the rest
+    rc, report, _ = doctor("-b", "e2b", "--only", env={k: v for k, v in os.environ.items() if k != "E2B_API_KEY"})
+    assert rc == 1 and checks(report, "e2b")["e2b credentials"]["fix"] == "set E2B_API_KEY in the environment"
+
+
+class _Models(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server's name
+        body = json.dumps({"data": [{"id": "tiny-model"}]}).encode()
+        self.send_response(200 if self.path == "/v1/models" else 404)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_model_server_reachable_or_not():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        rc, report, _ = doctor("-b", "local", "--only", "--base-url", url)
+        assert rc == 0 and "model-server" in report["requested"]
+        assert checks(report, "model-server")["model server"]["found"].endswith("1 model(s): tiny-model")
+    finally:
+        server.shutdown()
+        server.server_close()
+    rc, report, _ = doctor("-b", "local", "--only", "--base-url", url)  # closed now
+    assert rc == 1 and not checks(report, "model-server")["model server"]["ok"]
+
+
+def test_require_supported_names_the_tested_range():
+    assert require_supported("harbor", "the local backend") == "0.25.0"
+    with pytest.raises(UnsupportedVersionError) as caught:
+        require_supported("no-such-dist-anywhere", "a feature", "trl")
+    assert caught.value.supported == SUPPORTED["trl"] and caught.value.version == "not installed"

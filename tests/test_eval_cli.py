@@ -1,0 +1,268 @@
+"""``harbor-async eval`` as a user runs it: a separate process, real sandboxes, real servers on 127.0.0.1.
+
+Covers resume after a kill, a sweep's outputs, bad input (each a clear error
+and no leaked sandbox or server process), a managed server dying mid-run, and
+a real ``transformers serve`` of the tiny test model started through ``--serve-cmd``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+
+from harbor_async.jobs import JobFolder
+from harbor_async.serve import free_port
+from tests.scripted_server import ScriptedServer
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTED = REPO / "tests" / "scripted_server.py"
+
+
+def _cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "harbor_async", "eval", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
+    )
+
+
+def _processes_with(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and any(marker in a for a in proc.info["cmdline"] or []):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _comparable(summary: dict) -> dict:
+    return {
+        k: summary[k] for k in ("episodes", "tasks", "completed", "failures", "mean_reward", "pass_at_k", "per_task")
+    }
+
+
+def test_resume_after_a_kill_matches_the_uninterrupted_run(tmp_path: Path) -> None:
+    args = ["-m", "slow", "-l", "6", "-n", "2", "-o", str(tmp_path)]
+    with ScriptedServer(slow_seconds=1.0) as server:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "harbor_async",
+                "eval",
+                *args,
+                "--job-name",
+                "killed",
+                "--base-url",
+                server.base_url,
+            ],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        episodes = tmp_path / "killed" / "episodes.jsonl"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if episodes.exists() and len(episodes.read_text().splitlines()) >= 2:
+                break
+            assert proc.poll() is None, proc.stderr.read().decode()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+        assert b"resume with --resume" in proc.stderr.read()  # stopped cleanly (the leak check confirms)
+        finished = [r.key for r in JobFolder(tmp_path / "killed").records()]
+        assert 2 <= len(finished) < 6, "the kill came after the run ended"
+        requests_before = server.requests["slow"]
+
+        resumed = _cli("--resume", str(tmp_path / "killed"), "--base-url", server.base_url)
+        assert resumed.returncode == 0, resumed.stderr
+        keys = [r.key for r in JobFolder(tmp_path / "killed").records()]
+        assert len(keys) == len(set(keys)) == 6  # no finished episode ran again
+        assert keys[: len(finished)] == finished
+        assert server.requests["slow"] - requests_before == 2 * (6 - len(finished))  # two replies an episode
+
+    with ScriptedServer(slow_seconds=0.05) as server:
+        whole = _cli(*args, "--job-name", "whole", "--base-url", server.base_url)
+        assert whole.returncode == 0, whole.stderr
+    killed = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    uninterrupted = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    assert _comparable(killed) == _comparable(uninterrupted)
+    assert killed["mean_reward"] == 1.0 and killed["episodes"] == 6
+
+
+def test_sweep_of_two_models_writes_table_paired_interval_and_plot(tmp_path: Path) -> None:
+    with ScriptedServer() as server:
+        result = _cli(
+            "-m",
+            "solver",
+            "-m",
+            "half",
+            "-l",
+            "4",
+            "-n",
+            "4",
+            "-o",
+            str(tmp_path),
+            "--job-name",
+            "sweep",
+            "--base-url",
+            server.base_url,
+        )
+    assert result.returncode == 0, result.stderr
+    job = tmp_path / "sweep"
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["models"]["solver"]["mean_reward"] == 1.0 and summary["models"]["half"]["mean_reward"] == 0.5
+    pair = summary["sweep"]["vs_first"][0]
+    assert (pair["base"], pair["other"], pair["tasks"], pair["difference"]) == ("solver", "half", 4, -0.5)
+    low, high = pair["ci"]
+    assert -1.0 <= low <= -0.5 <= high <= 0.0
+    table = (job / "sweep.csv").read_text().splitlines()
+    assert table[0].startswith("model,step,episodes,mean_reward") and len(table) == 3
+    assert table[2].startswith("half,,4,0.5,")
+    assert (job / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "paired differences" in result.stdout and "-0.500" in result.stdout
+    assert {r.model for r in JobFolder(job).records()} == {"solver", "half"}
+
+
+def test_unreachable_server_is_a_clear_error(tmp_path: Path) -> None:
+    result = _cli("-m", "solver", "--base-url", f"http://127.0.0.1:{free_port()}/v1", "-l", "1", "-o", str(tmp_path))
+    assert result.returncode == 2
+    assert "ServerUnreachableError" in result.stderr and "unreachable" in result.stderr
+
+
+def test_wrong_model_name_is_a_clear_error(tmp_path: Path) -> None:
+    with ScriptedServer() as server:
+        result = _cli("-m", "no-such-model", "--base-url", server.base_url, "-l", "1", "-o", str(tmp_path))
+    assert result.returncode == 2
+    assert "ModelNotServedError" in result.stderr and "'no-such-model' not served" in result.stderr
+    assert server.requests == {}  # refused before any episode
+
+
+def test_empty_suite_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "suite" / "tasks").mkdir(parents=True)
+    with ScriptedServer() as server:
+        result = _cli("-m", "solver", "--base-url", server.base_url, "-p", str(tmp_path / "suite"), "-o", str(tmp_path))
+    assert result.returncode == 2 and "EmptySuiteError" in result.stderr
+
+
+def test_a_server_that_never_becomes_ready_is_stopped(tmp_path: Path) -> None:
+    marker = f"never-ready-{uuid.uuid4().hex}"
+    serve = f"{sys.executable} -c 'import time; time.sleep(600)' {marker} {{port}}"
+    result = _cli(
+        "-m", "solver", "--serve-cmd", serve, "--ready-timeout", "3", "-l", "1", "-o", str(tmp_path), "--job-name", "j"
+    )
+    assert result.returncode == 2 and "ServerNotReadyError" in result.stderr
+    assert _processes_with(marker) == []
+    assert marker in (tmp_path / "j" / "server.log").read_text()  # the command line heads the log
+
+
+def test_a_managed_server_dying_mid_run_is_a_clear_error(tmp_path: Path) -> None:
+    marker = f"dying-{uuid.uuid4().hex}"
+    serve = f"{sys.executable} {SCRIPTED} --port {{port}} --die-after 3 --suite {REPO / 'harbor_async/suites/example/tasks'}"
+    result = _cli(
+        "-m",
+        "solver",
+        "--serve-cmd",
+        f"{serve} --slow-seconds 0 --tag {marker}",
+        "-l",
+        "4",
+        "-n",
+        "2",
+        "--model-retries",
+        "1",
+        "-o",
+        str(tmp_path),
+        "--job-name",
+        "j",
+    )
+    assert result.returncode == 1, result.stderr
+    assert "ServerDiedError" in result.stderr and "exited" in result.stderr
+    assert _processes_with(marker) == []
+    assert "scripted server on" in (tmp_path / "j" / "server.log").read_text()
+    # the episodes that finished before the crash are kept; a resume would run the rest
+    assert all(r.reward == 1.0 for r in JobFolder(tmp_path / "j").records())
+
+
+def test_transformers_serve_of_the_tiny_model_through_serve_cmd(tmp_path: Path) -> None:
+    from tests.tiny_model import build_tiny_qwen3
+
+    model_dir, _ = build_tiny_qwen3(tmp_path / "tiny-qwen3")
+    transformers = Path(sys.executable).parent / "transformers"
+    serve = f"{transformers} serve {{model}} --port {{port}} --host 127.0.0.1"
+    result = _cli(
+        "-m",
+        str(model_dir),
+        "--serve-cmd",
+        serve,
+        "-l",
+        "1",
+        "--max-tokens",
+        "16",
+        "--max-turns",
+        "2",
+        "--ready-timeout",
+        "240",
+        "-o",
+        str(tmp_path),
+        "--job-name",
+        "j",
+        timeout=600,
+        env={"HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    (record,) = JobFolder(tmp_path / "j").records()
+    assert record.error_class is None and record.reward is not None  # judged, whatever the model said
+    assert record.model == str(model_dir) and record.transcript[1]["role"] == "assistant"
+    assert record.usage["requests"] >= 1 and record.finish_reason in ("stop", "length", "max_turns")
+    assert _processes_with(str(model_dir)) == []  # the server is gone
+    assert "Uvicorn running" in (tmp_path / "j" / "server.log").read_text()
+
+
+def test_sigterm_stops_the_managed_server_and_the_sandboxes(tmp_path: Path) -> None:
+    marker = f"sigterm-{uuid.uuid4().hex}"
+    serve = f"{sys.executable} {SCRIPTED} --port {{port}} --slow-seconds 1 --tag {marker}"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "harbor_async",
+            "eval",
+            "-m",
+            "slow",
+            "--serve-cmd",
+            serve,
+            "-l",
+            "4",
+            "-n",
+            "2",
+            "-o",
+            str(tmp_path),
+            "--job-name",
+            "j",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    episodes = tmp_path / "j" / "episodes.jsonl"
+    deadline = time.monotonic() + 180
+    while not (episodes.exists() and episodes.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+        time.sleep(0.1)
+    assert _processes_with(marker)  # the server runs while episodes do
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    assert _processes_with(marker) == []  # and the leak check finds no sandbox

@@ -1,0 +1,258 @@
+"""The report without a browser: its figures, its file (self-contained, escaped), the CLI and the view server.
+
+The browser checks are in test_report_browser.py.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from harbor_async.cli import app
+from harbor_async.jobs import CONFIG_NAME, EPISODES_NAME, JobFolder
+from harbor_async.records import EpisodeRecord
+from harbor_async.report import ReportSourceError, default_output, load_source, render, write_report
+from harbor_async.report.analysis import SOLVED, UNSOLVED, analyze
+from harbor_async.report.pack import script_json, unpack_episode
+from harbor_async.report.server import ReportServer
+from harbor_async.scoring import paired_difference, summarize
+from tests.test_report_jobs import EVIL, make_job
+
+REPO = Path(__file__).resolve().parent.parent
+BLOB = re.compile(r'<script type="application/x-gzip-base64" id="ep-(\d+)">([A-Za-z0-9+/=]+)</script>')
+SWEEP = [("ckpt/step-100", "step-100"), ("ckpt/step-200", "step-200"), ("ckpt/step-1000", "step-1000")]
+
+
+def _data(page: str) -> dict:
+    found = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', page, re.DOTALL)
+    assert found, "no report data in the page"
+    return json.loads(found.group(1))
+
+
+def test_analysis_agrees_with_scoring(tmp_path: Path) -> None:
+    job = make_job(tmp_path, tasks=10, attempts=4)
+    records = list(JobFolder(job).latest().values())
+    a = analyze(records)
+    assert a.summary == summarize(records)
+    assert not a.sweep and len(a.groups) == 1
+    assert sum(a.outcomes.values()) == len(records) == 40
+    assert a.outcomes.get(SOLVED, 0) == sum(r.score >= 1.0 for r in records if not r.rerun)
+    # The percentiles of one phase, against numpy on the records' own spans.
+    agent = [sum(p.seconds for p in r.phases if p.phase == "agent") for r in records if any(p.phase == "agent" for p in r.phases)]
+    row = next(p for p in a.phases if p["phase"] == "agent")
+    assert row["count"] == len(agent)
+    assert row["p50"] == pytest.approx(float(np.percentile(agent, 50)))
+    assert row["p99"] == pytest.approx(float(np.percentile(agent, 99)))
+    assert [p["phase"] for p in a.phases] == ["start", "agent", "verify", "stop"]
+    # One task row per task; its failed count is every episode not solved.
+    assert len(a.tasks) == 10
+    for t in a.tasks:
+        rs = [r for r in records if r.task_path == t["path"]]
+        assert t["n"] == len(rs)
+        assert t["failed"] == sum(1 for r in rs if r.rerun or r.score < 1.0)
+        assert t["mean"] == pytest.approx(float(np.mean([r.score for r in rs])))
+
+
+def test_sweep_groups_by_checkpoint_with_paired_differences(tmp_path: Path) -> None:
+    job = make_job(tmp_path, tasks=8, attempts=2, models=SWEEP)
+    records = list(JobFolder(job).latest().values())
+    a = analyze(records)
+    assert a.sweep
+    assert [g.label for g in a.groups] == ["step-100", "step-200", "step-1000"]  # natural order, not text order
+    by_ckpt = {c: [r for r in records if r.checkpoint == c] for _, c in SWEEP}
+    assert a.groups[2].summary == summarize(by_ckpt["step-1000"])
+    expected = paired_difference(by_ckpt["step-100"], by_ckpt["step-1000"])
+    last = a.differences[-1]
+    assert last["label"] == "step-1000" and last["base"] == "step-100"
+    assert last["difference"] == pytest.approx(expected["difference"])
+    assert last["ci"] == pytest.approx(expected["ci"])
+    assert {row["path"]: row["diff"] for row in last["per_task"]} == pytest.approx(expected["per_task"])
+    rows = a.difference_rows()
+    assert len(rows) == 8 and all(len(r["diffs"]) == 2 for r in rows)
+    assert [r["diffs"][-1] for r in rows] == sorted(r["diffs"][-1] for r in rows)  # worst first
+
+
+def test_report_is_one_self_contained_file(tmp_path: Path) -> None:
+    job = make_job(tmp_path, tasks=6, attempts=2)
+    page = render(job)
+    assert page.startswith("<!DOCTYPE html>")
+    # Nothing is fetched: no external script, stylesheet, image, font or frame.
+    assert not re.search(r'(src|href)\s*=\s*"(?!data:|#)', page), "a resource outside the file"
+    assert "<link rel=\"stylesheet\"" not in page and "@import" not in page and "url(http" not in page
+    assert "default-src 'none'" in page
+    # The inlined code cannot end its own <script>/<style> element early.
+    for asset in (REPO / "harbor_async" / "report" / "static").iterdir():
+        text = asset.read_text().lower()
+        assert "</script" not in text and "</style" not in text and "<!--" not in text, asset.name
+    assert page.count('<img src="data:image/svg+xml;base64,') == 2  # outcomes and phases charts
+    # Every episode is embedded, compressed, and decodes to its record.
+    records = list(JobFolder(job).latest().values())
+    blobs = dict(BLOB.findall(page))
+    assert len(blobs) == len(records) == 12
+    for i, record in enumerate(records):
+        details = unpack_episode(blobs[str(i)])
+        assert details["transcript"] == (record.transcript or [])
+        assert details["rewards"] == record.rewards and details["verifier_output"] == record.verifier_output
+    data = _data(page)
+    assert len(data["episodes"]) == 12 and len(data["tasks"]) == 6
+
+
+def test_everything_is_escaped(tmp_path: Path) -> None:
+    evil_task = "evil<b>task</b>"
+    job = make_job(tmp_path, tasks=3, attempts=1, evil_task=evil_task)
+    config = json.loads((job / CONFIG_NAME).read_text())
+    config["note"] = "</script><script>alert(1)</script>"
+    (job / CONFIG_NAME).write_text(json.dumps(config))
+    page = render(job)
+    # The only <script> elements are the page's own code and its inert data blocks.
+    scripts = re.findall(r"<script\b[^>]*>", page)
+    assert all('nonce="' in s or 'type="application/' in s for s in scripts), scripts
+    assert page.count("</script>") == len(scripts)
+    assert EVIL not in page and "<script>alert(1)</script>" not in page and "<b>task</b>" not in page
+    assert html.escape(config["note"], quote=False) in page  # config.json shown as text
+    # The task name reaches the page's script as JSON text, which JavaScript reads back unchanged.
+    assert any(t["task"] == evil_task for t in _data(page)["tasks"])
+    assert script_json({"x": "</script><!--"}) == '{"x":"\\u003c/script\\u003e\\u003c!--"}'
+
+
+def test_benchmark_results_report(tmp_path: Path) -> None:
+    source = load_source(REPO / "benchmarks" / "results")
+    kinds = sorted({r.data["benchmark"] for r in source.results})
+    assert kinds == ["grpo-step", "overhead", "throughput"]
+    out = write_report(REPO / "benchmarks" / "results", tmp_path / "bench.html")
+    page = out.read_text()
+    for result in source.results:
+        assert f">{result.name} <span" in page
+    saved = sum(1 for r in source.results if r.plot)
+    assert page.count('src="data:image/png;base64,') == saved  # the saved step-time plots
+    assert page.count('src="data:image/svg+xml;base64,') >= 6  # throughput and latency of each throughput result
+    single = load_source(REPO / "benchmarks" / "results" / "overhead.json")
+    assert [r.name for r in single.results] == ["overhead"]
+    assert default_output(REPO / "benchmarks" / "results" / "overhead.json").name == "overhead.html"
+
+
+def test_unknown_paths_are_typed_errors(tmp_path: Path) -> None:
+    with pytest.raises(ReportSourceError):
+        load_source(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReportSourceError):
+        load_source(tmp_path / "empty")
+    (tmp_path / "x.json").write_text('{"not": "a benchmark"}')
+    with pytest.raises(ReportSourceError):
+        load_source(tmp_path / "x.json")
+    result = CliRunner().invoke(app, ["report", str(tmp_path / "empty")])
+    assert result.exit_code == 2
+
+
+def test_report_of_a_running_job_shows_finished_episodes(tmp_path: Path) -> None:
+    """No summary.json yet, a torn last line (a writer killed mid-line): the report shows what finished."""
+    job = make_job(tmp_path, tasks=4, attempts=1)
+    with open(job / EPISODES_NAME, "a") as fh:
+        fh.write('{"task": "half-writ')
+    page = render(job)
+    assert "running or stopped" in page
+    assert len(_data(page)["episodes"]) == 4
+
+
+def test_report_of_a_job_with_no_episodes_yet(tmp_path: Path) -> None:
+    job = JobFolder.create(tmp_path, "just-started", {"command": "eval"})
+    page = render(job.path)
+    assert "running or stopped" in page and _data(page)["episodes"] == []
+    assert "No phase timings" in page
+
+
+def test_cli_report_of_a_real_run(tmp_path: Path, suite_root: Path) -> None:
+    """A real `harbor-async run` on the bundled suite (local backend), then `harbor-async report` of its job folder."""
+    job = tmp_path / "jobs" / "run-job"
+    job.mkdir(parents=True)
+    (job / CONFIG_NAME).write_text(json.dumps({"command": "run", "suite": "example"}))
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    ran = subprocess.run(
+        [sys.executable, "-m", "harbor_async", "run", str(suite_root), "--json", str(job / EPISODES_NAME), "-n", "4", "-c", "4"],
+        capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    made = subprocess.run(
+        [sys.executable, "-m", "harbor_async", "report", str(job)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    page = (job / "report.html").read_text()
+    data = _data(page)
+    assert len(data["episodes"]) == 4
+    assert all(e["o"] == SOLVED and e["d"] > 0 for e in data["episodes"])  # oracle solves all, with timings
+    assert '<span class="badge kind">run</span>' in page
+    assert "<td>verify</td>" in page  # per-phase timing from the records' seconds
+    custom = CliRunner().invoke(app, ["report", str(job), "--output", str(tmp_path / "elsewhere.html")])
+    assert custom.exit_code == 0, custom.output
+    assert (tmp_path / "elsewhere.html").read_text().count("ep-") >= 4
+
+
+def _get(url: str) -> tuple[int, str]:
+    with urllib.request.urlopen(url, timeout=30) as answer:
+        return answer.status, answer.read().decode()
+
+
+def test_view_server_rebuilds_when_a_record_is_appended(tmp_path: Path) -> None:
+    job_path = make_job(tmp_path, tasks=3, attempts=1)
+    server = ReportServer(job_path, port=0)
+    url = server.start()
+    try:
+        assert url.startswith("http://127.0.0.1:")
+        status, page = _get(url)
+        assert status == 200 and len(_data(page)["episodes"]) == 3
+        _, v1 = _get(url + "__version")
+        assert f'data-version="{v1}"' in page and "__version" in page  # the live script polls it
+        job = JobFolder.open(job_path)
+        job.append(EpisodeRecord(task="task-late", model="test-model", reward=0.0, seconds={"agent": 1.0}))
+        job.close()
+        _, v2 = _get(url + "__version")
+        assert v2 != v1
+        _, page2 = _get(url)
+        assert len(_data(page2)["episodes"]) == 4 and f'data-version="{v2}"' in page2
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            _get(url + "elsewhere")
+        assert missing.value.code == 404
+    finally:
+        server.stop()
+
+
+def test_cli_view_serves_on_localhost(tmp_path: Path) -> None:
+    """`harbor-async view JOB --port 0` in its own process: prints its address, serves the page, stops on SIGINT."""
+    job = make_job(tmp_path, tasks=2, attempts=1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harbor_async", "view", str(job), "--port", "0"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        line = ""
+        deadline = time.monotonic() + 60
+        while "serving" not in line and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "view exited before serving"
+        found = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+        assert found, line
+        status, page = _get(found.group(0))
+        assert status == 200 and len(_data(page)["episodes"]) == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+
+
+def test_outcome_names(tmp_path: Path) -> None:
+    job = make_job(tmp_path, tasks=30, attempts=2, seed=5)
+    a = analyze(list(JobFolder(job).latest().values()))
+    assert set(a.outcomes) <= {SOLVED, UNSOLVED, "agent", "verifier", "infrastructure", "model_server", "cancelled"}
+    assert "infrastructure" in a.outcomes and UNSOLVED in a.outcomes

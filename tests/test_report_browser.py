@@ -1,0 +1,268 @@
+"""The report in a real browser: Debian's chromium (.ci/browser-setup), driven by Playwright from PyPI.
+
+Playwright launches /usr/bin/chromium itself (no `playwright install`, no
+browser download). A missing chromium fails these tests (it never skips them):
+run `.ci/browser-setup` as root. Screenshots are kept under test-artifacts/.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harbor_async.jobs import JobFolder
+from harbor_async.records import EpisodeRecord
+from harbor_async.report import write_report
+from harbor_async.report.server import ReportServer
+from tests.test_report_jobs import EVIL, LONG_LINES, make_big_job, make_job
+
+REPO = Path(__file__).resolve().parent.parent
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM = os.environ.get("HARBOR_ASYNC_CHROMIUM", "/usr/bin/chromium")
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+EVIL_TASK = "evil<b>task</b>"
+SWEEP = [("ckpt/step-100", "step-100"), ("ckpt/step-200", "step-200"), ("ckpt/step-1000", "step-1000")]
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator:
+    if not Path(CHROMIUM).is_file():
+        pytest.fail(f"{CHROMIUM} is missing: run .ci/browser-setup (as root) to install Debian's chromium")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        yield chromium
+        chromium.close()
+
+
+class Page:
+    """A browser tab that records console errors and uncaught exceptions."""
+
+    def __init__(self, browser, width: int = 1300, height: int = 900) -> None:
+        self.page = browser.new_page(viewport={"width": width, "height": height})
+        self.errors: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(f"console {m.type}: {m.text}") if m.type in ("error", "warning") else None)
+        self.page.on("pageerror", lambda e: self.errors.append(f"page error: {e}"))
+        # Any request off the file (or off 127.0.0.1 for `view`) is a bug: the report is self-contained.
+        self.requests: list[str] = []
+        self.page.on("request", lambda r: self.requests.append(r.url))
+
+    def rows(self) -> list[str]:
+        return self.page.locator("#task-table tbody tr td.name").all_inner_texts()
+
+    def close(self) -> None:
+        self.page.close()
+
+
+@pytest.fixture
+def tab(browser) -> Iterator[Page]:
+    page = Page(browser)
+    yield page
+    page.close()
+
+
+def _until(check, timeout: float, what: str) -> None:
+    """Poll ``check`` from Python (the page's CSP forbids the eval of wait_for_function's polling)."""
+    from playwright.sync_api import Error
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():
+                return
+        except Error:  # the page is reloading: ask again
+            pass
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _artifact(tmp_path: Path, page: Page, name: str) -> Path:
+    """A full-page screenshot kept under the test's tmp dir and copied to test-artifacts/."""
+    shot = tmp_path / name
+    page.page.screenshot(path=str(shot), full_page=True)
+    ARTIFACTS.mkdir(exist_ok=True)
+    shutil.copy(shot, ARTIFACTS / name)
+    return shot
+
+
+@pytest.fixture(scope="module")
+def eval_report(tmp_path_factory) -> tuple[Path, list[EpisodeRecord]]:
+    jobs = tmp_path_factory.mktemp("jobs")
+    job = make_job(jobs, "eval-job", tasks=14, attempts=3, evil_task=EVIL_TASK, seed=2)
+    return write_report(job, job / "report.html"), list(JobFolder(job).latest().values())
+
+
+def test_report_loads_without_console_errors_and_filters(tab: Page, eval_report, tmp_path: Path) -> None:
+    report, records = eval_report
+    tab.page.goto(report.as_uri())
+    tab.page.wait_for_selector("#task-table tbody tr")
+    all_rows = tab.rows()
+    assert len(all_rows) == 14 and EVIL_TASK in all_rows  # a task name with HTML shows as text
+
+    tasks = {}
+    for r in records:
+        tasks.setdefault(r.task, []).append(r)
+    failed = sorted(t for t, rs in tasks.items() if any(r.rerun or r.score < 1.0 for r in rs))
+    tab.page.check("#f-failed")
+    assert sorted(tab.rows()) == failed and 0 < len(failed) < 14
+
+    tab.page.uncheck("#f-failed")
+    classes = sorted({r.error_class for r in records if r.error_class})
+    assert classes, "the fixture has failures of some class"
+    for cls in classes:
+        tab.page.select_option("#f-error", cls)
+        assert sorted(tab.rows()) == sorted(t for t, rs in tasks.items() if any(r.error_class == cls for r in rs)), cls
+    tab.page.select_option("#f-error", "")
+
+    tab.page.fill("#f-glob", "task-00[1-5]-*")
+    assert sorted(tab.rows()) == sorted(t for t in tasks if fnmatch.fnmatch(t, "task-00[1-5]-*"))
+    tab.page.fill("#f-glob", "csv")  # plain text: anywhere in the name
+    assert sorted(tab.rows()) == sorted(t for t in tasks if "csv" in t)
+    assert "task=csv" in tab.page.evaluate("location.hash")  # the filter survives a reload
+    tab.page.reload()
+    tab.page.wait_for_selector("#task-table tbody tr")
+    assert tab.page.input_value("#f-glob") == "csv" and sorted(tab.rows()) == sorted(t for t in tasks if "csv" in t)
+    tab.page.fill("#f-glob", "")
+
+    tab.page.click('#task-table th[data-key="mean"]')  # sort by mean reward, then descending
+    tab.page.click('#task-table th[data-key="mean"]')
+    means = [float(x) for x in tab.page.locator("#task-table tbody tr td:nth-child(3)").all_inner_texts()]
+    assert means == sorted(means, reverse=True) and len(means) == 14
+
+    _artifact(tmp_path, tab, "report-eval-table.png")
+    assert tab.errors == []
+    assert all(u.startswith(("file:", "data:")) for u in tab.requests), tab.requests
+
+
+def test_clicking_an_episode_shows_its_transcript(tab: Page, eval_report, tmp_path: Path) -> None:
+    report, records = eval_report
+    tab.page.goto(report.as_uri())
+    # The first episode with a transcript of the second task.
+    target = next(r for r in records if r.task != EVIL_TASK and r.transcript)
+    row = tab.page.locator("#task-table tbody tr", has=tab.page.locator("td.name", has_text=target.task))
+    row.locator("button.ep", has_text=f"#{target.attempt}").click()
+    tab.page.wait_for_selector("#transcript .msg")
+    messages = tab.page.locator("#transcript .msg")
+    assert messages.count() == len(target.transcript)
+    assert target.task in tab.page.inner_text("#ep-title")
+    last = messages.nth(len(target.transcript) - 1).inner_text()
+    assert f"[last message of {target.task}]" in last
+    calls = [c for m in target.transcript for c in m.get("tool_calls") or []]
+    assert tab.page.locator("#transcript .toolcall").count() == len(calls)
+    rewards = tab.page.inner_text("#ep-rewards")
+    for key in target.rewards:
+        assert key in rewards
+    assert tab.page.locator("#ep-body .timeline .bar").count() == len(target.phases)
+    if target.verifier_output:
+        assert target.verifier_output.splitlines()[0] in tab.page.inner_text("#ep-body")
+    # The long tool output (the fourth message) is folded: its first lines shown, the rest on a click.
+    long = messages.nth(3)
+    assert f"{LONG_LINES} lines" in long.locator(".fold summary").inner_text()
+    assert "line 1 of a long output" in long.locator("pre.head").inner_text()
+    full = long.locator("details pre")
+    assert not full.is_visible()
+    long.locator(".fold summary").click()
+    assert full.is_visible() and f"line {LONG_LINES} of a long output" in full.inner_text()
+    assert not long.locator("pre.head").is_visible()
+    _artifact(tmp_path, tab, "report-eval-episode.png")
+    tab.page.click("#ep-close")
+    assert tab.page.locator("#episode").is_hidden()
+    assert tab.errors == []
+
+
+def test_script_in_a_transcript_shows_as_text_and_runs_nothing(tab: Page, eval_report) -> None:
+    report, records = eval_report
+    evil = next(r for r in records if r.task == EVIL_TASK and r.transcript)
+    index = records.index(evil)
+    tab.page.goto(f"{report.as_uri()}#ep={index}")  # opened from the URL, as a link or a reload would
+    tab.page.wait_for_selector("#transcript .msg")
+    body = tab.page.inner_text("#ep-body")
+    assert EVIL in body  # the verifier output and the last tool output, character for character
+    assert EVIL in tab.page.locator("#transcript .msg").last.inner_text()
+    assert tab.page.evaluate("window.__pwned") is None
+    assert tab.page.locator("#episode script, #episode img, #episode b").count() == 0
+    assert tab.page.inner_text("#ep-title").startswith(EVIL_TASK)
+    assert tab.errors == []
+
+
+def test_sweep_and_benchmark_reports_load(tab: Page, tmp_path: Path) -> None:
+    job = make_job(tmp_path, "sweep", tasks=10, attempts=3, models=SWEEP, seed=4)
+    report = write_report(job, job / "report.html")
+    tab.page.goto(report.as_uri())
+    tab.page.wait_for_selector("#task-table tbody tr")
+    assert tab.page.locator("#sweep img").count() == 3  # reward, pass@k, paired difference
+    assert tab.page.locator("#task-differences tbody tr").count() == 10
+    assert len(tab.rows()) == 30  # one row per checkpoint and task
+    tab.page.select_option("#f-group", "step-1000")
+    assert len(tab.rows()) == 10
+    widths = tab.page.evaluate("Array.from(document.images).map(i => i.naturalWidth)")
+    assert widths and all(w > 0 for w in widths)  # every chart decodes
+    _artifact(tmp_path, tab, "report-sweep.png")
+    assert tab.errors == []
+
+    bench = write_report(REPO / "benchmarks" / "results", tmp_path / "bench.html")
+    tab.page.goto(bench.as_uri())
+    widths = tab.page.evaluate("Array.from(document.images).map(i => i.naturalWidth)")
+    assert len(widths) >= 6 and all(w > 0 for w in widths)
+    _artifact(tmp_path, tab, "report-benchmarks.png")
+    assert tab.errors == []
+
+
+def test_view_reloads_while_the_job_runs(tab: Page, tmp_path: Path) -> None:
+    job_path = make_job(tmp_path, tasks=3, attempts=1)
+    server = ReportServer(job_path, port=0)
+    url = server.start()
+    try:
+        tab.page.goto(url + "#task=task")
+        tab.page.wait_for_selector("#task-table tbody tr")
+        assert len(tab.rows()) == 3
+        job = JobFolder.open(job_path)
+        job.append(EpisodeRecord(task="task-late", task_path="tasks/task-late", model="test-model", reward=1.0, seconds={"agent": 0.5}))
+        job.close()
+        # live.js polls every 3 s and reloads; the filter in the hash is kept.
+        _until(lambda: len(tab.rows()) == 4, 20, "the page to reload with the new episode")
+        assert "task-late" in tab.rows() and tab.page.input_value("#f-glob") == "task"
+        assert all(u.startswith(url) for u in tab.requests), tab.requests
+        assert tab.errors == []
+    finally:
+        server.stop()
+
+
+def test_ten_thousand_episodes_open_in_seconds(tab: Page, tmp_path: Path) -> None:
+    job = make_big_job(tmp_path, episodes=10_000, turns=20)
+    started = time.monotonic()
+    report = write_report(job, job / "report.html")
+    built = time.monotonic() - started
+    size_mb = report.stat().st_size / 1e6
+    tab.page.goto(report.as_uri(), wait_until="commit")
+    _until(lambda: tab.page.evaluate("performance.getEntriesByType('paint').some(e => e.name === 'first-contentful-paint')"), 30, "the first paint")
+    fcp_ms = tab.page.evaluate("performance.getEntriesByType('paint').find(e => e.name === 'first-contentful-paint').startTime")
+    tab.page.wait_for_selector("#task-table tbody tr", timeout=30_000)
+    table_ms = tab.page.evaluate("performance.now()")
+    print(f"10,000 x 20: built in {built:.1f} s, {size_mb:.1f} MB, first paint {fcp_ms:.0f} ms, table by {table_ms:.0f} ms")
+    assert fcp_ms < 3_000, f"first contentful paint after {fcp_ms:.0f} ms"
+    assert table_ms < 5_000, f"table shown after {table_ms:.0f} ms"
+    assert "10000" in tab.page.inner_text("#summary")
+    # The last episode (the last blob in the file): its whole transcript.
+    opened = time.monotonic()
+    tab.page.evaluate("window.harborReport.openEpisode(9999, true)")
+    tab.page.wait_for_selector("#transcript .msg")
+    assert tab.page.locator("#transcript .msg").count() == 20
+    assert "[last message of task-01999]" in tab.page.locator("#transcript .msg").last.inner_text()
+    assert time.monotonic() - opened < 3.0
+    assert tab.errors == []
