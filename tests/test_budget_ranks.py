@@ -81,3 +81,13 @@ def test_cli_budget_options() -> None:
     assert (factory.address, factory.max_live, factory.creates_per_second, factory.batch) == (
         "127.0.0.1:6379", 20, 5.0, None  # run/eval: one lease per sandbox
     )
+
+
+def test_an_unset_rank_batch_is_its_share_of_the_cluster_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    kwargs = EngineOptions(budget="ray", cluster_max_live=10).engine_kwargs()
+    assert kwargs["budget"].batch == 2 and kwargs["limits"].live_sandboxes == 2  # 4 ranks x 2 <= 10
+    kwargs = EngineOptions(budget="ray", cluster_max_live=10, max_live_sandboxes=3).engine_kwargs()
+    assert kwargs["budget"].batch == 3  # given: kept (the ranks' rendezvous refuses 4 x 3 > 10)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert EngineOptions(budget="ray", cluster_max_live=10).engine_kwargs()["budget"].batch is None

@@ -80,3 +80,33 @@ def test_a_worker_killed_mid_run_loses_and_duplicates_nothing(ray_cluster, tmp_p
     assert len(keys) == len(set(keys)) == len(episodes)  # nothing lost, nothing twice
     expected = {key: item["reward"] for key, item in episodes}
     assert {r.key: r.reward for r in job.records()} == expected
+
+
+def test_run_episodes_sharded_give_the_records_of_a_local_run(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+    from harbor_async.cluster.episodes import run_item, run_items
+    from harbor_async.cluster.sharding import run_on_cluster
+    from harbor_async.runner import PlannedEpisode, run_suite
+    from harbor_async.tasks import load_suite
+
+    tasks = load_suite(example_suite_path()).tasks
+    todo = [PlannedEpisode(task, attempt) for task in tasks for attempt in range(2)]
+    local = JobFolder.create(tmp_path, "local", {})
+
+    async def local_run() -> None:
+        async with Engine(limits=Limits(live_sandboxes=None)) as engine:
+            await run_suite(engine, todo, "simulated", agent="oracle", concurrency=8, on_done=local.append)
+
+    anyio.run(local_run)
+    items = run_items(todo, "simulated", "oracle")
+    job = JobFolder.create(tmp_path, "cluster", {})
+    done = run_on_cluster(run_item, items, job=job, address=ray_cluster.address, concurrency=4)
+    assert set(done) == {key for key, _ in items} == set(local.latest())  # the same keys as `run` writes
+    order = {key: i for i, (key, _) in enumerate(items)}
+
+    def in_order(folder: JobFolder) -> list:
+        return sorted(folder.latest().values(), key=lambda r: order[r.key])
+
+    assert [(r.key, r.reward, r.error_class) for r in in_order(job)] == [
+        (r.key, r.reward, r.error_class) for r in in_order(local)
+    ]
+    assert summarize(in_order(job)) == summarize(in_order(local))
