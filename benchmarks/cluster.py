@@ -105,7 +105,9 @@ def many_processes(
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "benchmarks.cluster_child", address, str(cap), str(per_process), str(hold)],
-            cwd=REPO, stdout=subprocess.PIPE, text=True,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            text=True,
             env={**os.environ, "PYTHONPATH": str(REPO), "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"},
         )  # fmt: skip
         for _ in range(processes)

@@ -46,8 +46,17 @@ async def main(address: str, cap: int, sandboxes: int, hold: float) -> None:
         async with anyio.create_task_group() as tg:
             for i in range(sandboxes):
                 tg.start_soon(one, i)
-    print(json.dumps({"seconds_to_all_live": seconds_to_all_live, "total_seconds": time.perf_counter() - t0,
-                      "errors": errors[:5], "error_count": len(errors)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "seconds_to_all_live": seconds_to_all_live,
+                "total_seconds": time.perf_counter() - t0,
+                "errors": errors[:5],
+                "error_count": len(errors),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

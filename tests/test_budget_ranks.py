@@ -79,7 +79,10 @@ def test_cli_budget_options() -> None:
     factory = budget_from_options("ray", "127.0.0.1:6379", 20, 5.0)
     assert isinstance(factory, RayBudgetFactory)
     assert (factory.address, factory.max_live, factory.creates_per_second, factory.batch) == (
-        "127.0.0.1:6379", 20, 5.0, None  # run/eval: one lease per sandbox
+        "127.0.0.1:6379",
+        20,
+        5.0,
+        None,  # run/eval: one lease per sandbox
     )
 
 

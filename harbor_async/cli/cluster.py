@@ -36,13 +36,13 @@ MaxLiveOpt = Annotated[
 ]
 CreatesOpt = Annotated[
     float | None,
-    typer.Option("--creates-per-second", min=0.001, help="Sandbox creations per second across the cluster (--budget ray)."),
+    typer.Option(
+        "--creates-per-second", min=0.001, help="Sandbox creations per second across the cluster (--budget ray)."
+    ),
 ]
 PerRankOpt = Annotated[
     bool,
-    typer.Option(
-        "--per-rank-limits", help="Divide this process's limits by WORLD_SIZE (torchrun/accelerate ranks)."
-    ),
+    typer.Option("--per-rank-limits", help="Divide this process's limits by WORLD_SIZE (torchrun/accelerate ranks)."),
 ]
 RayOpt = Annotated[
     bool,
@@ -129,7 +129,9 @@ def ledger_list(ray_address: str | None, as_json: bool) -> None:
     for column in ("holder", "host", "pid", "batch", "slots", "silent s"):
         holders.add_column(column)
     for h in ledger["holders"]:
-        holders.add_row(h["holder"], str(h.get("host")), str(h.get("pid")), str(h.get("batch")), str(h["slots"]), str(h["silent_s"]))
+        holders.add_row(
+            h["holder"], str(h.get("host")), str(h.get("pid")), str(h.get("batch")), str(h["slots"]), str(h["silent_s"])
+        )
     out.print(holders)
     out.print(_rows_table("live sandboxes", ledger["sandboxes"]) if ledger["sandboxes"] else "no live sandboxes")
     if ledger["orphans"]:

@@ -235,9 +235,9 @@ class BudgetActor:
             return {"expired": True}
         slots = self.pools[pool]
         if slots.capacity is not None and n > slots.capacity:
-            batches = {
-                lease.holder: lease.n for lease in self.leases.values() if lease.pool == pool
-            } | {r.holder: r.n for r in slots.queue}
+            batches = {lease.holder: lease.n for lease in self.leases.values() if lease.pool == pool} | {
+                r.holder: r.n for r in slots.queue
+            }
             return {"refused": {"cap": slots.capacity, "batch": n, "batches": batches, "pool": pool}}
         future = asyncio.get_running_loop().create_future()
         slots.queue.append(_Request(request_id, holder, n, future))
@@ -406,7 +406,7 @@ def get_or_create(
     have = ray.get(actor.get_caps.remote())
     if have != asdict(caps):
         raise ClusterBudgetConfigError(
-                f"the budget actor {namespace}/{name} already runs with caps {have}, not {asdict(caps)}; "
-                "pass the same caps, none (join it as it is), or another name"
-            )
+            f"the budget actor {namespace}/{name} already runs with caps {have}, not {asdict(caps)}; "
+            "pass the same caps, none (join it as it is), or another name"
+        )
     return actor
