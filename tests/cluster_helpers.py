@@ -131,7 +131,7 @@ class RayCluster:
                 pass
         for proc in self.nodes:
             try:
-                proc.wait(timeout=8)
+                proc.wait(timeout=4)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
