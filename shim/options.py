@@ -11,7 +11,7 @@ across the whole batch, not per env.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, TypedDict
 
 from harbor_async.policy import Limits, RetryPolicy, Timeouts
@@ -57,6 +57,23 @@ class EngineOptions:
         max_start_failures_in_a_row: after this many sandbox starts failed one
             after another, the next ``reset`` or reward raises the same error.
             ``None``: never.
+        per_rank_limits: under torchrun/accelerate (``WORLD_SIZE`` set), divide
+            ``max_live_sandboxes``, ``concurrent_execs`` and
+            ``creates_per_second`` by the world size, so that the numbers given
+            hold for all ranks together (see :mod:`harbor_async.cluster.ranks`).
+        budget: ``"local"`` (default: this process's limits only) or ``"ray"``:
+            every engine of every rank and node also leases from one Ray budget
+            actor (``pip install 'harbor-async[ray]'``; see
+            :mod:`harbor_async.cluster.ray_budget`). With ``"ray"``,
+            ``max_live_sandboxes`` is this process's batch, leased all or
+            nothing (set it to the rank's generation batch; ``None``: under
+            torchrun/accelerate, ``cluster_max_live // WORLD_SIZE``, else one
+            lease per sandbox), and ``cluster_max_live`` /
+            ``cluster_creates_per_second`` are the caps of the whole cluster.
+        ray_address: the Ray cluster (``None``: ``RAY_ADDRESS`` or the local one).
+        cluster_max_live: live sandboxes across the cluster (``budget="ray"``;
+            ``None`` with no rate either: join the running budget actor as it is).
+        cluster_creates_per_second: sandbox creations per second across the cluster.
     """
 
     max_live_sandboxes: int | None = None
@@ -75,14 +92,22 @@ class EngineOptions:
     environment_build_timeout_multiplier: float | None = None
     max_failure_share: float | None = 0.5
     max_start_failures_in_a_row: int | None = 8
+    per_rank_limits: bool = False
+    budget: str = "local"
+    ray_address: str | None = None
+    cluster_max_live: int | None = None
+    cluster_creates_per_second: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_live_sandboxes", "concurrent_execs", "max_start_failures_in_a_row"):
+        if self.budget not in ("local", "ray"):
+            raise ValueError(f"budget must be 'local' or 'ray', got {self.budget!r}")
+        for name in ("max_live_sandboxes", "concurrent_execs", "max_start_failures_in_a_row", "cluster_max_live"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         for name in (
             "creates_per_second",
+            "cluster_creates_per_second",
             "start_timeout",
             "exec_timeout",
             "verify_timeout",
@@ -123,12 +148,35 @@ class EngineOptions:
         ``max_output`` stays at the engine default (8000 characters), the cut
         TRL's env applies, so tool outputs match TRL's byte for byte.
         """
+        limits = Limits(
+            live_sandboxes=self.max_live_sandboxes,
+            creates_per_second=self.creates_per_second,
+            concurrent_execs=self.concurrent_execs,
+        )
+        if self.per_rank_limits:
+            from harbor_async.cluster.ranks import divide_limits
+
+            limits = divide_limits(limits)
+        kwargs: dict[str, Any] = {}
+        if self.budget == "ray":
+            from harbor_async.cluster.ranks import current_world
+            from harbor_async.cluster.ray_budget import factory
+
+            world = current_world().size
+            if limits.live_sandboxes is None and world > 1 and self.cluster_max_live is not None:
+                # Ranks need their batches live at once: without a batch given, each rank's
+                # batch is its share of the cluster cap (a larger rollout batch is refused).
+                limits = replace(limits, live_sandboxes=max(1, self.cluster_max_live // world))
+
+            kwargs["budget"] = factory(
+                address=self.ray_address,
+                max_live=self.cluster_max_live,
+                creates_per_second=self.cluster_creates_per_second,
+                batch=limits.live_sandboxes,
+            )
         return {
-            "limits": Limits(
-                live_sandboxes=self.max_live_sandboxes,
-                creates_per_second=self.creates_per_second,
-                concurrent_execs=self.concurrent_execs,
-            ),
+            **kwargs,
+            "limits": limits,
             "timeouts": Timeouts(
                 start=self.start_timeout,
                 exec=self.exec_timeout,
@@ -168,3 +216,8 @@ class EngineOptionsKwargs(TypedDict, total=False):
     environment_build_timeout_multiplier: float | None
     max_failure_share: float | None
     max_start_failures_in_a_row: int | None
+    per_rank_limits: bool
+    budget: str
+    ray_address: str | None
+    cluster_max_live: int | None
+    cluster_creates_per_second: float | None

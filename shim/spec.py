@@ -178,7 +178,9 @@ class HarborSpec:
             :class:`~shim.options.EngineOptions` (``max_live_sandboxes``,
             ``creates_per_second``, ``concurrent_execs``, ``start_timeout``,
             ``exec_timeout``, ``verify_timeout``, ``stop_timeout``,
-            ``episode_timeout``, ``start_attempts``).
+            ``episode_timeout``, ``start_attempts``), rank awareness
+            (``per_rank_limits``) and the cluster budget (``budget="ray"``,
+            ``ray_address``, ``cluster_max_live``, ``cluster_creates_per_second``).
     """
 
     def __init__(

@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from harbor_async.cli.cluster import RayAddressOpt
 from harbor_async.cli.common import fail, out, say, setup_logging
 from harbor_async.reaper import (
     BACKENDS,
@@ -34,6 +35,7 @@ RootOpt = Annotated[
     typer.Option("--local-root", help="Local-backend base folder besides $HARBOR_ASYNC_LOCAL_ROOT (repeatable)."),
 ]
 LabelOpt = Annotated[str | None, typer.Option("--run-label", help="Only the sandboxes of this run label.")]
+RayLedgerOpt = Annotated[bool, typer.Option("--ray", help="The Ray cluster budget's ledger instead of this machine.")]
 
 
 def _check(env: str | None, backend: str | None) -> str:
@@ -84,9 +86,15 @@ def list_command(
     local_root: RootOpt = None,
     run_label: LabelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per sandbox instead of a table.")] = False,
+    ray: RayLedgerOpt = False,
+    ray_address: RayAddressOpt = None,
 ) -> None:
     """List the sandboxes of harbor-async runs on this machine, live or left behind."""
     backend = _check(env, backend)
+    if ray:
+        from harbor_async.cli.cluster import ledger_list
+
+        return ledger_list(ray_address, as_json)
     problems: list[str] = []
     found = list_sandboxes(backend, roots=local_root or (), run_label=run_label, errors=problems)
     for problem in problems:
@@ -118,6 +126,8 @@ def reap_command(
     ] = False,
     local_root: RootOpt = None,
     run_label: LabelOpt = None,
+    ray: RayLedgerOpt = False,
+    ray_address: RayAddressOpt = None,
 ) -> None:
     """Remove sandboxes whose owning process is dead.
 
@@ -136,6 +146,10 @@ def reap_command(
         age = parse_duration(older_than) if older_than is not None else None
     except ValueError as exc:
         raise fail(f"--older-than: {exc}") from None
+    if ray:  # the cluster ledger: expire silent holders, remove this host's orphans
+        from harbor_async.cli.cluster import ledger_reap
+
+        raise typer.Exit(ledger_reap(ray_address, age))
     report = reap(age, include_live_owners=force, backend=backend, roots=local_root or (), run_label=run_label)
     if report.reaped:
         out.print(_table("reaped", report.reaped))

@@ -1,0 +1,48 @@
+"""``run``'s episodes as picklable work items for :mod:`harbor_async.cluster.sharding`.
+
+The driver sends each worker a :class:`RunItem` (a task folder path, the
+attempt, the backend and the agent), and the worker runs it with
+:func:`harbor_async.runner.run_episode`, exactly as a local ``run`` does; so
+a sharded run writes the records a local run writes. Task folders must be at
+the same path on every node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from harbor_async.records import EpisodeRecord, episode_key
+
+if TYPE_CHECKING:
+    from harbor_async.runner import PlannedEpisode
+
+
+@dataclass(frozen=True)
+class RunItem:
+    """One ``run`` episode, by value: what a worker needs to run it."""
+
+    task_dir: str
+    attempt: int = 0
+    backend: str = "local"
+    agent: str = "oracle"
+
+    @property
+    def key(self) -> str:
+        """The episode's key in the job folder (the key ``run`` uses)."""
+        return episode_key(self.task_dir, self.attempt)
+
+
+def run_items(episodes: Iterable[PlannedEpisode], backend: str, agent: str) -> list[tuple[str, RunItem]]:
+    """``(key, item)`` for each planned episode of ``run`` (pass only the pending ones on a resume)."""
+    items = [RunItem(str(ep.task.paths.task_dir), ep.attempt, backend, agent) for ep in episodes]
+    return [(item.key, item) for item in items]
+
+
+async def run_item(engine: Any, item: RunItem) -> EpisodeRecord:
+    """The worker's side: load the task and run the episode as ``run`` does."""
+    from harbor_async.runner import run_episode
+    from harbor_async.tasks import load_task
+
+    return await run_episode(engine, load_task(item.task_dir), item.backend, item.agent, attempt=item.attempt)

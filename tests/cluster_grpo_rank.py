@@ -1,0 +1,96 @@
+"""One rank of the two-rank GRPO test: ``torchrun --nproc_per_node 2 -m tests.cluster_grpo_rank ADDRESS MODEL OUT``.
+
+A CPU GRPOTrainer (gloo) with the shim's HarborSpec on the counting simulated
+backend and the Ray budget: each rank's batch (2 sandboxes) is leased all or
+nothing from a cluster cap of 4, which both ranks' batches fit together (they
+must: ranks meet in collectives mid-step). Writes ``OUT/rank-<rank>.json``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import json
+import sys
+import warnings
+from pathlib import Path
+from unittest.mock import patch
+
+import torch.distributed as dist
+from transformers import AutoTokenizer
+from trl import GRPOConfig, GRPOTrainer
+
+import shim
+from harbor_async.suites import example_suite_path
+from tests.test_shim_grpo import TASKS, ScriptedGeneration, _instructions
+
+CLUSTER_CAP = 4
+RANK_BATCH = 2  # per_device_train_batch_size: the rollouts one rank has in flight
+
+
+def main(address: str, model_dir: str, out: Path) -> None:
+    warnings.filterwarnings("ignore", category=UserWarning)
+    indices = list(TASKS)
+    spec = shim.HarborSpec(
+        example_suite_path(),
+        environment_type="tests.cluster_backend:CountingEnvironment",
+        indices=indices,
+        budget="ray",
+        ray_address=address,
+        cluster_max_live=CLUSTER_CAP,
+        max_live_sandboxes=RANK_BATCH,
+        backend_kwargs={"start_latency": 0.2, "stop_latency": 0.05},
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    args = GRPOConfig(
+        output_dir=str(out / "trainer"),
+        use_vllm=False,
+        max_steps=2,
+        per_device_train_batch_size=RANK_BATCH,
+        num_generations=2,
+        max_completion_length=256,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        bf16=False,
+        use_cpu=True,
+        ddp_backend="gloo",
+        shuffle_dataset=False,
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=model_dir,
+        processing_class=tokenizer,
+        args=args,
+        train_dataset=spec.train_dataset,
+        environment_factory=spec.environment_factory,
+        reward_funcs=spec.reward_funcs,
+    )
+    generate = ScriptedGeneration(tokenizer, _instructions(indices))
+    try:
+        with patch.object(trainer.model, "generate", side_effect=generate):
+            trainer.train()
+    finally:
+        spec.close()
+    rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
+    result = {
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "global_step": trainer.state.global_step,
+        "tool_calls": len(generate.commands),
+        "rewards": rewards,
+        "failure_frequency": [e.get("harbor/failure_frequency") for e in trainer.state.log_history if "reward" in e],
+    }
+    (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))

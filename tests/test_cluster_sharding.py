@@ -1,0 +1,112 @@
+"""Episodes sharded over a real local Ray cluster (a head and a worker node), records in the driver's job folder."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import anyio
+
+from harbor_async.cluster.sharding import ShardedRunner
+from harbor_async.engine import Engine
+from harbor_async.jobs import JobFolder
+from harbor_async.policy import Limits
+from harbor_async.scoring import summarize
+from harbor_async.suites import example_suite_path
+from tests.cluster_episodes import items, simulated_episode
+from tests.cluster_helpers import ray_cluster  # noqa: F401 - the fixture
+
+TASKS = sorted(str(p.parent) for p in (example_suite_path() / "tasks").glob("*/task.toml"))
+
+
+def _local_run(episodes, job: JobFolder) -> None:
+    async def main() -> None:
+        async with Engine(limits=Limits(live_sandboxes=8)) as engine, anyio.create_task_group() as tg:
+            for _, item in episodes:
+
+                async def one(item=item) -> None:
+                    job.append(await simulated_episode(engine, item))
+
+                tg.start_soon(one)
+
+    anyio.run(main)
+
+
+def test_a_sharded_run_gives_the_local_summary_and_resumes(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+    episodes = items(TASKS, attempts=2)
+    local = JobFolder.create(tmp_path, "local", {"suite": "example"})
+    _local_run(episodes, local)
+
+    job = JobFolder.create(tmp_path, "cluster", {"suite": "example"})
+    with ShardedRunner(simulated_episode, address=ray_cluster.address, concurrency=4) as runner:
+        assert len(runner.workers) == 2  # one engine per node
+        first = runner.run(episodes[:7], job=job)  # a run that stopped early...
+        pending = set(job.pending([key for key, _ in episodes]))
+        assert len(pending) == len(episodes) - 7
+        rest = runner.run([(k, i) for k, i in episodes if k in pending], job=job)  # ...and its resume
+    assert len(first) + len(rest) == len(episodes) == 20
+    assert all(n > 0 for n in runner.stats.per_worker.values())  # both nodes ran episodes
+    records = job.records()
+    assert sorted(r.key for r in records) == sorted(key for key, _ in episodes)  # each once
+    # Records arrive in completion order (locally too): summarize both in the suite's order.
+    order = {key: i for i, (key, _) in enumerate(episodes)}
+
+    def in_order(folder: JobFolder) -> list:
+        return sorted(folder.latest().values(), key=lambda r: order[r.key])
+
+    assert summarize(in_order(job)) == summarize(in_order(local))
+    assert summarize(in_order(job))["episodes"] == 20
+
+
+def test_a_worker_killed_mid_run_loses_and_duplicates_nothing(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+    episodes = items(TASKS, attempts=2, latency=0.4)
+    job = JobFolder.create(tmp_path, "cluster", {})
+    killed: list[int] = []
+    with ShardedRunner(simulated_episode, address=ray_cluster.address, concurrency=3) as runner:
+        pids = runner.worker_pids()
+        victim = max(pids)
+
+        def kill_one(record) -> None:
+            if not killed and len(job.records()) >= 4:  # mid-run: episodes are in flight on both workers
+                os.kill(pids[victim], signal.SIGKILL)
+                killed.append(pids[victim])
+
+        done = runner.run(episodes, job=job, on_record=kill_one)
+    assert killed
+    assert runner.stats.workers_lost == 1 and runner.stats.rerun >= 1
+    assert set(done) == {key for key, _ in episodes}
+    keys = [r.key for r in job.records()]
+    assert len(keys) == len(set(keys)) == len(episodes)  # nothing lost, nothing twice
+    expected = {key: item["reward"] for key, item in episodes}
+    assert {r.key: r.reward for r in job.records()} == expected
+
+
+def test_run_episodes_sharded_give_the_records_of_a_local_run(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+    from harbor_async.cluster.episodes import run_item, run_items
+    from harbor_async.cluster.sharding import run_on_cluster
+    from harbor_async.runner import PlannedEpisode, run_suite
+    from harbor_async.tasks import load_suite
+
+    tasks = load_suite(example_suite_path()).tasks
+    todo = [PlannedEpisode(task, attempt) for task in tasks for attempt in range(2)]
+    local = JobFolder.create(tmp_path, "local", {})
+
+    async def local_run() -> None:
+        async with Engine(limits=Limits(live_sandboxes=None)) as engine:
+            await run_suite(engine, todo, "simulated", agent="oracle", concurrency=8, on_done=local.append)
+
+    anyio.run(local_run)
+    items = run_items(todo, "simulated", "oracle")
+    job = JobFolder.create(tmp_path, "cluster", {})
+    done = run_on_cluster(run_item, items, job=job, address=ray_cluster.address, concurrency=4)
+    assert set(done) == {key for key, _ in items} == set(local.latest())  # the same keys as `run` writes
+    order = {key: i for i, (key, _) in enumerate(items)}
+
+    def in_order(folder: JobFolder) -> list:
+        return sorted(folder.latest().values(), key=lambda r: order[r.key])
+
+    assert [(r.key, r.reward, r.error_class) for r in in_order(job)] == [
+        (r.key, r.reward, r.error_class) for r in in_order(local)
+    ]
+    assert summarize(in_order(job)) == summarize(in_order(local))
