@@ -112,6 +112,9 @@ class Engine:
     async def __aexit__(self, *exc_info: object) -> None:
         try:
             await self.aclose()
+            close_budget = getattr(self._context.budget, "close", None) if self._context else None
+            if close_budget is not None:  # a cluster budget gives its leases back now, not at exit
+                await anyio.to_thread.run_sync(close_budget)
         finally:
             stack, self._stack = self._stack, None
             if self._tg is not None:

@@ -110,3 +110,23 @@ def test_run_episodes_sharded_give_the_records_of_a_local_run(ray_cluster, tmp_p
         (r.key, r.reward, r.error_class) for r in in_order(local)
     ]
     assert summarize(in_order(job)) == summarize(in_order(local))
+
+
+def test_the_run_command_shards_over_the_cluster_and_leases_from_its_budget(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+    import json
+    import subprocess
+    import sys
+
+    from tests.cluster_helpers import REPO, child_env
+
+    command = [
+        sys.executable, "-m", "harbor_async", "run", "-e", "simulated", "-l", "4", "-k", "2", "-o", str(tmp_path),
+        "--job-name", "sharded", "--ray", "--ray-address", ray_cluster.address,
+        "--budget", "ray", "--max-live", "3",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env=child_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "sharded" / "summary.json").read_text())
+    assert summary["episodes"] == 8 and summary["mean_reward"] == 1.0 and summary["failures"] == {}
+    records = JobFolder.open(tmp_path / "sharded").records()
+    assert len({r.key for r in records}) == len(records) == 8  # each episode once

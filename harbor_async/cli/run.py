@@ -28,6 +28,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from harbor_async.cli import cluster as cluster_opts
 from harbor_async.cli.common import (
     err,
     fail,
@@ -110,6 +111,11 @@ def run(
     json_path: Annotated[Path | None, typer.Option("--json", help="Also export the job's records (one JSON object a line) to this file.")] = None,
     log_level: Annotated[str | None, typer.Option(help="debug, info, warning or error.", show_default="$HARBOR_ASYNC_LOG_LEVEL or warning")] = None,
     log_format: Annotated[str | None, typer.Option(help="console or json.", show_default="$HARBOR_ASYNC_LOG_FORMAT or console")] = None,
+    budget: cluster_opts.BudgetOpt = "local",
+    ray_address: cluster_opts.RayAddressOpt = None,
+    max_live: cluster_opts.MaxLiveOpt = None,
+    creates_per_second: cluster_opts.CreatesOpt = None,
+    on_ray: cluster_opts.RayOpt = False,
 ) -> None:
     """Run every task of a suite (k times each), concurrently, into a job folder; report rewards and timings.
 
@@ -144,6 +150,9 @@ def run(
         settings["source"], settings["dataset"] = str(loaded.root), dataset
         episodes = plan_episodes(loaded.tasks, n_attempts)
     spec, timeouts = _resolve(settings)
+    budget_factory = cluster_opts.budget_from_options(budget, ray_address, max_live, creates_per_second)
+    if on_ray:
+        cluster_opts.require_ray()
 
     export = _open_export(json_path)  # an unwritable export fails now, not after the batch
     if resume is None:
@@ -164,7 +173,13 @@ def run(
     new: list[EpisodeRecord] = []
     with interrupts:
         try:
-            anyio.run(_batch, todo, spec, settings["agent"], concurrency, timeouts, settings["ek"], job, new, interrupts)
+            if on_ray:
+                _on_cluster(todo, settings, concurrency, timeouts, budget_factory, ray_address, job, new)
+            else:
+                anyio.run(
+                    _batch, todo, spec, settings["agent"], concurrency, timeouts, settings["ek"], job, new, interrupts,
+                    budget_factory,
+                )  # fmt: skip
         finally:
             job.close()
     latest = job.latest()
@@ -248,7 +263,23 @@ def _open_export(path: Path | None) -> IO[str] | None:
         raise fail(f"cannot write --json {path}: {exc.strerror or exc}") from None
 
 
-async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, timeouts, ek, job, new: list[EpisodeRecord], interrupts: Interrupts) -> None:
+def _on_cluster(todo, settings, concurrency, timeouts, budget_factory, address, job, new: list[EpisodeRecord]) -> None:
+    """Shard the episodes over the Ray cluster: one engine per node, records appended here as they arrive."""
+    from harbor_async.cluster.episodes import run_item, run_items
+    from harbor_async.cluster.sharding import run_on_cluster
+    from harbor_async.policy import Limits
+
+    engine_kwargs = {
+        "limits": Limits(live_sandboxes=None), "timeouts": timeouts, "backend_kwargs": settings["ek"],
+        "budget": budget_factory,
+    }  # fmt: skip
+    run_on_cluster(
+        run_item, run_items(todo, settings["env"], settings["agent"]), job=job, address=address,
+        concurrency=concurrency, engine_kwargs=engine_kwargs, on_record=new.append,
+    )  # fmt: skip
+
+
+async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, timeouts, ek, job, new: list[EpisodeRecord], interrupts: Interrupts, budget_factory=None) -> None:
     """Run the episodes into the job folder; a signal cancels the batch (records of cancelled episodes kept)."""
     from harbor_async.engine import Engine
     from harbor_async.policy import Limits
@@ -272,7 +303,7 @@ async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, timeouts,
             progress.update(bar, advance=1, score=score)
 
         # run_suite's limiter is the batch's one concurrency limit (the engine gets none).
-        async with Engine(limits=Limits(live_sandboxes=None), timeouts=timeouts, backend_kwargs=ek) as engine:
+        async with Engine(limits=Limits(live_sandboxes=None), timeouts=timeouts, backend_kwargs=ek, budget=budget_factory) as engine:
             interrupts.leftovers = lambda: [s.id for s in engine.live_sandboxes()]
             with anyio.CancelScope() as batch:
                 interrupts.arm(batch.cancel)
