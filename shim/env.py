@@ -274,8 +274,9 @@ class HarborEnv:
     async def _upload_build_files(self) -> None:
         """Replicate the task Dockerfile's ``COPY`` directives into the sandbox (TRL's E2B fix).
 
-        Run only for the backends in :data:`BACKENDS_DROPPING_COPY`. Handles the
-        common ``COPY <src> <dst>`` form; flags / globs / ``--from`` are skipped.
+        Run only for the backends in :data:`BACKENDS_DROPPING_COPY`. The COPY
+        lines are read by the project's Dockerfile parser (the local backend's);
+        plain files are uploaded, as TRL does.
         """
         env, task = self._env, self._task
         if env is None or task is None:
@@ -283,19 +284,15 @@ class HarborEnv:
         dockerfile = task.paths.environment_dir / "Dockerfile"
         if not dockerfile.exists():
             return
-        for line in dockerfile.read_text().splitlines():
-            s = line.strip()
-            if not s.upper().startswith("COPY ") or "--from" in s:
-                continue
-            parts = [p for p in s[len("COPY ") :].split() if not p.startswith("--")]
-            if len(parts) < 2:
-                continue
-            *srcs, dst = parts
-            for src in srcs:
-                local = task.paths.environment_dir / src
-                if not local.is_file():
+        from harbor_async.backends.local.dockerfile import parse_dockerfile  # the project's one COPY parser
+
+        context = task.paths.environment_dir
+        for step in parse_dockerfile(dockerfile.read_text()).copies:
+            for src in step.sources:
+                local = context / src
+                if not local.is_file():  # globs and folders: as TRL, plain files only
                     continue
-                remote = dst if (len(srcs) == 1 and not dst.endswith("/")) else dst.rstrip("/") + "/" + Path(src).name
+                remote = step.dest.rstrip("/") + "/" + Path(src).name if step.dest_is_dir else step.dest
                 parent = remote.rsplit("/", 1)[0] or "/"
                 tmp = "/tmp/" + uuid.uuid4().hex
                 await env.upload_file(local, tmp)

@@ -723,3 +723,20 @@ def _bwrap_under(root: Path) -> int:
         for line in found.stdout.splitlines()
         if not line.strip().startswith("Z") and "bwrap" in line and str(root) in line
     )
+
+
+def test_upload_build_files_replays_the_dockerfiles_copies():
+    """The E2B fix (TRL's): the Dockerfile's COPY'd files are uploaded again, read by the project's parser."""
+
+    class Replaying(shim.HarborBashEnv):
+        async def _setup(self) -> None:
+            await self._aexec("rm -f /workdir/sales.csv")
+            await self._upload_build_files()
+
+    env = Replaying("local")
+    env.reset(task_dir=CSV_SUM)
+    try:
+        assert env.bash("ls /workdir") == "sales.csv\n"
+        assert env.bash("head -n 1 /workdir/sales.csv") == (Path(CSV_SUM) / "environment" / "sales.csv").read_text().splitlines()[0] + "\n"
+    finally:
+        env.close()
