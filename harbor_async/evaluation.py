@@ -36,6 +36,7 @@ from harbor_async.jobs import JobFolder
 from harbor_async.logs import get_logger
 from harbor_async.records import EpisodeRecord, episode_key
 from harbor_async.scoring import DEFAULT_SUCCESS_THRESHOLD, summarize, sweep_summary
+from harbor_async.tasks import matches_names
 
 log = get_logger("harbor_async.eval")
 
@@ -119,6 +120,8 @@ class EvalSettings:
     concurrency: int = 8
     num_tasks: int | None = None
     indices: list[int] | None = None
+    include: list[str] | None = None
+    exclude: list[str] | None = None
     base_url: str | None = None
     serve_cmd: str | None = None
     api_key_name: str | None = None
@@ -515,7 +518,13 @@ async def evaluate(
         raise EvalConfigError("attempts, concurrency and max concurrent requests must be at least 1")
     specs = resolve_models(config.models)
     config.models = [s.name for s in specs]
-    loaded = load_suite(config.suite, num_tasks=config.num_tasks, indices=config.indices)
+    filtered = bool(config.include or config.exclude)  # globs first, then the first N (as harbor run)
+    loaded = load_suite(config.suite, num_tasks=None if filtered else config.num_tasks, indices=config.indices)
+    if filtered:
+        kept = [t for t in loaded.tasks if matches_names(t.name, config.include, config.exclude)]
+        if not kept:
+            raise EvalConfigError(f"no task of {loaded.root} matches the -i/-x globs")
+        loaded.tasks = kept[: config.num_tasks] if config.num_tasks is not None else kept
     groups = _server_groups(config, specs)
     resolve_harness(config.agent, config.backend)
     _api_key(config.api_key_name)  # a missing key is bad input: fail before the job folder

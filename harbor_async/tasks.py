@@ -19,6 +19,7 @@ tasks as there. A broken task never breaks the suite: it is reported in
 
 from __future__ import annotations
 
+import fnmatch
 import operator
 import os
 import re
@@ -132,6 +133,13 @@ def task_path_escapes(task_dir: Path) -> list[tuple[Path, Path]]:
             if not target.is_relative_to(root):
                 found.append((path, target))
     return found
+
+
+def matches_names(name: str, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None) -> bool:
+    """Whether a task name passes ``harbor run``'s ``-i/--include-task-name`` and ``-x/--exclude-task-name`` globs."""
+    if include and not any(fnmatch.fnmatchcase(name, pattern) for pattern in include):
+        return False
+    return not (exclude and any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude))
 
 
 def load_task(path: Path | str) -> Task:

@@ -193,3 +193,10 @@ def test_api_key_comes_from_the_named_variable(server, tmp_path, monkeypatch) ->
     result = _eval(server, tmp_path, ["solver"], num_tasks=1, api_key_name="EVAL_TEST_KEY")
     assert result.records[0].reward == 1.0 and server.auth == {"Bearer sekret"}
     assert "sekret" not in (result.job_dir / "config.json").read_text()
+
+
+def test_task_name_globs_select_as_harbor_run_does(server, tmp_path) -> None:
+    result = _eval(server, tmp_path, ["solver"], num_tasks=None, include=["csv-*"], exclude=["csv-group-by"])
+    tasks = sorted({r.task for r in result.records})
+    assert tasks and all(t.startswith("csv-") for t in tasks) and "csv-group-by" not in tasks
+    assert [r.reward for r in result.records] == [1.0] * len(result.records)

@@ -53,6 +53,8 @@ def eval_command(
         Path | None, typer.Option("--resume", help="Resume this job folder: run only missing and rerun-class episodes.")
     ] = None,
     num_tasks: Annotated[int | None, typer.Option("--n-tasks", "-l", min=1, help="Only the first N tasks.")] = None,
+    include: Annotated[list[str] | None, typer.Option("--include-task-name", "-i", help="Only tasks whose name matches this glob (repeatable).")] = None,
+    exclude: Annotated[list[str] | None, typer.Option("--exclude-task-name", "-x", help="Leave out tasks whose name matches this glob (repeatable).")] = None,
     api_key_name: Annotated[
         str | None, typer.Option("--api-key-name", help="Environment variable holding the API key.")
     ] = None,
@@ -114,6 +116,8 @@ def eval_command(
         attempts=attempts,
         concurrency=concurrency,
         num_tasks=num_tasks,
+        include=include,
+        exclude=exclude,
         base_url=base_url,
         serve_cmd=serve_cmd,
         api_key_name=api_key_name,

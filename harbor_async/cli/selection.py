@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +42,7 @@ def load_tasks(
 
     Invalid tasks are reported once each, on stderr. Exits 2 on any bad input.
     """
-    from harbor_async.tasks import load_suite
+    from harbor_async.tasks import load_suite, matches_names
 
     if n_tasks is not None and indices is not None:
         raise fail("pass -l/--n-tasks or --indices, not both")
@@ -58,17 +57,11 @@ def load_tasks(
     for bad in loaded.invalid:
         say("skipped invalid task", f"{bad.path}: {bad.reason}")
     if filtered:
-        kept = [t for t in loaded.tasks if _matches(t.name, include, exclude)]
+        kept = [t for t in loaded.tasks if matches_names(t.name, include, exclude)]
         if not kept:
             raise fail(f"no task of {loaded.root} matches {_describe(include, exclude)}")
         loaded.tasks = kept[:n_tasks] if n_tasks is not None else kept
     return loaded
-
-
-def _matches(name: str, include: list[str] | None, exclude: list[str] | None) -> bool:
-    if include and not any(fnmatch.fnmatchcase(name, pattern) for pattern in include):
-        return False
-    return not (exclude and any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude))
 
 
 def _describe(include: list[str] | None, exclude: list[str] | None) -> str:
