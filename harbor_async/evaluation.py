@@ -134,6 +134,11 @@ class EvalSettings:
     ready_timeout: float = _serve.DEFAULT_READY_TIMEOUT
     backend_kwargs: dict[str, Any] = field(default_factory=dict)
     vllm_args: list[str] = field(default_factory=list)
+    ray: bool = False
+    ray_address: str | None = None
+    budget: str = "local"
+    max_live: int | None = None
+    creates_per_second: float | None = None
     command: str = "eval"
 
     def to_dict(self) -> dict[str, Any]:
@@ -208,7 +213,9 @@ def _server_groups(settings: EvalSettings, specs: list[ModelSpec]) -> list[_Serv
 class _Run:
     """The state of one evaluation run (one job folder)."""
 
-    def __init__(self, settings: EvalSettings, job: JobFolder, on_record: Callable[[EpisodeRecord], None] | None):
+    def __init__(
+        self, settings: EvalSettings, job: JobFolder | None, on_record: Callable[[EpisodeRecord], None] | None
+    ):
         self.settings = settings
         self.job = job
         self.on_record = on_record
@@ -225,6 +232,15 @@ class _Run:
     def options(self):
         from shim.options import EngineOptions
 
+        if self.settings.budget == "ray":  # one lease per sandbox from the cluster's budget actor
+            return EngineOptions(
+                max_live_sandboxes=None,
+                episode_timeout=self.settings.episode_timeout,
+                budget="ray",
+                ray_address=self.settings.ray_address,
+                cluster_max_live=self.settings.max_live,
+                cluster_creates_per_second=self.settings.creates_per_second,
+            )
         return EngineOptions(
             max_live_sandboxes=self.settings.concurrency, episode_timeout=self.settings.episode_timeout
         )
@@ -253,6 +269,9 @@ class _Run:
         if group.check_names:
             listed = await _serve.served_models(base_url, api_key=self.api_key())
             _serve.check_models([s.name for s in group.models], listed, base_url)
+        if self.settings.ray:
+            await self._on_cluster(group, tasks, root, pending, base_url)
+            return
         client = openai.AsyncOpenAI(
             base_url=base_url, api_key=self.api_key(), max_retries=0, timeout=self.settings.request_timeout
         )
@@ -277,9 +296,28 @@ class _Run:
         if self.fatal is not None:
             raise self.fatal
 
+    async def _on_cluster(self, group: _ServerGroup, tasks, root: Path, pending: set[str], base_url: str) -> None:
+        """Shard the group's pending episodes over the Ray cluster; records come back into the job folder."""
+        from harbor_async.cluster.eval_items import eval_item, eval_items
+        from harbor_async.cluster.sharding import run_on_cluster
+
+        items = eval_items(self.settings.to_dict(), group.models, base_url, tasks, root, pending)
+
+        def record(done: EpisodeRecord) -> None:
+            self.ran += 1
+            if self.on_record is not None:
+                self.on_record(done)
+
+        await anyio.to_thread.run_sync(
+            functools.partial(
+                run_on_cluster, eval_item, items, job=self.job, address=self.settings.ray_address,
+                concurrency=self.settings.concurrency, on_record=record,
+            )  # fmt: skip
+        )
+
     async def _episode(self, scope, agent: Agent, spec: ModelSpec, task, root: Path, attempt: int, server) -> None:
         async with self.sandbox_limiter:
-            record = await self._run_episode(agent, spec, task, root, attempt)
+            record = await self.run_episode(agent, spec, task, root, attempt)
         if record.failure is FailureClass.MODEL_SERVER and server is not None and not server.alive:
             # The server is gone: every other episode would fail the same way.
             try:
@@ -293,7 +331,7 @@ class _Run:
         if self.on_record is not None:
             self.on_record(record)
 
-    async def _run_episode(self, agent: Agent, spec: ModelSpec, task, root: Path, attempt: int) -> EpisodeRecord:
+    async def run_episode(self, agent: Agent, spec: ModelSpec, task, root: Path, attempt: int) -> EpisodeRecord:
         from shim import engines
         from shim.env import _await_loop
 

@@ -130,3 +130,41 @@ def test_the_run_command_shards_over_the_cluster_and_leases_from_its_budget(ray_
     assert summary["episodes"] == 8 and summary["mean_reward"] == 1.0 and summary["failures"] == {}
     records = JobFolder.open(tmp_path / "sharded").records()
     assert len({r.key for r in records}) == len(records) == 8  # each episode once
+
+
+def test_an_eval_sharded_over_the_cluster_gives_the_local_summary(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+    from harbor_async.evaluation import evaluate_sync
+    from tests.scripted_server import ScriptedServer
+
+    def comparable(summary: dict) -> dict:
+        return {k: summary[k] for k in ("episodes", "tasks", "completed", "failures", "mean_reward", "pass_at_k")}
+
+    with ScriptedServer() as server:
+        common = dict(base_url=server.base_url, jobs_dir=tmp_path, num_tasks=3, attempts=2, concurrency=4)
+        local = evaluate_sync(["solver"], None, job_name="local", **common)
+        sharded = evaluate_sync(["solver"], None, job_name="sharded", ray=True, ray_address=ray_cluster.address, **common)
+    assert sharded.ran == 6 and comparable(sharded.summary) == comparable(local.summary)
+    assert sharded.summary["mean_reward"] == 1.0
+    records = JobFolder.open(sharded.job_dir).records()
+    assert len({r.key for r in records}) == len(records) == 6  # each episode once
+    assert all(r.transcript and r.model == "solver" for r in records)
+
+
+def test_the_eval_command_shards_over_the_cluster_with_the_ray_budget(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+    import json
+    import subprocess
+    import sys
+
+    from tests.cluster_helpers import REPO, child_env
+    from tests.scripted_server import ScriptedServer
+
+    with ScriptedServer() as server:
+        command = [
+            sys.executable, "-m", "harbor_async", "eval", "-m", "solver", "--base-url", server.base_url, "-l", "2",
+            "-k", "2", "-o", str(tmp_path), "--job-name", "sharded", "--ray", "--ray-address", ray_cluster.address,
+            "--budget", "ray", "--max-live", "3",
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env=child_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "sharded" / "summary.json").read_text())
+    assert summary["episodes"] == 4 and summary["mean_reward"] == 1.0

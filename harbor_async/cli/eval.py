@@ -7,6 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
+from harbor_async.cli import cluster as cluster_opts
 from harbor_async.cli.common import err, fail, out
 
 
@@ -85,6 +86,11 @@ def eval_command(
         list[str] | None, typer.Option("--ek", help="Backend constructor argument KEY=VALUE (repeatable).")
     ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
+    budget: cluster_opts.BudgetOpt = "local",
+    ray_address: cluster_opts.RayAddressOpt = None,
+    max_live: cluster_opts.MaxLiveOpt = None,
+    creates_per_second: cluster_opts.CreatesOpt = None,
+    on_ray: cluster_opts.RayOpt = False,
 ) -> None:
     """Evaluate models (checkpoints) on a suite with the same harness, tools and prompt as training.
 
@@ -100,6 +106,9 @@ def eval_command(
     from harbor_async.logs import configure_logging
 
     configure_logging(log_level, "console", force=True)
+    cluster_opts.budget_from_options(budget, ray_address, max_live, creates_per_second)  # checks the combination
+    if on_ray:
+        cluster_opts.require_ray()
     if path and dataset:
         raise fail("give -p PATH or -d DATASET, not both")
     path = path or dataset
@@ -118,6 +127,11 @@ def eval_command(
         num_tasks=num_tasks,
         include=include,
         exclude=exclude,
+        ray=on_ray,
+        ray_address=ray_address,
+        budget=budget,
+        max_live=max_live,
+        creates_per_second=creates_per_second,
         base_url=base_url,
         serve_cmd=serve_cmd,
         api_key_name=api_key_name,
