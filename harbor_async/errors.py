@@ -267,6 +267,10 @@ class LogSettingError(HarborAsyncError, ValueError):
     """A log level or format that does not exist (from a flag or the environment)."""
 
 
+class EvalConfigError(HarborAsyncError, ValueError):
+    """The evaluation's settings are inconsistent (no model, a missing API key, a bad glob...)."""
+
+
 class ModelServerError(HarborAsyncError):
     """The policy's model server failed (unreachable, errors after retries, died): not the model's episode."""
 

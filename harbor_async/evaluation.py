@@ -15,9 +15,7 @@ several models the sweep (table, paired differences, plot), come from
 from __future__ import annotations
 
 import functools
-import glob
 import os
-import re
 import signal
 import threading
 import time
@@ -31,7 +29,8 @@ import anyio
 
 from harbor_async import serve as _serve
 from harbor_async.agent import Agent, AgentLimits, Sampling
-from harbor_async.errors import FailureClass, HarborAsyncError, Phase, SandboxError, failure_class
+from harbor_async.checkpoints import ModelSpec, ServerGroup, resolve_models, server_groups
+from harbor_async.errors import EvalConfigError, FailureClass, HarborAsyncError, Phase, SandboxError, failure_class
 from harbor_async.jobs import JobFolder
 from harbor_async.logs import get_logger
 from harbor_async.records import EpisodeRecord, episode_key
@@ -39,10 +38,6 @@ from harbor_async.scoring import DEFAULT_SUCCESS_THRESHOLD, summarize, sweep_sum
 from harbor_async.tasks import matches_names
 
 log = get_logger("harbor_async.eval")
-
-
-class EvalConfigError(HarborAsyncError, ValueError):
-    """The evaluation's settings are inconsistent (no model, a missing API key, a bad glob...)."""
 
 
 class EvalInterrupted(HarborAsyncError):
@@ -57,55 +52,6 @@ class EvalInterrupted(HarborAsyncError):
         self.signum = signum
         self.job_dir = job_dir
         super().__init__(f"interrupted by {signal.Signals(signum).name}; resume with --resume {job_dir}")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One policy of an evaluation.
-
-    Attributes:
-        name: the model name requests carry, and the record's ``model``.
-        checkpoint: the checkpoint folder (managed server) or the name again.
-        step: the training step, read from the name (``checkpoint-400`` -> 400).
-    """
-
-    name: str
-    checkpoint: str
-    step: int | None = None
-
-
-_STEP = re.compile(r"(\d+)\D*$")
-_GLOB = re.compile(r"[*?\[]")
-
-
-def checkpoint_step(name: str) -> int | None:
-    """The last number in a checkpoint's base name (``ckpts/checkpoint-400`` -> 400)."""
-    match = _STEP.search(Path(name.rstrip("/")).name)
-    return int(match.group(1)) if match else None
-
-
-def resolve_models(models: Sequence[str]) -> list[ModelSpec]:
-    """Expand globs (``ckpts/checkpoint-*``), sort each glob's matches by step, drop repeats.
-
-    A glob that matches nothing is an error; a plain name is kept as given
-    (a served model name or a checkpoint folder).
-    """
-    specs: list[ModelSpec] = []
-    for model in models:
-        if _GLOB.search(model):
-            matches = glob.glob(model)
-            if not matches:
-                raise EvalConfigError(f"no checkpoint matches {model!r}")
-            ordered = sorted(matches, key=lambda m: (checkpoint_step(m) is None, checkpoint_step(m) or 0, m))
-            names = ordered
-        else:
-            names = [model]
-        for name in names:
-            if all(s.name != name for s in specs):
-                specs.append(ModelSpec(name=name, checkpoint=name, step=checkpoint_step(name)))
-    if not specs:
-        raise EvalConfigError("no model to evaluate: pass at least one -m")
-    return specs
 
 
 @dataclass
@@ -162,54 +108,6 @@ class EvalResult:
     ran: int = 0
 
 
-@dataclass
-class _ServerGroup:
-    """Models one server serves; ``command`` is ``None`` for a server we do not manage."""
-
-    models: list[ModelSpec]
-    command: Callable[[int], list[str]] | None = None
-    check_names: bool = True
-
-
-def _server_groups(settings: EvalSettings, specs: list[ModelSpec]) -> list[_ServerGroup]:
-    if settings.base_url:
-        return [_ServerGroup(specs)]
-    if settings.serve_cmd:
-        template = settings.serve_cmd
-        _serve.format_serve_cmd(template, "m", 0)  # checks {port} now, before any sandbox
-        # The command was handed the model: its listing may name it differently (a path, a hub id).
-        return [
-            _ServerGroup([s], functools.partial(_serve.format_serve_cmd, template, s.checkpoint), check_names=False)
-            for s in specs
-        ]
-    # Managed vLLM: LoRA adapters of one base share a server; any other checkpoint gets its own.
-    groups: list[_ServerGroup] = []
-    by_base: dict[str, list[ModelSpec]] = {}
-    for spec in specs:
-        base = _serve.lora_base(spec.checkpoint)
-        if base is not None:
-            by_base.setdefault(base, []).append(spec)
-        else:
-            groups.append(
-                _ServerGroup(
-                    [spec],
-                    lambda port, s=spec: _serve.vllm_command(
-                        s.checkpoint, port, served_name=s.name, extra_args=settings.vllm_args
-                    ),
-                )
-            )
-    for base, adapters in by_base.items():
-        groups.append(
-            _ServerGroup(
-                adapters,
-                lambda port, b=base, a=adapters: _serve.vllm_command(
-                    b, port, lora_adapters={s.name: s.checkpoint for s in a}, extra_args=settings.vllm_args
-                ),
-            )
-        )
-    return groups
-
-
 class _Run:
     """The state of one evaluation run (one job folder)."""
 
@@ -248,7 +146,7 @@ class _Run:
     def api_key(self) -> str:
         return _api_key(self.settings.api_key_name)
 
-    async def run_group(self, group: _ServerGroup, tasks: list[Any], root: Path, index: int, total: int) -> None:
+    async def run_group(self, group: ServerGroup, tasks: list[Any], root: Path, index: int, total: int) -> None:
         pending = set(self.job.pending(_keys(group.models, tasks, root, self.settings.attempts)))
         if not pending:
             return
@@ -296,7 +194,7 @@ class _Run:
         if self.fatal is not None:
             raise self.fatal
 
-    async def _on_cluster(self, group: _ServerGroup, tasks, root: Path, pending: set[str], base_url: str) -> None:
+    async def _on_cluster(self, group: ServerGroup, tasks, root: Path, pending: set[str], base_url: str) -> None:
         """Shard the group's pending episodes over the Ray cluster; records come back into the job folder."""
         from harbor_async.cluster.eval_items import eval_item, eval_items
         from harbor_async.cluster.sharding import run_on_cluster
@@ -563,7 +461,7 @@ async def evaluate(
         if not kept:
             raise EvalConfigError(f"no task of {loaded.root} matches the -i/-x globs")
         loaded.tasks = kept[: config.num_tasks] if config.num_tasks is not None else kept
-    groups = _server_groups(config, specs)
+    groups = server_groups(specs, base_url=config.base_url, serve_cmd=config.serve_cmd, vllm_args=config.vllm_args)
     resolve_harness(config.agent, config.backend)
     _api_key(config.api_key_name)  # a missing key is bad input: fail before the job folder
     if resume is None:

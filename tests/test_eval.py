@@ -151,7 +151,7 @@ def test_a_harness_from_a_file_and_a_seed_per_attempt(server, tmp_path) -> None:
 
 
 def test_a_bad_harness_is_refused_before_any_job_folder(server, tmp_path) -> None:
-    from harbor_async.evaluation import EvalConfigError
+    from harbor_async.errors import EvalConfigError
 
     with pytest.raises(EvalConfigError, match="no_such_module"):
         _eval(server, tmp_path, ["solver"], agent="no_such_module:Cls")
@@ -183,7 +183,7 @@ def test_sandbox_failures_are_infrastructure_not_scored(server, tmp_path) -> Non
 
 
 def test_api_key_comes_from_the_named_variable(server, tmp_path, monkeypatch) -> None:
-    from harbor_async.evaluation import EvalConfigError
+    from harbor_async.errors import EvalConfigError
 
     monkeypatch.delenv("EVAL_TEST_KEY", raising=False)
     with pytest.raises(EvalConfigError, match="EVAL_TEST_KEY is not set"):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async.evaluation import EvalSettings, _server_groups, checkpoint_step, resolve_models
+from harbor_async.checkpoints import checkpoint_step, resolve_models, server_groups
 from harbor_async.serve import (
     ServeError,
     format_serve_cmd,
@@ -66,7 +66,7 @@ def test_lora_adapters_share_one_server(tmp_path: Path) -> None:
     assert lora_base(adapters[0]) == str(base) and lora_base(base) is None
     specs = resolve_models([str(tmp_path / "ckpts" / "checkpoint-*")])
     assert [s.step for s in specs] == [100, 200]  # sorted by step, not by name
-    groups = _server_groups(EvalSettings(models=[s.name for s in specs]), specs)
+    groups = server_groups(specs, base_url=None, serve_cmd=None)
     assert len(groups) == 1 and [s.step for s in groups[0].models] == [100, 200]
     cmd = groups[0].command(9000)
     assert cmd[:3] == ["vllm", "serve", str(base)] and "--enable-lora" in cmd
@@ -78,7 +78,7 @@ def test_full_checkpoints_get_a_server_each(tmp_path: Path) -> None:
     for step in (10, 2):
         _checkpoint(tmp_path / f"checkpoint-{step}", "<tool_call>")
     specs = resolve_models([str(tmp_path / "checkpoint-*")])
-    groups = _server_groups(EvalSettings(models=[s.name for s in specs]), specs)
+    groups = server_groups(specs, base_url=None, serve_cmd=None)
     assert [g.models[0].step for g in groups] == [2, 10]
     assert groups[1].command(1)[2] == str(tmp_path / "checkpoint-10")
 

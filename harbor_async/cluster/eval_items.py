@@ -53,7 +53,8 @@ def eval_items(settings: dict[str, Any], models: list[Any], base_url: str, tasks
 
 async def eval_item(engine: Any, item: EvalItem) -> EpisodeRecord:
     """The worker's side: run one episode as a local ``eval`` does (the shim's engine runs the sandbox)."""
-    from harbor_async.evaluation import EvalSettings, ModelSpec, _Run
+    from harbor_async.checkpoints import ModelSpec
+    from harbor_async.evaluation import EvalSettings, _Run
     from harbor_async.tasks import load_task
 
     context_key = f"{item.settings}|{item.base_url}"
