@@ -131,7 +131,7 @@ def test_everything_is_escaped(tmp_path: Path) -> None:
 def test_benchmark_results_report(tmp_path: Path) -> None:
     source = load_source(REPO / "benchmarks" / "results")
     kinds = sorted({r.data["benchmark"] for r in source.results})
-    assert kinds == ["grpo-step", "overhead", "throughput"]
+    assert {"grpo-step", "overhead", "throughput"} <= set(kinds)  # and the trainer, docker-step and cluster results
     out = write_report(REPO / "benchmarks" / "results", tmp_path / "bench.html")
     page = out.read_text()
     for result in source.results:
