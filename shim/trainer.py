@@ -135,7 +135,8 @@ class HarborGRPOTrainer(GRPOTrainer):
         self._harbor_wait: dict[str, float] = defaultdict(float)
         self._harbor_batch_begin = time.perf_counter()
         self._harbor_rewards: torch.Tensor | None = None
-        self._harbor_failures_seen: dict[str, int] = {}
+        # Engines are shared per option set: count the failures from now on, not an earlier trainer's.
+        self._harbor_failures_seen: dict[str, int] = dict(engine_snapshot()["failures"])
         super().__init__(*args, **kwargs)
 
     # ── concurrent tool rounds ───────────────────────────────────────────
