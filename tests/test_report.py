@@ -177,11 +177,12 @@ def test_report_of_a_job_with_no_episodes_yet(tmp_path: Path) -> None:
 def test_cli_report_of_a_real_run(tmp_path: Path, suite_root: Path) -> None:
     """A real `harbor-async run` on the bundled suite (local backend), then `harbor-async report` of its job folder."""
     job = tmp_path / "jobs" / "run-job"
-    job.mkdir(parents=True)
-    (job / CONFIG_NAME).write_text(json.dumps({"command": "run", "suite": "example"}))
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     ran = subprocess.run(
-        [sys.executable, "-m", "harbor_async", "run", str(suite_root), "--json", str(job / EPISODES_NAME), "-l", "4", "-n", "4"],
+        [
+            sys.executable, "-m", "harbor_async", "run", str(suite_root), "-l", "4", "-n", "4",
+            "-o", str(job.parent), "--job-name", job.name,
+        ],
         capture_output=True, text=True, timeout=240, env=env,
     )  # fmt: skip
     assert ran.returncode == 0, ran.stderr[-2000:]
