@@ -135,15 +135,10 @@ def paired_difference(
     result: dict[str, Any] = {
         "tasks": len(shared),
         "difference": float(diffs.mean()) if len(diffs) else None,
-        "ci": None,
+        # Resampling the per-task differences resamples both checkpoints' tasks together.
+        "ci": bootstrap_interval(diffs, samples=samples, seed=seed),
         "per_task": {key: float(d) for key, d in zip(shared, diffs, strict=True)},
     }
-    if len(diffs) >= 2:
-        rng = np.random.default_rng(seed)
-        means = diffs[rng.integers(0, len(diffs), size=(samples, len(diffs)))].mean(axis=1)
-        alpha = (1.0 - CONFIDENCE) / 2
-        low, high = np.quantile(means, [alpha, 1.0 - alpha])
-        result["ci"] = (float(low), float(high))
     return result
 
 

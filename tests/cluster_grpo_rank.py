@@ -23,11 +23,11 @@ from unittest.mock import patch
 
 import torch.distributed as dist
 from transformers import AutoTokenizer
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 
 import shim
 from harbor_async.suites import example_suite_path
-from tests.test_shim_grpo import TASKS, ScriptedGeneration, _instructions
+from tests.test_shim_grpo import TASKS, ScriptedGeneration, _grpo_args, _instructions
 
 CLUSTER_CAP = 4
 RANK_BATCH = 2  # per_device_train_batch_size: the rollouts one rank has in flight
@@ -47,25 +47,7 @@ def main(address: str, model_dir: str, out: Path) -> None:
         backend_kwargs={"start_latency": 0.2, "stop_latency": 0.05},
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    args = GRPOConfig(
-        output_dir=str(out / "trainer"),
-        use_vllm=False,
-        max_steps=2,
-        per_device_train_batch_size=RANK_BATCH,
-        num_generations=2,
-        max_completion_length=256,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        bf16=False,
-        use_cpu=True,
-        ddp_backend="gloo",
-        shuffle_dataset=False,
-        dataloader_num_workers=0,
-        seed=0,
-        disable_tqdm=True,
-    )
+    args = _grpo_args(out / "trainer", 2, RANK_BATCH, 2, completion=256, ddp_backend="gloo")
     trainer = GRPOTrainer(
         model=model_dir,
         processing_class=tokenizer,

@@ -21,11 +21,11 @@ import anyio
 import psutil
 import pytest
 from harbor.models.task.config import EnvironmentConfig
-from harbor.models.task.task import Task
 from harbor.models.trial.paths import TrialPaths
 
 from harbor_async.backends.local import LocalEnvironment
 from harbor_async.backends.local.errors import TaskPathEscapeError
+from tests.test_local_backend import make_env
 
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes", "on")
 ROOT = os.geteuid() == 0
@@ -55,21 +55,6 @@ def make_task(root: Path, name: str = "task", toml_env: str = "") -> Path:
     (task / "solution" / "solve.sh").write_text("#!/bin/bash\ntrue\n")
     (task / "tests" / "test.sh").write_text(TEST_SH)
     return task
-
-
-def make_env(tmp_path: Path, task_dir: Path, session: str, **kwargs) -> LocalEnvironment:
-    task = Task(task_dir)
-    trial_paths = TrialPaths(tmp_path / f"trial-{session}")
-    trial_paths.mkdir()
-    return LocalEnvironment(
-        environment_dir=task.paths.environment_dir,
-        environment_name=task.short_name,
-        session_id=session,
-        trial_paths=trial_paths,
-        task_env_config=task.config.environment,
-        sandbox_root=tmp_path / "sandboxes",
-        **kwargs,
-    )
 
 
 @pytest.fixture

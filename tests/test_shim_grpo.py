@@ -114,7 +114,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), corpus=list(_instructions(list(TASKS))))
 
 
-def _grpo_args(out: Path, max_steps: int, batch: int = 4, generations: int = 2, completion: int = 512) -> GRPOConfig:
+def _grpo_args(
+    out: Path, max_steps: int, batch: int = 4, generations: int = 2, completion: int = 512, **overrides
+) -> GRPOConfig:
+    """The CPU GRPO config every trainer test and benchmark shares (``overrides``: other GRPOConfig fields)."""
     return GRPOConfig(
         output_dir=str(out),
         use_vllm=False,
@@ -132,6 +135,7 @@ def _grpo_args(out: Path, max_steps: int, batch: int = 4, generations: int = 2, 
         dataloader_num_workers=0,
         seed=0,
         disable_tqdm=True,
+        **overrides,
     )
 
 

@@ -35,6 +35,7 @@ import shim
 from harbor_async.suites import example_suite_path
 from shim import engines
 from shim.trainer import FAILED_KEY, HarborGRPOTrainer, UnsupportedTRLVersionError, check_trl_version
+from tests.test_shim_grpo import _grpo_args
 from tests.tiny_model import build_tiny_qwen3, encode_exact
 
 INDICES = [1, 3]  # csv-column-sum, csv-max-price: tasks with a gold answer
@@ -159,24 +160,7 @@ class ScriptedTurns:
 
 
 def grpo_args(out: Path, max_steps: int = 1, batch: int = 4, generations: int = 2) -> GRPOConfig:
-    return GRPOConfig(
-        output_dir=str(out),
-        use_vllm=False,
-        max_steps=max_steps,
-        per_device_train_batch_size=batch,
-        num_generations=generations,
-        max_completion_length=1024,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        bf16=False,
-        use_cpu=True,
-        shuffle_dataset=False,
-        dataloader_num_workers=0,
-        seed=0,
-        disable_tqdm=True,
-    )
+    return _grpo_args(out, max_steps, batch, generations, completion=1024)
 
 
 @pytest.fixture(scope="module")
