@@ -7,7 +7,9 @@ One run, side by side, the GRPO-step replay of :mod:`benchmarks.grpo_step`:
 - ``shim`` on ``docker-fast``: the same with the cheaper starts of
   :mod:`harbor_async.backends.docker.fast_start`;
 - ``shim-rounds`` on ``docker-fast``: and each turn's calls dispatched all at
-  once by HarborGRPOTrainer's round code.
+  once by HarborGRPOTrainer's round code;
+- ``shim-prefetch`` on ``docker-fast``: and the next step's sandboxes started
+  by HarborGRPOTrainer's prefetch while this step verifies.
 
 Step 1 and the later steps are reported apart (step 1 starts from the run's
 empty build cache: every image is built, or found in the daemon's cache, once);
@@ -29,7 +31,13 @@ from typing import Any
 from benchmarks.grpo_step import run_grpo_steps
 
 #: (implementation, backend) pairs, in run order.
-VARIANTS = (("trl", "docker"), ("shim", "docker"), ("shim", "docker-fast"), ("shim-rounds", "docker-fast"))
+VARIANTS = (
+    ("trl", "docker"),
+    ("shim", "docker"),
+    ("shim", "docker-fast"),
+    ("shim-rounds", "docker-fast"),
+    ("shim-prefetch", "docker-fast"),
+)
 
 
 def _images_in_daemon() -> int:

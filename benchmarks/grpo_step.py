@@ -21,9 +21,12 @@ from typing import Any
 
 from harbor_async.tasks import load_suite
 
-IMPLEMENTATIONS = ("trl", "shim", "shim-rounds")
+IMPLEMENTATIONS = ("trl", "shim", "shim-rounds", "shim-prefetch")
 #: ``shim-rounds``: the shim's envs with each turn's calls dispatched by HarborGRPOTrainer's own
 #: round code (:func:`shim.tool_dispatch.run_tool_round`, all rollouts at once) instead of one after another.
+#: ``shim-prefetch``: and the next step's sandboxes started when this step's rewards begin, through
+#: HarborGRPOTrainer's prefetch (:mod:`shim.prefetch`), released once the next step's resets are in.
+#: The replay has no optimiser step, so only the verifiers' time hides the starts: a lower bound.
 
 #: Simulated cloud latencies (seconds) from the issue: start, exec, verify, stop.
 CLOUD_LATENCIES = {"start_latency": 0.5, "exec_latency": 0.05, "verify_latency": 1.0, "stop_latency": 0.5}
@@ -56,6 +59,8 @@ class GrpoRun:
     mean_reward: float = 0.0
     #: On ``docker-fast``: every start's Compose calls, by kind (count, skipped, seconds).
     start_profile: dict = field(default_factory=dict)
+    #: ``shim-prefetch``: per step, the resets that claimed a sandbox started ahead.
+    prefetch_hits: list[int] = field(default_factory=list)
 
     @property
     def later_step_mean(self) -> float:
@@ -87,7 +92,7 @@ def _make_envs(implementation: str, backend: str, batch: int, backend_kwargs: di
 
         envs = [ReferenceHarborBashEnv(environment_type=backend, backend_kwargs=backend_kwargs) for _ in range(batch)]
         return envs, _outcome_reward_func
-    if implementation in ("shim", "shim-rounds"):
+    if implementation in ("shim", "shim-rounds", "shim-prefetch"):
         from shim import HarborBashEnv
         from shim.rewards import _outcome_reward_func
 
@@ -126,21 +131,31 @@ def run_grpo_steps(
     envs, reward_func = _make_envs(implementation, backend, batch, dict(backend_kwargs or {}))
     run = GrpoRun(implementation, backend, batch, turns)
     rewards: list[float] = []
+
+    def picks_of(step: int) -> list[Any]:
+        return [tasks[(step * batch + i) % len(tasks)] for i in range(batch)]
+
     try:
         for step in range(steps):
-            picks = [tasks[(step * batch + i) % len(tasks)] for i in range(batch)]
+            picks = picks_of(step)
             begin = time.perf_counter()
             for env, task in zip(envs, picks, strict=True):
                 env.reset(task_dir=str(task.task_dir))
+            if implementation == "shim-prefetch":
+                from shim import prefetch
+
+                run.prefetch_hits.append(prefetch.release().hits)
             after_reset = time.perf_counter()
             scripts = [_commands(turns, task.config.metadata.get("gold_answer")) for task in picks]
             for turn in range(turns):
-                if implementation == "shim-rounds":
+                if implementation in ("shim-rounds", "shim-prefetch"):
                     _round(envs, [script[turn] for script in scripts])
                     continue
                 for env, script in zip(envs, scripts, strict=True):
                     env.bash(script[turn])
             after_tools = time.perf_counter()
+            if implementation == "shim-prefetch" and step + 1 < steps:
+                prefetch.prefetch(envs[0], [str(task.task_dir) for task in picks_of(step + 1)])
             rewards = reward_func(environments=envs)
             end = time.perf_counter()
             times = StepTimes(after_reset - begin, after_tools - after_reset, end - after_tools)

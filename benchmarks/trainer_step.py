@@ -9,7 +9,9 @@ script:
 - ``grpo-trainer``: TRL's ``GRPOTrainer`` with the shim's ``HarborSpec`` (its
   tool loop calls one rollout after another);
 - ``harbor-grpo-trainer``: :class:`shim.trainer.HarborGRPOTrainer` (each round's
-  rollouts at once, through its own dispatch code).
+  rollouts at once, through its own dispatch code);
+- ``harbor-grpo-trainer-prefetch``: the same with ``prefetch=True`` (the next
+  step's sandboxes started while this step verifies and optimises).
 
 Both are timed the same way by :class:`_Timing`, wrapped around the trainer's
 own methods: the step's wall time (a callback), and the trainer thread's
@@ -67,7 +69,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "trl_steps": 2,
     },
 }
-TRAINERS = ("grpo-trainer", "harbor-grpo-trainer")
+TRAINERS = ("grpo-trainer", "harbor-grpo-trainer", "harbor-grpo-trainer-prefetch")
 
 
 @dataclass
@@ -95,6 +97,7 @@ class TrainerRun:
     turns: int
     steps: list[TrainerStep] = field(default_factory=list)
     logged_env_wait: list[float] = field(default_factory=list)  # HarborGRPOTrainer's own env/wait_s
+    logged_prefetch_hits: list[float] = field(default_factory=list)  # with prefetch: resets that claimed a started sandbox
 
     def later(self, attr: str) -> float:
         """Mean of ``attr`` over the steps after the first (model warm-up and first starts excluded)."""
@@ -223,7 +226,9 @@ def run_trainer(trainer: str, scenario: dict[str, Any], model_dir: Path, tokeniz
         def on_step_end(self, *_: Any, **__: Any) -> None:
             walls[-1] += time.perf_counter()
 
-    cls = _timed(HarborGRPOTrainer if trainer == "harbor-grpo-trainer" else GRPOTrainer)
+    harbor = trainer.startswith("harbor-grpo-trainer")
+    cls = _timed(HarborGRPOTrainer if harbor else GRPOTrainer)
+    extra = {"prefetch": True} if trainer.endswith("-prefetch") else {}
     instance = cls(
         model=str(model_dir),
         processing_class=tokenizer,
@@ -232,6 +237,7 @@ def run_trainer(trainer: str, scenario: dict[str, Any], model_dir: Path, tokeniz
         environment_factory=spec.environment_factory,
         reward_funcs=spec.reward_funcs,
         callbacks=[Wall()],
+        **extra,
     )
     try:
         with patch.object(instance.model, "generate", side_effect=_Script(tokenizer, turns)):
@@ -242,6 +248,7 @@ def run_trainer(trainer: str, scenario: dict[str, Any], model_dir: Path, tokeniz
     for wall, parts in zip(walls, instance.bench_steps, strict=True):
         run.steps.append(TrainerStep(wall, parts["reset"], parts["tools"], parts["rewards"], parts["generation"]))
     run.logged_env_wait = [e["env/wait_s"] for e in instance.state.log_history if "env/wait_s" in e]
+    run.logged_prefetch_hits = [e["env/prefetch_hits"] for e in instance.state.log_history if "env/prefetch_hits" in e]
     return run
 
 
@@ -314,6 +321,10 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     if plain and harbor:
         summary["wall_ratio_plain_over_harbor"] = round(plain["later_wall_mean"] / harbor["later_wall_mean"], 2)
         summary["env_ratio_plain_over_harbor"] = round(plain["later_env_mean"] / harbor["later_env_mean"], 2)
+    prefetched = runs.get("harbor-grpo-trainer-prefetch")
+    if harbor and prefetched:
+        summary["wall_ratio_harbor_over_prefetch"] = round(harbor["later_wall_mean"] / prefetched["later_wall_mean"], 2)
+        summary["env_ratio_harbor_over_prefetch"] = round(harbor["later_env_mean"] / prefetched["later_env_mean"], 2)
     if result.get("trl_env") and harbor:
         summary["trl_env/later_s"] = result["trl_env"]["later_step_mean"]
         summary["env_ratio_trl_over_harbor"] = round(result["trl_env"]["later_step_mean"] / harbor["later_env_mean"], 1)

@@ -121,8 +121,9 @@ class Sandbox:
         self.start_error: SandboxError | None = None
         self.stop_error: SandboxError | None = None
         self._backend_kwargs = dict(backend_kwargs or {})
-        episode = episode_timeout if episode_timeout is not None else self.timeouts.episode
-        self._deadline = anyio.current_time() + episode if episode is not None else math.inf
+        self._episode_timeout = episode_timeout if episode_timeout is not None else self.timeouts.episode
+        self._deadline = math.inf
+        self.renew_deadline()
         self._env: BaseEnvironment | None = None
         self._trial_dir: Path | None = None
         self._started = anyio.Event()
@@ -150,6 +151,15 @@ class Sandbox:
     def done(self) -> bool:
         """Whether the sandbox is stopped (or failed to start and holds nothing)."""
         return self._stopped.is_set()
+
+    def renew_deadline(self) -> None:
+        """Count the episode deadline from now (call on the loop).
+
+        For a sandbox started ahead of its episode (the shim's prefetch): the
+        episode's budget starts when it claims the sandbox, not at the launch.
+        """
+        episode = self._episode_timeout
+        self._deadline = anyio.current_time() + episode if episode is not None else math.inf
 
     async def wait_started(self) -> None:
         """Wait until the start finished; raise its error if it failed."""

@@ -173,7 +173,7 @@ class HarborEnv:
             previous.uncount_rollout()  # now, not when the loop retires it: the count must be exact here
         try:
             guard.check()  # too many infrastructure failures: stop the trainer, do not train on zeros
-            task = _load_task_cached(task_dir)
+            task = load_task_cached(task_dir)
             engine = engines.engine_for(self._options)
             episode = Episode(task, engine, self._backend, self._backend_kwargs, guard)
             if not self._owns_reward():
@@ -429,7 +429,7 @@ def _task_signature(task_dir: Path) -> tuple[int, ...]:
     return (toml.st_mtime_ns, toml.st_size, instruction.st_mtime_ns, instruction.st_size)
 
 
-def _load_task_cached(task_dir: str | Path) -> Task:
+def load_task_cached(task_dir: str | Path) -> Task:
     """:func:`~harbor_async.tasks.load_task`, remembered per folder while its files are unchanged.
 
     Harbor's parsing and validation take about 2 ms a task; a GRPO batch resets

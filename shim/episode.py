@@ -34,6 +34,7 @@ from harbor_async.errors import (
     failure_class,
 )
 from harbor_async.logs import get_logger
+from shim import prefetch
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
@@ -143,7 +144,7 @@ class Episode:
         previous: Episode | None,
         prepare: Callable[[Episode], Awaitable[None]],
     ) -> None:
-        """Retire the previous episode, launch the sandbox, wait for it, run the harness setup.
+        """Retire the previous episode, launch the sandbox (or claim one started ahead), wait for it, run the setup.
 
         Submitted by ``reset()``; never raises: a failure is kept in :attr:`error`.
         """
@@ -155,7 +156,9 @@ class Episode:
                 self.error = SandboxClosedError(Phase.START, self.task.name, "-", "the episode was closed")
                 return
             try:
-                self.sandbox = self.engine.launch(self.task, self.backend, backend_kwargs=self.backend_kwargs)
+                self.sandbox = prefetch.claim(self.engine, self.task, self.backend, self.backend_kwargs)
+                if self.sandbox is None:
+                    self.sandbox = self.engine.launch(self.task, self.backend, backend_kwargs=self.backend_kwargs)
             except Exception as exc:  # noqa: BLE001 - bad backend, closed engine: the start never began
                 self.error = exc
                 log.warning("sandbox launch failed", task=self.task.name, error=str(exc))

@@ -39,6 +39,16 @@ Three changes to a ``GRPOTrainer`` step, nothing else:
    environments (resets, tool rounds, rewards), the engines' start / exec /
    verify latency p50 and p99 (over the engine's life), new failures by phase,
    and live sandboxes.
+4. **Prefetch** (opt-in, ``prefetch=True``): when a step reaches its rewards,
+   the next generation's rows are read from the sampler (see
+   :mod:`shim.lookahead`) and their sandboxes started (see
+   :mod:`shim.prefetch`), so the starts run while this step verifies, computes
+   the loss and steps the optimiser; the next step's resets claim them.
+   Unclaimed ones are stopped once those resets are in. It pays where a start
+   takes longer than the first turn's generation (Docker); it costs up to a
+   second batch of live sandboxes at the step boundary, which a
+   ``max_live_sandboxes`` limit bounds (starts ahead then queue for slots).
+   Logged as ``env/prefetch_hits`` and ``env/prefetch_unused``.
 
 Written against TRL 1.16; any other TRL version is refused with
 :class:`UnsupportedTRLVersionError`.
@@ -59,8 +69,14 @@ from packaging.version import Version
 from trl import GRPOTrainer
 
 from harbor_async.errors import HarborAsyncError
-from shim import engines
+from harbor_async.logs import get_logger
+from shim import engines, prefetch
+from shim.env import HarborEnv
+from shim.lookahead import TASK_COLUMN, GenerationLookahead, LookaheadSampler, task_key
+from shim.prefetch import PrefetchCounts
 from shim.tool_rounds import RolloutCalls, RolloutOutcome, run_tool_round, tool_call_loop
+
+log = get_logger("harbor_async.shim")
 
 #: The TRL release series this integration copies its tool loop from and was tested with.
 TESTED_TRL_VERSION = "1.16"
@@ -86,6 +102,8 @@ METRIC_KEYS = (
     *(f"env/{phase}_{q}_s" for phase in LATENCY_PHASES for q in ("p50", "p99")),
     *(f"env/failures/{phase}" for phase in FAILURE_PHASES),
 )
+#: Metrics added with ``prefetch=True``: resets that claimed a sandbox started ahead, and ones stopped unclaimed.
+PREFETCH_METRIC_KEYS = ("env/prefetch_hits", "env/prefetch_unused")
 
 
 class UnsupportedTRLVersionError(HarborAsyncError, RuntimeError):
@@ -121,12 +139,16 @@ class HarborGRPOTrainer(GRPOTrainer):
         tool_workers: threads running a round's rollouts (default
             :data:`DEFAULT_TOOL_WORKERS`; more rollouts than threads queue).
             ``1`` runs them one after another, as TRL does.
+        prefetch: start the next generation's sandboxes while the current step
+            verifies and optimises (default ``False``). Needs a map-style
+            dataset with a ``task_dir`` column and one environment factory of
+            the shim's envs; otherwise it does nothing (logged once).
 
     Raises:
         UnsupportedTRLVersionError: the installed TRL is not 1.16.x.
     """
 
-    def __init__(self, *args: Any, tool_workers: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tool_workers: int | None = None, prefetch: bool = False, **kwargs: Any) -> None:
         check_trl_version()
         if tool_workers is not None and (isinstance(tool_workers, bool) or tool_workers < 1):
             raise ValueError(f"tool_workers must be a positive integer or None, got {tool_workers!r}")
@@ -137,6 +159,10 @@ class HarborGRPOTrainer(GRPOTrainer):
         self._harbor_rewards: torch.Tensor | None = None
         # Engines are shared per option set: count the failures from now on, not an earlier trainer's.
         self._harbor_failures_seen: dict[str, int] = dict(engine_snapshot()["failures"])
+        self._harbor_prefetch = bool(prefetch)
+        self._harbor_lookahead: GenerationLookahead | None = None
+        self._harbor_next_tasks: list[Any] | None = None
+        self._harbor_prefetch_counts: PrefetchCounts | None = None
         super().__init__(*args, **kwargs)
 
     # ── concurrent tool rounds ───────────────────────────────────────────
@@ -169,21 +195,75 @@ class HarborGRPOTrainer(GRPOTrainer):
     def _generate(self, prompts: list):
         # GRPOTrainer resets every env (and builds the batch's env pool) between the start of
         # _generate_and_score_completions and this call: that span is the reset wait.
+        if self._harbor_prefetch and self.model.training:
+            # The resets are in (and claimed on the loop, in order): what is still parked was a wrong guess.
+            self._harbor_prefetch_counts = prefetch.release()
         self._harbor_wait["reset"] += time.perf_counter() - self._harbor_batch_begin
         return super()._generate(prompts)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        self._prefetch_next()
         begin = time.perf_counter()
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._harbor_wait["rewards"] += time.perf_counter() - begin
         self._harbor_rewards = rewards
         return rewards
 
+    # ── prefetch ─────────────────────────────────────────────────────────
+
+    def _get_train_sampler(self, dataset=None):
+        sampler = super()._get_train_sampler(dataset)
+        if not self._harbor_prefetch:
+            return sampler
+        data = self.train_dataset if dataset is None else dataset
+        key = task_key(data)
+        if key is None or self._multi_environment:
+            log.warning(
+                "prefetch is off: it needs a `task_dir` column and a single environment factory",
+                multi_environment=self._multi_environment,
+            )
+            return sampler
+        wrapped = LookaheadSampler(sampler)
+        self._harbor_lookahead = GenerationLookahead(
+            wrapped,
+            key,
+            global_batch=self.args.generation_batch_size,
+            processes=self.accelerator.num_processes,
+            process_index=self.accelerator.process_index,
+            repeat=self.num_iterations * self.args.steps_per_generation,
+        )
+        return wrapped
+
+    def _prefetch_next(self) -> None:
+        """Start the next generation's sandboxes, unless this generation is the run's last."""
+        tasks, self._harbor_next_tasks = self._harbor_next_tasks, None
+        if not tasks or not self.model.training or any(t is None for t in tasks):
+            return
+        steps = self.num_iterations * self.args.steps_per_generation // self.args.gradient_accumulation_steps
+        per_generation = max(1, steps)  # optimiser steps that reuse this generation
+        if self.state.max_steps and self.state.global_step + per_generation >= self.state.max_steps:
+            return
+        env = self.environments[0] if self.environments else None
+        if isinstance(env, HarborEnv):
+            prefetch.prefetch(env, [str(t) for t in tasks])
+
+    def train(self, *args: Any, **kwargs: Any):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self._harbor_prefetch:
+                prefetch.release()  # a run stopped early leaves nothing started ahead
+
     # ── failed sandboxes out of the loss ─────────────────────────────────
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         self._harbor_wait.clear()
         self._harbor_rewards = None
+        self._harbor_prefetch_counts = None
+        self._harbor_next_tasks = None
+        if self._harbor_lookahead is not None and self.model.training:
+            keys = [row.get(TASK_COLUMN) if isinstance(row, dict) else None for row in inputs]
+            self._harbor_next_tasks = self._harbor_lookahead.next_keys(keys)
         self._harbor_batch_begin = time.perf_counter()
         output = super()._generate_and_score_completions(inputs)
         failed = self._failed_rows(len(inputs), output["completion_mask"].device)
@@ -229,6 +309,10 @@ class HarborGRPOTrainer(GRPOTrainer):
         metrics["env/wait_s"].append(wait["reset"] + wait["tools"] + wait["rewards"])
         snapshot = engine_snapshot()
         metrics["env/live_sandboxes"].append(float(snapshot["live"]))
+        if self._harbor_prefetch and mode == "train":
+            counts = self._harbor_prefetch_counts or prefetch.PrefetchCounts()
+            metrics["env/prefetch_hits"].append(float(counts.hits))
+            metrics["env/prefetch_unused"].append(float(counts.unused))
         for key, value in snapshot["latency"].items():
             metrics[key].append(value)
         for phase in FAILURE_PHASES:

@@ -25,12 +25,15 @@ def test_trainer_step_benchmark_smoke(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "trainer-step-smoke.json").read_text())
     assert data["benchmark"] == "trainer-step" and data["machine"]["packages"]["trl"] == "1.16.0"
     runs = {run["trainer"]: run for run in data["runs"]}
-    assert set(runs) == {"grpo-trainer", "harbor-grpo-trainer"}
+    assert set(runs) == {"grpo-trainer", "harbor-grpo-trainer", "harbor-grpo-trainer-prefetch"}
     for run in runs.values():
         assert len(run["steps"]) == 2 and all(step["wall"] > step["tools"] > 0 for step in run["steps"])
     assert runs["harbor-grpo-trainer"]["logged_env_wait"]  # the trainer's own metric reached the logs
+    assert runs["harbor-grpo-trainer-prefetch"]["logged_prefetch_hits"] == [0.0, 4.0]  # step 2 claimed all 4
     serial = min(step["tools"] for step in runs["grpo-trainer"]["steps"])
     rounds = max(step["tools"] for step in runs["harbor-grpo-trainer"]["steps"])
     assert serial > 1.6 and rounds < serial
     assert len(data["trl_env"]["steps"]) == 2
-    assert {"wall_ratio_plain_over_harbor", "env_ratio_trl_over_harbor"} <= set(data["summary"])
+    assert {"wall_ratio_plain_over_harbor", "env_ratio_trl_over_harbor", "wall_ratio_harbor_over_prefetch"} <= set(
+        data["summary"]
+    )

@@ -1,0 +1,199 @@
+"""Sandboxes started ahead of their ``reset()``: the next GRPO step's starts hidden behind this step's verify and optimise.
+
+``HarborGRPOTrainer(prefetch=True)`` knows the next step's dataset rows (see
+:mod:`shim.lookahead`) when the current step reaches its rewards. It hands
+their tasks to :func:`prefetch`, which launches one sandbox per row on the
+env's engine and parks it in that engine's :class:`PrefetchPool`. The next
+``reset()`` on the same task, backend and backend arguments claims a parked
+sandbox instead of launching one (:func:`claim`); the harness setup
+(``_setup``, TRL's base folders) still runs per ``reset``, on the env that
+claimed it. Once the next step's resets are in, :func:`release` stops what no
+reset claimed, so a wrong guess costs a start and never holds a slot that a
+real rollout waits for.
+
+A parked sandbox is an ordinary engine sandbox: it takes a live-sandbox slot
+(queued behind the limit like any start), the engine's close stops it, and
+its episode deadline is counted again from the claim.
+
+Everything but :func:`prefetch` and :func:`release` runs on the loop thread,
+where the pools live; those two hand their work to it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from harbor_async.errors import EngineClosedError
+from harbor_async.logs import get_logger
+from harbor_async.sandbox import SandboxState
+from shim import engines
+
+if TYPE_CHECKING:
+    from harbor.models.task.task import Task
+
+    from harbor_async.backends import BackendSpec
+    from harbor_async.engine import Engine
+    from harbor_async.sandbox import Sandbox
+    from shim.env import HarborEnv
+
+log = get_logger("harbor_async.shim")
+
+#: States in which a parked sandbox can still serve a rollout.
+_USABLE = frozenset({SandboxState.PENDING, SandboxState.STARTING, SandboxState.RUNNING})
+
+_Key = tuple[str, str, str]
+
+
+@dataclass
+class PrefetchCounts:
+    """What became of the sandboxes started ahead since the pool was last released."""
+
+    #: Sandboxes launched ahead.
+    started: int = 0
+    #: Resets that claimed one.
+    hits: int = 0
+    #: Sandboxes stopped unclaimed (wrong guess, or their start had failed).
+    unused: int = 0
+
+
+def _key(task: Task, backend: BackendSpec, backend_kwargs: Mapping[str, Any]) -> _Key:
+    # repr: backend arguments may hold unhashable values; equal arguments print equal.
+    return (
+        str(task.paths.task_dir),
+        backend.name,
+        repr(sorted(backend_kwargs.items())),
+    )
+
+
+class PrefetchPool:
+    """One engine's sandboxes started ahead, by task, backend and backend arguments (loop thread only)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._parked: dict[_Key, deque[Sandbox]] = {}
+        self.counts = PrefetchCounts()
+
+    def start(self, task: Task, backend: BackendSpec, backend_kwargs: Mapping[str, Any]) -> None:
+        """Launch a sandbox for ``task`` and park it."""
+        sandbox = self.engine.launch(task, backend, backend_kwargs=backend_kwargs)
+        self._parked.setdefault(_key(task, backend, backend_kwargs), deque()).append(sandbox)
+        self.counts.started += 1
+
+    def claim(self, task: Task, backend: BackendSpec, backend_kwargs: Mapping[str, Any]) -> Sandbox | None:
+        """A parked sandbox for this task whose start has not failed (oldest first), or ``None``."""
+        key = _key(task, backend, backend_kwargs)
+        parked = self._parked.get(key)
+        while parked:
+            sandbox = parked.popleft()
+            if sandbox.state in _USABLE and not sandbox.done:
+                if not parked:
+                    del self._parked[key]
+                sandbox.renew_deadline()
+                self.counts.hits += 1
+                return sandbox
+            self._stop(sandbox)  # its start failed: a fresh launch retries, as for any reset
+        self._parked.pop(key, None)
+        return None
+
+    def release(self) -> PrefetchCounts:
+        """Stop every unclaimed sandbox; return the counts since the last release and reset them."""
+        for parked in self._parked.values():
+            for sandbox in parked:
+                self._stop(sandbox)
+        self._parked.clear()
+        counts, self.counts = self.counts, PrefetchCounts()
+        return counts
+
+    @property
+    def parked(self) -> int:
+        """Sandboxes waiting for a reset."""
+        return sum(len(p) for p in self._parked.values())
+
+    def _stop(self, sandbox: Sandbox) -> None:
+        self.counts.unused += 1
+        try:
+            self.engine.stop_soon(sandbox)
+        except EngineClosedError:
+            pass  # a closed engine stopped (or stops) every sandbox it holds
+
+
+_pools: weakref.WeakKeyDictionary[Engine, PrefetchPool] = weakref.WeakKeyDictionary()
+
+
+def pool_for(engine: Engine) -> PrefetchPool:
+    """The engine's pool (made on first use; loop thread)."""
+    pool = _pools.get(engine)
+    if pool is None:
+        pool = _pools[engine] = PrefetchPool(engine)
+    return pool
+
+
+def claim(engine: Engine, task: Task, backend: BackendSpec, backend_kwargs: Mapping[str, Any]) -> Sandbox | None:
+    """A sandbox started ahead for this task on ``engine``, or ``None`` (loop thread; cheap when nothing is parked)."""
+    pool = _pools.get(engine)
+    return None if pool is None else pool.claim(task, backend, backend_kwargs)
+
+
+def prefetch(env: HarborEnv, task_dirs: Iterable[str]) -> int:
+    """Start one sandbox per task folder on ``env``'s engine, backend and backend arguments, ahead of its reset.
+
+    Returns at once with the number of sandboxes scheduled; the starts run on
+    the loop thread. A folder that is not a valid task is skipped (its reset
+    will report it).
+    """
+    from shim.env import load_task_cached  # the env module imports this one
+
+    tasks = []
+    for task_dir in task_dirs:
+        try:
+            tasks.append(load_task_cached(task_dir))
+        except (OSError, ValueError) as exc:
+            log.debug("prefetch skipped a task", task_dir=str(task_dir), error=str(exc))
+    if not tasks:
+        return 0
+    engine = engines.engine_for(env._options)
+    backend, backend_kwargs = env._backend, dict(env._backend_kwargs)
+
+    def start_all() -> None:
+        pool = pool_for(engine)
+        for task in tasks:
+            try:
+                pool.start(task, backend, backend_kwargs)
+            except EngineClosedError:
+                return
+
+    engines.submit(start_all)
+    return len(tasks)
+
+
+def release() -> PrefetchCounts:
+    """Stop every parked sandbox of every engine (waits for the loop, not for the stops); the counts summed.
+
+    Called once the step's resets are in: they were handed to the loop before
+    this call, and the loop runs them in order, so each reset has claimed its
+    sandbox by the time the release runs.
+    """
+    if not engines.loop_running():
+        return PrefetchCounts()
+
+    def release_all() -> PrefetchCounts:
+        total = PrefetchCounts()
+        for pool in list(_pools.values()):
+            counts = pool.release()
+            total.started += counts.started
+            total.hits += counts.hits
+            total.unused += counts.unused
+        return total
+
+    return engines.call(release_all)
+
+
+def parked_count() -> int:
+    """Sandboxes started ahead and not yet claimed, over every engine."""
+    if not engines.loop_running():
+        return 0
+    return engines.call(lambda: sum(pool.parked for pool in list(_pools.values())))

@@ -1,0 +1,132 @@
+"""Prefetch: the next generation read from TRL's sampler, sandboxes started ahead and claimed, wrong guesses stopped.
+
+The order is checked against TRL's own ``RepeatSampler`` sharded by
+accelerate's own ``BatchSamplerShard`` (what a multi-process GRPOTrainer
+reads); the pool on a real engine; the whole path on a real
+HarborGRPOTrainer over bubblewrap sandboxes.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from accelerate.data_loader import BatchSamplerShard
+from torch.utils.data import BatchSampler
+from trl.trainer.utils import RepeatSampler
+
+from harbor_async.backends import resolve_backend
+from harbor_async.engine import Engine
+from harbor_async.errors import EpisodeDeadlineError
+from harbor_async.policy import Timeouts
+from shim.lookahead import GenerationLookahead, LookaheadSampler, task_key
+from shim.prefetch import PrefetchPool
+
+
+def _repeat_sampler(rows: int, generations: int, global_batch: int, repeat: int) -> RepeatSampler:
+    return RepeatSampler(
+        data_source=list(range(rows)),
+        mini_repeat_count=generations,
+        batch_size=global_batch // generations,
+        repeat_count=repeat,
+        shuffle=True,
+        seed=7,
+    )
+
+
+@pytest.mark.parametrize(("processes", "repeat"), [(1, 1), (2, 1), (2, 3), (4, 2)])
+def test_lookahead_names_every_next_generation_as_accelerate_shards_it(processes: int, repeat: int) -> None:
+    rows, generations, global_batch, epochs = 24, 2, 8, 3
+    keys = [f"task-{i}" for i in range(rows)]
+    for process in range(processes):
+        sampler = LookaheadSampler(_repeat_sampler(rows, generations, global_batch, repeat))
+        lookahead = GenerationLookahead(
+            sampler, keys.__getitem__, global_batch=global_batch, processes=processes, process_index=process,
+            repeat=repeat,
+        )  # fmt: skip
+        shard = BatchSamplerShard(
+            BatchSampler(sampler, global_batch // processes, drop_last=False),
+            num_processes=processes,
+            process_index=process,
+        )
+        # What this process's trainer generates on: the first of each `repeat` consecutive batches.
+        generations_seen = []
+        for _ in range(epochs):
+            batches = list(shard)
+            generations_seen += [[keys[i] for i in b] for b in batches[::repeat]]
+        assert len(generations_seen) == epochs * rows // (global_batch // generations)
+        # Replay the same epochs and ask, at each generation, for the next one (across epoch ends too).
+        sampler2 = LookaheadSampler(_repeat_sampler(rows, generations, global_batch, repeat))
+        lookahead = GenerationLookahead(
+            sampler2, keys.__getitem__, global_batch=global_batch, processes=processes, process_index=process,
+            repeat=repeat,
+        )  # fmt: skip
+        shard2 = BatchSamplerShard(
+            BatchSampler(sampler2, global_batch // processes, drop_last=False),
+            num_processes=processes,
+            process_index=process,
+        )
+        predicted = []
+        for _ in range(epochs):
+            for batch in list(shard2)[::repeat]:
+                predicted.append(lookahead.next_keys([keys[i] for i in batch]))
+        assert predicted[:-1] == generations_seen[1:]
+
+
+def test_reading_ahead_leaves_the_samplers_order_unchanged() -> None:
+    plain = _repeat_sampler(12, 2, 4, 2)
+    wrapped = LookaheadSampler(_repeat_sampler(12, 2, 4, 2))
+    expected = [list(plain) for _ in range(3)]
+    got = []
+    for _ in range(3):
+        it = iter(wrapped)
+        wrapped.epoch(1)  # read the next epoch before this one is consumed
+        got.append(list(it))
+    assert got == expected
+
+
+def test_lookahead_finds_a_resumed_run_and_says_none_for_unknown_rows() -> None:
+    keys = [f"t{i}" for i in range(16)]
+    sampler = LookaheadSampler(_repeat_sampler(16, 2, 4, 1))
+    lookahead = GenerationLookahead(sampler, keys.__getitem__, global_batch=4)
+    order = [keys[i] for i in iter(sampler)]
+    generation = [order[i : i + 4] for i in range(0, len(order), 4)]
+    assert lookahead.next_keys(generation[3]) == generation[4]  # first call lands mid-epoch (a resume)
+    assert lookahead.next_keys(generation[4]) == generation[5]
+    assert lookahead.next_keys(["t0", "t0", "nope", "nope"]) is None
+
+
+def test_task_key_reads_the_column_or_says_there_is_none() -> None:
+    from datasets import Dataset
+
+    data = Dataset.from_dict({"prompt": ["a", "b"], "task_dir": ["/x", "/y"]})
+    assert task_key(data)(1) == "/y"
+    assert task_key(Dataset.from_dict({"prompt": ["a"]})) is None
+    assert task_key([{"task_dir": "/z"}])(0) == "/z"
+
+
+@pytest.mark.anyio
+async def test_pool_claims_started_sandboxes_stops_unclaimed_and_renews_the_deadline(example_tasks) -> None:
+    simulated = resolve_backend("simulated")
+    first, second = example_tasks[0], example_tasks[1]
+    async with Engine(timeouts=Timeouts(episode=0.6), backend_kwargs={"start_latency": 0.05}) as engine:
+        pool = PrefetchPool(engine)
+        pool.start(first, simulated, {})
+        pool.start(first, simulated, {})
+        pool.start(second, simulated, {})
+        assert pool.parked == 3
+        await anyio.sleep(0.8)  # past the episode budget counted from the launch
+        claimed = pool.claim(first, simulated, {})
+        assert claimed is not None and pool.claim(first, simulated, {"other": 1}) is None
+        await claimed.wait_started()
+        assert (await claimed.exec("echo ok")).exit_code == 0  # the budget counts from the claim
+        others = [s for s in engine.live_sandboxes() if s is not claimed]
+        counts = pool.release()
+        assert (counts.started, counts.hits, counts.unused) == (3, 1, 2)
+        assert pool.parked == 0 and pool.claim(first, simulated, {}) is None
+        with anyio.fail_after(5):
+            for sandbox in others:
+                await sandbox.stop()  # already stopping: returns when stopped
+        assert all(s.done for s in others)
+        await anyio.sleep(0.7)
+        with pytest.raises(EpisodeDeadlineError):
+            await claimed.exec("echo late")

@@ -1,0 +1,133 @@
+"""HarborGRPOTrainer(prefetch=True) on real bubblewrap sandboxes: the next step's sandboxes are started ahead.
+
+Three training steps of 4 rollouts (2 tasks x 2 generations) over the bundled
+suite, with scripted generations (each rollout runs one command, then ends).
+Against the same run without prefetch: the same rows in the same order, the
+same completions and rewards; every reset after the first step claims a
+sandbox started during the step before; a wrong guess is stopped unused and
+changes nothing else; nothing is left running.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import warnings
+from pathlib import Path
+from unittest.mock import patch
+
+import pytest
+
+import shim
+from harbor_async.suites import example_suite_path
+from shim import engines, prefetch
+from shim.trainer import PREFETCH_METRIC_KEYS, HarborGRPOTrainer
+from tests.test_shim_grpo import _grpo_args
+from tests.test_trainer_failures import Scripted, _turns
+from tests.tiny_model import build_tiny_qwen3
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory):
+    warnings.filterwarnings("ignore", category=UserWarning)
+    corpus = [t for row in range(4) for t in _turns(row)]
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny"), corpus=corpus)
+
+
+def _train(out: Path, tiny_model, *, use_prefetch: bool, wrong_guess: bool = False) -> dict:
+    model_dir, tokenizer = tiny_model
+    spec = shim.HarborSpec(example_suite_path(), agent="bash", environment_type="local")
+    trainer = HarborGRPOTrainer(
+        model=str(model_dir),
+        processing_class=tokenizer,
+        args=_grpo_args(out, max_steps=STEPS, batch=4, generations=2, completion=256),
+        train_dataset=spec.train_dataset,
+        environment_factory=spec.environment_factory,
+        reward_funcs=spec.reward_funcs,
+        prefetch=use_prefetch,
+    )
+    rows, rewards, parked_at_reset = [], [], []
+    inner = trainer._generate_and_score_completions
+    inner_generate = trainer._generate
+
+    def recording(inputs):
+        if wrong_guess:  # a sampler that cannot be read ahead correctly: always guess the first task
+            lookahead = trainer._harbor_lookahead
+            lookahead.next_keys = lambda keys: [spec.train_dataset["task_dir"][0]] * len(keys)
+        rows.append([row["task_dir"] for row in inputs])
+        output = inner(inputs)
+        rewards.append(trainer._harbor_rewards.flatten().tolist())
+        return output
+
+    def generate(prompts):
+        parked_at_reset.append(prefetch.parked_count())  # before the release: what the resets left unclaimed
+        return inner_generate(prompts)
+
+    trainer._generate_and_score_completions = recording
+    trainer._generate = generate
+    try:
+        with patch.object(trainer.model, "generate", side_effect=Scripted(tokenizer)):
+            trainer.train()
+        completions = list(trainer._logs["completion"])
+    finally:
+        spec.close()
+    history = [e for e in trainer.state.log_history if "loss" in e]
+    return {
+        "rows": rows,
+        "rewards": rewards,
+        "completions": completions,
+        "history": history,
+        "parked_at_reset": parked_at_reset,
+        "live_after": engines.live_sandbox_count(),
+        "parked_after": prefetch.parked_count(),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return {
+        name: _train(tmp_path_factory.mktemp(name), tiny_model, use_prefetch=name != "plain", wrong_guess=name == "wrong")
+        for name in ("plain", "prefetch", "wrong")
+    }
+
+
+def test_prefetch_changes_nothing_a_step_computes(runs) -> None:
+    plain = runs["plain"]
+    assert len(plain["rows"]) == STEPS and len({tuple(r) for r in plain["rows"]}) == STEPS  # three different batches
+    for name in ("prefetch", "wrong"):
+        assert runs[name]["rows"] == plain["rows"]
+        assert runs[name]["rewards"] == plain["rewards"]
+        assert runs[name]["completions"] == plain["completions"]
+    assert all(r == r for step in plain["rewards"] for r in step)  # no NaN: every sandbox gave a verdict
+
+
+def test_every_reset_after_the_first_step_claims_a_sandbox_started_ahead(runs) -> None:
+    history = runs["prefetch"]["history"]
+    assert len(history) == STEPS
+    assert all(key in entry for entry in history for key in PREFETCH_METRIC_KEYS)
+    assert [e["env/prefetch_hits"] for e in history] == [0.0, 4.0, 4.0]
+    assert [e["env/prefetch_unused"] for e in history] == [0.0, 0.0, 0.0]
+    assert runs["prefetch"]["parked_at_reset"] == [0, 0, 0]  # all claimed; and nothing is started after the last step
+    assert all("env/prefetch_hits" not in entry for entry in runs["plain"]["history"])
+
+
+def test_a_wrong_guess_is_stopped_unused(runs) -> None:
+    history = runs["wrong"]["history"]
+    first = runs["plain"]["rows"][0][0]
+    # The guess (4 x the first task) is right only for the rows of a step that use that task.
+    hits = [sum(row == first for row in rows) for rows in runs["plain"]["rows"][1:]]
+    assert [e["env/prefetch_hits"] for e in history] == [0.0, *map(float, hits)]
+    assert [e["env/prefetch_unused"] for e in history] == [0.0, *(4.0 - h for h in hits)]
+    assert hits != [4, 4]  # the test does exercise a wrong guess
+
+
+def test_nothing_is_left_running(runs) -> None:
+    for name, run in runs.items():
+        assert (run["live_after"], run["parked_after"]) == (0, 0), name
