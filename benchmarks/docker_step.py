@@ -9,7 +9,10 @@ One run, side by side, the GRPO-step replay of :mod:`benchmarks.grpo_step`:
 - ``shim-rounds`` on ``docker-fast``: and each turn's calls dispatched all at
   once by HarborGRPOTrainer's round code;
 - ``shim-prefetch`` on ``docker-fast``: and the next step's sandboxes started
-  by HarborGRPOTrainer's prefetch while this step verifies.
+  by HarborGRPOTrainer's prefetch while this step verifies;
+- the last two again with a pause of :data:`OPTIMISE_SECONDS` after each
+  step's rewards, standing in for a GPU optimiser step (host CPUs idle), which
+  a prefetch also hides starts behind; the pause is not environment time.
 
 Step 1 and the later steps are reported apart (step 1 starts from the run's
 empty build cache: every image is built, or found in the daemon's cache, once);
@@ -30,13 +33,17 @@ from typing import Any
 
 from benchmarks.grpo_step import run_grpo_steps
 
-#: (implementation, backend) pairs, in run order.
+#: Seconds of the pause standing in for a GPU optimiser step (host CPUs idle) in the last two variants.
+OPTIMISE_SECONDS = 4.0
+#: (implementation, backend, optimiser pause) triples, in run order.
 VARIANTS = (
-    ("trl", "docker"),
-    ("shim", "docker"),
-    ("shim", "docker-fast"),
-    ("shim-rounds", "docker-fast"),
-    ("shim-prefetch", "docker-fast"),
+    ("trl", "docker", 0.0),
+    ("shim", "docker", 0.0),
+    ("shim", "docker-fast", 0.0),
+    ("shim-rounds", "docker-fast", 0.0),
+    ("shim-prefetch", "docker-fast", 0.0),
+    ("shim-rounds", "docker-fast", OPTIMISE_SECONDS),
+    ("shim-prefetch", "docker-fast", OPTIMISE_SECONDS),
 )
 
 
@@ -52,14 +59,16 @@ def run(batch: int = 8, turns: int = 3, steps: int = 3, log: Any = print) -> dic
     """Every variant, one after another; their runs and the ratios to TRL's env (later steps, and step 1)."""
     result: dict[str, Any] = {"batch": batch, "turns": turns, "steps": steps, "hb_images_before": _images_in_daemon()}
     runs = []
-    for implementation, backend in VARIANTS:
-        log(f"docker-step: {implementation} on {backend}, B={batch}, T={turns}, {steps} steps")
+    for implementation, backend, optimise in VARIANTS:
+        pause = f", {optimise:g} s optimiser pause" if optimise else ""
+        log(f"docker-step: {implementation} on {backend}, B={batch}, T={turns}, {steps} steps{pause}")
         grpo = run_grpo_steps(
             implementation,
             backend=backend,
             batch=batch,
             turns=turns,
             steps=steps,
+            optimise_seconds=optimise,
             on_step=lambda i, t: log(
                 f"  step {i + 1}: {t.total:.2f} s (reset {t.reset:.2f}, tools {t.tools:.2f}, rewards {t.rewards:.2f})"
             ),
@@ -70,7 +79,7 @@ def run(batch: int = 8, turns: int = 3, steps: int = 3, log: Any = print) -> dic
     result["runs"] = runs
     trl = runs[0]
     result["summary"] = {
-        f"{r['implementation']}@{r['backend']}": {
+        _label(r): {
             "first_step_s": r["first_step"],
             "later_step_mean_s": r["later_step_mean"],
             "later_ratio_to_trl": round(trl["later_step_mean"] / r["later_step_mean"], 1),
@@ -79,6 +88,12 @@ def run(batch: int = 8, turns: int = 3, steps: int = 3, log: Any = print) -> dic
         for r in runs
     }
     return result
+
+
+def _label(run: dict[str, Any]) -> str:
+    """``implementation@backend``, plus ``+optimiseNs`` for a run with an optimiser pause."""
+    pause = run.get("optimise_seconds") or 0
+    return f"{run['implementation']}@{run['backend']}" + (f"+optimise{pause:g}s" if pause else "")
 
 
 def main(argv: list[str] | None = None) -> None:

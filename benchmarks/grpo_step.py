@@ -26,7 +26,8 @@ IMPLEMENTATIONS = ("trl", "shim", "shim-rounds", "shim-prefetch")
 #: round code (:func:`shim.tool_dispatch.run_tool_round`, all rollouts at once) instead of one after another.
 #: ``shim-prefetch``: and the next step's sandboxes started when this step's rewards begin, through
 #: HarborGRPOTrainer's prefetch (:mod:`shim.prefetch`), released once the next step's resets are in.
-#: The replay has no optimiser step, so only the verifiers' time hides the starts: a lower bound.
+#: Every step prefetches, the last one too (released at the end), so later steps are the steady state.
+#: Without ``optimise_seconds`` only the verifiers' time hides the starts.
 
 #: Simulated cloud latencies (seconds) from the issue: start, exec, verify, stop.
 CLOUD_LATENCIES = {"start_latency": 0.5, "exec_latency": 0.05, "verify_latency": 1.0, "stop_latency": 0.5}
@@ -61,6 +62,8 @@ class GrpoRun:
     start_profile: dict = field(default_factory=dict)
     #: ``shim-prefetch``: per step, the resets that claimed a sandbox started ahead.
     prefetch_hits: list[int] = field(default_factory=list)
+    #: Seconds paused after each step's rewards, standing in for an optimiser step on a GPU (host CPUs idle).
+    optimise_seconds: float = 0.0
 
     @property
     def later_step_mean(self) -> float:
@@ -125,11 +128,16 @@ def run_grpo_steps(
     suite: str | None = None,
     backend_kwargs: dict[str, Any] | None = None,
     on_step: Callable[[int, StepTimes], None] | None = None,
+    optimise_seconds: float = 0.0,
 ) -> GrpoRun:
-    """Replay ``steps`` GRPO steps of ``batch`` rollouts and time the environment calls."""
+    """Replay ``steps`` GRPO steps of ``batch`` rollouts and time the environment calls.
+
+    ``optimise_seconds``: a pause after each step's rewards (not counted as
+    environment time), standing in for the optimiser step that a prefetch hides starts behind.
+    """
     tasks = load_suite(suite).tasks
     envs, reward_func = _make_envs(implementation, backend, batch, dict(backend_kwargs or {}))
-    run = GrpoRun(implementation, backend, batch, turns)
+    run = GrpoRun(implementation, backend, batch, turns, optimise_seconds=optimise_seconds)
     rewards: list[float] = []
 
     def picks_of(step: int) -> list[Any]:
@@ -154,7 +162,7 @@ def run_grpo_steps(
                 for env, script in zip(envs, scripts, strict=True):
                     env.bash(script[turn])
             after_tools = time.perf_counter()
-            if implementation == "shim-prefetch" and step + 1 < steps:
+            if implementation == "shim-prefetch":
                 prefetch.prefetch(envs[0], [str(task.task_dir) for task in picks_of(step + 1)])
             rewards = reward_func(environments=envs)
             end = time.perf_counter()
@@ -162,8 +170,13 @@ def run_grpo_steps(
             run.steps.append(times)
             if on_step is not None:
                 on_step(step, times)
+            time.sleep(optimise_seconds)
     finally:
         begin = time.perf_counter()
+        if implementation == "shim-prefetch":
+            from shim import prefetch
+
+            prefetch.release()
         _close(implementation, envs)
         run.teardown = time.perf_counter() - begin
     run.mean_reward = sum(rewards) / len(rewards) if rewards else 0.0

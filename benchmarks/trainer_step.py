@@ -97,7 +97,8 @@ class TrainerRun:
     turns: int
     steps: list[TrainerStep] = field(default_factory=list)
     logged_env_wait: list[float] = field(default_factory=list)  # HarborGRPOTrainer's own env/wait_s
-    logged_prefetch_hits: list[float] = field(default_factory=list)  # with prefetch: resets that claimed a started sandbox
+    #: With prefetch: per step, the resets that claimed a sandbox started ahead.
+    logged_prefetch_hits: list[float] = field(default_factory=list)
 
     def later(self, attr: str) -> float:
         """Mean of ``attr`` over the steps after the first (model warm-up and first starts excluded)."""
@@ -182,12 +183,41 @@ class _Script:
         return torch.cat([input_ids, completion], dim=-1)
 
 
+def cpu_grpo_config(
+    out: Path, max_steps: int, batch: int, generations: int, completion: int = 512, **overrides: Any
+) -> Any:
+    """The CPU ``GRPOConfig`` of every trainer benchmark and test: no vLLM or saving, a log line a step, seed 0.
+
+    ``overrides``: any other ``GRPOConfig`` field (they win over these defaults).
+    """
+    from trl import GRPOConfig
+
+    fields: dict[str, Any] = {
+        "output_dir": str(out),
+        "use_vllm": False,
+        "max_steps": max_steps,
+        "per_device_train_batch_size": batch,
+        "num_generations": generations,
+        "max_completion_length": completion,
+        "learning_rate": 1e-2,
+        "logging_steps": 1,
+        "report_to": [],
+        "save_strategy": "no",
+        "bf16": False,
+        "use_cpu": True,
+        "dataloader_num_workers": 0,
+        "seed": 0,
+        "disable_tqdm": True,
+    }
+    return GRPOConfig(**{**fields, **overrides})
+
+
 def run_trainer(trainer: str, scenario: dict[str, Any], model_dir: Path, tokenizer: Any, out: Path) -> TrainerRun:
     """Train ``scenario["steps"]`` steps with one trainer; time each step."""
     from unittest.mock import patch
 
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     import shim
     from harbor_async.suites import example_suite_path
@@ -200,22 +230,8 @@ def run_trainer(trainer: str, scenario: dict[str, Any], model_dir: Path, tokeniz
         backend_kwargs=scenario["latencies"],
         max_live_sandboxes=2 * batch + 8,  # this batch's sandboxes and the last one's, while they stop
     )
-    args = GRPOConfig(
-        output_dir=str(out / trainer),
-        use_vllm=False,
-        max_steps=scenario["steps"],
-        per_device_train_batch_size=batch,
-        num_generations=scenario["generations"],
-        max_completion_length=1024,
-        learning_rate=1e-3,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        bf16=False,
-        use_cpu=True,
-        dataloader_num_workers=0,
-        seed=0,
-        disable_tqdm=True,
+    args = cpu_grpo_config(
+        out / trainer, scenario["steps"], batch, scenario["generations"], completion=1024, learning_rate=1e-3
     )
     walls: list[float] = []
 

@@ -21,6 +21,7 @@ from harbor_async.backends import BackendSpec, resolve_backend
 from harbor_async.errors import FailureClass, Phase, SandboxError, VerifierFailure, failure_class
 from harbor_async.logs import get_logger
 from harbor_async.records import EpisodeRecord, PhaseSpan
+from harbor_async.sandbox import VERIFIER_OUTPUT_LIMIT
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
@@ -36,8 +37,6 @@ MODEL_FREE_AGENTS = ("oracle", "none", "nop")
 
 #: Where Harbor's verifier writes the test script's stdout and stderr, in the sandbox.
 VERIFIER_OUTPUT_PATH = "/logs/verifier/test-stdout.txt"
-#: Characters of verifier output kept in a record (the end: where test failures are).
-VERIFIER_OUTPUT_LIMIT = 16_000
 #: Seconds granted to fetch the verifier's output from a sandbox after the verifier failed.
 VERIFIER_OUTPUT_TIMEOUT = 10.0
 

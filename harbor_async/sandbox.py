@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment
     from harbor.models.task.task import Task
 
+#: Characters of verifier output kept (the end of each stream: where test failures are).
 VERIFIER_OUTPUT_LIMIT = 20_000
 
 

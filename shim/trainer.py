@@ -195,8 +195,9 @@ class HarborGRPOTrainer(GRPOTrainer):
     def _generate(self, prompts: list):
         # GRPOTrainer resets every env (and builds the batch's env pool) between the start of
         # _generate_and_score_completions and this call: that span is the reset wait.
-        if self._harbor_prefetch and self.model.training:
+        if self._harbor_prefetch:
             # The resets are in (and claimed on the loop, in order): what is still parked was a wrong guess.
+            # Evaluation releases too: parked sandboxes hold live slots its resets may be waiting for.
             self._harbor_prefetch_counts = prefetch.release()
         self._harbor_wait["reset"] += time.perf_counter() - self._harbor_batch_begin
         return super()._generate(prompts)
@@ -309,7 +310,7 @@ class HarborGRPOTrainer(GRPOTrainer):
         metrics["env/wait_s"].append(wait["reset"] + wait["tools"] + wait["rewards"])
         snapshot = engine_snapshot()
         metrics["env/live_sandboxes"].append(float(snapshot["live"]))
-        if self._harbor_prefetch and mode == "train":
+        if self._harbor_prefetch:
             counts = self._harbor_prefetch_counts or prefetch.PrefetchCounts()
             metrics["env/prefetch_hits"].append(float(counts.hits))
             metrics["env/prefetch_unused"].append(float(counts.unused))

@@ -60,3 +60,16 @@ def test_overhead_reports_the_round_trip_and_capacity(tmp_path):
     assert 0 < rt["direct_p50_us"] < rt["portal_p50_us"]  # the portal adds a thread hand-off
     assert [s["sandboxes"] for s in data["capacity"]][0] == 20
     assert data["max_sandboxes_under_1ms"] in (0, 20, 40)
+
+
+def test_grpo_step_replay_with_prefetch_claims_every_later_start_and_leaves_nothing(example_tasks):
+    from benchmarks.grpo_step import run_grpo_steps
+    from shim import engines, prefetch
+
+    latencies = {"start_latency": 0.2, "exec_latency": 0.01, "verify_latency": 0.05, "stop_latency": 0.0}
+    kwargs = {"backend": "simulated", "batch": 4, "turns": 2, "steps": 3, "backend_kwargs": latencies}
+    rounds = run_grpo_steps("shim-rounds", **kwargs)
+    ahead = run_grpo_steps("shim-prefetch", optimise_seconds=0.3, **kwargs)
+    assert ahead.prefetch_hits == [0, 4, 4] and ahead.optimise_seconds == 0.3
+    assert ahead.mean_reward == rounds.mean_reward > 0  # same tasks and answers, same verdicts
+    assert prefetch.parked_count() == 0 and engines.live_sandbox_count() == 0

@@ -31,6 +31,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 import shim
 import shim.rewards
+from benchmarks.trainer_step import cpu_grpo_config
 from harbor_async.suites import example_suite_path
 from harbor_async.tasks import load_task
 from shim import engines
@@ -117,26 +118,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
 def _grpo_args(
     out: Path, max_steps: int, batch: int = 4, generations: int = 2, completion: int = 512, **overrides
 ) -> GRPOConfig:
-    """The CPU GRPO config every trainer test and benchmark shares (``overrides``: other GRPOConfig fields)."""
-    return GRPOConfig(
-        output_dir=str(out),
-        use_vllm=False,
-        max_steps=max_steps,
-        per_device_train_batch_size=batch,
-        num_generations=generations,
-        max_completion_length=completion,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        bf16=False,
-        use_cpu=True,
-        shuffle_dataset=False,
-        dataloader_num_workers=0,
-        seed=0,
-        disable_tqdm=True,
-        **overrides,
-    )
+    """The benchmarks' CPU GRPO config with the dataset's order kept (``overrides``: other GRPOConfig fields)."""
+    return cpu_grpo_config(out, max_steps, batch, generations, completion, **{"shuffle_dataset": False, **overrides})
 
 
 def test_grpo_trainer_runs_on_shim_spec_with_real_sandboxes(

@@ -36,18 +36,6 @@ from tests.trainer_backend import OneFailedStart
 MARKER = re.compile(r"\[r(\d)\]")
 
 
-class Harness(shim.HarborBashEnv):
-    """The bash harness, plus (until the trust issue's property lands on HarborEnv) its failure flag."""
-
-    if not hasattr(shim.HarborEnv, "infrastructure_failure"):
-
-        @property
-        def infrastructure_failure(self) -> bool:
-            """Stand-in for #10's ``HarborEnv.infrastructure_failure``: the sandbox could not be prepared."""
-            episode = self._episode
-            return episode is not None and episode.error is not None
-
-
 def reward_by_row(completions, environments, **kwargs):
     """``None`` for an infrastructure failure (as #10's reward), else a reward that differs by rollout.
 
@@ -93,7 +81,7 @@ def failed_step(tmp_path_factory: pytest.TempPathFactory):
     model_dir, tokenizer = build_tiny_qwen3(tmp_path_factory.mktemp("tiny"), corpus=corpus)
     spec = shim.HarborSpec(
         example_suite_path(),
-        agent=Harness,
+        agent="bash",
         environment_type="tests.trainer_backend:OneFailedStart",
         indices=[1],
         start_attempts=1,

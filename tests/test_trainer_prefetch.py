@@ -5,7 +5,9 @@ suite, with scripted generations (each rollout runs one command, then ends).
 Against the same run without prefetch: the same rows in the same order, the
 same completions and rewards; every reset after the first step claims a
 sandbox started during the step before; a wrong guess is stopped unused and
-changes nothing else; nothing is left running.
+changes nothing else; with a live-sandbox limit of one batch the starts ahead
+queue for slots and still hit; an evaluation between steps stops what was
+started ahead instead of waiting behind it; nothing is left running.
 """
 
 from __future__ import annotations
@@ -41,14 +43,20 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny"), corpus=corpus)
 
 
-def _train(out: Path, tiny_model, *, use_prefetch: bool, wrong_guess: bool = False) -> dict:
+def _train(
+    out: Path, tiny_model, *, use_prefetch: bool, wrong_guess: bool = False, limit: int | None = None, evaluate=False
+) -> dict:
     model_dir, tokenizer = tiny_model
-    spec = shim.HarborSpec(example_suite_path(), agent="bash", environment_type="local")
+    # A start waiting for a slot that nothing frees waits for ever: pytest-timeout ends such a run.
+    options = {"max_live_sandboxes": limit} if limit else {}
+    spec = shim.HarborSpec(example_suite_path(), agent="bash", environment_type="local", **options)
+    evaluation = {"eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": 4} if evaluate else {}
     trainer = HarborGRPOTrainer(
         model=str(model_dir),
         processing_class=tokenizer,
-        args=_grpo_args(out, max_steps=STEPS, batch=4, generations=2, completion=256),
+        args=_grpo_args(out, max_steps=STEPS, batch=4, generations=2, completion=256, **evaluation),
         train_dataset=spec.train_dataset,
+        eval_dataset=spec.train_dataset.select([8, 9]) if evaluate else None,
         environment_factory=spec.environment_factory,
         reward_funcs=spec.reward_funcs,
         prefetch=use_prefetch,
@@ -61,13 +69,15 @@ def _train(out: Path, tiny_model, *, use_prefetch: bool, wrong_guess: bool = Fal
         if wrong_guess:  # a sampler that cannot be read ahead correctly: always guess the first task
             lookahead = trainer._harbor_lookahead
             lookahead.next_keys = lambda keys: [spec.train_dataset["task_dir"][0]] * len(keys)
-        rows.append([row["task_dir"] for row in inputs])
         output = inner(inputs)
-        rewards.append(trainer._harbor_rewards.flatten().tolist())
+        if trainer.model.training:  # evaluation batches are checked through their own logs
+            rows.append([row["task_dir"] for row in inputs])
+            rewards.append(trainer._harbor_rewards.flatten().tolist())
         return output
 
     def generate(prompts):
-        parked_at_reset.append(prefetch.parked_count())  # before the release: what the resets left unclaimed
+        if trainer.model.training:  # before the release: what the resets left unclaimed
+            parked_at_reset.append(prefetch.parked_count())
         return inner_generate(prompts)
 
     trainer._generate_and_score_completions = recording
@@ -79,7 +89,9 @@ def _train(out: Path, tiny_model, *, use_prefetch: bool, wrong_guess: bool = Fal
     finally:
         spec.close()
     history = [e for e in trainer.state.log_history if "loss" in e]
+    evaluations = [e for e in trainer.state.log_history if "eval_loss" in e or "eval_env/wait_s" in e]
     return {
+        "evaluations": evaluations,
         "rows": rows,
         "rewards": rewards,
         "completions": completions,
@@ -92,20 +104,25 @@ def _train(out: Path, tiny_model, *, use_prefetch: bool, wrong_guess: bool = Fal
 
 @pytest.fixture(scope="module")
 def runs(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return {
-        name: _train(tmp_path_factory.mktemp(name), tiny_model, use_prefetch=name != "plain", wrong_guess=name == "wrong")
-        for name in ("plain", "prefetch", "wrong")
+    variants = {
+        "plain": {"use_prefetch": False},
+        "prefetch": {"use_prefetch": True},
+        "wrong": {"use_prefetch": True, "wrong_guess": True},
+        "limited": {"use_prefetch": True, "limit": 4},
+        "evaluated": {"use_prefetch": True, "limit": 4, "evaluate": True},
     }
+    return {name: _train(tmp_path_factory.mktemp(name), tiny_model, **kw) for name, kw in variants.items()}
 
 
 def test_prefetch_changes_nothing_a_step_computes(runs) -> None:
     plain = runs["plain"]
     assert len(plain["rows"]) == STEPS and len({tuple(r) for r in plain["rows"]}) == STEPS  # three different batches
-    for name in ("prefetch", "wrong"):
+    for name in ("prefetch", "wrong", "limited", "evaluated"):
         assert runs[name]["rows"] == plain["rows"]
         assert runs[name]["rewards"] == plain["rewards"]
         assert runs[name]["completions"] == plain["completions"]
-    assert all(r == r for step in plain["rewards"] for r in step)  # no NaN: every sandbox gave a verdict
+    for run in runs.values():
+        assert all(r == r for step in run["rewards"] for r in step)  # no NaN: every sandbox gave a verdict
 
 
 def test_every_reset_after_the_first_step_claims_a_sandbox_started_ahead(runs) -> None:
@@ -131,3 +148,18 @@ def test_a_wrong_guess_is_stopped_unused(runs) -> None:
 def test_nothing_is_left_running(runs) -> None:
     for name, run in runs.items():
         assert (run["live_after"], run["parked_after"]) == (0, 0), name
+
+
+def test_with_one_batch_of_slots_the_starts_ahead_queue_and_still_hit(runs) -> None:
+    history = runs["limited"]["history"]
+    assert [e["env/prefetch_hits"] for e in history] == [0.0, 4.0, 4.0]
+    assert all(e["env/live_sandboxes"] <= 4 for e in history)
+
+
+def test_an_evaluation_between_steps_stops_the_starts_ahead_instead_of_waiting_behind_them(runs) -> None:
+    run = runs["evaluated"]
+    evaluations = run["evaluations"]
+    assert len(evaluations) == STEPS  # one after each step, none stuck behind the parked sandboxes
+    # The first two evaluations follow a step that started the next one's sandboxes (tasks 2-5, not 8-9).
+    assert [e["eval_env/prefetch_unused"] for e in evaluations] == [4.0, 4.0, 0.0]
+    assert [e["env/prefetch_hits"] for e in run["history"]] == [0.0, 0.0, 0.0]

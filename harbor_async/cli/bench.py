@@ -144,7 +144,7 @@ def trainer_step(
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file.")] = DEFAULT_OUT,
     log_level: LogOpt = None,
 ) -> None:
-    """GRPOTrainer with the plain shim against HarborGRPOTrainer (concurrent tool rounds); writes trainer-step-SCENARIO.json."""
+    """GRPOTrainer with the plain shim against HarborGRPOTrainer (concurrent tool rounds), without and with prefetch; writes trainer-step-SCENARIO.json."""
     _setup(log_level)
     from benchmarks.trainer_step import main as run_it
 
@@ -157,7 +157,7 @@ def docker_step(
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file.")] = DEFAULT_OUT,
     log_level: LogOpt = None,
 ) -> None:
-    """GRPO steps on Harbor's docker backend, B=8 distinct task images: TRL's env, the shim, docker-fast; writes docker-step.json."""
+    """GRPO steps on Harbor's docker backend, B=8 distinct task images: TRL's env, the shim, docker-fast, rounds, prefetch; writes docker-step.json."""
     _setup(log_level)
     from benchmarks.docker_step import main as run_it
 
