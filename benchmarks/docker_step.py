@@ -8,11 +8,12 @@ One run, side by side, the GRPO-step replay of :mod:`benchmarks.grpo_step`:
   :mod:`harbor_async.backends.docker.fast_start`;
 - ``shim-rounds`` on ``docker-fast``: and each turn's calls dispatched all at
   once by HarborGRPOTrainer's round code;
-- ``shim-prefetch`` on ``docker-fast``: and the next step's sandboxes started
-  by HarborGRPOTrainer's prefetch while this step verifies;
-- the last two again with a pause of :data:`OPTIMISE_SECONDS` after each
-  step's rewards, standing in for a GPU optimiser step (host CPUs idle), which
-  a prefetch also hides starts behind; the pause is not environment time.
+- with a pause of :data:`OPTIMISE_SECONDS` after each step's rewards, standing
+  in for a GPU optimiser step (host CPUs idle; not environment time):
+  ``shim-rounds`` again; ``shim-prefetch-early``, the next step's sandboxes
+  started by HarborGRPOTrainer's prefetch when the rewards begin (beside the
+  verifiers); ``shim-prefetch``, started once the rewards are in, where
+  HarborGRPOTrainer starts them.
 
 Step 1 and the later steps are reported apart (step 1 starts from the run's
 empty build cache: every image is built, or found in the daemon's cache, once);
@@ -33,7 +34,7 @@ from typing import Any
 
 from benchmarks.grpo_step import run_grpo_steps
 
-#: Seconds of the pause standing in for a GPU optimiser step (host CPUs idle) in the last two variants.
+#: Seconds of the pause standing in for a GPU optimiser step (host CPUs idle) in the last three variants.
 OPTIMISE_SECONDS = 4.0
 #: (implementation, backend, optimiser pause) triples, in run order.
 VARIANTS = (
@@ -41,8 +42,8 @@ VARIANTS = (
     ("shim", "docker", 0.0),
     ("shim", "docker-fast", 0.0),
     ("shim-rounds", "docker-fast", 0.0),
-    ("shim-prefetch", "docker-fast", 0.0),
     ("shim-rounds", "docker-fast", OPTIMISE_SECONDS),
+    ("shim-prefetch-early", "docker-fast", OPTIMISE_SECONDS),
     ("shim-prefetch", "docker-fast", OPTIMISE_SECONDS),
 )
 

@@ -21,13 +21,14 @@ from typing import Any
 
 from harbor_async.tasks import load_suite
 
-IMPLEMENTATIONS = ("trl", "shim", "shim-rounds", "shim-prefetch")
+IMPLEMENTATIONS = ("trl", "shim", "shim-rounds", "shim-prefetch", "shim-prefetch-early")
 #: ``shim-rounds``: the shim's envs with each turn's calls dispatched by HarborGRPOTrainer's own
 #: round code (:func:`shim.tool_dispatch.run_tool_round`, all rollouts at once) instead of one after another.
-#: ``shim-prefetch``: and the next step's sandboxes started when this step's rewards begin, through
-#: HarborGRPOTrainer's prefetch (:mod:`shim.prefetch`), released once the next step's resets are in.
-#: Every step prefetches, the last one too (released at the end), so later steps are the steady state.
-#: Without ``optimise_seconds`` only the verifiers' time hides the starts.
+#: ``shim-prefetch``: and the next step's sandboxes started once this step's rewards are in (where
+#: HarborGRPOTrainer starts them), through its prefetch (:mod:`shim.prefetch`), released once the next
+#: step's resets are in; ``shim-prefetch-early``: started when the rewards begin instead, beside the
+#: verifiers. Every step prefetches, the last one too (released at the end), so later steps are the
+#: steady state. The starts hide behind ``optimise_seconds`` (and, early, the verifiers).
 
 #: Simulated cloud latencies (seconds) from the issue: start, exec, verify, stop.
 CLOUD_LATENCIES = {"start_latency": 0.5, "exec_latency": 0.05, "verify_latency": 1.0, "stop_latency": 0.5}
@@ -95,7 +96,7 @@ def _make_envs(implementation: str, backend: str, batch: int, backend_kwargs: di
 
         envs = [ReferenceHarborBashEnv(environment_type=backend, backend_kwargs=backend_kwargs) for _ in range(batch)]
         return envs, _outcome_reward_func
-    if implementation in ("shim", "shim-rounds", "shim-prefetch"):
+    if implementation.startswith("shim"):
         from shim import HarborBashEnv
         from shim.rewards import _outcome_reward_func
 
@@ -149,22 +150,26 @@ def run_grpo_steps(
             begin = time.perf_counter()
             for env, task in zip(envs, picks, strict=True):
                 env.reset(task_dir=str(task.task_dir))
-            if implementation == "shim-prefetch":
+            prefetching = implementation.startswith("shim-prefetch")
+            if prefetching:
                 from shim import prefetch
 
                 run.prefetch_hits.append(prefetch.release().hits)
             after_reset = time.perf_counter()
             scripts = [_commands(turns, task.config.metadata.get("gold_answer")) for task in picks]
             for turn in range(turns):
-                if implementation in ("shim-rounds", "shim-prefetch"):
+                if implementation == "shim-rounds" or prefetching:
                     _round(envs, [script[turn] for script in scripts])
                     continue
                 for env, script in zip(envs, scripts, strict=True):
                     env.bash(script[turn])
             after_tools = time.perf_counter()
-            if implementation == "shim-prefetch":
-                prefetch.prefetch(envs[0], [str(task.task_dir) for task in picks_of(step + 1)])
+            following = [str(task.task_dir) for task in picks_of(step + 1)]
+            if implementation == "shim-prefetch-early":
+                prefetch.prefetch(envs[0], following)
             rewards = reward_func(environments=envs)
+            if implementation == "shim-prefetch":
+                prefetch.prefetch(envs[0], following)
             end = time.perf_counter()
             times = StepTimes(after_reset - begin, after_tools - after_reset, end - after_tools)
             run.steps.append(times)
@@ -173,7 +178,7 @@ def run_grpo_steps(
             time.sleep(optimise_seconds)
     finally:
         begin = time.perf_counter()
-        if implementation == "shim-prefetch":
+        if implementation.startswith("shim-prefetch"):
             from shim import prefetch
 
             prefetch.release()

@@ -123,6 +123,8 @@ class Sandbox:
         self.stop_error: SandboxError | None = None
         self._backend_kwargs = dict(backend_kwargs or {})
         self._episode_timeout = episode_timeout if episode_timeout is not None else self.timeouts.episode
+        self._slot_scope: anyio.CancelScope | None = None  # while waiting for a live slot
+        self._slot_wait = math.inf  # that wait's budget
         self._deadline = math.inf
         self.renew_deadline()
         self._env: BaseEnvironment | None = None
@@ -154,13 +156,16 @@ class Sandbox:
         return self._stopped.is_set()
 
     def renew_deadline(self) -> None:
-        """Count the episode deadline from now (call on the loop).
+        """Count the episode deadline, and a wait for a live slot still in progress, from now (call on the loop).
 
         For a sandbox started ahead of its episode (the shim's prefetch): the
         episode's budget starts when it claims the sandbox, not at the launch.
         """
         episode = self._episode_timeout
         self._deadline = anyio.current_time() + episode if episode is not None else math.inf
+        if self._slot_scope is not None:
+            self._slot_wait = self._budget(Phase.START, self.timeouts.slot)
+            self._slot_scope.deadline = anyio.current_time() + self._slot_wait
 
     async def wait_started(self) -> None:
         """Wait until the start finished; raise its error if it failed."""
@@ -361,15 +366,15 @@ class Sandbox:
             self._start_scope = scope
             if self._stop_claimed:  # stopped before the start began: it never does
                 scope.cancel()
-            wait = self._budget(Phase.START, self.timeouts.slot)
+            wait = self._slot_wait = self._budget(Phase.START, self.timeouts.slot)
             try:
-                with anyio.fail_after(wait if math.isfinite(wait) else None):
+                with anyio.fail_after(wait if math.isfinite(wait) else None) as self._slot_scope:
                     await self.context.budget.acquire_live(self)
             except TimeoutError:
                 self._abandon_start(
                     SandboxTimeout(
                         Phase.START, self.task_name, self.id,
-                        f"no live-sandbox slot within {max(wait, 0):.3g} s "
+                        f"no live-sandbox slot within {max(self._slot_wait, 0):.3g} s "
                         f"(limit: {self.context.budget.live_limit} live sandboxes)",
                     )  # fmt: skip
                 )
@@ -380,6 +385,8 @@ class Sandbox:
                 self._holds_slot = True
                 stats.add_live(+1)
                 await self._start()
+            finally:
+                self._slot_scope = None
         if self.state is SandboxState.RUNNING:
             stats.started += 1
         elif isinstance(self.start_error, SandboxCancelledError):

@@ -156,6 +156,8 @@ class Episode:
                 self.error = SandboxClosedError(Phase.START, self.task.name, "-", "the episode was closed")
                 return
             try:
+                # No await before the claim: prefetch.release() relies on every reset handed to the loop
+                # before it having claimed by then.
                 self.sandbox = prefetch.claim(self.engine, self.task, self.backend, self.backend_kwargs)
                 if self.sandbox is None:
                     self.sandbox = self.engine.launch(self.task, self.backend, backend_kwargs=self.backend_kwargs)

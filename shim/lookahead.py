@@ -96,6 +96,8 @@ class GenerationLookahead:
         self.offset = process_index * self.local_batch
         self.stride = global_batch * repeat  # from one generation's batch to the next one's
         self._expected: tuple[int, int] | None = None  # (epochs begun, position) where the next call should be
+        #: Whether the last :meth:`next_keys` answer came from the next epoch.
+        self.crossed_epoch = False
 
     def _keys(self, epoch: Sequence[int], position: int) -> list[Hashable | None]:
         begin = position + self.offset
@@ -124,6 +126,7 @@ class GenerationLookahead:
 
     def next_keys(self, keys: Sequence[Hashable | None]) -> list[Hashable | None] | None:
         """The next generation's local keys, given the current generation's; ``None`` when it cannot be told."""
+        self.crossed_epoch = False
         position = self.locate(keys)
         if position is None:
             return None
@@ -131,6 +134,7 @@ class GenerationLookahead:
         current = self.sampler.epoch(0)
         if following + self.offset + self.local_batch <= len(current):
             return self._keys(current, following)
+        self.crossed_epoch = True
         upcoming = self.sampler.epoch(1)  # the current generation is this epoch's last
         return self._keys(upcoming, 0) if self.offset + self.local_batch <= len(upcoming) else None
 

@@ -1,8 +1,8 @@
-"""Sandboxes started ahead of their ``reset()``: the next GRPO step's starts hidden behind this step's verify and optimise.
+"""Sandboxes started ahead of their ``reset()``: the next GRPO step's starts hidden behind this step's update.
 
 ``HarborGRPOTrainer(prefetch=True)`` knows the next step's dataset rows (see
-:mod:`shim.lookahead`) when the current step reaches its rewards. It hands
-their tasks to :func:`prefetch`, which launches one sandbox per row on the
+:mod:`shim.lookahead`); once the current step is scored, it hands their tasks
+to :func:`prefetch`, which launches one sandbox per row on the
 env's engine and parks it in that engine's :class:`PrefetchPool`. The next
 ``reset()`` on the same task, backend and backend arguments claims a parked
 sandbox instead of launching one (:func:`claim`); the harness setup
@@ -15,8 +15,8 @@ A parked sandbox is an ordinary engine sandbox: it takes a live-sandbox slot
 (queued behind the limit like any start), the engine's close stops it, and
 its episode deadline is counted again from the claim.
 
-Everything but :func:`prefetch` and :func:`release` runs on the loop thread,
-where the pools live; those two hand their work to it.
+The pools live on the loop thread and are touched only there; :func:`prefetch`,
+:func:`release` and :func:`parked_count` hand their work to it.
 """
 
 from __future__ import annotations
@@ -165,17 +165,21 @@ def prefetch(env: HarborEnv, task_dirs: Iterable[str]) -> int:
                 pool.start(task, backend, backend_kwargs)
             except EngineClosedError:
                 return
+            except Exception as exc:  # noqa: BLE001 - a start ahead is an optimisation: its reset will launch and report
+                log.warning("prefetch could not launch a sandbox", task=task.name, error=repr(exc))
 
     engines.submit(start_all)
     return len(tasks)
 
 
-def release() -> PrefetchCounts:
-    """Stop every parked sandbox of every engine (waits for the loop, not for the stops); the counts summed.
+def release(timeout: float | None = None) -> PrefetchCounts:
+    """Stop every parked sandbox of every engine in this process; the counts summed.
 
+    Waits for the loop (at most ``timeout`` seconds), not for the stops.
     Called once the step's resets are in: they were handed to the loop before
-    this call, and the loop runs them in order, so each reset has claimed its
-    sandbox by the time the release runs.
+    this call, the loop starts its tasks in that order, and ``Episode.run``
+    claims before its first ``await``, so each reset has claimed its sandbox by
+    the time the release runs.
     """
     if not engines.loop_running():
         return PrefetchCounts()
@@ -189,7 +193,7 @@ def release() -> PrefetchCounts:
             total.unused += counts.unused
         return total
 
-    return engines.call(release_all)
+    return engines.call(release_all, timeout=timeout)
 
 
 def parked_count() -> int:

@@ -39,16 +39,18 @@ Three changes to a ``GRPOTrainer`` step, nothing else:
    environments (resets, tool rounds, rewards), the engines' start / exec /
    verify latency p50 and p99 (over the engine's life), new failures by phase,
    and live sandboxes.
-4. **Prefetch** (opt-in, ``prefetch=True``): when a step reaches its rewards,
+4. **Prefetch** (opt-in, ``prefetch=True``): once a generation is scored,
    the next generation's rows are read from the sampler (see
    :mod:`shim.lookahead`) and their sandboxes started (see
-   :mod:`shim.prefetch`), so the starts run while this step verifies, computes
-   the loss and steps the optimiser; the next step's resets claim them.
-   Unclaimed ones are stopped once those resets are in. It pays where a start
-   takes longer than the first turn's generation (Docker); it costs up to a
-   second batch of live sandboxes at the step boundary, which a
-   ``max_live_sandboxes`` limit bounds (starts ahead then queue for slots).
-   Logged as ``env/prefetch_hits`` and ``env/prefetch_unused``.
+   :mod:`shim.prefetch`), so the starts run while this step computes the loss
+   and steps the optimiser, and the next one generates its first turn; the
+   next step's resets claim them. Not earlier, during the verifiers: on a
+   host where starts cost CPU (Docker, the local backend), starts launched
+   beside the verifiers slowed them by about what they saved (measured in
+   ``benchmarks/docker_step.py``). Unclaimed ones are stopped once those
+   resets are in. It costs up to a second batch of live sandboxes at the step
+   boundary, which a ``max_live_sandboxes`` limit bounds (starts ahead then
+   queue for slots). Logged as ``env/prefetch_hits`` and ``env/prefetch_unused``.
 
 Written against TRL 1.16; any other TRL version is refused with
 :class:`UnsupportedTRLVersionError`.
@@ -66,6 +68,7 @@ from typing import Any
 import torch
 import trl
 from packaging.version import Version
+from transformers.trainer_utils import IntervalStrategy
 from trl import GRPOTrainer
 
 from harbor_async.errors import HarborAsyncError
@@ -104,6 +107,8 @@ METRIC_KEYS = (
 )
 #: Metrics added with ``prefetch=True``: resets that claimed a sandbox started ahead, and ones stopped unclaimed.
 PREFETCH_METRIC_KEYS = ("env/prefetch_hits", "env/prefetch_unused")
+#: Seconds ``train()`` waits for the loop to take back what was started ahead (the stops run in the background).
+RELEASE_TIMEOUT = 30.0
 
 
 class UnsupportedTRLVersionError(HarborAsyncError, RuntimeError):
@@ -140,9 +145,11 @@ class HarborGRPOTrainer(GRPOTrainer):
             :data:`DEFAULT_TOOL_WORKERS`; more rollouts than threads queue).
             ``1`` runs them one after another, as TRL does.
         prefetch: start the next generation's sandboxes while the current step
-            verifies and optimises (default ``False``). Needs a map-style
+            computes its loss and optimises (default ``False``). Needs a map-style
             dataset with a ``task_dir`` column and one environment factory of
-            the shim's envs; otherwise it does nothing (logged once).
+            the shim's envs; otherwise it does nothing (with a warning when
+            the dataset or the factories are why). Skipped for the run's last
+            generation and before an evaluation.
 
     Raises:
         UnsupportedTRLVersionError: the installed TRL is not 1.16.x.
@@ -203,7 +210,6 @@ class HarborGRPOTrainer(GRPOTrainer):
         return super()._generate(prompts)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        self._prefetch_next()
         begin = time.perf_counter()
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._harbor_wait["rewards"] += time.perf_counter() - begin
@@ -236,24 +242,49 @@ class HarborGRPOTrainer(GRPOTrainer):
         return wrapped
 
     def _prefetch_next(self) -> None:
-        """Start the next generation's sandboxes, unless this generation is the run's last."""
+        """Start the next generation's sandboxes, unless none follows or an evaluation comes first."""
         tasks, self._harbor_next_tasks = self._harbor_next_tasks, None
         if not tasks or not self.model.training or any(t is None for t in tasks):
             return
-        steps = self.num_iterations * self.args.steps_per_generation // self.args.gradient_accumulation_steps
-        per_generation = max(1, steps)  # optimiser steps that reuse this generation
-        if self.state.max_steps and self.state.global_step + per_generation >= self.state.max_steps:
-            return
         env = self.environments[0] if self.environments else None
-        if isinstance(env, HarborEnv):
-            prefetch.prefetch(env, [str(t) for t in tasks])
+        if not isinstance(env, HarborEnv) or not self._next_generation_comes_first():
+            return
+        prefetch.prefetch(env, [str(t) for t in tasks])
+
+    def _next_generation_comes_first(self) -> bool:
+        """Whether the run generates again after this generation, with no evaluation in between.
+
+        This generation serves ``R`` micro-steps from the current one
+        (``self._step``); an evaluation in between would stop the sandboxes
+        started ahead (its resets may need their slots), so none are started.
+        """
+        accumulation = self.args.gradient_accumulation_steps
+        serves = self.num_iterations * self.args.steps_per_generation  # micro-steps that reuse this generation
+        state = self.state
+        into_step = self._step % accumulation
+        if state.max_steps and (state.max_steps - state.global_step) * accumulation - into_step <= serves:
+            return False  # it serves the run's last micro-steps
+        strategy = self.args.eval_strategy
+        if strategy == IntervalStrategy.EPOCH and self._harbor_lookahead is not None:
+            return not self._harbor_lookahead.crossed_epoch
+        if strategy == IntervalStrategy.STEPS and state.eval_steps:
+            completed = range(state.global_step + 1, state.global_step + (into_step + serves) // accumulation + 1)
+            return not any(g % state.eval_steps == 0 and self.args.eval_delay <= g for g in completed)
+        return True
 
     def train(self, *args: Any, **kwargs: Any):
         try:
             return super().train(*args, **kwargs)
         finally:
             if self._harbor_prefetch:
-                prefetch.release()  # a run stopped early leaves nothing started ahead
+                self._release_prefetched()
+
+    def _release_prefetched(self) -> None:
+        """Stop what was started ahead when training ends, however it ends; never mask the run's own error."""
+        try:
+            prefetch.release(timeout=RELEASE_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - the engines' close stops them at exit anyway
+            log.warning("could not stop the sandboxes started ahead", error=repr(exc))
 
     # ── failed sandboxes out of the loss ─────────────────────────────────
 
@@ -270,6 +301,7 @@ class HarborGRPOTrainer(GRPOTrainer):
         failed = self._failed_rows(len(inputs), output["completion_mask"].device)
         mask_failed_rows(output, failed, self.accelerator.gather)
         self._log_env_metrics("train" if self.model.training else "eval", failed)
+        self._prefetch_next()
         return output
 
     def _failed_rows(self, count: int, device: torch.device) -> torch.Tensor:

@@ -69,7 +69,8 @@ def test_grpo_step_replay_with_prefetch_claims_every_later_start_and_leaves_noth
     latencies = {"start_latency": 0.2, "exec_latency": 0.01, "verify_latency": 0.05, "stop_latency": 0.0}
     kwargs = {"backend": "simulated", "batch": 4, "turns": 2, "steps": 3, "backend_kwargs": latencies}
     rounds = run_grpo_steps("shim-rounds", **kwargs)
-    ahead = run_grpo_steps("shim-prefetch", optimise_seconds=0.3, **kwargs)
-    assert ahead.prefetch_hits == [0, 4, 4] and ahead.optimise_seconds == 0.3
-    assert ahead.mean_reward == rounds.mean_reward > 0  # same tasks and answers, same verdicts
+    for implementation in ("shim-prefetch", "shim-prefetch-early"):
+        ahead = run_grpo_steps(implementation, optimise_seconds=0.3, **kwargs)
+        assert ahead.prefetch_hits == [0, 4, 4], implementation
+        assert ahead.mean_reward == rounds.mean_reward > 0  # same tasks and answers, same verdicts
     assert prefetch.parked_count() == 0 and engines.live_sandbox_count() == 0

@@ -17,7 +17,7 @@ from trl.trainer.utils import RepeatSampler
 from harbor_async.backends import resolve_backend
 from harbor_async.engine import Engine
 from harbor_async.errors import EpisodeDeadlineError
-from harbor_async.policy import Timeouts
+from harbor_async.policy import Limits, Timeouts
 from shim.lookahead import GenerationLookahead, LookaheadSampler, task_key
 from shim.prefetch import PrefetchPool
 
@@ -39,10 +39,6 @@ def test_lookahead_names_every_next_generation_as_accelerate_shards_it(processes
     keys = [f"task-{i}" for i in range(rows)]
     for process in range(processes):
         sampler = LookaheadSampler(_repeat_sampler(rows, generations, global_batch, repeat))
-        lookahead = GenerationLookahead(
-            sampler, keys.__getitem__, global_batch=global_batch, processes=processes, process_index=process,
-            repeat=repeat,
-        )  # fmt: skip
         shard = BatchSamplerShard(
             BatchSampler(sampler, global_batch // processes, drop_last=False),
             num_processes=processes,
@@ -108,13 +104,13 @@ def test_task_key_reads_the_column_or_says_there_is_none() -> None:
 async def test_pool_claims_started_sandboxes_stops_unclaimed_and_renews_the_deadline(example_tasks) -> None:
     simulated = resolve_backend("simulated")
     first, second = example_tasks[0], example_tasks[1]
-    async with Engine(timeouts=Timeouts(episode=0.6), backend_kwargs={"start_latency": 0.05}) as engine:
+    async with Engine(timeouts=Timeouts(episode=2.0), backend_kwargs={"start_latency": 0.05}) as engine:
         pool = PrefetchPool(engine)
         pool.start(first, simulated, {})
         pool.start(first, simulated, {})
         pool.start(second, simulated, {})
         assert pool.parked == 3
-        await anyio.sleep(0.8)  # past the episode budget counted from the launch
+        await anyio.sleep(2.5)  # past the episode budget counted from the launch
         claimed = pool.claim(first, simulated, {})
         assert claimed is not None and pool.claim(first, simulated, {"other": 1}) is None
         await claimed.wait_started()
@@ -127,6 +123,24 @@ async def test_pool_claims_started_sandboxes_stops_unclaimed_and_renews_the_dead
             for sandbox in others:
                 await sandbox.stop()  # already stopping: returns when stopped
         assert all(s.done for s in others)
-        await anyio.sleep(0.7)
+        await anyio.sleep(2.5)  # past the budget counted from the claim
         with pytest.raises(EpisodeDeadlineError):
             await claimed.exec("echo late")
+
+
+@pytest.mark.anyio
+async def test_a_claim_renews_a_wait_for_a_live_slot_still_in_progress(example_tasks) -> None:
+    simulated = resolve_backend("simulated")
+    task = example_tasks[0]
+    async with Engine(limits=Limits(live_sandboxes=1), timeouts=Timeouts(slot=2.0)) as engine:
+        holder = engine.launch(task, simulated)
+        await holder.wait_started()
+        pool = PrefetchPool(engine)
+        pool.start(task, simulated, {})  # waits for the only slot
+        await anyio.sleep(1.4)
+        claimed = pool.claim(task, simulated, {})
+        assert claimed is not None
+        await anyio.sleep(1.2)  # 2.6 s after its launch: past the slot budget counted from there
+        await holder.stop()
+        await claimed.wait_started()  # the budget counts from the claim: it got the slot
+        assert (await claimed.exec("echo ok")).exit_code == 0

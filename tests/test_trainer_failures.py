@@ -67,7 +67,7 @@ class Scripted:
         rows = []
         for i, row in enumerate(input_ids.tolist()):
             seen = MARKER.findall(self.tokenizer.decode([t for t in row if t != pad]))
-            rows.append(self.turns[int(seen[0]) if seen else i][len(seen)])
+            rows.append(self.turns[int(seen[0]) if seen else i % len(self.turns)][len(seen)])
         width = max(len(r) for r in rows)
         completion = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=input_ids.device)
         return torch.cat([input_ids, completion], dim=-1)

@@ -1,13 +1,16 @@
 """HarborGRPOTrainer(prefetch=True) on real bubblewrap sandboxes: the next step's sandboxes are started ahead.
 
 Three training steps of 4 rollouts (2 tasks x 2 generations) over the bundled
-suite, with scripted generations (each rollout runs one command, then ends).
-Against the same run without prefetch: the same rows in the same order, the
-same completions and rewards; every reset after the first step claims a
-sandbox started during the step before; a wrong guess is stopped unused and
-changes nothing else; with a live-sandbox limit of one batch the starts ahead
-queue for slots and still hit; an evaluation between steps stops what was
-started ahead instead of waiting behind it; nothing is left running.
+suite, with scripted generations (each rollout runs one command, then ends),
+and the same with the dataset shuffled and 2 micro-steps a generation (8
+rollouts; the third step is the second epoch's). Against the same runs without
+prefetch: the same rows in the same order, the same completions and rewards.
+Every reset after the first step claims a sandbox started during the step
+before; a wrong guess is stopped unused; with a live-sandbox limit of one batch
+the starts ahead queue for slots and still hit; an evaluation the trainer
+cannot foresee stops what was started ahead instead of waiting behind it, and
+no start is made ahead of a scheduled evaluation or after the last generation;
+nothing is left running.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from unittest.mock import patch
 
 import pytest
+from transformers import TrainerCallback
 
 import shim
 from harbor_async.suites import example_suite_path
@@ -43,27 +47,47 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny"), corpus=corpus)
 
 
+class EvaluateAfterEveryStep(TrainerCallback):
+    """An evaluation the trainer cannot foresee (as a user's callback may ask for one)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_evaluate = True
+        return control
+
+
 def _train(
-    out: Path, tiny_model, *, use_prefetch: bool, wrong_guess: bool = False, limit: int | None = None, evaluate=False
+    out: Path,
+    tiny_model,
+    *,
+    use_prefetch: bool,
+    wrong_guess: bool = False,
+    limit: int | None = None,
+    evaluate: str | None = None,
+    **config,
 ) -> dict:
     model_dir, tokenizer = tiny_model
-    # A start waiting for a slot that nothing frees waits for ever: pytest-timeout ends such a run.
     options = {"max_live_sandboxes": limit} if limit else {}
     spec = shim.HarborSpec(example_suite_path(), agent="bash", environment_type="local", **options)
-    evaluation = {"eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": 4} if evaluate else {}
+    evaluation = {}
+    if evaluate == "scheduled":
+        evaluation = {"eval_strategy": "steps", "eval_steps": 2, "per_device_eval_batch_size": 4}
+    elif evaluate == "unforeseen":
+        evaluation = {"per_device_eval_batch_size": 4}
     trainer = HarborGRPOTrainer(
         model=str(model_dir),
         processing_class=tokenizer,
-        args=_grpo_args(out, max_steps=STEPS, batch=4, generations=2, completion=256, **evaluation),
+        args=_grpo_args(out, max_steps=STEPS, batch=4, generations=2, completion=256, **evaluation, **config),
         train_dataset=spec.train_dataset,
         eval_dataset=spec.train_dataset.select([8, 9]) if evaluate else None,
         environment_factory=spec.environment_factory,
         reward_funcs=spec.reward_funcs,
+        callbacks=[EvaluateAfterEveryStep()] if evaluate == "unforeseen" else None,
         prefetch=use_prefetch,
     )
-    rows, rewards, parked_at_reset = [], [], []
+    rows, rewards, parked_at_reset, started_ahead = [], [], [], []
     inner = trainer._generate_and_score_completions
     inner_generate = trainer._generate
+    start_ahead = prefetch.prefetch
 
     def recording(inputs):
         if wrong_guess:  # a sampler that cannot be read ahead correctly: always guess the first task
@@ -80,23 +104,32 @@ def _train(
             parked_at_reset.append(prefetch.parked_count())
         return inner_generate(prompts)
 
+    def counting(env, task_dirs):
+        task_dirs = list(task_dirs)
+        started_ahead.append((trainer.state.global_step, len(task_dirs)))
+        return start_ahead(env, task_dirs)
+
     trainer._generate_and_score_completions = recording
     trainer._generate = generate
     try:
-        with patch.object(trainer.model, "generate", side_effect=Scripted(tokenizer)):
+        with (
+            patch.object(trainer.model, "generate", side_effect=Scripted(tokenizer)),
+            patch.object(prefetch, "prefetch", counting),
+        ):
             trainer.train()
         completions = list(trainer._logs["completion"])
     finally:
         spec.close()
     history = [e for e in trainer.state.log_history if "loss" in e]
-    evaluations = [e for e in trainer.state.log_history if "eval_loss" in e or "eval_env/wait_s" in e]
+    evaluations = [e for e in trainer.state.log_history if "eval_env/wait_s" in e]
     return {
-        "evaluations": evaluations,
         "rows": rows,
         "rewards": rewards,
         "completions": completions,
         "history": history,
+        "evaluations": evaluations,
         "parked_at_reset": parked_at_reset,
+        "started_ahead": started_ahead,
         "live_after": engines.live_sandbox_count(),
         "parked_after": prefetch.parked_count(),
     }
@@ -104,25 +137,34 @@ def _train(
 
 @pytest.fixture(scope="module")
 def runs(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    # Shuffled, 2 micro-steps a generation (8 rollouts of 4 tasks), 2 generations an epoch: step 3 is epoch 2's.
+    shuffled = {"shuffle_dataset": True, "gradient_accumulation_steps": 2}
     variants = {
         "plain": {"use_prefetch": False},
         "prefetch": {"use_prefetch": True},
         "wrong": {"use_prefetch": True, "wrong_guess": True},
         "limited": {"use_prefetch": True, "limit": 4},
-        "evaluated": {"use_prefetch": True, "limit": 4, "evaluate": True},
+        "unforeseen-eval": {"use_prefetch": True, "limit": 4, "evaluate": "unforeseen"},
+        "scheduled-eval": {"use_prefetch": True, "evaluate": "scheduled"},
+        "shuffled-plain": {"use_prefetch": False, **shuffled},
+        "shuffled": {"use_prefetch": True, **shuffled},
     }
     return {name: _train(tmp_path_factory.mktemp(name), tiny_model, **kw) for name, kw in variants.items()}
 
 
 def test_prefetch_changes_nothing_a_step_computes(runs) -> None:
-    plain = runs["plain"]
-    assert len(plain["rows"]) == STEPS and len({tuple(r) for r in plain["rows"]}) == STEPS  # three different batches
-    for name in ("prefetch", "wrong", "limited", "evaluated"):
-        assert runs[name]["rows"] == plain["rows"]
-        assert runs[name]["rewards"] == plain["rewards"]
-        assert runs[name]["completions"] == plain["completions"]
+    for base, others in (("plain", ("prefetch", "wrong", "limited", "unforeseen-eval", "scheduled-eval")),
+                         ("shuffled-plain", ("shuffled",))):  # fmt: skip
+        reference = runs[base]
+        assert len(reference["rows"]) == STEPS and len({tuple(r) for r in reference["rows"]}) == STEPS
+        for name in others:
+            assert runs[name]["rows"] == reference["rows"], name
+            assert runs[name]["rewards"] == reference["rewards"], name
+            assert runs[name]["completions"] == reference["completions"], name
     for run in runs.values():
         assert all(r == r for step in run["rewards"] for r in step)  # no NaN: every sandbox gave a verdict
+    shuffled = runs["shuffled-plain"]["rows"]
+    assert len(shuffled[0]) == 8 and shuffled != [sorted(rows) for rows in shuffled]  # the order is shuffled
 
 
 def test_every_reset_after_the_first_step_claims_a_sandbox_started_ahead(runs) -> None:
@@ -131,8 +173,16 @@ def test_every_reset_after_the_first_step_claims_a_sandbox_started_ahead(runs) -
     assert all(key in entry for entry in history for key in PREFETCH_METRIC_KEYS)
     assert [e["env/prefetch_hits"] for e in history] == [0.0, 4.0, 4.0]
     assert [e["env/prefetch_unused"] for e in history] == [0.0, 0.0, 0.0]
-    assert runs["prefetch"]["parked_at_reset"] == [0, 0, 0]  # all claimed; and nothing is started after the last step
+    assert runs["prefetch"]["parked_at_reset"] == [0, 0, 0]  # every start ahead was claimed
+    assert runs["prefetch"]["started_ahead"] == [(0, 4), (1, 4)]  # none after the last generation
     assert all("env/prefetch_hits" not in entry for entry in runs["plain"]["history"])
+
+
+def test_shuffled_accumulated_steps_across_an_epoch_end_still_hit(runs) -> None:
+    run = runs["shuffled"]
+    assert [e["env/prefetch_hits"] for e in run["history"]] == [0.0, 8.0, 8.0]
+    assert [e["env/prefetch_unused"] for e in run["history"]] == [0.0, 0.0, 0.0]
+    assert run["started_ahead"] == [(0, 8), (1, 8)]
 
 
 def test_a_wrong_guess_is_stopped_unused(runs) -> None:
@@ -145,21 +195,29 @@ def test_a_wrong_guess_is_stopped_unused(runs) -> None:
     assert hits != [4, 4]  # the test does exercise a wrong guess
 
 
-def test_nothing_is_left_running(runs) -> None:
-    for name, run in runs.items():
-        assert (run["live_after"], run["parked_after"]) == (0, 0), name
-
-
 def test_with_one_batch_of_slots_the_starts_ahead_queue_and_still_hit(runs) -> None:
     history = runs["limited"]["history"]
     assert [e["env/prefetch_hits"] for e in history] == [0.0, 4.0, 4.0]
     assert all(e["env/live_sandboxes"] <= 4 for e in history)
 
 
-def test_an_evaluation_between_steps_stops_the_starts_ahead_instead_of_waiting_behind_them(runs) -> None:
-    run = runs["evaluated"]
+def test_an_unforeseen_evaluation_stops_the_starts_ahead_instead_of_waiting_behind_them(runs) -> None:
+    run = runs["unforeseen-eval"]
     evaluations = run["evaluations"]
     assert len(evaluations) == STEPS  # one after each step, none stuck behind the parked sandboxes
-    # The first two evaluations follow a step that started the next one's sandboxes (tasks 2-5, not 8-9).
+    # The first two follow a step that started the next one's sandboxes (other tasks than 8-9).
     assert [e["eval_env/prefetch_unused"] for e in evaluations] == [4.0, 4.0, 0.0]
     assert [e["env/prefetch_hits"] for e in run["history"]] == [0.0, 0.0, 0.0]
+
+
+def test_no_start_ahead_before_a_scheduled_evaluation(runs) -> None:
+    run = runs["scheduled-eval"]
+    assert len(run["evaluations"]) == 2  # after step 2, and at the end
+    assert run["started_ahead"] == [(0, 4)]  # step 2's: steps 3 and "4" come after an evaluation or not at all
+    assert [e["env/prefetch_hits"] for e in run["history"]] == [0.0, 4.0, 0.0]
+    assert all(e["eval_env/prefetch_unused"] == 0.0 for e in run["evaluations"])
+
+
+def test_nothing_is_left_running(runs) -> None:
+    for name, run in runs.items():
+        assert (run["live_after"], run["parked_after"]) == (0, 0), name
