@@ -344,6 +344,10 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     if result.get("trl_env") and harbor:
         summary["trl_env/later_s"] = result["trl_env"]["later_step_mean"]
         summary["env_ratio_trl_over_harbor"] = round(result["trl_env"]["later_step_mean"] / harbor["later_env_mean"], 1)
+    if result.get("trl_env") and prefetched:
+        summary["env_ratio_trl_over_prefetch"] = round(
+            result["trl_env"]["later_step_mean"] / prefetched["later_env_mean"], 1
+        )
     return summary
 
 

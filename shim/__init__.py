@@ -15,7 +15,8 @@ Modules: :mod:`shim.spec` (``HarborSpec``), :mod:`shim.env` (``HarborEnv``,
 (engine options), :mod:`shim.engines` (shared engines), :mod:`shim.trl_harness`
 (TRL-style harness classes run on the engine), :mod:`shim.trainer`
 (``HarborGRPOTrainer``: concurrent tool rounds, failed sandboxes out of the loss,
-env metrics; imported on first use, as it imports trl and torch),
+env metrics; imported on first use, as it imports trl and torch), :mod:`shim.prefetch`
+and :mod:`shim.lookahead` (its opt-in starts ahead of the next step),
 :mod:`benchmarks.reference` (TRL's own env on any backend, for comparisons; imports trl).
 """
 
