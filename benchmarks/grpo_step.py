@@ -166,10 +166,10 @@ def run_grpo_steps(
             after_tools = time.perf_counter()
             following = [str(task.task_dir) for task in picks_of(step + 1)]
             if implementation == "shim-prefetch-early":
-                prefetch.prefetch(envs[0], following)
+                prefetch.prefetch(*_env_settings(envs[0]), following)
             rewards = reward_func(environments=envs)
             if implementation == "shim-prefetch":
-                prefetch.prefetch(envs[0], following)
+                prefetch.prefetch(*_env_settings(envs[0]), following)
             end = time.perf_counter()
             times = StepTimes(after_reset - begin, after_tools - after_reset, end - after_tools)
             run.steps.append(times)
@@ -191,6 +191,11 @@ def run_grpo_steps(
         run.start_profile = summarize_profiles(PROFILES)
         PROFILES.clear()
     return run
+
+
+def _env_settings(env: Any) -> tuple[Any, Any, Any]:
+    """A shim env's engine options, backend and backend arguments: what a sandbox started ahead must match."""
+    return env._options, env._backend, env._backend_kwargs
 
 
 def _round(envs: Sequence[Any], commands: Sequence[str]) -> None:

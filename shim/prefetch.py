@@ -31,6 +31,7 @@ from harbor_async.errors import EngineClosedError
 from harbor_async.logs import get_logger
 from harbor_async.sandbox import SandboxState
 from shim import engines
+from shim.task_cache import load_task_cached
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from harbor_async.backends import BackendSpec
     from harbor_async.engine import Engine
     from harbor_async.sandbox import Sandbox
-    from shim.env import HarborEnv
+    from shim.options import EngineOptions
 
 log = get_logger("harbor_async.shim")
 
@@ -138,15 +139,19 @@ def claim(engine: Engine, task: Task, backend: BackendSpec, backend_kwargs: Mapp
     return None if pool is None else pool.claim(task, backend, backend_kwargs)
 
 
-def prefetch(env: HarborEnv, task_dirs: Iterable[str]) -> int:
-    """Start one sandbox per task folder on ``env``'s engine, backend and backend arguments, ahead of its reset.
+def prefetch(
+    options: EngineOptions, backend: BackendSpec, backend_kwargs: Mapping[str, Any], task_dirs: Iterable[str]
+) -> int:
+    """Start one sandbox per task folder, ahead of its reset, as an env with these settings would.
+
+    ``options``, ``backend`` and ``backend_kwargs`` are the env's (its engine
+    options, backend and Harbor ``--ek`` arguments): a reset claims only a
+    sandbox started with its own.
 
     Returns at once with the number of sandboxes scheduled; the starts run on
     the loop thread. A folder that is not a valid task is skipped (its reset
     will report it).
     """
-    from shim.env import load_task_cached  # the env module imports this one
-
     tasks = []
     for task_dir in task_dirs:
         try:
@@ -155,8 +160,8 @@ def prefetch(env: HarborEnv, task_dirs: Iterable[str]) -> int:
             log.debug("prefetch skipped a task", task_dir=str(task_dir), error=str(exc))
     if not tasks:
         return 0
-    engine = engines.engine_for(env._options)
-    backend, backend_kwargs = env._backend, dict(env._backend_kwargs)
+    engine = engines.engine_for(options)
+    backend_kwargs = dict(backend_kwargs)
 
     def start_all() -> None:
         pool = pool_for(engine)

@@ -155,13 +155,16 @@ def test_cli_bad_input_is_a_one_line_error(args, message, tmp_path):
 
 def test_cli_log_settings_flag_then_environment_then_default(tmp_path):
     env = {"HARBOR_ASYNC_LOG_FORMAT": "json", "HARBOR_ASYNC_LOG_LEVEL": "info"}
-    from_env = harbor_async("run", "-l", "1", "-o", str(tmp_path), env=env)
+    # One jobs folder a run: two runs in the same second would otherwise pick the same job name.
+    from_env = harbor_async("run", "-l", "1", "-o", str(tmp_path / "env"), env=env)
     events = [json.loads(line) for line in from_env.stderr.splitlines() if line.startswith("{")]
     assert [e["event"] for e in events if e["level"] == "info"].count("episode") == 1
-    flag_wins = harbor_async("run", "-l", "1", "-o", str(tmp_path), "--log-format", "console", "--log-level", "warning", env=env)
-    assert flag_wins.returncode == 0
+    flag_wins = harbor_async(
+        "run", "-l", "1", "-o", str(tmp_path / "flag"), "--log-format", "console", "--log-level", "warning", env=env
+    )
+    assert flag_wins.returncode == 0, flag_wins.stderr
     assert not any(line.startswith("{") for line in flag_wins.stderr.splitlines()) and "info" not in flag_wins.stderr
-    bad_env = harbor_async("run", "-l", "1", "-o", str(tmp_path), env={"HARBOR_ASYNC_LOG_LEVEL": "chatty"})
+    bad_env = harbor_async("run", "-l", "1", "-o", str(tmp_path / "bad"), env={"HARBOR_ASYNC_LOG_LEVEL": "chatty"})
     assert bad_env.returncode == 2 and "from $HARBOR_ASYNC_LOG_LEVEL" in bad_env.stderr
 
 
