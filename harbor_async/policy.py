@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -153,14 +154,14 @@ def is_transient(exc: BaseException) -> bool:
     return not _PERMANENT_WORDS.search(str(exc))
 
 
-def _stop_at(deadline: float) -> Callable[[Any], bool]:
+def _stop_at(deadline: Callable[[], float]) -> Callable[[Any], bool]:
     """A tenacity stop condition: stop once the deadline has passed."""
-    return lambda retry_state: anyio.current_time() >= deadline
+    return lambda retry_state: anyio.current_time() >= deadline()
 
 
-def _capped_at(deadline: float, wait: Callable[[Any], float]) -> Callable[[Any], float]:
+def _capped_at(deadline: Callable[[], float], wait: Callable[[Any], float]) -> Callable[[Any], float]:
     """A tenacity wait that never sleeps past ``deadline`` (the stop then ends the retries)."""
-    return lambda retry_state: max(0.0, min(wait(retry_state), deadline - anyio.current_time()))
+    return lambda retry_state: max(0.0, min(wait(retry_state), deadline() - anyio.current_time()))
 
 
 @dataclass(frozen=True)
@@ -176,12 +177,15 @@ class RetryPolicy:
     max_wait: float = 10.0
     max_total: float | None = 120.0
 
-    def retrying(self, deadline: float = math.inf) -> AsyncRetrying:
+    def retrying(self, deadline: float | Callable[[], float] = math.inf) -> AsyncRetrying:
         """A tenacity ``AsyncRetrying`` that sleeps with anyio (asyncio or trio).
 
-        ``deadline`` (``anyio.current_time()`` clock): no attempt begins past it,
-        and no backoff sleeps past it.
+        ``deadline`` (``anyio.current_time()`` clock, or a callable read at each
+        decision, for a deadline that may be renewed): no attempt begins past
+        it, and no backoff sleeps past it.
         """
+        if not callable(deadline):
+            deadline = functools.partial(float, deadline)
         stop = stop_after_attempt(max(1, self.attempts)) | _stop_at(deadline)
         if self.max_total is not None:
             stop = stop | stop_after_delay(self.max_total)

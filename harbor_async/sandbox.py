@@ -125,6 +125,7 @@ class Sandbox:
         self._episode_timeout = episode_timeout if episode_timeout is not None else self.timeouts.episode
         self._slot_scope: anyio.CancelScope | None = None  # while waiting for a live slot
         self._slot_wait = math.inf  # that wait's budget
+        self._start_phase: tuple[anyio.CancelScope, float, float | None] | None = None  # scope, begin, budget
         self._deadline = math.inf
         self.renew_deadline()
         self._env: BaseEnvironment | None = None
@@ -156,16 +157,21 @@ class Sandbox:
         return self._stopped.is_set()
 
     def renew_deadline(self) -> None:
-        """Count the episode deadline, and a wait for a live slot still in progress, from now (call on the loop).
+        """Count the episode deadline from now, for a start in progress too (call on the loop).
 
         For a sandbox started ahead of its episode (the shim's prefetch): the
         episode's budget starts when it claims the sandbox, not at the launch.
+        A wait for a live slot, a start attempt and the start's retries then
+        run under the renewed deadline (each still bounded by its own budget).
         """
         episode = self._episode_timeout
         self._deadline = anyio.current_time() + episode if episode is not None else math.inf
         if self._slot_scope is not None:
             self._slot_wait = self._budget(Phase.START, self.timeouts.slot)
             self._slot_scope.deadline = anyio.current_time() + self._slot_wait
+        if self._start_phase is not None:
+            scope, begin, budget = self._start_phase
+            scope.deadline = min(begin + (math.inf if budget is None else budget), self._deadline)
 
     async def wait_started(self) -> None:
         """Wait until the start finished; raise its error if it failed."""
@@ -411,7 +417,7 @@ class Sandbox:
         """Create and start the environment, retrying transient failures."""
         self.state = SandboxState.STARTING
         try:
-            async for attempt in self.context.retry.retrying(self._deadline):
+            async for attempt in self.context.retry.retrying(lambda: self._deadline):
                 with attempt:
                     self.start_attempts = attempt.retry_state.attempt_number
                     if self.start_attempts > 1:
@@ -559,8 +565,14 @@ class Sandbox:
                         phase, self.task_name, self.id, "the episode deadline has passed", start_attempt=max(self.start_attempts, 1)
                     )
                 raise TimeoutError(f"the {phase.value} budget is {limit:.3g} s")
-            with anyio.fail_after(limit if math.isfinite(limit) else None, shield=phase is Phase.STOP):
-                yield elapsed
+            with anyio.fail_after(limit if math.isfinite(limit) else None, shield=phase is Phase.STOP) as scope:
+                if phase is Phase.START:
+                    self._start_phase = (scope, begin, budget)
+                try:
+                    yield elapsed
+                finally:
+                    if phase is Phase.START:
+                        self._start_phase = None
         except BaseException as exc:
             if isinstance(exc, anyio.get_cancelled_exc_class()):
                 outcome = "cancelled"  # the caller gave up; not the phase's failure

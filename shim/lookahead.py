@@ -44,6 +44,17 @@ class LookaheadSampler(Sampler[int]):
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]
 
+    # accelerate keeps a sampler's ``generator`` in step across processes (and seeds one it
+    # lacks); the wrapped sampler's must stay visible to it, as without the wrapper.
+    @property
+    def generator(self) -> Any:
+        """The wrapped sampler's random generator (``AttributeError`` when it has none)."""
+        return self.inner.generator  # type: ignore[attr-defined]
+
+    @generator.setter
+    def generator(self, value: Any) -> None:
+        self.inner.generator = value  # type: ignore[attr-defined]
+
     def __iter__(self) -> Iterator[int]:
         epoch = self._upcoming if self._upcoming is not None else list(self.inner)
         self._upcoming = None

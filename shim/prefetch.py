@@ -25,6 +25,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harbor_async.errors import EngineClosedError
@@ -53,8 +54,6 @@ _Key = tuple[str, str, str]
 class PrefetchCounts:
     """What became of the sandboxes started ahead since the pool was last released."""
 
-    #: Sandboxes launched ahead.
-    started: int = 0
     #: Resets that claimed one.
     hits: int = 0
     #: Sandboxes stopped unclaimed (wrong guess, or their start had failed).
@@ -62,9 +61,10 @@ class PrefetchCounts:
 
 
 def _key(task: Task, backend: BackendSpec, backend_kwargs: Mapping[str, Any]) -> _Key:
+    # The folder as the task cache spells it (relative and absolute spellings meet);
     # repr: backend arguments may hold unhashable values; equal arguments print equal.
     return (
-        str(task.paths.task_dir),
+        str(Path(task.paths.task_dir).expanduser().absolute()),
         backend.name,
         repr(sorted(backend_kwargs.items())),
     )
@@ -74,29 +74,40 @@ class PrefetchPool:
     """One engine's sandboxes started ahead, by task, backend and backend arguments (loop thread only)."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+        # Weak: the pools are kept by engine, and a pool must not keep its engine alive.
+        self._engine = weakref.ref(engine)
         self._parked: dict[_Key, deque[Sandbox]] = {}
         self.counts = PrefetchCounts()
 
     def start(self, task: Task, backend: BackendSpec, backend_kwargs: Mapping[str, Any]) -> None:
-        """Launch a sandbox for ``task`` and park it."""
-        sandbox = self.engine.launch(task, backend, backend_kwargs=backend_kwargs)
+        """Launch a sandbox for ``task`` and park it.
+
+        Raises:
+            EngineClosedError: the engine is closed (or gone).
+        """
+        engine = self._engine()
+        if engine is None:
+            raise EngineClosedError("the engine of this prefetch pool is gone")
+        sandbox = engine.launch(task, backend, backend_kwargs=backend_kwargs)
         self._parked.setdefault(_key(task, backend, backend_kwargs), deque()).append(sandbox)
-        self.counts.started += 1
 
     def claim(self, task: Task, backend: BackendSpec, backend_kwargs: Mapping[str, Any]) -> Sandbox | None:
-        """A parked sandbox for this task whose start has not failed (oldest first), or ``None``."""
+        """A parked sandbox for this very task whose start has not failed (oldest first), or ``None``.
+
+        A sandbox started from an earlier version of the task's files (the
+        task cache reloaded it since) is stopped, not handed out.
+        """
         key = _key(task, backend, backend_kwargs)
         parked = self._parked.get(key)
         while parked:
             sandbox = parked.popleft()
-            if sandbox.state in _USABLE and not sandbox.done:
+            if sandbox.task is task and sandbox.state in _USABLE and not sandbox.done:
                 if not parked:
                     del self._parked[key]
                 sandbox.renew_deadline()
                 self.counts.hits += 1
                 return sandbox
-            self._stop(sandbox)  # its start failed: a fresh launch retries, as for any reset
+            self._stop(sandbox)  # its start failed or its task changed: a fresh launch, as for any reset
         self._parked.pop(key, None)
         return None
 
@@ -116,8 +127,11 @@ class PrefetchPool:
 
     def _stop(self, sandbox: Sandbox) -> None:
         self.counts.unused += 1
+        engine = self._engine()
+        if engine is None:
+            return  # gone with its engine, which stopped every sandbox it held
         try:
-            self.engine.stop_soon(sandbox)
+            engine.stop_soon(sandbox)
         except EngineClosedError:
             pass  # a closed engine stopped (or stops) every sandbox it holds
 
@@ -193,7 +207,6 @@ def release(timeout: float | None = None) -> PrefetchCounts:
         total = PrefetchCounts()
         for pool in list(_pools.values()):
             counts = pool.release()
-            total.started += counts.started
             total.hits += counts.hits
             total.unused += counts.unused
         return total

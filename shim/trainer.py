@@ -105,7 +105,8 @@ METRIC_KEYS = (
     *(f"env/{phase}_{q}_s" for phase in LATENCY_PHASES for q in ("p50", "p99")),
     *(f"env/failures/{phase}" for phase in FAILURE_PHASES),
 )
-#: Metrics added with ``prefetch=True``: resets that claimed a sandbox started ahead, and ones stopped unclaimed.
+#: Metrics added with ``prefetch=True`` (summed over processes): resets that claimed a sandbox started ahead,
+#: and ones stopped unclaimed.
 PREFETCH_METRIC_KEYS = ("env/prefetch_hits", "env/prefetch_unused")
 #: Seconds ``train()`` waits for the loop to take back what was started ahead (the stops run in the background).
 RELEASE_TIMEOUT = 30.0
@@ -170,6 +171,7 @@ class HarborGRPOTrainer(GRPOTrainer):
         self._harbor_lookahead: GenerationLookahead | None = None
         self._harbor_next_tasks: list[Any] | None = None
         self._harbor_prefetch_counts: PrefetchCounts | None = None
+        self._harbor_prefetch_warned = False
         super().__init__(*args, **kwargs)
 
     # ── concurrent tool rounds ───────────────────────────────────────────
@@ -229,6 +231,7 @@ class HarborGRPOTrainer(GRPOTrainer):
                 "prefetch is off: it needs a `task_dir` column and a single environment factory",
                 multi_environment=self._multi_environment,
             )
+            self._harbor_prefetch_warned = True
             return sampler
         wrapped = LookaheadSampler(sampler)
         self._harbor_lookahead = GenerationLookahead(
@@ -296,6 +299,10 @@ class HarborGRPOTrainer(GRPOTrainer):
         if self._harbor_lookahead is not None and self.model.training:
             keys = [row.get(TASK_COLUMN) if isinstance(row, dict) else None for row in inputs]
             self._harbor_next_tasks = self._harbor_lookahead.next_keys(keys)
+        elif self._harbor_prefetch and self.model.training and not self._harbor_prefetch_warned:
+            # An iterable dataset has no sampler to read ahead from (_get_train_sampler is never called).
+            self._harbor_prefetch_warned = True
+            log.warning("prefetch is off: the training dataset has no sampler to read the next rows from")
         self._harbor_batch_begin = time.perf_counter()
         output = super()._generate_and_score_completions(inputs)
         failed = self._failed_rows(len(inputs), output["completion_mask"].device)
@@ -342,10 +349,12 @@ class HarborGRPOTrainer(GRPOTrainer):
         metrics["env/wait_s"].append(wait["reset"] + wait["tools"] + wait["rewards"])
         snapshot = engine_snapshot()
         metrics["env/live_sandboxes"].append(float(snapshot["live"]))
-        if self._harbor_prefetch:
+        if self._harbor_lookahead is not None:  # prefetch on (and possible: the same on every process)
             counts = self._harbor_prefetch_counts or prefetch.PrefetchCounts()
-            metrics["env/prefetch_hits"].append(float(counts.hits))
-            metrics["env/prefetch_unused"].append(float(counts.unused))
+            local = torch.tensor([counts.hits, counts.unused], dtype=torch.long, device=device)
+            hits, unused = self.accelerator.gather(local).reshape(-1, 2).sum(dim=0).tolist()
+            metrics["env/prefetch_hits"].append(float(hits))
+            metrics["env/prefetch_unused"].append(float(unused))
         for key, value in snapshot["latency"].items():
             metrics[key].append(value)
         for phase in FAILURE_PHASES:

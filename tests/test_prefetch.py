@@ -117,7 +117,7 @@ async def test_pool_claims_started_sandboxes_stops_unclaimed_and_renews_the_dead
         assert (await claimed.exec("echo ok")).exit_code == 0  # the budget counts from the claim
         others = [s for s in engine.live_sandboxes() if s is not claimed]
         counts = pool.release()
-        assert (counts.started, counts.hits, counts.unused) == (3, 1, 2)
+        assert (counts.hits, counts.unused) == (1, 2)
         assert pool.parked == 0 and pool.claim(first, simulated, {}) is None
         with anyio.fail_after(5):
             for sandbox in others:
@@ -132,15 +132,66 @@ async def test_pool_claims_started_sandboxes_stops_unclaimed_and_renews_the_dead
 async def test_a_claim_renews_a_wait_for_a_live_slot_still_in_progress(example_tasks) -> None:
     simulated = resolve_backend("simulated")
     task = example_tasks[0]
-    async with Engine(limits=Limits(live_sandboxes=1), timeouts=Timeouts(slot=2.0)) as engine:
+    async with Engine(limits=Limits(live_sandboxes=1), timeouts=Timeouts(slot=4.0)) as engine:
         holder = engine.launch(task, simulated)
         await holder.wait_started()
         pool = PrefetchPool(engine)
         pool.start(task, simulated, {})  # waits for the only slot
-        await anyio.sleep(1.4)
+        await anyio.sleep(2.4)
         claimed = pool.claim(task, simulated, {})
         assert claimed is not None
-        await anyio.sleep(1.2)  # 2.6 s after its launch: past the slot budget counted from there
+        await anyio.sleep(2.0)  # 4.4 s after its launch: past the slot budget counted from there
         await holder.stop()
         await claimed.wait_started()  # the budget counts from the claim: it got the slot
         assert (await claimed.exec("echo ok")).exit_code == 0
+
+
+@pytest.mark.anyio
+async def test_a_claim_renews_a_start_in_progress(example_tasks) -> None:
+    simulated = resolve_backend("simulated")
+    task, slow = example_tasks[0], {"start_latency": 3.5}
+    async with Engine(timeouts=Timeouts(episode=3.0)) as engine:
+        pool = PrefetchPool(engine)
+        pool.start(task, simulated, slow)
+        await anyio.sleep(2.5)
+        claimed = pool.claim(task, simulated, slow)
+        assert claimed is not None
+        # The start ends 3.5 s after its launch: past the episode budget counted from the launch,
+        # within the one counted from the claim.
+        await claimed.wait_started()
+        assert (await claimed.exec("echo ok")).exit_code == 0
+
+
+@pytest.mark.anyio
+async def test_a_claim_meets_other_spellings_of_the_folder_and_refuses_a_changed_task(
+    example_tasks, tmp_path, monkeypatch
+) -> None:
+    import shutil
+
+    from shim.task_cache import load_task_cached
+
+    simulated = resolve_backend("simulated")
+    folder = tmp_path / "task"
+    shutil.copytree(example_tasks[0].paths.task_dir, folder)
+    monkeypatch.chdir(tmp_path)
+    async with Engine() as engine:
+        pool = PrefetchPool(engine)
+        pool.start(load_task_cached("task"), simulated, {})  # relative, as a dataset may spell it
+        assert pool.claim(load_task_cached(str(folder)), simulated, {}) is not None
+        pool.start(load_task_cached(str(folder)), simulated, {})
+        toml = folder / "task.toml"
+        toml.write_text(toml.read_text() + "\n")  # the task changed after its sandbox was started ahead
+        changed = load_task_cached(str(folder))
+        assert pool.claim(changed, simulated, {}) is None
+        assert pool.release().unused == 1
+
+
+def test_accelerate_keeps_the_wrapped_samplers_generator_in_step() -> None:
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader, SequentialSampler
+
+    inner = _repeat_sampler(16, 2, 4, 1)
+    loader = DataLoader(list(range(16)), batch_size=4, sampler=LookaheadSampler(inner))
+    prepared = prepare_data_loader(loader, num_processes=2, process_index=0, put_on_device=False)
+    assert prepared.synchronized_generator is inner.generator  # as for the bare RepeatSampler
+    assert not hasattr(LookaheadSampler(SequentialSampler(range(4))), "generator")

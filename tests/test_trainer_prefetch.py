@@ -7,10 +7,10 @@ rollouts; the third step is the second epoch's). Against the same runs without
 prefetch: the same rows in the same order, the same completions and rewards.
 Every reset after the first step claims a sandbox started during the step
 before; a wrong guess is stopped unused; with a live-sandbox limit of one batch
-the starts ahead queue for slots and still hit; an evaluation the trainer
+the starts ahead wait for slots, never exceed it and still hit; an evaluation the trainer
 cannot foresee stops what was started ahead instead of waiting behind it, and
 no start is made ahead of a scheduled evaluation or after the last generation;
-nothing is left running.
+a run that dies stops what it started ahead; nothing is left running.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import time
 import warnings
 from pathlib import Path
 from unittest.mock import patch
@@ -47,6 +48,17 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny"), corpus=corpus)
 
 
+class Crash(RuntimeError):
+    """Raised on purpose by :class:`CrashAfterFirstStep`."""
+
+
+class CrashAfterFirstStep(TrainerCallback):
+    """A run that dies after its first step, once that step has started the next one's sandboxes."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        raise Crash("stopped on purpose")
+
+
 class EvaluateAfterEveryStep(TrainerCallback):
     """An evaluation the trainer cannot foresee (as a user's callback may ask for one)."""
 
@@ -63,6 +75,7 @@ def _train(
     wrong_guess: bool = False,
     limit: int | None = None,
     evaluate: str | None = None,
+    crash: bool = False,
     **config,
 ) -> dict:
     model_dir, tokenizer = tiny_model
@@ -81,10 +94,11 @@ def _train(
         eval_dataset=spec.train_dataset.select([8, 9]) if evaluate else None,
         environment_factory=spec.environment_factory,
         reward_funcs=spec.reward_funcs,
-        callbacks=[EvaluateAfterEveryStep()] if evaluate == "unforeseen" else None,
+        callbacks=[EvaluateAfterEveryStep()] if evaluate == "unforeseen" else [CrashAfterFirstStep()] if crash else None,
         prefetch=use_prefetch,
     )
-    rows, rewards, parked_at_reset, started_ahead = [], [], [], []
+    rows, rewards, parked_at_reset, started_ahead, live_at_start_ahead = [], [], [], [], []
+    crashed = None
     inner = trainer._generate_and_score_completions
     inner_generate = trainer._generate
     start_ahead = prefetch.prefetch
@@ -107,6 +121,7 @@ def _train(
     def counting(options, backend, backend_kwargs, task_dirs):
         task_dirs = list(task_dirs)
         started_ahead.append((trainer.state.global_step, len(task_dirs)))
+        live_at_start_ahead.append(engines.live_sandbox_count())
         return start_ahead(options, backend, backend_kwargs, task_dirs)
 
     trainer._generate_and_score_completions = recording
@@ -116,8 +131,13 @@ def _train(
             patch.object(trainer.model, "generate", side_effect=Scripted(tokenizer)),
             patch.object(prefetch, "prefetch", counting),
         ):
-            trainer.train()
+            try:
+                trainer.train()
+            except Crash:
+                crashed = {"parked": prefetch.parked_count(), "live": _live_settled()}
         completions = list(trainer._logs["completion"])
+        engine = engines.engine_for(trainer.environments[0]._options)  # this run's (engines are shared per option set)
+        peak_live = engines.call(lambda: engine.stats().peak_live)
     finally:
         spec.close()
     history = [e for e in trainer.state.log_history if "loss" in e]
@@ -130,9 +150,25 @@ def _train(
         "evaluations": evaluations,
         "parked_at_reset": parked_at_reset,
         "started_ahead": started_ahead,
+        "live_at_start_ahead": live_at_start_ahead,
+        "peak_live": peak_live,
+        "crashed": crashed,
         "live_after": engines.live_sandbox_count(),
         "parked_after": prefetch.parked_count(),
     }
+
+
+def _live_settled(timeout: float = 30.0) -> int:
+    """The live count once it stops falling (the stops of a release run in the background)."""
+    deadline = time.monotonic() + timeout
+    last = engines.live_sandbox_count()
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = engines.live_sandbox_count()
+        if now == last:
+            return now
+        last = now
+    return last
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +184,7 @@ def runs(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "scheduled-eval": {"use_prefetch": True, "evaluate": "scheduled"},
         "shuffled-plain": {"use_prefetch": False, **shuffled},
         "shuffled": {"use_prefetch": True, **shuffled},
+        "crash": {"use_prefetch": True, "crash": True},
     }
     return {name: _train(tmp_path_factory.mktemp(name), tiny_model, **kw) for name, kw in variants.items()}
 
@@ -196,9 +233,18 @@ def test_a_wrong_guess_is_stopped_unused(runs) -> None:
 
 
 def test_with_one_batch_of_slots_the_starts_ahead_queue_and_still_hit(runs) -> None:
-    history = runs["limited"]["history"]
-    assert [e["env/prefetch_hits"] for e in history] == [0.0, 4.0, 4.0]
-    assert all(e["env/live_sandboxes"] <= 4 for e in history)
+    run = runs["limited"]
+    assert [e["env/prefetch_hits"] for e in run["history"]] == [0.0, 4.0, 4.0]
+    # The batch's own sandboxes take every slot; the starts ahead (made while this step's stops may
+    # still run: live then, run["live_at_start_ahead"]) take slots only as those stops finish.
+    assert run["peak_live"] == 4
+
+
+def test_a_run_that_dies_stops_what_it_started_ahead(runs) -> None:
+    run = runs["crash"]
+    assert run["started_ahead"] == [(0, 4)]  # the first step started the second's sandboxes, then the run died
+    # Released at once, and stopped: the dead step's own sandboxes were stopped after its rewards.
+    assert run["crashed"] == {"parked": 0, "live": 0}
 
 
 def test_an_unforeseen_evaluation_stops_the_starts_ahead_instead_of_waiting_behind_them(runs) -> None:
