@@ -212,7 +212,6 @@ class Agent:
         self.request_limiter = request_limiter or anyio.CapacityLimiter(16)
         self.tool_limiter = tool_limiter or anyio.CapacityLimiter(16)
         self.retries_used = 0
-        self._sampling = self.sampling
 
     async def run(
         self, env: object, observation: str, *, timeout: float | None = None, sampling: Sampling | None = None
@@ -220,20 +219,20 @@ class Agent:
         """Run the loop for one reset harness ``env`` whose ``reset()`` returned ``observation``.
 
         ``sampling`` overrides the agent's for this episode (a per-attempt
-        seed). Never raises for the model's or the tools' misbehaviour: the
+        seed); it is passed down the episode's calls, never kept on the agent,
+        which concurrent episodes share. Never raises for the model's or the tools' misbehaviour: the
         outcome is in the result. Cancellation propagates.
         """
         toolset = build_toolset(env)
         result = AgentResult(messages=initial_messages(observation))
-        self._sampling = sampling or self.sampling
         budget = timeout if timeout is not None else self.limits.timeout
         with anyio.move_on_after(budget if budget is not None else float("inf")) as scope:
-            await self._loop(toolset, result)
+            await self._loop(toolset, result, sampling or self.sampling)
         if scope.cancelled_caught:
             result.finish_reason = "agent_timeout"
         return result
 
-    async def _loop(self, toolset: Toolset, result: AgentResult) -> None:
+    async def _loop(self, toolset: Toolset, result: AgentResult, sampling: Sampling) -> None:
         usage = result.usage
         while True:
             if result.turns >= self.limits.max_turns:
@@ -241,7 +240,7 @@ class Agent:
                 return
             started = time.perf_counter()
             try:
-                response = await self._complete(result.messages, toolset.schemas, usage)
+                response = await self._complete(result.messages, toolset.schemas, usage, sampling)
             except _ContextOverflow:
                 result.finish_reason = "context_length"
                 return
@@ -291,7 +290,9 @@ class Agent:
                 result.finish_reason = "max_total_tokens"
                 return
 
-    async def _complete(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], usage: dict[str, int]):
+    async def _complete(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], usage: dict[str, int], sampling: Sampling
+    ):
         # What the server sees: OpenAI's message shape (our bookkeeping keys stripped).
         wire = [{k: v for k, v in m.items() if k != "finish_reason"} for m in messages]
         retrying = AsyncRetrying(
@@ -310,7 +311,7 @@ class Agent:
                     usage["requests"] = usage.get("requests", 0) + 1
                     async with self.request_limiter:
                         return await self.client.chat.completions.create(
-                            model=self.model, messages=wire, tools=tools, **self._sampling.request_kwargs()
+                            model=self.model, messages=wire, tools=tools, **sampling.request_kwargs()
                         )
         except openai.APIError as exc:
             if is_context_overflow(exc):

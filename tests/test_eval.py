@@ -150,6 +150,14 @@ def test_a_harness_from_a_file_and_a_seed_per_attempt(server, tmp_path) -> None:
     assert server.seeds == {7, 8}
 
 
+def test_attempts_running_at_once_keep_their_own_seed(server, tmp_path) -> None:
+    # "slow" holds every reply 2 s, so both attempts' conversations are open at once on one shared agent.
+    result = _eval(server, tmp_path / "jobs", ["slow"], num_tasks=1, attempts=2, sampling={"seed": 7})
+    assert [r.reward for r in result.records] == [1.0, 1.0]
+    # Each conversation's two requests (before and after its tool call) carry its attempt's seed.
+    assert sorted(server.seed_turns) == [(0, 7), (0, 8), (1, 7), (1, 8)]
+
+
 def test_a_bad_harness_is_refused_before_any_job_folder(server, tmp_path) -> None:
     from harbor_async.errors import EvalConfigError
 
