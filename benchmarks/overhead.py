@@ -1,7 +1,9 @@
 """Engine overhead on the simulated backend with zero latency.
 
 - Portal round trip: one exec through the loop thread from another thread (what
-  every shim tool call does) against the same exec awaited on the loop.
+  every shim tool call does) against the same exec awaited on the loop, beside
+  asyncio's own thread hand-off of a no-op coroutine onto the same loop (no
+  engine code: the machine's floor for any hand-off, measured in the same run).
 - Capacity: the largest number of live simulated sandboxes one loop thread
   holds, each with an agent issuing about one exec per second, while a probe
   call through the portal still costs under 1 ms (p50).
@@ -9,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,6 +36,9 @@ class RoundTrip:
     portal_p99_us: float
     overhead_p50_us: float
     overhead_p99_us: float
+    #: asyncio's bare ``run_coroutine_threadsafe`` of a no-op coroutine, waited for from this thread.
+    floor_p50_us: float = 0.0
+    floor_p99_us: float = 0.0
 
 
 @dataclass
@@ -99,10 +105,25 @@ def measure_round_trip(loop: LoopThread, probe: Sandbox, calls: int) -> RoundTri
             times.append(time.perf_counter() - begin)
         return times
 
+    async def noop() -> None:
+        return None
+
+    aio_loop = loop._aio_loop  # the asyncio loop under the portal (LoopThread's default backend)
+    assert aio_loop is not None
+
+    def bare() -> list[float]:
+        times = []
+        for _ in range(calls):
+            begin = time.perf_counter()
+            asyncio.run_coroutine_threadsafe(noop(), aio_loop).result()
+            times.append(time.perf_counter() - begin)
+        return times
+
     for _ in range(50):  # warm up both paths
         loop.call(probe.exec, "true")
     direct_times = loop.call(direct)
     portal_times = _time_portal_calls(loop, probe, calls)
+    floor_times = bare()
     return RoundTrip(
         calls=calls,
         direct_p50_us=_us(direct_times, 50),
@@ -111,6 +132,8 @@ def measure_round_trip(loop: LoopThread, probe: Sandbox, calls: int) -> RoundTri
         portal_p99_us=_us(portal_times, 99),
         overhead_p50_us=round(_us(portal_times, 50) - _us(direct_times, 50), 1),
         overhead_p99_us=round(_us(portal_times, 99) - _us(direct_times, 99), 1),
+        floor_p50_us=_us(floor_times, 50),
+        floor_p99_us=_us(floor_times, 99),
     )
 
 

@@ -58,6 +58,7 @@ def test_overhead_reports_the_round_trip_and_capacity(tmp_path):
     rt = data["round_trip"]
     assert rt["calls"] == 200
     assert 0 < rt["direct_p50_us"] < rt["portal_p50_us"]  # the portal adds a thread hand-off
+    assert 0 < rt["floor_p50_us"] < rt["portal_p50_us"]  # a bare hand-off of nothing costs less than one of an exec
     assert [s["sandboxes"] for s in data["capacity"]][0] == 20
     assert data["max_sandboxes_under_1ms"] in (0, 20, 40)
 
