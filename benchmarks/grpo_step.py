@@ -144,16 +144,16 @@ def run_grpo_steps(
     def picks_of(step: int) -> list[Any]:
         return [tasks[(step * batch + i) % len(tasks)] for i in range(batch)]
 
+    prefetching = implementation.startswith("shim-prefetch")
+    if prefetching:
+        from shim import prefetch
     try:
         for step in range(steps):
             picks = picks_of(step)
             begin = time.perf_counter()
             for env, task in zip(envs, picks, strict=True):
                 env.reset(task_dir=str(task.task_dir))
-            prefetching = implementation.startswith("shim-prefetch")
             if prefetching:
-                from shim import prefetch
-
                 run.prefetch_hits.append(prefetch.release().hits)
             after_reset = time.perf_counter()
             scripts = [_commands(turns, task.config.metadata.get("gold_answer")) for task in picks]
@@ -166,10 +166,10 @@ def run_grpo_steps(
             after_tools = time.perf_counter()
             following = [str(task.task_dir) for task in picks_of(step + 1)]
             if implementation == "shim-prefetch-early":
-                prefetch.prefetch(*_env_settings(envs[0]), following)
+                prefetch.prefetch(envs[0], following)
             rewards = reward_func(environments=envs)
             if implementation == "shim-prefetch":
-                prefetch.prefetch(*_env_settings(envs[0]), following)
+                prefetch.prefetch(envs[0], following)
             end = time.perf_counter()
             times = StepTimes(after_reset - begin, after_tools - after_reset, end - after_tools)
             run.steps.append(times)
@@ -178,9 +178,7 @@ def run_grpo_steps(
             time.sleep(optimise_seconds)
     finally:
         begin = time.perf_counter()
-        if implementation.startswith("shim-prefetch"):
-            from shim import prefetch
-
+        if prefetching:
             prefetch.release()
         _close(implementation, envs)
         run.teardown = time.perf_counter() - begin
@@ -191,11 +189,6 @@ def run_grpo_steps(
         run.start_profile = summarize_profiles(PROFILES)
         PROFILES.clear()
     return run
-
-
-def _env_settings(env: Any) -> tuple[Any, Any, Any]:
-    """A shim env's engine options, backend and backend arguments: what a sandbox started ahead must match."""
-    return env._options, env._backend, env._backend_kwargs
 
 
 def _round(envs: Sequence[Any], commands: Sequence[str]) -> None:

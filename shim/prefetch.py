@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from harbor_async.errors import EngineClosedError
 from harbor_async.logs import get_logger
@@ -153,14 +153,19 @@ def claim(engine: Engine, task: Task, backend: BackendSpec, backend_kwargs: Mapp
     return None if pool is None else pool.claim(task, backend, backend_kwargs)
 
 
-def prefetch(
-    options: EngineOptions, backend: BackendSpec, backend_kwargs: Mapping[str, Any], task_dirs: Iterable[str]
-) -> int:
-    """Start one sandbox per task folder, ahead of its reset, as an env with these settings would.
+class EnvSettings(Protocol):
+    """What a prefetch reads of a shim ``HarborEnv`` (typed here: importing ``shim.env`` would be a cycle)."""
 
-    ``options``, ``backend`` and ``backend_kwargs`` are the env's (its engine
-    options, backend and Harbor ``--ek`` arguments): a reset claims only a
-    sandbox started with its own.
+    _options: EngineOptions
+    _backend: BackendSpec
+    _backend_kwargs: Mapping[str, Any]
+
+
+def prefetch(env: EnvSettings, task_dirs: Iterable[str]) -> int:
+    """Start one sandbox per task folder, ahead of its reset, as ``env`` (a shim ``HarborEnv``) would.
+
+    The sandboxes take ``env``'s engine options, backend and Harbor ``--ek``
+    arguments: a reset claims only a sandbox started with its own.
 
     Returns at once with the number of sandboxes scheduled; the starts run on
     the loop thread. A folder that is not a valid task is skipped (its reset
@@ -174,8 +179,8 @@ def prefetch(
             log.debug("prefetch skipped a task", task_dir=str(task_dir), error=str(exc))
     if not tasks:
         return 0
-    engine = engines.engine_for(options)
-    backend_kwargs = dict(backend_kwargs)
+    engine = engines.engine_for(env._options)
+    backend, backend_kwargs = env._backend, dict(env._backend_kwargs)
 
     def start_all() -> None:
         pool = pool_for(engine)

@@ -252,7 +252,7 @@ class HarborGRPOTrainer(GRPOTrainer):
         env = self.environments[0] if self.environments else None
         if not isinstance(env, HarborEnv) or not self._next_generation_comes_first():
             return
-        prefetch.prefetch(env._options, env._backend, env._backend_kwargs, [str(t) for t in tasks])
+        prefetch.prefetch(env, [str(t) for t in tasks])
 
     def _next_generation_comes_first(self) -> bool:
         """Whether the run generates again after this generation, with no evaluation in between.

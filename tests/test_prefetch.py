@@ -22,6 +22,12 @@ from shim.lookahead import GenerationLookahead, LookaheadSampler, task_key
 from shim.prefetch import PrefetchPool
 
 
+def _shard(sampler: LookaheadSampler, global_batch: int, processes: int, process: int) -> BatchSamplerShard:
+    """What accelerate makes of the trainer's batch sampler for one process."""
+    batches = BatchSampler(sampler, global_batch // processes, drop_last=False)
+    return BatchSamplerShard(batches, num_processes=processes, process_index=process)
+
+
 def _repeat_sampler(rows: int, generations: int, global_batch: int, repeat: int) -> RepeatSampler:
     return RepeatSampler(
         data_source=list(range(rows)),
@@ -39,11 +45,7 @@ def test_lookahead_names_every_next_generation_as_accelerate_shards_it(processes
     keys = [f"task-{i}" for i in range(rows)]
     for process in range(processes):
         sampler = LookaheadSampler(_repeat_sampler(rows, generations, global_batch, repeat))
-        shard = BatchSamplerShard(
-            BatchSampler(sampler, global_batch // processes, drop_last=False),
-            num_processes=processes,
-            process_index=process,
-        )
+        shard = _shard(sampler, global_batch, processes, process)
         # What this process's trainer generates on: the first of each `repeat` consecutive batches.
         generations_seen = []
         for _ in range(epochs):
@@ -56,11 +58,7 @@ def test_lookahead_names_every_next_generation_as_accelerate_shards_it(processes
             sampler2, keys.__getitem__, global_batch=global_batch, processes=processes, process_index=process,
             repeat=repeat,
         )  # fmt: skip
-        shard2 = BatchSamplerShard(
-            BatchSampler(sampler2, global_batch // processes, drop_last=False),
-            num_processes=processes,
-            process_index=process,
-        )
+        shard2 = _shard(sampler2, global_batch, processes, process)
         predicted = []
         for _ in range(epochs):
             for batch in list(shard2)[::repeat]:

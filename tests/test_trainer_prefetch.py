@@ -118,11 +118,11 @@ def _train(
             parked_at_reset.append(prefetch.parked_count())
         return inner_generate(prompts)
 
-    def counting(options, backend, backend_kwargs, task_dirs):
+    def counting(env, task_dirs):
         task_dirs = list(task_dirs)
         started_ahead.append((trainer.state.global_step, len(task_dirs)))
         live_at_start_ahead.append(engines.live_sandbox_count())
-        return start_ahead(options, backend, backend_kwargs, task_dirs)
+        return start_ahead(env, task_dirs)
 
     trainer._generate_and_score_completions = recording
     trainer._generate = generate
