@@ -25,14 +25,18 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from harbor_async.errors import HarborAsyncError
+
+if TYPE_CHECKING:
+    from harbor.models.task.task import Task
 
 __all__ = [
     "FEATURES",
@@ -45,25 +49,33 @@ __all__ = [
     "require_supported",
 ]
 
-#: Supported ranges: what pyproject.toml allows, and what ``doctor`` checks.
-#: ``trl-internals`` is the narrower range of code that reaches into TRL's
-#: private methods (``shim.reference``): only the releases CI tested.
-#: ``trl-env-reward``: TRL reads an env's ``get_reward`` as a reward source
-#: from 1.8 on (1.7 would list it as a tool).
+def _declared_ranges() -> dict[str, str]:
+    """The ranges harbor-async's installed metadata declares (pyproject.toml's, extras included)."""
+    from packaging.requirements import Requirement
+
+    ranges = {}
+    for line in importlib.metadata.requires("harbor-async") or ():
+        requirement = Requirement(line)
+        if requirement.name != "harbor-async":  # the bench extra names the trl one
+            bounds = sorted(map(str, requirement.specifier), key=lambda bound: not bound.startswith(">"))
+            ranges.setdefault(requirement.name.lower().replace("_", "-"), ",".join(bounds))  # lower bound first
+    ranges["python"] = importlib.metadata.metadata("harbor-async")["Requires-Python"]
+    return ranges
+
+
+#: Supported ranges: what the installed package declares (pyproject.toml's), and
+#: what ``doctor`` checks, plus narrower ranges of single features:
+#: ``trl-internals``, code that reaches into TRL's private methods
+#: (``shim.reference``): only the releases CI tested; ``trl-env-reward``: TRL
+#: reads an env's ``get_reward`` as a reward source from 1.8 on (1.7 would list
+#: it as a tool).
 SUPPORTED: dict[str, str] = {
-    "python": ">=3.12",
-    "harbor": ">=0.25,<0.27",
-    "trl": ">=1.7,<2",
+    **_declared_ranges(),
     "trl-internals": ">=1.7,<1.17",
     "trl-env-reward": ">=1.8,<2",
-    "datasets": ">=4.0",
-    "openai": ">=1.50",
-    "jinja2": ">=3.1",
-    "matplotlib": ">=3.8",
-    "ray": ">=2.30",
 }
 
-#: The releases CI runs (uv.lock, and .ci/trl-range for the oldest and newest TRL).
+#: The releases CI runs at the ranges' ends (.ci/range: lowest and highest that resolve).
 TESTED: dict[str, tuple[str, ...]] = {
     "harbor": ("0.25.0", "0.26.0"),
     "trl": ("1.7.0", "1.16.0"),
@@ -303,6 +315,79 @@ def check_docker_compose() -> Check:
     return Check("docker compose", False, text, "install the Compose plugin (apt-get install docker-compose-plugin)")
 
 
+def base_images(tasks: Sequence[Task]) -> list[str]:
+    """The images a docker run of ``tasks`` starts from: ``docker_image``, else the Dockerfile's ``FROM``."""
+    from harbor_async.backends.local.dockerfile import parse_dockerfile
+
+    images = set()
+    for task in tasks:
+        image = task.config.environment.docker_image
+        dockerfile = task.paths.environment_dir / "Dockerfile"
+        if not image and dockerfile.is_file():
+            image = parse_dockerfile(dockerfile.read_text(encoding="utf-8")).base_image
+        if image:
+            images.add(image)
+    return sorted(images)
+
+
+def check_docker_container(image: str) -> Check:
+    """Start and stop one container from ``image`` (no pull, no network): what every docker start does."""
+    name = f"container from {image}"
+    ok, text = _docker(["image", "inspect", "--format", "{{.Id}}", image])
+    if not ok:
+        return Check(
+            name, False, f"image {image} is missing: {text}",
+            f"docker pull {image}, or build it (without a registry, .ci/docker-setup builds debian:bookworm-slim offline)",
+        )  # fmt: skip
+    ok, text = _docker(["run", "--rm", "--pull", "never", "--network", "none", image, "true"])
+    if not ok:
+        return Check(name, False, f"docker run failed: {text}", "see the daemon's log; `docker run --rm IMAGE true` must work")
+    return Check(name, True, "a container started and stopped")
+
+
+# ── a backend's environment, built the way a start builds it ───────────────
+
+
+def check_backend_environment(backend: str, task: Task, backend_kwargs: Mapping[str, Any] | None = None) -> Check:
+    """Build ``backend``'s Harbor environment for ``task``, with the options a run passes.
+
+    The class is loaded, the options checked against what the installed Harbor
+    accepts, and the environment constructed as every start constructs it
+    (:meth:`~harbor_async.backends.BackendSpec.create_environment`); nothing is
+    started, so cloud backends create no sandbox.
+    """
+    import tempfile
+    import uuid
+
+    from harbor.models.trial.paths import TrialPaths
+
+    from harbor_async.backends import resolve_backend
+
+    options = dict(backend_kwargs or {})
+    name = f"{backend} environment"
+    try:
+        spec = resolve_backend(backend)
+        spec.check_options(options)
+        with tempfile.TemporaryDirectory(prefix="harbor-async-doctor-") as folder:
+            paths = TrialPaths(trial_dir=Path(folder))
+            paths.mkdir()
+            environment = spec.create_environment(
+                task, paths, session_id=f"doctor-{uuid.uuid4().hex[:10]}", run_label="doctor",
+                backend_kwargs=options, options={},
+            )  # fmt: skip
+    except Exception as exc:  # whatever Harbor or the backend refuses is the finding
+        found = " ".join(str(exc).split())[:500] or type(exc).__name__
+        return Check(name, False, f"cannot be built: {found}", "fix the backend options (--ek) or install what it names")
+    checked = spec.options()
+    note = (
+        f"options checked against {'its schema' if checked.source == 'schema' else 'its constructor'}"
+        if checked.checked
+        else "options go unchecked (the class declares no options schema)"
+    )
+    given = ", ".join(sorted(options)) or "none"
+    return Check(name, True, f"{type(environment).__name__} built (options: {given}; {note})")
+
+
 # ── cloud backends, Ray, a model server ────────────────────────────────────
 
 
@@ -360,6 +445,10 @@ def _docker_checks() -> list[Check]:
     return [check_program("docker", "docker.io"), check_docker_daemon(), check_docker_compose()]
 
 
+#: Backends whose environment ``diagnose`` builds when asked for (a docker one also starts a container).
+BACKENDS = ("local", "simulated", "docker", "docker-fast", *_CLOUD)
+
+
 def _cloud(backend: str) -> Callable[[], list[Check]]:
     return lambda: [check_package(_CLOUD[backend][0], ""), check_credentials(backend)]
 
@@ -375,6 +464,7 @@ FEATURES: dict[str, Callable[[], list[Check]]] = {
     "local": _local,
     "limits": lambda: [check_cgroups()],
     "docker": _docker_checks,
+    "docker-fast": _docker_checks,
     **{name: _cloud(name) for name in _CLOUD},
     "trl": _packages("trl", "datasets", "transformers", "torch"),  # the last two: whatever TRL accepts
     "eval": _packages("openai", "jinja2", "matplotlib"),
@@ -382,14 +472,26 @@ FEATURES: dict[str, Callable[[], list[Check]]] = {
 }
 
 
-def diagnose(requested: Iterable[str] = ("local",), base_url: str | None = None, everything: bool = True) -> Diagnosis:
+def diagnose(
+    requested: Iterable[str] = ("local",),
+    base_url: str | None = None,
+    everything: bool = True,
+    backend_kwargs: Mapping[str, Any] | None = None,
+    suite: Path | None = None,
+) -> Diagnosis:
     """Run the checks of every feature (or only the requested ones) and say which were asked for.
+
+    A requested backend is also proven: its environment is built as a run
+    builds it (with ``backend_kwargs``, for the suite's first task), and for
+    docker one container is started and stopped from each image the suite needs.
 
     Args:
         requested: Backends and features the user wants to run (``core`` is
             added); the diagnosis is ``ok`` when all of their checks pass.
         base_url: An OpenAI-compatible server to reach (requested when given).
         everything: Also look at the other features, for the report.
+        backend_kwargs: The options the run will pass (``--ek``).
+        suite: The suite the run will use (default: the bundled one).
 
     Raises:
         KeyError: An unknown feature name.
@@ -401,6 +503,16 @@ def diagnose(requested: Iterable[str] = ("local",), base_url: str | None = None,
     diagnosis = Diagnosis(requested=wanted + (["model-server"] if base_url else []))
     for name in FEATURES if everything else wanted:
         diagnosis.results[name] = FEATURES[name]()
+    backends = [name for name in wanted if name in BACKENDS]
+    if backends:
+        from harbor_async.tasks import load_suite
+
+        tasks = load_suite(suite).tasks
+        for name in backends:
+            proof = [check_backend_environment(name, tasks[0], backend_kwargs)]
+            if name in ("docker", "docker-fast"):
+                proof += [check_docker_container(image) for image in base_images(tasks)]
+            diagnosis.results[name] = [*diagnosis.results[name], *proof]
     if base_url:
         diagnosis.results["model-server"] = [check_model_server(base_url)]
     return diagnosis

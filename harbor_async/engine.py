@@ -172,6 +172,11 @@ class Engine:
         Call on the loop. The start waits for a live-sandbox slot and a create
         turn, then retries transient failures; :meth:`Sandbox.wait_started`
         returns when it is up (or raises its start error).
+
+        Raises:
+            BackendError: the backend cannot be loaded, or (as
+                :class:`~harbor_async.errors.BackendOptionsError`) does not take
+                the options: nothing is started.
         """
         if self._tg is None or self._closing:
             raise EngineClosedError("the engine is not running (closed, or not entered)")
@@ -181,11 +186,13 @@ class Engine:
             task = load_task(task)
         spec = backend if isinstance(backend, BackendSpec) else resolve_backend(backend)
         spec.check_async_library()  # a bad import path or library fails here, not in the background
+        options = {**self.backend_kwargs, **(backend_kwargs or {})}
+        spec.check_options(options)  # so do options the backend does not take
         sandbox = Sandbox(
             self._context,
             task,
             spec,
-            backend_kwargs={**self.backend_kwargs, **(backend_kwargs or {})},
+            backend_kwargs=options,
             episode_timeout=episode_timeout,
         )
         self._ledger[sandbox.id] = sandbox

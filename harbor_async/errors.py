@@ -35,6 +35,39 @@ class BackendError(HarborAsyncError, ValueError):
     """The backend name or import path cannot be resolved to a Harbor environment."""
 
 
+class BackendOptionsError(BackendError):
+    """Options (``--ek``, ``backend_kwargs``) the backend does not take, refused before any sandbox starts.
+
+    Attributes:
+        backend: the backend's name.
+        unknown: the option names it does not take.
+        valid: the names it takes (its own first).
+        suggestions: unknown name -> the closest valid one.
+        detail: the installed Harbor's own reason, for a value its schema refuses.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        unknown: Sequence[str],
+        valid: Sequence[str],
+        suggestions: dict[str, str],
+        *,
+        detail: str = "",
+    ) -> None:
+        self.backend, self.unknown, self.valid = backend, list(unknown), list(valid)
+        self.suggestions, self.detail = dict(suggestions), detail
+        if unknown:
+            names = ", ".join(
+                repr(name) + (f" (did you mean {suggestions[name]!r}?)" if name in suggestions else "")
+                for name in unknown
+            )
+            reason = f"backend {backend!r} has no option {names}"
+        else:
+            reason = f"backend {backend!r} refuses its options: {detail}"
+        super().__init__(f"{reason}; its options: {', '.join(valid) or 'none'}")
+
+
 class AsyncLibraryError(HarborAsyncError, RuntimeError):
     """A Harbor backend that only runs on asyncio was used under another async library."""
 

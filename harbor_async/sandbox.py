@@ -440,38 +440,19 @@ class Sandbox:
         self._started.set()
 
     async def _start_once(self) -> None:
-        from harbor.environments.factory import EnvironmentFactory
-        from harbor.models.trial.config import (
-            EnvironmentConfig as TrialEnvironmentConfig,
-        )
-
         await self.context.budget.create_turn()
         async with self._phase(Phase.START, budget=self.timeouts.start, wrap=False):
             self._trial_dir = self._make_trial_dir()
             paths = self._trial_paths()
             paths.mkdir()
-            kwargs = {"run_label": self.context.run_label, **self._backend_kwargs}
-            extras = self.backend.start_extras(
-                trial_dir=self._trial_dir,
-                run_label=self.context.run_label,
-                sandbox_id=self.id,
-                task_env=self.task.config.environment.env,
-                backend_kwargs=kwargs,
-                options=self.context.start_options,
-            )
             try:
-                self._env = EnvironmentFactory.create_environment_from_config(
-                    config=TrialEnvironmentConfig(
-                        type=self.backend.type,
-                        import_path=self.backend.import_path,
-                        kwargs=kwargs,
-                        **extras,
-                    ),
-                    environment_dir=self.task.paths.environment_dir,
-                    environment_name=self.task.short_name,
+                self._env = self.backend.create_environment(
+                    self.task,
+                    paths,
                     session_id=self.id,
-                    trial_paths=paths,
-                    task_env_config=self.task.config.environment,
+                    run_label=self.context.run_label,
+                    backend_kwargs=self._backend_kwargs,
+                    options=self.context.start_options,
                 )
                 await self._env.start(force_build=False)
                 await self._env.run_healthcheck()

@@ -122,11 +122,11 @@ class HarborEnv:
     ) -> None:
         self._environment_type = environment_type
         self._backend = resolve_backend(environment_type)
-        # Import the backend class now (no sandbox starts): a typo or a missing
-        # vendor SDK fails at construction, not in the middle of a batch.
-        self._backend.environment_class()
         self._options = EngineOptions.from_kwargs(dict(engine_options))
         self._backend_kwargs: dict[str, Any] = dict(backend_kwargs or {})
+        # Import the backend class and check its options now (no sandbox starts): a
+        # typo or a missing vendor SDK fails at construction, not in the middle of a batch.
+        self._backend.check_options(self._backend_kwargs)
         self._episode: Episode | None = None
         # Episodes whose sandbox may still be alive; shared with the finalizer,
         # which must not hold the env itself.
@@ -145,6 +145,7 @@ class HarborEnv:
         environment_type="docker")`` only, so the factory cannot pass the
         options to the constructor.
         """
+        self._backend.check_options(backend_kwargs)
         self._options = options
         self._backend_kwargs = dict(backend_kwargs)
 

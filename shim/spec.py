@@ -219,7 +219,7 @@ class HarborSpec:
         self._options = EngineOptions.from_kwargs(dict(engine_options))
         self._backend_kwargs = dict(backend_kwargs or {})
         backend = resolve_backend(environment_type)
-        backend.environment_class()  # fail here, not mid-training
+        backend.check_options(self._backend_kwargs)  # fail here, not mid-training
         self._token = uuid.uuid4().hex
         if preflight and self._selection:
             run_preflight(self._selection[0][1], backend, self._options, self._backend_kwargs)

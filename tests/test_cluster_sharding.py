@@ -7,6 +7,7 @@ import signal
 from pathlib import Path
 
 import anyio
+import pytest
 
 from harbor_async.cluster.sharding import ShardedRunner
 from harbor_async.engine import Engine
@@ -16,6 +17,8 @@ from harbor_async.scoring import summarize
 from harbor_async.suites import example_suite_path
 from tests.cluster_episodes import items, simulated_episode
 from tests.cluster_helpers import ray_cluster  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.range
 
 TASKS = sorted(str(p.parent) for p in (example_suite_path() / "tasks").glob("*/task.toml"))
 

@@ -8,6 +8,7 @@ fresh venv (core only; tests/wheel_env.py). The doctor's code is never patched.
 from __future__ import annotations
 
 import http.server
+import importlib.metadata
 import json
 import os
 import shutil
@@ -18,8 +19,12 @@ import threading
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from harbor_async.doctor import SUPPORTED, UnsupportedVersionError, require_supported
+from tests.cli_helpers import make_suite
+from tests.conftest import DOCKER_BASE_IMAGE
 from tests.wheel_env import REPO, wheel_env
 
 
@@ -40,27 +45,60 @@ def checks(report: dict, feature: str) -> dict[str, dict]:
     return {c["name"]: c for c in report["features"][feature]}
 
 
+@pytest.mark.range
 def test_passes_on_this_machine_for_the_local_backend_and_every_extra():
     rc, report, _ = doctor("-b", "local", "-f", "trl", "-f", "eval", "-f", "ray")
     assert rc == 0, report
     assert report["ok"] and report["requested"] == ["core", "local", "trl", "eval", "ray"]
     local = checks(report, "local")
-    assert set(local) == {"bwrap", "nsenter", "setpriv", "namespaces"} and all(c["ok"] for c in local.values())
+    assert set(local) == {"bwrap", "nsenter", "setpriv", "namespaces", "local environment"}
+    assert all(c["ok"] for c in local.values())
+    assert local["local environment"]["found"].startswith("LocalEnvironment built")
     assert "sandbox starts" in local["namespaces"]["found"]
     core = checks(report, "core")
-    assert core["python"]["ok"] and core["harbor"]["found"].startswith("0.25.")
-    assert checks(report, "trl")["trl"]["found"].startswith("1.16.0")
+    assert core["python"]["ok"] and core["harbor"]["found"].startswith(importlib.metadata.version("harbor") + " ")
+    assert checks(report, "trl")["trl"]["found"].startswith(importlib.metadata.version("trl") + " ")
     # Everything else was looked at too (not asked for: it does not decide the exit code).
     assert {"docker", "limits", "e2b", "modal", "daytona", "runloop"} <= set(report["features"])
 
 
+@pytest.mark.range
 @pytest.mark.docker
-def test_passes_for_docker_when_the_daemon_runs():
+def test_passes_for_docker_when_the_daemon_runs(docker_daemon):
     rc, report, _ = doctor("-b", "docker", "--only")
     assert rc == 0, report
     docker = checks(report, "docker")
     assert docker["docker daemon"]["ok"] and docker["docker compose"]["ok"]
+    # Proven, not assumed: the environment a run builds, and a container from the suite's base image.
+    assert docker["docker environment"]["found"].startswith("DockerEnvironment built")
+    assert docker[f"container from {DOCKER_BASE_IMAGE}"] == {
+        "name": f"container from {DOCKER_BASE_IMAGE}", "ok": True, "found": "a container started and stopped", "fix": "",
+    }  # fmt: skip
     assert set(report["features"]) == {"core", "docker"}
+
+
+@pytest.mark.range
+@pytest.mark.docker
+def test_docker_is_not_ready_when_the_suite_image_is_missing(docker_daemon, tmp_path: Path):
+    suite = make_suite(tmp_path / "suite", ["needs-an-image"])
+    dockerfile = suite / "tasks" / "needs-an-image" / "environment" / "Dockerfile"
+    dockerfile.write_text(dockerfile.read_text().replace(f"FROM {DOCKER_BASE_IMAGE}", "FROM harbor-async-test/absent:never"))
+    rc, report, _ = doctor("-b", "docker", "--only", "-p", str(suite))
+    assert rc == 1 and not report["ok"]
+    missing = checks(report, "docker")["container from harbor-async-test/absent:never"]
+    assert not missing["ok"] and missing["found"].startswith("image harbor-async-test/absent:never is missing")
+    assert missing["fix"].startswith("docker pull harbor-async-test/absent:never")
+    assert checks(report, "docker")["docker environment"]["ok"]  # the environment builds; its image is what is missing
+
+
+@pytest.mark.range
+def test_docker_is_not_ready_when_harbor_refuses_the_options():
+    rc, report, text = doctor("-b", "docker", "--only", "--ek", "no_such_key=1")
+    assert rc == 1
+    built = checks(report, "docker")["docker environment"]
+    assert not built["ok"] and "backend 'docker' has no option 'no_such_key'" in built["found"]
+    rc, report, _ = doctor("-b", "local", "--only", "--ek", "memroy_mb=64")
+    assert rc == 1 and "did you mean 'memory_mb'?" in checks(report, "local")["local environment"]["found"]
 
 
 def test_reports_a_missing_bubblewrap(tmp_path: Path):
@@ -90,6 +128,7 @@ def test_reports_a_missing_bubblewrap(tmp_path: Path):
     assert "not ready: local needs bwrap: install the 'bubblewrap' package" in done.stdout
 
 
+@pytest.mark.range
 def test_reports_a_missing_docker_daemon(tmp_path: Path):
     dead = tmp_path / "dead.sock"
     listener = socket.socket(socket.AF_UNIX)
@@ -102,6 +141,8 @@ def test_reports_a_missing_docker_daemon(tmp_path: Path):
     assert not docker["docker daemon"]["ok"]  # ...the daemon is not
     assert str(dead) in docker["docker daemon"]["found"]
     assert "start it" in docker["docker daemon"]["fix"]
+    # No container can start there either: said, not assumed.
+    assert not docker[f"container from {DOCKER_BASE_IMAGE}"]["ok"]
     # Asking for the local backend only: the dead daemon does not matter.
     rc, report, _ = doctor("-b", "local", env={**os.environ, "DOCKER_HOST": f"unix://{dead}"})
     assert rc == 0 and not checks(report, "docker")["docker daemon"]["ok"]
@@ -169,8 +210,18 @@ def test_model_server_reachable_or_not():
     assert rc == 1 and not checks(report, "model-server")["model server"]["ok"]
 
 
+@pytest.mark.range
+def test_supported_ranges_are_the_declared_ones():
+    declared = {
+        Requirement(line).name: str(Requirement(line).specifier) for line in importlib.metadata.requires("harbor-async")
+    }
+    for dist in ("harbor", "trl", "openai", "ray", "transformers", "datasets"):
+        assert SpecifierSet(SUPPORTED[dist]) == SpecifierSet(declared[dist]), dist
+
+
+@pytest.mark.range
 def test_require_supported_names_the_tested_range():
-    assert require_supported("harbor", "the local backend") == "0.25.0"
+    assert require_supported("harbor", "the local backend") == importlib.metadata.version("harbor")
     with pytest.raises(UnsupportedVersionError) as caught:
         require_supported("no-such-dist-anywhere", "a feature", "trl")
     assert caught.value.supported == SUPPORTED["trl"] and caught.value.version == "not installed"

@@ -18,7 +18,7 @@ from harbor_async.errors import (
 )
 from harbor_async.policy import Limits, RetryPolicy, Timeouts
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.range]
 
 FAST_RETRY = RetryPolicy(attempts=3, initial_wait=0.01, max_wait=0.02)
 

@@ -18,6 +18,8 @@ from harbor_async.errors import FailureClass
 from harbor_async.jobs import JobFolder
 from tests.scripted_server import ScriptedServer
 
+pytestmark = pytest.mark.range
+
 
 @pytest.fixture
 def server():

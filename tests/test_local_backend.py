@@ -37,7 +37,7 @@ from harbor_async.backends.local import (
 IMPORT_PATH = "harbor_async.backends.local:LocalEnvironment"
 REPO = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+pytestmark = [pytest.mark.range, pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")]
 
 DOCKERFILE = """\
 FROM debian:bookworm-slim

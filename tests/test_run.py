@@ -14,6 +14,8 @@ from harbor_async.errors import failure_class as classify
 from harbor_async.runner import PlannedEpisode, run_suite
 from tests.cli_helpers import harbor_async, records
 
+pytestmark = pytest.mark.range
+
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.anyio

@@ -11,7 +11,7 @@ from harbor_async.engine import Engine
 from harbor_async.errors import Phase, SandboxClosedError, SandboxTimeout
 from harbor_async.sandbox import SandboxState
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.range]
 
 
 @pytest.fixture

@@ -37,6 +37,8 @@ from shim import engines
 from shim.env import not_a_tool
 from shim.rewards import _outcome_reward_func
 
+pytestmark = pytest.mark.range
+
 TASKS = example_suite_path() / "tasks"
 CSV_SUM = str(TASKS / "csv-column-sum")
 WORDS = str(TASKS / "word-frequency")

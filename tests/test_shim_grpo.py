@@ -38,6 +38,8 @@ from shim import engines
 from shim.spec import _SPEC_ENVS
 from tests.tiny_model import build_tiny_qwen3, encode_exact
 
+pytestmark = pytest.mark.range
+
 # Tasks with a gold answer, and a file their Dockerfile COPYs into /workdir
 # (so that `ls` output can only come from the task's sandbox).
 TASKS = {

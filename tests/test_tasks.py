@@ -34,6 +34,8 @@ from harbor_async.tasks import (
     load_task,
 )
 
+pytestmark = pytest.mark.range
+
 EXAMPLE_TASKS = example_suite_path() / "tasks"
 EXAMPLE_NAMES = sorted(p.name for p in EXAMPLE_TASKS.iterdir() if (p / "task.toml").is_file())
 

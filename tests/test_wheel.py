@@ -73,6 +73,38 @@ def test_shim_round_from_the_wheel(venv, tmp_path: Path):
     assert seen["rewards"] == [1.0, 0.0]
 
 
+# ── the newest releases the ranges allow, on docker ─────────────────────────
+
+
+@pytest.fixture(scope="module")
+def newest():
+    """The wheel with its trl extra, resolved from its ranges alone, newest first (a new user's install today)."""
+    return wheel_env("trl", "highest")
+
+
+@pytest.mark.docker
+def test_newest_install_runs_the_main_job_on_docker(newest, docker_daemon, tmp_path: Path):
+    records = tmp_path / "episodes.jsonl"
+    done = _run(newest, [str(newest.cli), "run", "-e", "docker", "-c", "4", "--json", str(records), "-o", str(tmp_path / "jobs")], tmp_path)
+    versions = {d: newest.version(d) for d in ("harbor", "trl", "transformers", "openai")}
+    assert done.returncode == 0, (versions, done.stderr[-3000:])
+    rows = [json.loads(line) for line in records.read_text().splitlines()]
+    assert [r["reward"] for r in rows] == [1.0] * 10, (versions, rows)
+    assert "failures: none" in done.stdout
+
+
+@pytest.mark.docker
+def test_newest_install_runs_a_shim_round_on_docker(newest, docker_daemon, tmp_path: Path):
+    script = tmp_path / "smoke.py"
+    shutil.copy(REPO / "tests" / "wheel_shim_smoke.py", script)
+    done = _run(newest, [str(newest.python), str(script), "docker"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["harbor_async"].startswith(str(newest.root))
+    assert seen["prompt"].startswith("# Total sales") and "sales.csv" in seen["listing"]
+    assert seen["rewards"] == [1.0, 0.0]
+
+
 def test_bench_says_it_needs_a_source_checkout(venv, tmp_path: Path):
     done = _run(venv, [str(venv.cli), "bench", "throughput"], tmp_path)
     assert done.returncode == 2

@@ -1,10 +1,14 @@
 """A fresh virtual environment with harbor-async installed from its built wheel (no source tree).
 
-Built once per test session (tests/test_wheel.py and tests/test_doctor.py share
-it): ``uv build --wheel``, ``uv venv``, ``uv pip install`` of the wheel with the
-lock's versions as constraints (so the install comes from uv's cache and
-matches what the rest of the suite tests). Only the core is installed: no
-extras, so the environment also shows what a missing extra looks like.
+Built once per test session and kind (tests/test_wheel.py and tests/test_doctor.py
+share them): ``uv build --wheel``, ``uv venv``, ``uv pip install`` of the wheel,
+outside the project's configuration (``--no-config``), either
+
+- ``"locked"``: with the lock's versions as constraints (the install comes from
+  uv's cache and matches what the rest of the suite tests), or
+- ``"highest"``: resolved from the wheel's ranges alone, newest first, as a user's
+  ``pip install "harbor-async[trl]"`` resolves today (torch, which is no
+  dependency of ours, at the lock's release without its GPU-only libraries).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,6 +48,14 @@ class WheelEnv:
         env["VIRTUAL_ENV"] = str(self.root)
         env.update(extra)
         return env
+
+    def version(self, dist: str) -> str:
+        """The version of ``dist`` installed in the venv."""
+        done = subprocess.run(
+            [str(self.python), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
+            capture_output=True, text=True, env=self.env(), timeout=60, check=True,
+        )  # fmt: skip
+        return done.stdout.strip()
 
 
 def _uv(*args: str, cwd: Path = REPO, timeout: float = 600) -> str:
@@ -71,20 +84,28 @@ def _built() -> tuple[Path, Path]:
     (base / "constraints.txt").write_text(
         _uv("export", "--locked", "--all-extras", "--no-hashes", "--no-emit-project", "--format", "requirements-txt")
     )
+    (base / "torch.txt").write_text(
+        "".join(line + "\n" for line in (base / "constraints.txt").read_text().splitlines() if line.startswith("torch=="))
+    )
     (base / "excludes.txt").write_text("\n".join(GPU_ONLY) + "\n")
     return wheels[0], base
 
 
 @functools.cache
-def wheel_env(extra: str | None = None) -> WheelEnv:
-    """A fresh venv with the wheel (plus one extra) installed, at the lock's versions (once per session)."""
+def wheel_env(extra: str | None = None, resolution: Literal["locked", "highest"] = "locked") -> WheelEnv:
+    """A fresh venv with the wheel (plus one extra) installed (once per session, extra and resolution)."""
     wheel, base = _built()
-    root = base / f"venv-{extra or 'core'}"
+    root = base / f"venv-{extra or 'core'}-{resolution}"
     _uv("venv", "--python", sys.executable, str(root), cwd=base)
     target = f"{wheel}[{extra}]" if extra else str(wheel)
+    if resolution == "locked":
+        pins = ["-c", str(base / "constraints.txt")]
+    else:
+        pins = ["--resolution", "highest", "-c", str(base / "torch.txt")]
     _uv(
         "pip", "install", "--no-config", "--python", str(root / "bin" / "python"),
-        "-c", str(base / "constraints.txt"), "--excludes", str(base / "excludes.txt"), target,
+        *pins, "--excludes", str(base / "excludes.txt"), target,
         cwd=base,
     )  # fmt: skip
     return WheelEnv(wheel=wheel, root=root)
+

@@ -1,7 +1,7 @@
 """A shim round from an installed wheel: reset, a tool call, the batched reward (run by tests/test_wheel.py).
 
-Run with the wheel's venv python from a folder outside the source tree; prints
-one JSON line with what it saw.
+Run with the wheel's venv python from a folder outside the source tree, with the
+backend as the argument (default ``local``); prints one JSON line with what it saw.
 """
 
 import json
@@ -13,7 +13,8 @@ from harbor_async.suites import example_suite_path
 from shim import HarborSpec
 
 tasks = example_suite_path() / "tasks"
-spec = HarborSpec(example_suite_path(), environment_type="local")
+backend = sys.argv[1] if len(sys.argv) > 1 else "local"
+spec = HarborSpec(example_suite_path(), environment_type=backend)
 envs = [spec.environment_factory() for _ in range(2)]
 try:
     prompts = [envs[0].reset(task_dir=str(tasks / "csv-column-sum")), envs[1].reset(task_dir=str(tasks / "csv-column-sum"))]

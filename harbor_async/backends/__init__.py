@@ -6,9 +6,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harbor_async.errors import AsyncLibraryError, BackendError
+
+if TYPE_CHECKING:
+    from harbor.environments.base import BaseEnvironment
+    from harbor.models.task.task import Task
+    from harbor.models.trial.paths import TrialPaths
+
+    from harbor_async.backends.options import BackendOptions
 
 #: This project's Harbor environments, selectable by short name.
 SHORT_NAMES: dict[str, str] = {
@@ -29,6 +36,58 @@ class BackendSpec:
     def environment_class(self) -> type:
         """The Harbor environment class (imports it; vendor SDKs load only here)."""
         return _environment_class(self)
+
+    def options(self) -> BackendOptions:
+        """What this backend accepts as options, read off the installed Harbor (loads the class)."""
+        from harbor_async.backends.options import options_of
+
+        return options_of(self.name, self.environment_class())
+
+    def check_options(self, options: Mapping[str, Any]) -> None:
+        """Refuse options this backend does not take (see :mod:`harbor_async.backends.options`).
+
+        Raises:
+            BackendOptionsError: unknown names (with the valid ones and a "did
+                you mean"), or values the installed Harbor's schema refuses.
+        """
+        self.options().check(options)
+
+    def create_environment(
+        self,
+        task: Task,
+        trial_paths: TrialPaths,
+        *,
+        session_id: str,
+        run_label: str,
+        backend_kwargs: Mapping[str, Any],
+        options: Mapping[str, Any],
+    ) -> BaseEnvironment:
+        """Build the Harbor environment of one start, as every start and ``doctor`` build it.
+
+        ``backend_kwargs`` are the user's options; the run label is added where
+        the backend takes it, and :meth:`start_extras` where it wants them.
+        Nothing is started.
+        """
+        from harbor.environments.factory import EnvironmentFactory
+        from harbor.models.trial.config import EnvironmentConfig as TrialEnvironmentConfig
+
+        kwargs = self.options().engine_options(run_label, backend_kwargs)
+        extras = self.start_extras(
+            trial_dir=trial_paths.trial_dir,
+            run_label=run_label,
+            sandbox_id=session_id,
+            task_env=task.config.environment.env,
+            backend_kwargs=kwargs,
+            options=options,
+        )
+        return EnvironmentFactory.create_environment_from_config(
+            config=TrialEnvironmentConfig(type=self.type, import_path=self.import_path, kwargs=kwargs, **extras),
+            environment_dir=task.paths.environment_dir,
+            environment_name=task.short_name,
+            session_id=session_id,
+            trial_paths=trial_paths,
+            task_env_config=task.config.environment,
+        )
 
     def start_extras(
         self,

@@ -59,6 +59,13 @@ def _kwargs(env: str, latency: str, ek: list[str] | None, old_json: str | None) 
         except ValueError as exc:
             raise fail(f"--backend-kwargs is not a JSON object: {exc}") from None
     kwargs.update(parse_kwargs(ek))
+    from harbor_async.backends import resolve_backend
+    from harbor_async.errors import HarborAsyncError
+
+    try:
+        resolve_backend(env).check_options(kwargs)
+    except HarborAsyncError as exc:
+        raise fail(exc) from None
     return kwargs
 
 

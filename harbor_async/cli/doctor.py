@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.markup import escape
 
-from harbor_async.cli.common import fail, out
+from harbor_async.cli.common import fail, out, parse_kwargs
 
 
 def doctor(
     backend: Annotated[
         list[str] | None,
-        typer.Option("--backend", "-b", help="A backend you will use: local, simulated, docker, e2b, modal, daytona, runloop (repeatable; default: local)."),
+        typer.Option("--backend", "-b", help="A backend you will use: local, simulated, docker, docker-fast, e2b, modal, daytona, runloop (repeatable; default: local). Each is proven: its environment is built as a run builds it, and docker also starts and stops a container."),
     ] = None,
     feature: Annotated[
         list[str] | None,
@@ -22,6 +23,14 @@ def doctor(
     base_url: Annotated[
         str | None,
         typer.Option("--base-url", help="An OpenAI-compatible model server to reach (GET {url}/models; key from OPENAI_API_KEY)."),
+    ] = None,
+    ek: Annotated[
+        list[str] | None,
+        typer.Option("--ek", "--environment-kwarg", help="A backend option the run will pass, key=value (repeatable; checked, and used to build the backend's environment)."),
+    ] = None,
+    path: Annotated[
+        Path | None,
+        typer.Option("--path", "-p", help="The suite you will run (default: the bundled one): its first task builds each backend's environment, and docker starts a container from each image its tasks need."),
     ] = None,
     only: Annotated[bool, typer.Option("--only", help="Check only what was asked for (faster).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the checks as JSON.")] = False,
@@ -33,12 +42,18 @@ def doctor(
     Credentials are checked for presence only and never printed.
     """
     from harbor_async.doctor import FEATURES, diagnose
+    from harbor_async.errors import HarborAsyncError
 
     requested = [*(backend or ["local"]), *(feature or [])]
     unknown = [name for name in requested if name not in FEATURES]
     if unknown:
         raise fail(f"unknown backend or feature {', '.join(unknown)}; known: {', '.join(FEATURES)}")
-    diagnosis = diagnose(requested, base_url=base_url, everything=not only)
+    try:
+        diagnosis = diagnose(
+            requested, base_url=base_url, everything=not only, backend_kwargs=parse_kwargs(ek), suite=path
+        )
+    except HarborAsyncError as exc:  # the suite cannot be loaded
+        raise fail(exc) from None
     if as_json:
         print(diagnosis.to_json())
         raise typer.Exit(0 if diagnosis.ok else 1)

@@ -235,7 +235,7 @@ def _resolve(settings: dict[str, Any]):
 
     try:
         spec = resolve_backend(settings["env"])
-        spec.environment_class()
+        spec.check_options(settings["ek"])  # loads the class; refuses options it does not take
     except HarborAsyncError as exc:
         raise fail(exc) from None
     base = Timeouts()

@@ -32,6 +32,7 @@ class DockerfileSpec:
     """What the local backend takes from a Dockerfile's final stage."""
 
     workdir: str | None = None
+    base_image: str | None = None  # the final stage's FROM image (a named stage resolved to its image)
     env: dict[str, str] = field(default_factory=dict)
     copies: list[CopyStep] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)  # "line N: INSTRUCTION ..."
@@ -111,13 +112,19 @@ def parse_dockerfile(text: str, base_env: dict[str, str] | None = None) -> Docke
     """
     spec = DockerfileSpec()
     args: dict[str, str] = {}
+    stages: dict[str, str | None] = {}  # stage name -> its image
     for number, line in _logical_lines(text):
         keyword, rest = (re.split(r"\s+", line, maxsplit=1) + [""])[:2]
         keyword = keyword.upper()
         variables = {**(base_env or {}), **args, **spec.env}
         try:
             if keyword == "FROM":  # a new stage: only the last one is the image
-                spec, args = DockerfileSpec(), {}
+                words = [w for w in shlex.split(rest) if not w.startswith("--")]
+                image = _expand(words[0], {**(base_env or {}), **args}) if words else None
+                image = stages.get(image.lower(), image) if image else None
+                if len(words) >= 3 and words[1].upper() == "AS":
+                    stages[words[2].lower()] = image
+                spec, args = DockerfileSpec(base_image=image), {}
             elif keyword == "ARG":
                 for token in shlex.split(rest):
                     name, has_value, value = token.partition("=")
