@@ -93,6 +93,31 @@ def no_leaked_sandboxes():
     assert _sandbox_dirs() - dirs_before == set(), "a sandbox folder was left behind"
 
 
+# ── the installed TRL ───────────────────────────────────────────────────────
+
+
+def trl_reads_get_reward() -> bool:
+    """Whether the installed TRL counts an env's ``get_reward`` (``HarborSpec(env_reward=True)``, TRL 1.8 on)."""
+    import importlib.metadata
+
+    from packaging.specifiers import SpecifierSet
+
+    from harbor_async.doctor import SUPPORTED
+
+    try:
+        return importlib.metadata.version("trl") in SpecifierSet(SUPPORTED["trl-env-reward"])
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+#: For tests of ``env_reward=True`` itself: at the range's lowest end (TRL 1.7) the
+#: feature is refused instead, which tests/test_trl_api.py checks there.
+needs_trl_get_reward = pytest.mark.skipif(
+    not trl_reads_get_reward(),
+    reason="HarborSpec(env_reward=True) needs trl>=1.8; its refusal on older TRL is tested in test_trl_api.py",
+)
+
+
 # ── real Docker ─────────────────────────────────────────────────────────────
 
 #: The base image of the bundled suite's Dockerfiles, built offline by .ci/docker-setup.

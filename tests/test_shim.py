@@ -37,6 +37,9 @@ from shim import engines
 from shim.env import not_a_tool
 from shim.rewards import _outcome_reward_func
 
+from harbor_async.doctor import UnsupportedVersionError  # noqa: E402
+from tests.conftest import needs_trl_get_reward, trl_reads_get_reward  # noqa: E402
+
 pytestmark = pytest.mark.range
 
 TASKS = example_suite_path() / "tasks"
@@ -251,6 +254,10 @@ def test_environment_factory_pickles_and_builds_configured_envs():
     assert env._backend_kwargs == {"exec_latency": 0.01}
     assert factory() is not env
     # env_reward factories pickle too (AsyncGRPOTrainer spawns its worker with the factory).
+    if not trl_reads_get_reward():  # TRL 1.7 would list get_reward as a tool: refused up front
+        with pytest.raises(UnsupportedVersionError):
+            shim.HarborSpec(example_suite_path(), environment_type="local", env_reward=True)
+        return
     reward_factory = pickle.loads(
         pickle.dumps(
             shim.HarborSpec(example_suite_path(), environment_type="local", env_reward=True).environment_factory
@@ -488,6 +495,7 @@ def test_outcome_reward_accepts_captured_rewards_and_needs_one_source():
     assert shim.rewards.verify_environments([Plain(), shim.HarborBashEnv("simulated")]) == [0.75, 0.0]
 
 
+@needs_trl_get_reward
 def test_env_owned_reward_is_opt_in_and_never_double_counted():
     suite = example_suite_path()
     plain = shim.HarborSpec(suite, environment_type="simulated")

@@ -38,7 +38,15 @@ from shim import engines
 from shim.spec import _SPEC_ENVS
 from tests.tiny_model import build_tiny_qwen3, encode_exact
 
+from tests.conftest import needs_trl_get_reward  # noqa: E402
+
 pytestmark = pytest.mark.range
+
+
+def _trainer_envs(trainer) -> list:
+    """The trainer's environments: TRL 1.7 keeps one list, later releases a pool keyed by process group."""
+    pool = getattr(trainer, "_environment_pool", None)
+    return list(pool[None]) if pool is not None else list(trainer.environments)
 
 # Tasks with a gold answer, and a file their Dockerfile COPYs into /workdir
 # (so that `ls` output can only come from the task's sandbox).
@@ -181,7 +189,7 @@ def test_grpo_trainer_runs_on_shim_spec_with_real_sandboxes(
         before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
         with patch.object(trainer.model, "generate", side_effect=generate):
             trainer.train()
-        pool = list(trainer._environment_pool[None])
+        pool = _trainer_envs(trainer)
     finally:
         spec.close()
 
@@ -238,6 +246,7 @@ def test_grpo_trainer_runs_on_shim_spec_with_real_sandboxes(
     assert leak_probe.bwrap_pids() - bwrap_before == set()
 
 
+@needs_trl_get_reward
 def test_grpo_trainer_with_env_owned_reward_counts_it_once(tmp_path: Path, tiny_model) -> None:
     """``env_reward=True``: TRL scores through the envs' ``get_reward``; no reward function runs."""
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -268,6 +277,7 @@ def test_grpo_trainer_with_env_owned_reward_counts_it_once(tmp_path: Path, tiny_
     assert engines.live_sandbox_count() == 0
 
 
+@needs_trl_get_reward
 def test_async_grpo_rollout_worker_scores_with_get_reward(tiny_model) -> None:
     """TRL's AsyncGRPOTrainer rollout loop, for real, with only the vLLM request scripted.
 

@@ -20,6 +20,16 @@ from harbor_async.cli.bench import bench_app
 from harbor_async.cli.sandboxes import sandboxes_app
 
 
+def _usage_errors() -> tuple[type[Exception], ...]:
+    """Typer's usage errors: its own class where Typer vendors Click, else Click's."""
+    own = getattr(typer, "TyperException", None)
+    if own is not None:
+        return (own,)
+    from click.exceptions import ClickException
+
+    return (ClickException,)
+
+
 class _App(typer.Typer):
     """Typer, with a bad option value reported on one line (``error: ...``, exit 2) instead of a box."""
 
@@ -32,7 +42,7 @@ class _App(typer.Typer):
             code = get_command(self).main(*args, standalone_mode=False, **kwargs)
         except typer.Abort:
             sys.exit(1)
-        except typer.TyperException as exc:  # click's usage errors: a bad flag or value
+        except _usage_errors() as exc:  # a bad flag or value
             where = getattr(getattr(exc, "ctx", None), "command_path", None)
             hint = f" (see `{where} --help`)" if where else ""
             say("error:", " ".join(exc.format_message().split()) + hint, "bold red")
