@@ -123,30 +123,6 @@ def _harbor_async(*args: str, timeout: float = 180) -> subprocess.CompletedProce
     )  # fmt: skip
 
 
-# ─── Harbor's DockerEnvironment takes the engine's extra keyword ──────────────
-
-
-def test_docker_environment_accepts_the_run_label_keyword(example_tasks, tmp_path):
-    from harbor.environments.docker.docker import DockerEnvironment
-    from harbor.environments.factory import EnvironmentFactory
-    from harbor.models.trial.config import EnvironmentConfig
-    from harbor.models.trial.paths import TrialPaths
-
-    task = example_tasks[0]
-    paths = TrialPaths(trial_dir=tmp_path)
-    paths.mkdir()
-    env = EnvironmentFactory.create_environment_from_config(
-        config=EnvironmentConfig(type="docker", kwargs={"run_label": "ha1x000000"}),
-        environment_dir=task.paths.environment_dir,
-        environment_name=task.short_name,
-        session_id="ha1x000000-0123456789",
-        trial_paths=paths,
-        task_env_config=task.config.environment,
-    )
-    assert isinstance(env, DockerEnvironment)
-    assert env.session_id == "ha1x000000-0123456789"
-
-
 # ─── the bundled suite through the engine ─────────────────────────────────────
 
 
