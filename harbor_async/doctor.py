@@ -325,7 +325,7 @@ def base_images(tasks: Sequence[Task]) -> list[str]:
         dockerfile = task.paths.environment_dir / "Dockerfile"
         if not image and dockerfile.is_file():
             image = parse_dockerfile(dockerfile.read_text(encoding="utf-8")).base_image
-        if image:
+        if image and image != "scratch":  # scratch is no image to have
             images.add(image)
     return sorted(images)
 
@@ -339,8 +339,10 @@ def check_docker_container(image: str) -> Check:
             name, False, f"image {image} is missing: {text}",
             f"docker pull {image}, or build it (without a registry, .ci/docker-setup builds debian:bookworm-slim offline)",
         )  # fmt: skip
-    ok, text = _docker(["run", "--rm", "--pull", "never", "--network", "none", image, "true"])
+    container = f"harbor-async-doctor-{os.getpid()}"
+    ok, text = _docker(["run", "--rm", "--name", container, "--pull", "never", "--network", "none", "--entrypoint", "true", image])
     if not ok:
+        _docker(["rm", "-f", container])  # a run past the timeout leaves its container
         return Check(name, False, f"docker run failed: {text}", "see the daemon's log; `docker run --rm IMAGE true` must work")
     return Check(name, True, "a container started and stopped")
 
@@ -510,7 +512,8 @@ def diagnose(
         tasks = load_suite(suite).tasks
         for name in backends:
             proof = [check_backend_environment(name, tasks[0], backend_kwargs)]
-            if name in ("docker", "docker-fast"):
+            daemon = [c for c in diagnosis.results[name] if c.name == "docker daemon"]
+            if name in ("docker", "docker-fast") and all(c.ok for c in daemon):  # a dead daemon is said once
                 proof += [check_docker_container(image) for image in base_images(tasks)]
             diagnosis.results[name] = [*diagnosis.results[name], *proof]
     if base_url:

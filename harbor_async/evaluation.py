@@ -29,6 +29,7 @@ import anyio
 
 from harbor_async import serve as _serve
 from harbor_async.agent import Agent, AgentLimits, Sampling
+from harbor_async.backends import resolve_backend
 from harbor_async.checkpoints import ModelSpec, ServerGroup, resolve_models, server_groups
 from harbor_async.errors import EvalConfigError, FailureClass, HarborAsyncError, Phase, SandboxError, failure_class
 from harbor_async.jobs import JobFolder
@@ -338,7 +339,6 @@ def resolve_harness(agent: str, backend: str) -> type:
     """
     import shim.harnesses  # noqa: F401 - registers "python" and "terminal"
     from harbor_async.agent import build_toolset
-    from harbor_async.backends import resolve_backend
     from shim import spec as _spec
 
     resolve_backend(backend).environment_class()
@@ -463,6 +463,7 @@ async def evaluate(
         loaded.tasks = kept[: config.num_tasks] if config.num_tasks is not None else kept
     groups = server_groups(specs, base_url=config.base_url, serve_cmd=config.serve_cmd, vllm_args=config.vllm_args)
     resolve_harness(config.agent, config.backend)
+    resolve_backend(config.backend).check_options(config.backend_kwargs)  # before any server or job folder
     _api_key(config.api_key_name)  # a missing key is bad input: fail before the job folder
     if resume is None:
         job = JobFolder.create(jobs_dir, job_name, config.to_dict())

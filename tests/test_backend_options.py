@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 from harbor.environments.base import BaseEnvironment
+from pydantic import BaseModel, ConfigDict, model_validator
 from harbor.environments.docker.docker import DockerEnvironment
 from harbor.models.trial.paths import TrialPaths
 
 from harbor_async.backends import resolve_backend
+from harbor_async.backends.options import _reads_kwargs
 from harbor_async.engine import Engine
 from harbor_async.errors import BackendOptionsError
 from tests.cli_helpers import harbor_async
@@ -129,6 +131,22 @@ def test_eval_refuses_before_reaching_the_model_server(tmp_path: Path):
     assert not (tmp_path / "jobs").exists()
 
 
+def test_the_evaluate_api_refuses_before_any_server_or_job_folder(tmp_path: Path):
+    import anyio
+
+    from harbor_async.evaluation import evaluate
+
+    async def main():
+        await evaluate(
+            "m", None, base_url="http://127.0.0.1:9/v1", backend="local", backend_kwargs={"memroy_mb": 1},
+            jobs_dir=tmp_path / "jobs",
+        )  # fmt: skip
+
+    with pytest.raises(BackendOptionsError, match="memory_mb"):
+        anyio.run(main)
+    assert not (tmp_path / "jobs").exists()
+
+
 def test_the_shim_refuses_at_construction():
     from shim import HarborEnv, HarborSpec
     from harbor_async.suites import example_suite_path
@@ -137,3 +155,53 @@ def test_the_shim_refuses_at_construction():
         HarborEnv(environment_type="local", backend_kwargs={"memroy_mb": 64})
     with pytest.raises(BackendOptionsError, match="memory_mb"):
         HarborSpec(example_suite_path(), environment_type="local", backend_kwargs={"memroy_mb": 64}, preflight=False)
+
+
+def test_a_harbor_class_that_reads_its_own_kwargs_is_not_refused_what_it_reads():
+    # Harbor 0.25's GKE backend takes options out of **kwargs by name (no signature lists
+    # them); 0.26 declares a schema. Either way nothing it takes is refused.
+    spec = resolve_backend("gke")
+    options = spec.options()
+    if getattr(spec.environment_class(), "options_model", None) is None:
+        assert options.source == "unchecked"
+        spec.check_options({"dind_image": "docker:dind"})  # read from kwargs in 0.25's body
+    else:
+        assert options.source == "schema"
+    assert _reads_kwargs(spec.environment_class()) == (options.source == "unchecked")
+    assert not _reads_kwargs(resolve_backend("docker").environment_class())
+    assert not _reads_kwargs(resolve_backend("local").environment_class())
+
+
+class _OldNameOptions(BaseModel):
+    """A schema in Harbor 0.26's manner: extra keys forbidden, an old name mapped before validation."""
+
+    model_config = ConfigDict(extra="forbid")
+    timeout_sec: int = 60
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_name(cls, data):
+        if isinstance(data, dict) and "sandbox_timeout_secs" in data:
+            data = dict(data)
+            data["timeout_sec"] = data.pop("sandbox_timeout_secs")
+        return data
+
+
+class _SchemaBackend(BaseEnvironment):
+    """Beside the real docker schema (on 0.26): one the lock's Harbor can run too."""
+
+    options_model = _OldNameOptions
+
+
+def test_a_schema_decides_names_as_harbor_validation_does():
+    options = resolve_backend(f"{__name__}:_SchemaBackend").options()
+    assert options.source == "schema" and options.names == {"timeout_sec"}
+    options.check({"timeout_sec": 5})
+    options.check({"sandbox_timeout_secs": 5})  # an old name the schema maps: accepted, as Harbor accepts it
+    with pytest.raises(BackendOptionsError) as caught:
+        options.check({"timeout_secc": 5})
+    assert caught.value.unknown == ["timeout_secc"] and caught.value.suggestions == {"timeout_secc": "timeout_sec"}
+    with pytest.raises(BackendOptionsError) as caught:
+        options.check({"timeout_sec": "soon"})
+    assert caught.value.unknown == [] and caught.value.detail.startswith("timeout_sec:")
+    assert options.engine_options("ha1x", {"timeout_sec": 5}) == {"timeout_sec": 5}  # no run_label: it would be refused

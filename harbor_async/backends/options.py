@@ -10,8 +10,15 @@ version number:
   own ``parse_options`` (the check ``harbor run`` makes);
 - otherwise, for Harbor's environments and this project's: the keywords their
   constructors name, along the ``__init__`` chain up to Harbor's
-  ``BaseEnvironment`` (a keyword nobody names would be dropped unread);
+  ``BaseEnvironment`` (a keyword nobody names would be dropped unread), unless
+  a class of the chain reads keywords out of ``**kwargs`` itself (Harbor 0.25's
+  modal, daytona, ...: ``kwargs.get("modal_vm_runtime")``): those are unchecked,
+  since no signature lists what they read;
 - otherwise (a third-party class without a schema): unchecked, and said so.
+
+Harbor's schemas may take old names and map them before validation (0.26's
+e2b takes 0.25's ``sandbox_timeout_secs``), so with a schema the names are
+whatever its validation accepts, not only its fields.
 
 The engine's own keyword, ``run_label``, goes only to backends that accept it.
 """
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -51,7 +59,8 @@ class BackendOptions:
         backend: the backend's name, for messages.
         source: ``"schema"`` (Harbor's ``options_model``), ``"signature"``
             (the constructors' named keywords) or ``"unchecked"``.
-        names: the accepted option names (empty when unchecked).
+        names: the accepted option names (when unchecked: the names the
+            constructors list, which may not be all).
         own: the backend's own names among them (the rest are Harbor's
             ``BaseEnvironment`` keywords every environment takes), listed first.
     """
@@ -82,17 +91,27 @@ class BackendOptions:
             BackendOptionsError: an unknown name, or (with a Harbor schema) a
                 value Harbor's own validation refuses.
         """
-        if not self.checked:
-            return
-        unknown = sorted(name for name in options if name not in self.names)
-        if unknown:
-            raise BackendOptionsError(self.backend, unknown, self.listing(), _suggestions(unknown, self.names))
-        if self.source == "schema" and self._cls is not None:
-            try:
-                self._cls.parse_options(dict(options))
-            except ValueError as exc:  # Harbor's message names each refused option
-                detail = " ".join(line.strip() for line in str(exc).splitlines()[1:-1]) or str(exc)
-                raise BackendOptionsError(self.backend, [], self.listing(), {}, detail=detail) from None
+        if self.source == "schema":
+            self._check_with_schema(options)
+        elif self.checked:
+            unknown = sorted(name for name in options if name not in self.names)
+            if unknown:
+                raise BackendOptionsError(self.backend, unknown, self.listing(), _suggestions(unknown, self.names))
+
+    def _check_with_schema(self, options: Mapping[str, Any]) -> None:
+        """Harbor's own validation (``options_model``), its refusals turned into one typed error."""
+        from pydantic import ValidationError
+
+        schema = getattr(self._cls, "options_model", None)
+        try:
+            schema.model_validate(dict(options))
+        except ValidationError as exc:
+            errors = exc.errors(include_url=False, include_input=False)
+            unknown = sorted({".".join(map(str, e["loc"])) for e in errors if e["type"] == "extra_forbidden"})
+            other = [f"{'.'.join(map(str, e['loc'])) or 'options'}: {e['msg']}" for e in errors if e["type"] != "extra_forbidden"]
+            raise BackendOptionsError(
+                self.backend, unknown, self.listing(), _suggestions(unknown, self.names), detail="; ".join(other)
+            ) from None
 
     def engine_options(self, run_label: str, options: Mapping[str, Any]) -> dict[str, Any]:
         """The keywords a start passes: the user's options, and the run label where it is accepted."""
@@ -144,13 +163,35 @@ def _schema_names(schema: type) -> frozenset[str]:
     return frozenset(names)
 
 
+#: A class body that takes options out of ``**kwargs`` by name, past its signature.
+_READS_KWARGS = re.compile(r"\bkwargs\s*(?:\.get\(|\.pop\(|\[)|\bself\._kwargs\b")
+
+
+def _reads_kwargs(cls: type) -> bool:
+    """Whether a class of ``cls``'s chain below Harbor's ``BaseEnvironment`` reads keywords out of ``**kwargs``."""
+    from harbor.environments.base import BaseEnvironment
+
+    for klass in cls.__mro__:
+        if klass is BaseEnvironment or not issubclass(klass, BaseEnvironment):
+            continue
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):  # no source to read: cannot tell, so do not refuse
+            return True
+        if _READS_KWARGS.search(source):
+            return True
+    return False
+
+
 @cache
 def options_of(backend: str, cls: type) -> BackendOptions:
     """What ``cls`` (the environment class of ``backend``) accepts, read off the installed Harbor."""
     schema = getattr(cls, "options_model", None)
-    if isinstance(schema, type) and hasattr(schema, "model_fields") and hasattr(cls, "parse_options"):
+    if isinstance(schema, type) and hasattr(schema, "model_validate"):
         names = _schema_names(schema)
         return BackendOptions(backend, "schema", names, names, cls)
-    if cls.__module__.startswith(_KNOWN_MODULES):
-        return BackendOptions(backend, "signature", *_signature_names(cls), cls)
-    return BackendOptions(backend, "unchecked", frozenset(), frozenset(), cls)
+    names, own = _signature_names(cls)
+    if cls.__module__.startswith(_KNOWN_MODULES) and not _reads_kwargs(cls):
+        return BackendOptions(backend, "signature", names, own, cls)
+    # Unchecked: nothing is refused, but the engine's run label still goes where a constructor names it.
+    return BackendOptions(backend, "unchecked", names, own, cls)

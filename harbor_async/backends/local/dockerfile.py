@@ -113,6 +113,7 @@ def parse_dockerfile(text: str, base_env: dict[str, str] | None = None) -> Docke
     spec = DockerfileSpec()
     args: dict[str, str] = {}
     stages: dict[str, str | None] = {}  # stage name -> its image
+    outer: dict[str, str] | None = None  # ARGs declared before the first FROM
     for number, line in _logical_lines(text):
         keyword, rest = (re.split(r"\s+", line, maxsplit=1) + [""])[:2]
         keyword = keyword.upper()
@@ -120,7 +121,9 @@ def parse_dockerfile(text: str, base_env: dict[str, str] | None = None) -> Docke
         try:
             if keyword == "FROM":  # a new stage: only the last one is the image
                 words = [w for w in shlex.split(rest) if not w.startswith("--")]
-                image = _expand(words[0], {**(base_env or {}), **args}) if words else None
+                if outer is None:  # the ARGs before the first FROM are every FROM line's to use
+                    outer = dict(args)
+                image = _expand(words[0], {**(base_env or {}), **outer}) if words else None
                 image = stages.get(image.lower(), image) if image else None
                 if len(words) >= 3 and words[1].upper() == "AS":
                     stages[words[2].lower()] = image
