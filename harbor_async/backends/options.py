@@ -6,8 +6,8 @@ not list; 0.25 takes any ``**kwargs`` and silently drops what no constructor
 names. So what a backend accepts is read off the installed Harbor, never off a
 version number:
 
-- a class with Harbor's ``options_model``: that schema, validated by Harbor's
-  own ``parse_options`` (the check ``harbor run`` makes);
+- a class with Harbor's ``options_model``: that schema's own validation (what
+  Harbor's ``parse_options``, the check ``harbor run`` makes, runs);
 - otherwise, for Harbor's environments and this project's: the keywords their
   constructors name, along the ``__init__`` chain up to Harbor's
   ``BaseEnvironment`` (a keyword nobody names would be dropped unread), unless

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from harbor_async.cli.common import fail, parse_kwargs, setup_logging
+from harbor_async.cli.common import checked_backend, fail, parse_kwargs, setup_logging
 
 bench_app = typer.Typer(
     name="bench",
@@ -59,13 +59,7 @@ def _kwargs(env: str, latency: str, ek: list[str] | None, old_json: str | None) 
         except ValueError as exc:
             raise fail(f"--backend-kwargs is not a JSON object: {exc}") from None
     kwargs.update(parse_kwargs(ek))
-    from harbor_async.backends import resolve_backend
-    from harbor_async.errors import HarborAsyncError
-
-    try:
-        resolve_backend(env).check_options(kwargs)
-    except HarborAsyncError as exc:
-        raise fail(exc) from None
+    checked_backend(env, kwargs)
     return kwargs
 
 

@@ -23,6 +23,7 @@ if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 colu
 err = Console(stderr=True, soft_wrap=True)
 
 __all__ = [
+    "checked_backend",
     "err",
     "escape",
     "fail",
@@ -90,6 +91,19 @@ def parse_kwargs(pairs: list[str] | None, name: str = "--ek") -> dict[str, Any]:
         except ValueError:
             result[key] = value
     return result
+
+
+def checked_backend(name: str, options: dict[str, Any]):
+    """The backend ``name`` (class loaded), having refused options it does not take; else exit 2 in one line."""
+    from harbor_async.backends import resolve_backend
+    from harbor_async.errors import HarborAsyncError
+
+    try:
+        spec = resolve_backend(name)
+        spec.check_options(options)
+    except HarborAsyncError as exc:
+        raise fail(exc) from None
+    return spec
 
 
 def setup_logging(level: str | None = None, fmt: str | None = None) -> None:

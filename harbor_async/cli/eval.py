@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from harbor_async.cli import cluster as cluster_opts
-from harbor_async.cli.common import err, fail, out, parse_kwargs
+from harbor_async.cli.common import checked_backend, err, fail, out, parse_kwargs
 
 
 def eval_command(
@@ -101,7 +101,6 @@ def eval_command(
     """
     import anyio
 
-    from harbor_async.backends import resolve_backend
     from harbor_async.errors import HarborAsyncError
     from harbor_async.evaluation import evaluate
     from harbor_async.logs import configure_logging
@@ -116,10 +115,7 @@ def eval_command(
     if not model and resume is None:
         raise fail("give at least one -m MODEL (or --resume JOB_DIR)")
     backend_kwargs = parse_kwargs(backend_kwarg)
-    try:
-        resolve_backend(env).check_options(backend_kwargs)
-    except HarborAsyncError as exc:
-        raise fail(exc) from None
+    checked_backend(env, backend_kwargs)
     settings: dict[str, Any] = dict(
         backend_kwargs=backend_kwargs,
         agent=agent,

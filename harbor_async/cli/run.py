@@ -30,6 +30,7 @@ from rich.text import Text
 
 from harbor_async.cli import cluster as cluster_opts
 from harbor_async.cli.common import (
+    checked_backend,
     err,
     fail,
     out,
@@ -47,7 +48,6 @@ from harbor_async.cli.selection import (
     reload_episodes,
     suite_source,
 )
-from harbor_async.errors import HarborAsyncError
 from harbor_async.records import EpisodeRecord
 from harbor_async.runner import MODEL_FREE_AGENTS, PlannedEpisode
 
@@ -230,14 +230,9 @@ def _settings(source, env, agent, k, ek, mult, agent_mult, verifier_mult, build_
 
 def _resolve(settings: dict[str, Any]):
     """The backend (resolved and loaded once, here) and the phase budgets of a job's settings."""
-    from harbor_async.backends import resolve_backend
     from harbor_async.policy import Timeouts
 
-    try:
-        spec = resolve_backend(settings["env"])
-        spec.check_options(settings["ek"])  # loads the class; refuses options it does not take
-    except HarborAsyncError as exc:
-        raise fail(exc) from None
+    spec = checked_backend(settings["env"], settings["ek"])
     base = Timeouts()
     m = settings.get("multipliers", {})
     # Each sandbox applies the multipliers to its task's own budgets (Timeouts.for_task).
