@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -207,6 +207,16 @@ class Engine:
         if self._tg is None:
             raise EngineClosedError("the engine is not running")
         self._tg.start_soon(sandbox.stop, name=f"stop {sandbox.id}")
+
+    def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any, name: str | None = None) -> None:
+        """Run ``fn(*args)`` in the engine's task group (call on the loop); for work that outlives its caller.
+
+        Raises:
+            EngineClosedError: the engine is closing or closed (it stops its sandboxes itself).
+        """
+        if self._tg is None or self._closing:
+            raise EngineClosedError("the engine is not running")
+        self._tg.start_soon(fn, *args, name=name)
 
     @asynccontextmanager
     async def episode(

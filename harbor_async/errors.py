@@ -304,6 +304,10 @@ class EvalConfigError(HarborAsyncError, ValueError):
     """The evaluation's settings are inconsistent (no model, a missing API key, a bad glob...)."""
 
 
+class HarnessError(HarborAsyncError, ValueError):
+    """A harness (``-a``, ``agent=``) that cannot be loaded or has no usable tools."""
+
+
 class ModelServerError(HarborAsyncError):
     """The policy's model server failed (unreachable, errors after retries, died): not the model's episode."""
 

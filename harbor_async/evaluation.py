@@ -1,10 +1,11 @@
 """``evaluate``: episodes of checkpoints on a suite, with the training harness, into a job folder.
 
 For each model (one server at a time), every (task, attempt) runs
-concurrently on the engine: the harness (a shim ``HarborEnv`` class, as in
-training) is reset on the task, the :class:`~harbor_async.agent.Agent` loop
-talks to the model and calls the harness's tools, and the task's verifier
-scores the sandbox. Each episode's :class:`~harbor_async.records.EpisodeRecord`
+concurrently through the one episode runner (:func:`harbor_async.runner.run_episode`)
+on this evaluation's engine: the harness (the one used in training) is prepared
+on the new sandbox, the :class:`~harbor_async.agent.Agent` loop talks to the
+model and calls the harness's tools (:class:`~harbor_async.model_agent.ModelAgent`),
+and the task's verifier scores the sandbox. Each episode's :class:`~harbor_async.records.EpisodeRecord`
 (transcript, usage, finish reason, timings, failure class) is appended to the
 job folder as it ends; ``resume`` runs only the missing episodes and those a
 resume reruns (infrastructure, model-server, cancelled). The summary, and for
@@ -18,25 +19,29 @@ import functools
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from harbor_async import serve as _serve
 from harbor_async.agent import Agent, AgentLimits, Sampling
-from harbor_async.backends import resolve_backend
+from harbor_async.backends import BackendSpec, resolve_backend
 from harbor_async.checkpoints import ModelSpec, ServerGroup, resolve_models, server_groups
-from harbor_async.errors import EvalConfigError, FailureClass, HarborAsyncError, Phase, SandboxError, failure_class
+from harbor_async.errors import EvalConfigError, FailureClass, HarborAsyncError
 from harbor_async.jobs import JobFolder
 from harbor_async.logs import get_logger
+from harbor_async.model_agent import api_key, model_episode_agent, resolve_harness
 from harbor_async.records import EpisodeRecord, episode_key
-from harbor_async.scoring import DEFAULT_SUCCESS_THRESHOLD, summarize, sweep_summary
-from harbor_async.tasks import matches_names
+from harbor_async.runner import run_episode
+from harbor_async.scoring import summarize, sweep_summary
+from harbor_async.settings import EvalSettings
+from harbor_async.tasks import matches_names, suite_task_path
+
+if TYPE_CHECKING:
+    from harbor_async.engine import Engine
 
 log = get_logger("harbor_async.eval")
 
@@ -56,50 +61,6 @@ class EvalInterrupted(HarborAsyncError):
 
 
 @dataclass
-class EvalSettings:
-    """Everything an evaluation needs, stored as the job's ``config.json`` (so a resume repeats it)."""
-
-    models: list[str]
-    suite: str | None = None
-    agent: str = "bash"
-    backend: str = "local"
-    attempts: int = 1
-    concurrency: int = 8
-    num_tasks: int | None = None
-    indices: list[int] | None = None
-    include: list[str] | None = None
-    exclude: list[str] | None = None
-    base_url: str | None = None
-    serve_cmd: str | None = None
-    api_key_name: str | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
-    limits: dict[str, Any] = field(default_factory=dict)
-    max_concurrent_requests: int = 32
-    request_timeout: float = 600.0
-    success_threshold: float = DEFAULT_SUCCESS_THRESHOLD
-    episode_timeout: float | None = None
-    ready_timeout: float = _serve.DEFAULT_READY_TIMEOUT
-    backend_kwargs: dict[str, Any] = field(default_factory=dict)
-    vllm_args: list[str] = field(default_factory=list)
-    ray: bool = False
-    ray_address: str | None = None
-    budget: str = "local"
-    max_live: int | None = None
-    creates_per_second: float | None = None
-    command: str = "eval"
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EvalSettings:
-        """Read :meth:`to_dict`'s output (unknown keys ignored)."""
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-
-@dataclass
 class EvalResult:
     """What :func:`evaluate` returns: the job folder, its summary and the latest record of each episode."""
 
@@ -113,12 +74,14 @@ class _Run:
     """The state of one evaluation run (one job folder)."""
 
     def __init__(
-        self, settings: EvalSettings, job: JobFolder | None, on_record: Callable[[EpisodeRecord], None] | None
-    ):
+        self, settings: EvalSettings, job: JobFolder, on_record: Callable[[EpisodeRecord], None] | None
+    ) -> None:
         self.settings = settings
         self.job = job
         self.on_record = on_record
         self.harness = resolve_harness(settings.agent, settings.backend)
+        self.backend: BackendSpec = resolve_backend(settings.backend)
+        self.engine: Engine | None = None
         self.sandbox_limiter = anyio.CapacityLimiter(settings.concurrency)
         self.tool_limiter = anyio.CapacityLimiter(settings.concurrency)
         self.request_limiter = anyio.CapacityLimiter(settings.max_concurrent_requests)
@@ -128,24 +91,8 @@ class _Run:
         self.interrupted: int | None = None
         self.ran = 0
 
-    def options(self):
-        from shim.options import EngineOptions
-
-        if self.settings.budget == "ray":  # one lease per sandbox from the cluster's budget actor
-            return EngineOptions(
-                max_live_sandboxes=None,
-                episode_timeout=self.settings.episode_timeout,
-                budget="ray",
-                ray_address=self.settings.ray_address,
-                cluster_max_live=self.settings.max_live,
-                cluster_creates_per_second=self.settings.creates_per_second,
-            )
-        return EngineOptions(
-            max_live_sandboxes=self.settings.concurrency, episode_timeout=self.settings.episode_timeout
-        )
-
     def api_key(self) -> str:
-        return _api_key(self.settings.api_key_name)
+        return api_key(self.settings.api_key_name)
 
     async def run_group(self, group: ServerGroup, tasks: list[Any], root: Path, index: int, total: int) -> None:
         pending = set(self.job.pending(_keys(group.models, tasks, root, self.settings.attempts)))
@@ -187,7 +134,7 @@ class _Run:
                     )
                     for task in tasks:
                         for attempt in range(self.settings.attempts):
-                            if episode_key(_task_path(task, root), attempt, spec.name) in pending:
+                            if episode_key(suite_task_path(task, root), attempt, spec.name) in pending:
                                 tg.start_soon(self._episode, tg.cancel_scope, agent, spec, task, root, attempt, server)
         finally:
             with anyio.CancelScope(shield=True):
@@ -200,7 +147,7 @@ class _Run:
         from harbor_async.cluster.eval_items import eval_item, eval_items
         from harbor_async.cluster.sharding import run_on_cluster
 
-        items = eval_items(self.settings.to_dict(), group.models, base_url, tasks, root, pending)
+        items = eval_items(self.settings, group.models, base_url, tasks, root, pending)
 
         def record(done: EpisodeRecord) -> None:
             self.ran += 1
@@ -211,12 +158,18 @@ class _Run:
             functools.partial(
                 run_on_cluster, eval_item, items, job=self.job, address=self.settings.ray_address,
                 concurrency=self.settings.concurrency, on_record=record,
+                engine_kwargs=self.settings.engine_kwargs(),
             )  # fmt: skip
         )
 
     async def _episode(self, scope, agent: Agent, spec: ModelSpec, task, root: Path, attempt: int, server) -> None:
+        assert self.engine is not None
+        actor = model_episode_agent(self.settings, agent, self.harness, attempt)
         async with self.sandbox_limiter:
-            record = await self.run_episode(agent, spec, task, root, attempt)
+            record = await run_episode(
+                self.engine, task, self.backend, actor, attempt=attempt, task_path=suite_task_path(task, root),
+                model=spec.name, checkpoint=spec.checkpoint,
+            )  # fmt: skip
         if record.failure is FailureClass.MODEL_SERVER and server is not None and not server.alive:
             # The server is gone: every other episode would fail the same way.
             try:
@@ -230,143 +183,9 @@ class _Run:
         if self.on_record is not None:
             self.on_record(record)
 
-    async def run_episode(self, agent: Agent, spec: ModelSpec, task, root: Path, attempt: int) -> EpisodeRecord:
-        from shim import engines
-        from shim.env import _await_loop
-
-        record = EpisodeRecord(
-            task=task.name,
-            task_path=_task_path(task, root),
-            attempt=attempt,
-            agent=self.settings.agent,
-            model=spec.name,
-            checkpoint=spec.checkpoint,
-            started_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        )
-        began = time.perf_counter()
-        env = episode = None
-        try:
-            env = await anyio.to_thread.run_sync(self._make_env)
-            reset_at = time.monotonic()  # the engine's episode deadline counts from the reset
-            observation = await anyio.to_thread.run_sync(env.reset, str(task.task_dir))
-            episode = env._episode
-            await _await_loop(engines.submit(episode.wait_ready))
-            if episode.error is not None:
-                record.set_error(FailureClass.INFRASTRUCTURE, episode.error, Phase.START.value)
-                return record
-            record.sandbox = episode.sandbox.id
-            timeout = self.limits.timeout if self.limits.timeout is not None else task.config.agent.timeout_sec
-            deadline_left = None
-            if self.settings.episode_timeout is not None:
-                deadline_left = self.settings.episode_timeout - (time.monotonic() - reset_at)
-            by_deadline = deadline_left is not None and (timeout is None or deadline_left < timeout)
-            sampling = self.sampling
-            if sampling.seed is not None:  # attempts of one task must differ, or pass@k is pass@1
-                sampling = replace(sampling, seed=sampling.seed + attempt)
-            result = await agent.run(
-                env, observation, timeout=deadline_left if by_deadline else timeout, sampling=sampling
-            )
-            if result.finish_reason == "agent_timeout" and by_deadline:
-                result.finish_reason = "episode_deadline"
-            record.transcript = result.messages
-            record.usage = {**result.usage, "tool_calls": result.tool_calls, "tool_failures": result.tool_failures}
-            record.finish_reason = result.finish_reason
-            record.seconds.update(model=round(result.model_seconds, 4), tools=round(result.tool_seconds, 4))
-            if result.error is not None:
-                record.set_error(FailureClass.MODEL_SERVER, result.error, "model")
-                return record
-            if episode.exec_errors:  # the model saw "could not be run": not a fair episode to score
-                record.set_error(FailureClass.INFRASTRUCTURE, episode.exec_errors[0])
-                return record
-            if result.finish_reason == "agent_timeout":
-                record.set_error(FailureClass.AGENT, f"the agent ran past its {timeout:g} s budget", Phase.AGENT.value)
-            elif result.finish_reason == "episode_deadline":
-                message = f"the episode reached its {self.settings.episode_timeout:g} s deadline"
-                record.set_error(FailureClass.AGENT, message, Phase.AGENT.value)
-            await self._verify(record, episode)
-        except SandboxError as exc:
-            record.set_error(FailureClass.INFRASTRUCTURE, exc)
-        except HarborAsyncError as exc:  # a harness that cannot be built or reset on this task
-            record.set_error(FailureClass.INFRASTRUCTURE, exc, "start")
-        except Exception as exc:  # a bug or an unexpected library error: record it, keep the run going
-            log.exception("episode crashed", task=task.name, model=spec.name)
-            record.set_error(FailureClass.INFRASTRUCTURE, exc)
-        finally:
-            if env is not None:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(env._close)
-            _copy_times(record, episode)
-            record.seconds["total"] = round(time.perf_counter() - began, 4)
-        return record
-
-    async def _verify(self, record: EpisodeRecord, episode) -> None:
-        from shim import engines
-        from shim.env import _await_loop
-
-        try:
-            verdict = await _await_loop(engines.submit(episode.sandbox.verify))
-        except SandboxError as exc:
-            failure = failure_class(exc)
-            record.set_error(failure, exc)
-            record.verifier_output = getattr(exc, "output", None)
-            record.reward = None if failure.rerun else 0.0
-            return
-        episode.reward = verdict.reward  # the shim must not verify again
-        record.verifier_output = verdict.output
-        if record.failure is None or record.failure.scored:
-            record.reward, record.rewards = verdict.reward, dict(verdict.rewards)
-
-    def _make_env(self):
-        env = self.harness(environment_type=self.settings.backend)
-        env._configure(self.options(), self.settings.backend_kwargs)
-        return env
-
-
-def _api_key(name: str | None) -> str:
-    """The key in the environment variable ``name`` (Harbor's ``--api-key-name``); never stored in the job."""
-    if name is None:
-        return "EMPTY"  # local servers ignore it; the client wants one
-    value = os.environ.get(name)
-    if not value:
-        raise EvalConfigError(f"--api-key-name {name}: the environment variable {name} is not set")
-    return value
-
-
-def resolve_harness(agent: str, backend: str) -> type:
-    """The harness class for ``-a`` (checked: it loads and its tools have schemas) and the backend.
-
-    Raises :class:`EvalConfigError` (or the backend's :class:`~harbor_async.errors.BackendError`).
-    """
-    import shim.harnesses  # noqa: F401 - registers "python" and "terminal"
-    from harbor_async.agent import build_toolset
-    from shim import spec as _spec
-
-    resolve_backend(backend).environment_class()
-    try:
-        harness = _spec._resolve_agent(agent)
-    except (ValueError, TypeError, ImportError, AttributeError, OSError) as exc:
-        raise EvalConfigError(f"harness {agent!r}: {exc}") from exc
-    build_toolset(harness(environment_type=backend))  # no sandbox: only the schemas
-    return harness
-
-
-def _copy_times(record: EpisodeRecord, episode) -> None:
-    sandbox = getattr(episode, "sandbox", None)
-    if sandbox is not None:
-        record.start_attempts = sandbox.start_attempts
-        record.seconds.update({k: round(v, 4) for k, v in sandbox.times.seconds.items()})
-
-
-def _task_path(task, root: Path) -> str:
-    """The task's path relative to the suite root: stable across machines and caches."""
-    try:
-        return str(Path(task.task_dir).resolve().relative_to(root.resolve()))
-    except ValueError:
-        return str(task.task_dir)
-
 
 def _keys(models: Sequence[ModelSpec], tasks: Sequence[Any], root: Path, attempts: int) -> list[str]:
-    return [episode_key(_task_path(t, root), a, m.name) for m in models for t in tasks for a in range(attempts)]
+    return [episode_key(suite_task_path(t, root), a, m.name) for m in models for t in tasks for a in range(attempts)]
 
 
 def _summaries(
@@ -464,7 +283,7 @@ async def evaluate(
     groups = server_groups(specs, base_url=config.base_url, serve_cmd=config.serve_cmd, vllm_args=config.vllm_args)
     resolve_harness(config.agent, config.backend)
     resolve_backend(config.backend).check_options(config.backend_kwargs)  # before any server or job folder
-    _api_key(config.api_key_name)  # a missing key is bad input: fail before the job folder
+    api_key(config.api_key_name)  # a missing key is bad input: fail before the job folder
     if resume is None:
         job = JobFolder.create(jobs_dir, job_name, config.to_dict())
     run = _Run(config, job, on_record)
@@ -478,8 +297,13 @@ async def evaluate(
             if threading.current_thread() is threading.main_thread():
                 tg.start_soon(_watch_signals, tg.cancel_scope, run)
             try:
-                for index, group in enumerate(groups):  # one server at a time
-                    await run.run_group(group, tasks, root, index, len(groups))
+                if config.ray:  # the cluster's nodes run the episodes on their own engines
+                    await _run_groups(run, groups, tasks, root)
+                else:
+                    from harbor_async.engine import Engine
+
+                    async with Engine(**config.engine_kwargs()) as run.engine:
+                        await _run_groups(run, groups, tasks, root)
             except Exception as exc:  # raised below, unwrapped from the task group
                 error = exc
             finally:
@@ -495,6 +319,11 @@ async def evaluate(
     if run.interrupted is not None:
         raise EvalInterrupted(run.interrupted, job.path)
     return EvalResult(job.path, summary, latest, ran=run.ran)
+
+
+async def _run_groups(run: _Run, groups: list[ServerGroup], tasks: list[Any], root: Path) -> None:
+    for index, group in enumerate(groups):  # one server at a time
+        await run.run_group(group, tasks, root, index, len(groups))
 
 
 async def _watch_signals(scope: anyio.CancelScope, run: _Run) -> None:

@@ -156,6 +156,11 @@ class Sandbox:
         """Whether the sandbox is stopped (or failed to start and holds nothing)."""
         return self._stopped.is_set()
 
+    @property
+    def deadline_left(self) -> float | None:
+        """Seconds left before the episode deadline (``None``: no deadline)."""
+        return None if math.isinf(self._deadline) else self._deadline - anyio.current_time()
+
     def renew_deadline(self) -> None:
         """Count the episode deadline from now, for a start in progress too (call on the loop).
 

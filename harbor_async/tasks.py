@@ -142,6 +142,17 @@ def matches_names(name: str, include: Sequence[str] | None = None, exclude: Sequ
     return not (exclude and any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude))
 
 
+def suite_task_path(task: Task, root: Path | str) -> str:
+    """The task's path relative to its suite root: how job records name it, stable across machines and caches.
+
+    A task outside the root keeps its absolute path.
+    """
+    try:
+        return Path(task.paths.task_dir).resolve().relative_to(Path(root).resolve()).as_posix()
+    except ValueError:
+        return str(task.paths.task_dir)
+
+
 def load_task(path: Path | str) -> Task:
     """Load and validate one task folder with Harbor's ``Task`` model.
 

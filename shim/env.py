@@ -22,40 +22,23 @@ needs type hints and a Google-style docstring with an ``Args:`` section.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import threading
-import uuid
 import weakref
 from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar, Unpack
-
-import sniffio
+from typing import Any, Generic, Self, TypeVar, Unpack
 
 from harbor_async.backends import resolve_backend
-from harbor_async.sandbox import SandboxState
+from harbor_async.harnesses.base import BACKENDS_DROPPING_COPY, Harness
+from harbor_async.harnesses.bash import BashHarness
 from shim import engines
-from shim.episode import (
-    BASE_SETUP_COMMAND,
-    PREPARING,
-    Episode,
-    retire_episodes,
-    stop_episodes,
-)
+from shim.episode import PREPARING, Episode, await_loop, retire_episodes, stop_episodes
 from shim.options import EngineOptions, EngineOptionsKwargs
 from shim.task_cache import load_task_cached
 
-if TYPE_CHECKING:
-    from harbor.environments.base import BaseEnvironment
-    from harbor.models.task.task import Task
-
 R = TypeVar("R")
 
-#: Backends whose image build drops the Dockerfile's COPY'd files, so TRL's env
-#: uploads them after the start (E2B's ``from_dockerfile``). Other backends
-#: honour COPY, and the per-file uploads would only cost round trips.
-BACKENDS_DROPPING_COPY = frozenset({"e2b"})
+__all__ = ["AGENTS", "BACKENDS_DROPPING_COPY", "HarborBashEnv", "HarborEnv", "not_a_tool"]
 
 
 class not_a_tool(Generic[R]):
@@ -80,19 +63,11 @@ class not_a_tool(Generic[R]):
         return functools.partial(self.__func__, instance)
 
 
-def _command_error(command: object, timeout: object) -> str | None:
-    """An error message for arguments of the wrong type (the model wrote them), else None."""
-    if not isinstance(command, str):
-        return f"Error: `command` must be a string, got {type(command).__name__}: {command!r}."
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        return f"Error: `timeout` must be a positive number of seconds, got {timeout!r}."
-    return None
-
-
-class HarborEnv:
+class HarborEnv(Harness):
     """Base TRL environment backed by a Harbor sandbox + verifier, run on the shared engine.
 
-    Subclasses define the tool methods (the harness). The lifecycle TRL drives
+    A :class:`~harbor_async.harnesses.Harness` whose current episode is the
+    rollout TRL last reset. Subclasses define the tool methods. The lifecycle TRL drives
     per rollout: ``reset(task_dir)`` (schedule the task's sandbox, return its
     instruction) -> tool methods (exec into the sandbox) -> ``reward`` (run the
     verifier once, lazily, after the rollout).
@@ -176,7 +151,7 @@ class HarborEnv:
             guard.check()  # too many infrastructure failures: stop the trainer, do not train on zeros
             task = load_task_cached(task_dir)
             engine = engines.engine_for(self._options)
-            episode = Episode(task, engine, self._backend, self._backend_kwargs, guard)
+            episode = Episode(task, engine, self._backend, self._backend_kwargs, guard, agent=self._name())
             if not self._owns_reward():
                 episode.count_rollout()
         except BaseException:
@@ -187,7 +162,7 @@ class HarborEnv:
         with self._state_lock:
             self._episode = episode
             self._episodes.append(episode)
-        future = engines.submit(episode.run, previous, self._prepare)
+        future = engines.submit(episode.run, previous, self._prepare_rollout)
         future.add_done_callback(_report_unexpected)
         return task.instruction + self.PROMPT_SUFFIX
 
@@ -219,39 +194,6 @@ class HarborEnv:
         episode = self._episode
         return episode is not None and episode.verified and episode.reward is None
 
-    def _exec(self, command: str, timeout: float | None = None) -> str:
-        """Run a shell command in the sandbox; return combined stdout+stderr (truncated to 8k).
-
-        Callable from any thread except the loop thread (use :meth:`_aexec` in
-        async code and in ``_setup``). Waits for the sandbox's start on the
-        first call. ``timeout`` (seconds, default ``exec_timeout``, 180) bounds
-        the command alone. A command that times out, a sandbox that could not
-        start and arguments of the wrong type return an ``"Error: ..."`` message
-        for the model instead of raising.
-        """
-        if (message := _command_error(command, timeout)) is not None:
-            return message
-        episode = self._current()
-        if episode is None:
-            return "Error: no task is loaded; reset() must be called first."
-        return engines.call(episode.exec, command, self._timeout(timeout))
-
-    async def _aexec(self, command: str, timeout: float | None = None) -> str:
-        """:meth:`_exec` for async tools and ``_setup``: awaits without blocking the caller's loop.
-
-        Works on any asyncio loop (TRL's async tool loop, AsyncGRPOTrainer's
-        rollout worker) and on the shim's own loop thread.
-        """
-        if (message := _command_error(command, timeout)) is not None:
-            return message
-        episode = self._current()
-        if episode is None:
-            return "Error: no task is loaded; reset() must be called first."
-        timeout = self._timeout(timeout)
-        if engines.in_loop_thread():
-            return await episode.exec(command, timeout)
-        return await _await_loop(engines.submit(episode.exec, command, timeout))
-
     async def _areward(self) -> float | None:
         """:attr:`reward` for async callers (the env-owned ``get_reward`` path)."""
         episode = self._episode
@@ -261,43 +203,7 @@ class HarborEnv:
             return episode.reward
         if engines.in_loop_thread():
             return await episode.verify()
-        return await _await_loop(engines.submit(episode.verify))
-
-    async def _setup(self) -> None:
-        """Harness-specific sandbox preparation, run once per ``reset`` after the sandbox is up.
-
-        Runs on the shim's loop thread (await, never block): use ``await
-        self._aexec(...)`` or the Harbor environment ``self._env`` (``await
-        self._env.upload_file(...)``). If it raises, the episode's tool calls
-        return an error message and its reward is 0.0. The default is a no-op.
-        """
-
-    async def _upload_build_files(self) -> None:
-        """Replicate the task Dockerfile's ``COPY`` directives into the sandbox (TRL's E2B fix).
-
-        Run only for the backends in :data:`BACKENDS_DROPPING_COPY`. The COPY
-        lines are read by the project's Dockerfile parser (the local backend's);
-        plain files are uploaded, as TRL does.
-        """
-        env, task = self._env, self._task
-        if env is None or task is None:
-            return
-        dockerfile = task.paths.environment_dir / "Dockerfile"
-        if not dockerfile.exists():
-            return
-        from harbor_async.backends.local.dockerfile import parse_dockerfile  # the project's one COPY parser
-
-        context = task.paths.environment_dir
-        for step in parse_dockerfile(dockerfile.read_text()).copies:
-            for src in step.sources:
-                local = context / src
-                if not local.is_file():  # globs and folders: as TRL, plain files only
-                    continue
-                remote = step.dest.rstrip("/") + "/" + Path(src).name if step.dest_is_dir else step.dest
-                parent = remote.rsplit("/", 1)[0] or "/"
-                tmp = "/tmp/" + uuid.uuid4().hex
-                await env.upload_file(local, tmp)
-                await env.exec(f"mkdir -p {parent} && mv {tmp} {remote}", user="root")
+        return await await_loop(engines.submit(episode.verify))
 
     # ── teardown ─────────────────────────────────────────────────────────
 
@@ -331,25 +237,6 @@ class HarborEnv:
     # ── harness helpers ──────────────────────────────────────────────────
 
     @property
-    def _env(self) -> BaseEnvironment | None:
-        """The live Harbor environment of the current rollout (``None`` before it started).
-
-        Inside ``_setup`` it is the sandbox being prepared, even if the trainer
-        has already moved on to the next ``reset``.
-        """
-        episode = self._current()
-        if episode is None or episode.sandbox is None:
-            return None
-        sandbox = episode.sandbox
-        return sandbox._env if sandbox.state is SandboxState.RUNNING else None
-
-    @property
-    def _task(self) -> Task | None:
-        """The Harbor task of the current rollout."""
-        episode = self._current()
-        return None if episode is None else episode.task
-
-    @property
     def sandbox_error(self) -> str | None:
         """Why the current rollout's sandbox cannot run commands or was scored 0.0 without a verdict."""
         episode = self._episode
@@ -359,6 +246,8 @@ class HarborEnv:
         return None if error is None else f"{type(error).__name__}: {error}"
 
     def _current(self) -> Episode | None:
+        if self._session is not None:  # bound to an evaluation's episode (see harbor_async.model_agent)
+            return self._session
         preparing = PREPARING.get()
         if preparing is not None and preparing.owner is not None and preparing.owner() is self:
             return preparing
@@ -367,16 +256,9 @@ class HarborEnv:
     def _timeout(self, timeout: float | None) -> float | None:
         return self._options.exec_timeout if timeout is None else float(timeout)
 
-    async def _prepare(self, episode: Episode) -> None:
-        """TRL's steps after the start (on the loop): COPY re-upload where needed, base folders, ``_setup``.
-
-        The engine's start already ran the task's healthcheck.
-        """
-        assert episode.sandbox is not None
-        if self._backend.type in BACKENDS_DROPPING_COPY:
-            await self._upload_build_files()
-        await episode.sandbox.exec(BASE_SETUP_COMMAND)
-        await self._setup()
+    async def _prepare_rollout(self, episode: Episode) -> None:
+        """The harness's preparation of ``episode``'s sandbox (on the loop; ``episode`` is current through PREPARING)."""
+        await self._prepare()
 
     def __repr__(self) -> str:
         episode = self._episode
@@ -384,33 +266,8 @@ class HarborEnv:
         return f"<{type(self).__name__} backend={self._environment_type!r} task={task!r}>"
 
 
-_BASH_PROMPT_SUFFIX = (
-    "\n\nYou have a single `bash` tool: run a shell command in the sandbox and get its stdout+stderr. "
-    "The dataset files are in /home/user/input/. Python 3 + pandas + numpy + scikit-learn are "
-    "preinstalled. **Submit your final answer by writing it to /workdir/answer.txt via the `bash` "
-    'tool**, e.g. `echo -n "<value>" > /workdir/answer.txt`. Stating the answer in prose does NOT submit '
-    "it; only writing the file counts. Keep the answer short, and do not end your turn without submitting."
-)
-
-
-class HarborBashEnv(HarborEnv):
+class HarborBashEnv(BashHarness, HarborEnv):
     """Single-`bash`-tool harness; submit by writing `/workdir/answer.txt`."""
-
-    PROMPT_SUFFIX = _BASH_PROMPT_SUFFIX
-
-    def bash(self, command: str) -> str:
-        """
-        Run a shell command in the sandbox and return its combined stdout+stderr. The shell is non-stateful between
-        calls. Use it to explore files (ls, head, cat), run Python (`python3 -c "..."`), and submit the answer (`echo
-        -n "<value>" > /workdir/answer.txt`).
-
-        Args:
-            command: The shell command to run.
-
-        Returns:
-            The command's combined stdout and stderr.
-        """
-        return self._exec(command)
 
 
 #: Built-in harnesses, selectable by name in ``HarborSpec(agent=...)``.
@@ -419,14 +276,7 @@ AGENTS: dict[str, type[HarborEnv]] = {"bash": HarborBashEnv}
 
 # ── helpers ─────────────────────────────────────────────────────────────
 
-async def _await_loop(future: Any) -> Any:
-    """Await a loop-thread future from another event loop without blocking it."""
-    if sniffio.current_async_library() == "asyncio":
-        # Cancelling the awaiting task cancels the future, hence the work on the loop thread.
-        return await asyncio.wrap_future(future)
-    import anyio
-
-    return await anyio.to_thread.run_sync(future.result)
+_await_loop = await_loop  # the name the trainer integration imports
 
 
 def _close_budget(options: EngineOptions) -> float | None:

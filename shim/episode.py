@@ -1,4 +1,4 @@
-"""One rollout of one env, driven on the loop thread: start, harness setup, commands, reward, stop.
+"""One rollout of one env: the core :class:`~harbor_async.episode.Episode`, driven one call at a time from TRL.
 
 ``reset()`` creates an :class:`Episode` on the trainer thread and hands
 :meth:`Episode.run` to the loop thread without waiting: the sandbox starts and
@@ -15,59 +15,56 @@ Every method below except the constructor runs on the loop thread.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
-import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+import sniffio
 
+from harbor_async import episode as core
 from harbor_async.errors import (
     EngineClosedError,
-    EpisodeDeadlineError,
     FailureClass,
     Phase,
     SandboxClosedError,
     SandboxError,
-    SandboxTimeout,
-    StartError,
     failure_class,
 )
+from harbor_async.harnesses.base import BASE_SETUP_COMMAND
 from harbor_async.logs import get_logger
-from shim import prefetch
+from shim import engines, prefetch
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
 
     from harbor_async.backends import BackendSpec
     from harbor_async.engine import Engine
-    from harbor_async.sandbox import Sandbox
     from shim.guard import RolloutGuard
 
 log = get_logger("harbor_async.shim")
+
+T = TypeVar("T")
 
 #: The episode whose harness setup is running in the current task: lets
 #: ``HarborEnv._env`` inside ``_setup()`` mean that episode's sandbox even if the
 #: trainer has already called ``reset()`` again (context variables are per task).
 PREPARING: contextvars.ContextVar[Episode | None] = contextvars.ContextVar("shim_preparing", default=None)
 
-#: Commands TRL's env runs after every start, before the harness setup.
-BASE_SETUP_COMMAND = "mkdir -p /workdir /home/user/input"
+describe_unavailable = core.describe_unavailable
+
+__all__ = ["BASE_SETUP_COMMAND", "PREPARING", "Episode", "await_loop", "describe_unavailable"]
 
 
-class Episode:
-    """The state of one ``reset()``: the task, its sandbox, the setup outcome and the reward.
+class Episode(core.Episode):
+    """The state of one ``reset()``: the core episode plus TRL's ways of driving it.
 
-    Attributes:
-        task: the Harbor task.
-        sandbox: the engine's sandbox (``None`` until :meth:`run` launched it).
-        error: why no command can run in this episode (a start or setup
-            failure, or the episode was closed first); ``None`` when ready.
-        reward: the verifier's reward, once verified (then cached); ``None``
-            when the infrastructure failed (the rollout is left out of training).
+    Attributes (besides the core episode's):
+        reward: the reward, once verified (then cached); ``None`` when the
+            infrastructure failed (the rollout is left out of training).
         reward_error: why there is no verdict (failed start, setup or verifier), if so.
-        failure: the class of that failure (infrastructure, verifier, agent, cancelled).
-        tool_seconds: seconds this rollout's commands took, summed.
+        failure: the class of the episode's failure, if any.
     """
 
     def __init__(
@@ -77,27 +74,16 @@ class Episode:
         backend: BackendSpec,
         backend_kwargs: dict[str, Any],
         guard: RolloutGuard | None = None,
+        *,
+        agent: str = "",
     ) -> None:
-        self.task = task
-        self.engine = engine
-        self.backend = backend
-        self.backend_kwargs = backend_kwargs
-        self.sandbox: Sandbox | None = None
-        self.error: BaseException | None = None
+        super().__init__(engine, task, backend, backend_kwargs=backend_kwargs, agent=agent)
         self.reward: float | None = None
-        self.reward_error: BaseException | None = None
-        self.failure: FailureClass | None = None
-        self.tool_seconds = 0.0
-        #: The rollout's tool-time budget: the task's ``[agent] timeout_sec`` (or the option), multiplied.
-        self.agent_budget: float | None = engine.timeouts.for_task(task).agent
         self.guard = guard
         self._counted = False  # counted by the guard as awaiting its batch reward
         self._verified = False
-        #: Commands the sandbox could not run (not a failing command): evaluation blames the infrastructure.
-        self.exec_errors: list[SandboxError] = []
         self.owner: Any = None  # a weak reference to the env, for PREPARING lookups
         self._retired = False
-        self._launched = False
         self._ready: anyio.Event | None = None
         self._scope: anyio.CancelScope | None = None
         self._verify_lock: anyio.Lock | None = None
@@ -131,6 +117,28 @@ class Episode:
             return self.sandbox.done
         return self._retired
 
+    @property
+    def failure(self) -> FailureClass | None:
+        """The class of the episode's failure, if any."""
+        return self.record.failure
+
+    @property
+    def reward_error(self) -> BaseException | None:
+        """Why the rollout has no verdict of the verifier's, if so."""
+        return self.error or self.verify_error
+
+    # ── how a harness reaches the loop from TRL's threads ────────────────
+
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``fn(*args)`` on the shim's loop thread from any other thread and wait."""
+        return engines.call(fn, *args)
+
+    async def call_async(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Await ``fn(*args)`` on the shim's loop from any event loop (TRL's async tools) or on it."""
+        if engines.in_loop_thread():
+            return await fn(*args)
+        return await await_loop(engines.submit(fn, *args))
+
     # ── loop side ────────────────────────────────────────────────────────
 
     def _ready_event(self) -> anyio.Event:
@@ -139,11 +147,7 @@ class Episode:
             self._ready = anyio.Event()
         return self._ready
 
-    async def run(
-        self,
-        previous: Episode | None,
-        prepare: Callable[[Episode], Awaitable[None]],
-    ) -> None:
+    async def run(self, previous: Episode | None, prepare: Callable[[Episode], Awaitable[None]]) -> None:
         """Retire the previous episode, launch the sandbox (or claim one started ahead), wait for it, run the setup.
 
         Submitted by ``reset()``; never raises: a failure is kept in :attr:`error`.
@@ -158,45 +162,34 @@ class Episode:
             try:
                 # No await before the claim: prefetch.release() relies on every reset handed to the loop
                 # before it having claimed by then.
-                self.sandbox = prefetch.claim(self.engine, self.task, self.backend, self.backend_kwargs)
-                if self.sandbox is None:
-                    self.sandbox = self.engine.launch(self.task, self.backend, backend_kwargs=self.backend_kwargs)
+                self.launch(prefetch.claim(self.engine, self.task, self.backend, self.backend_kwargs))
             except Exception as exc:  # noqa: BLE001 - bad backend, closed engine: the start never began
                 self.error = exc
+                self.fail(FailureClass.INFRASTRUCTURE, exc, Phase.START)
                 log.warning("sandbox launch failed", task=self.task.name, error=str(exc))
                 return
-            self._launched = True
-            with anyio.CancelScope() as self._scope:
+
+            async def setup() -> None:
+                token = PREPARING.set(self)
                 try:
-                    try:
-                        await self.sandbox.wait_started()
-                    except SandboxError as exc:
-                        if self.guard is not None and failure_class(exc) is FailureClass.INFRASTRUCTURE:
-                            self.guard.record_start(exc)
-                        raise
-                    if self.guard is not None:
-                        self.guard.record_start(None)
-                    token = PREPARING.set(self)
-                    try:
-                        # TRL counts its setup steps as part of the start: same budget.
-                        with anyio.fail_after(self.engine.timeouts.start):
-                            await prepare(self)
-                    finally:
-                        PREPARING.reset(token)
-                except Exception as exc:  # noqa: BLE001 - any setup failure only ends this episode
-                    self.error = exc
-                    # The harness's own code failing is the agent's failure; a sandbox error is not.
-                    self.failure = failure_class(exc) if isinstance(exc, SandboxError) else FailureClass.AGENT
-                    if not isinstance(exc, SandboxError):
-                        log.warning("harness setup failed", task=self.task.name, error=repr(exc))
-                    # An unusable sandbox gives its slot back now, not at the reward.
-                    self._stop_soon()
+                    await prepare(self)
+                finally:
+                    PREPARING.reset(token)
+
+            with anyio.CancelScope() as self._scope:
+                if not await self.start(setup):
+                    self._stop_soon()  # an unusable sandbox gives its slot back now, not at the reward
             if self._scope.cancelled_caught and self.error is None:
                 self.error = SandboxClosedError(
-                    Phase.START, self.task.name, self.sandbox.id, "the episode ended before its sandbox was ready"
+                    Phase.START, self.task.name, self.record.sandbox or "-", "the episode ended before its sandbox was ready"
                 )
+                self.fail(FailureClass.CANCELLED, self.error, Phase.START)
         finally:
             ready.set()
+
+    def _started(self, error: SandboxError | None) -> None:
+        if self.guard is not None and (error is None or failure_class(error) is FailureClass.INFRASTRUCTURE):
+            self.guard.record_start(error)
 
     async def wait_ready(self) -> None:
         """Wait until :meth:`run` has finished (the sandbox is prepared, or failed)."""
@@ -214,60 +207,27 @@ class Episode:
         if self.sandbox is None:
             return
         try:
-            self.engine.stop_soon(self.sandbox)
+            self.engine.start_soon(self.stop, name=f"stop episode {self.sandbox.id}")
         except EngineClosedError:
             pass  # the engine's own close stops (or stopped) every sandbox it holds
 
-    async def stop(self) -> None:
+    async def stop(self) -> core.EpisodeRecord:
         """Retire the episode and wait until its sandbox is stopped (shielded, bounded by the stop budget)."""
-        self.retire()
-        if self.sandbox is not None:
-            await self.sandbox.stop()
+        if not self._retired:
+            self.retire()
+        return await super().stop()
 
-    async def exec(self, command: str, timeout: float | None) -> str:
-        """Run a tool command; return TRL's output string, or an error message for the model.
+    async def exec_text(self, command: str, timeout: float | None) -> str:
+        """A tool command, once the sandbox is prepared (see :meth:`core.Episode.exec_text`).
 
         Inside the harness setup (``_setup`` awaiting ``_aexec``) the command runs
         at once: waiting for the setup to finish would wait for itself.
         """
         if PREPARING.get() is not self:
             await self.wait_ready()
-        if self.error is not None:
-            return describe_unavailable(self.error)
-        assert self.sandbox is not None
-        if self.agent_budget is not None:  # TRL cannot end a rollout: later calls read the limit
-            left = self.agent_budget - self.tool_seconds
-            if left <= 0:
-                return (
-                    f"Error: this task's time limit for the agent ({_seconds(self.agent_budget)}) was reached; "
-                    "no more commands run in this episode."
-                )
-            agent_limited = timeout is None or left < timeout
-            timeout = left if agent_limited else timeout
-        else:
-            agent_limited = False
-        began = anyio.current_time()
-        try:
-            result = await self.sandbox.exec(command, timeout=timeout)
-        except EpisodeDeadlineError:
-            return "Error: the episode's time limit was reached; the command was stopped."
-        except SandboxTimeout:
-            if agent_limited:
-                return (
-                    f"Error: this task's time limit for the agent ({_seconds(self.agent_budget)}) was reached; "
-                    "the command was stopped."
-                )
-            return f"Error: the command timed out after {_seconds(timeout)} and was stopped."
-        except SandboxClosedError as exc:
-            self.exec_errors.append(exc)
-            return describe_unavailable(exc)
-        except SandboxError as exc:
-            self.exec_errors.append(exc)
-            return f"Error: the command could not be run ({exc})."
-        finally:
-            self.tool_seconds += anyio.current_time() - began
-        # TRL's format: stdout then stderr, cut at 8000 characters (by the engine), or a placeholder.
-        return result.output or f"(empty output, rc={result.exit_code})"
+        return await super().exec_text(command, timeout)
+
+    exec = exec_text
 
     async def verify(self) -> float | None:
         """The verifier's reward, computed once; the sandbox is stopped in the background right after.
@@ -275,8 +235,7 @@ class Episode:
         Never raises. A verifier that gave no valid reward, or an agent that ran
         out of time, scores 0.0 (the model's episode); a start, setup or
         infrastructure failure gives ``None`` (no verdict: TRL leaves the rollout
-        out of its group statistics). The cause is kept in :attr:`reward_error`
-        and its class in :attr:`failure`.
+        out of its group statistics).
         """
         if self._verified:
             return self.reward
@@ -286,21 +245,11 @@ class Episode:
             if self._verified:
                 return self.reward
             await self.wait_ready()
-            error = self.error
-            reward: float | None = None
-            if error is None:
-                assert self.sandbox is not None
-                try:
-                    reward = (await self.sandbox.verify()).reward
-                except SandboxError as exc:
-                    error = exc
-            if error is not None:
-                self.reward_error = error
-                self.failure = self.failure if error is self.error and self.failure else failure_class(error)
-                reward = None if self.failure.rerun else 0.0
+            reward = await super().verify()
+            if self.reward_error is not None:
                 log.warning(
-                    "no verdict for a rollout", task=self.task.name, failure=self.failure.value, reward=reward,
-                    error=str(error),
+                    "no verdict for a rollout", task=self.task.name, failure=self.record.error_class, reward=reward,
+                    error=self.record.error,
                 )  # fmt: skip
             self.reward, self._verified = reward, True
             self.uncount_rollout()
@@ -334,21 +283,9 @@ def retire_episodes(episodes: Sequence[Episode]) -> None:
         episode.retire()
 
 
-def describe_unavailable(error: BaseException) -> str:
-    """The tool-call message for an episode whose sandbox cannot run commands."""
-    if isinstance(error, StartError) or (isinstance(error, SandboxTimeout) and error.phase is Phase.START):
-        return (
-            f"Error: the sandbox for this task could not be started, so no command can run in this episode ({error})."
-        )
-    if isinstance(error, SandboxClosedError):
-        return f"Error: the sandbox of this episode is no longer available ({error})."
-    return (
-        "Error: the sandbox for this task could not be prepared, so no command can run "
-        f"in this episode ({type(error).__name__}: {error})."
-    )
-
-
-def _seconds(value: float | None) -> str:
-    if value is None or not math.isfinite(value):
-        return "its time limit"
-    return f"{value:g} s"
+async def await_loop(future: Any) -> Any:
+    """Await a loop-thread future from another event loop without blocking it."""
+    if sniffio.current_async_library() == "asyncio":
+        # Cancelling the awaiting task cancels the future, hence the work on the loop thread.
+        return await asyncio.wrap_future(future)
+    return await anyio.to_thread.run_sync(future.result)

@@ -28,16 +28,16 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import types
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
-from functools import cache, cached_property, partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, Unpack
 
 from harbor_async.backends import resolve_backend
 from harbor_async.doctor import require_supported
+from harbor_async.harnesses import load_harness_file as _load_agent_file
 from harbor_async.tasks import load_suite
 from shim import engines
 from shim.env import AGENTS, HarborEnv, _close_budget
@@ -92,15 +92,6 @@ def _resolve_agent(agent: str | type) -> type:
     if not (isinstance(cls, type) and issubclass(cls, HarborEnv)):
         raise TypeError(f"agent {agent!r} must resolve to a HarborEnv subclass, got {cls!r}")  # TRL's text
     return cls
-
-
-@cache
-def _load_agent_file(path: str) -> types.ModuleType:
-    """The module of a harness file, loaded once per process (one class per file: caches and TRL's probes agree)."""
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _agent_reference(agent: str | type, cls: type) -> str | type:

@@ -116,8 +116,8 @@ def test_tools_have_schemas_and_are_documented(cls: type, expected: list[str]) -
     assert tools_of(cls) == expected  # helpers are private, close() is not a tool
     env = cls("local")  # never reset: no sandbox starts
     assert env.reward == 0.0
-    module = inspect.getmodule(cls)
     for name in expected:
+        module = inspect.getmodule(getattr(cls, name))  # the core module that defines the tool
         schema = get_json_schema(getattr(env, name))["function"]
         assert schema["name"] == name and schema["description"]
         parameters = inspect.signature(getattr(env, name)).parameters

@@ -2,10 +2,12 @@
 
 The driver keeps the model server and the job folder; each worker gets an
 :class:`EvalItem` (the evaluation's settings, the model, the server's address,
-the task folder, the attempt) and runs the episode with the same code a local
-``eval`` uses (:meth:`harbor_async.evaluation._Run.run_episode`): the same
-harness, tools, prompt and records. The server must be reachable from every
-node (not ``127.0.0.1`` across machines); task folders must be at the same path.
+the task folder, the attempt) and runs the episode on its node's engine with
+the one episode runner a local ``eval`` uses
+(:func:`harbor_async.runner.run_episode` with a
+:class:`~harbor_async.model_agent.ModelAgent`): the same harness, tools,
+prompt and records. The server must be reachable from every node (not
+``127.0.0.1`` across machines); task folders must be at the same path.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from harbor_async.records import EpisodeRecord
+from harbor_async.records import EpisodeRecord, episode_key
+from harbor_async.settings import EvalSettings
+from harbor_async.tasks import suite_task_path
 
-#: Per worker process: one evaluation state and one model client per (settings, server).
-_contexts: dict[str, Any] = {}
+if TYPE_CHECKING:
+    from harbor_async.checkpoints import ModelSpec
+    from harbor_async.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -27,58 +32,52 @@ class EvalItem:
 
     settings: str  # EvalSettings as JSON
     model: str
-    checkpoint: str
+    checkpoint: str | None
     base_url: str
     task_dir: str
     root: str
     attempt: int
 
 
-def eval_items(settings: dict[str, Any], models: list[Any], base_url: str, tasks: list[Any], root: Path, pending: set[str]) -> list[tuple[str, EvalItem]]:
+def eval_items(
+    settings: EvalSettings, models: list[ModelSpec], base_url: str, tasks: list[Any], root: Path, pending: set[str]
+) -> list[tuple[str, EvalItem]]:
     """``(key, item)`` for each pending episode of ``models`` on ``tasks``."""
-    from harbor_async.evaluation import _task_path
-    from harbor_async.records import episode_key
-
-    encoded = json.dumps(settings, sort_keys=True)
+    encoded = json.dumps(settings.to_dict(), sort_keys=True)
     items = []
     for spec in models:
         for task in tasks:
-            for attempt in range(settings["attempts"]):
-                key = episode_key(_task_path(task, root), attempt, spec.name)
+            for attempt in range(settings.attempts):
+                key = episode_key(suite_task_path(task, root), attempt, spec.name)
                 if key in pending:
-                    item = EvalItem(encoded, spec.name, spec.checkpoint, base_url, str(task.task_dir), str(root), attempt)
+                    item = EvalItem(
+                        encoded, spec.name, spec.checkpoint, base_url, str(task.paths.task_dir), str(root), attempt
+                    )
                     items.append((key, item))
     return items
 
 
-async def eval_item(engine: Any, item: EvalItem) -> EpisodeRecord:
-    """The worker's side: run one episode as a local ``eval`` does (the shim's engine runs the sandbox)."""
-    from harbor_async.checkpoints import ModelSpec
-    from harbor_async.evaluation import EvalSettings, _Run
+async def eval_item(engine: Engine, item: EvalItem) -> EpisodeRecord:
+    """The worker's side: run one episode on the node's ``engine`` as a local ``eval`` does.
+
+    The model client lives for the episode and is closed with it.
+    """
+    import openai
+
+    from harbor_async.agent import Agent, AgentLimits, Sampling
+    from harbor_async.model_agent import api_key, model_episode_agent, resolve_harness
+    from harbor_async.runner import run_episode
     from harbor_async.tasks import load_task
 
-    context_key = f"{item.settings}|{item.base_url}"
-    context = _contexts.get(context_key)
-    if context is None:
-        import openai
-
-        from harbor_async.agent import Agent
-
-        run = _Run(EvalSettings.from_dict(json.loads(item.settings)), job=None, on_record=None)
-        client = openai.AsyncOpenAI(
-            base_url=item.base_url, api_key=run.api_key(), max_retries=0, timeout=run.settings.request_timeout
-        )
-        agents: dict[str, Agent] = {}
-        context = _contexts[context_key] = (run, client, agents)
-    run, client, agents = context
-    agent = agents.get(item.model)
-    if agent is None:
-        from harbor_async.agent import Agent
-
-        agent = agents[item.model] = Agent(
-            client, item.model, sampling=run.sampling, limits=run.limits,
-            request_limiter=run.request_limiter, tool_limiter=run.tool_limiter,
+    settings = EvalSettings.from_dict(json.loads(item.settings))
+    task = load_task(item.task_dir)
+    async with openai.AsyncOpenAI(
+        base_url=item.base_url, api_key=api_key(settings.api_key_name), max_retries=0,
+        timeout=settings.request_timeout,
+    ) as client:  # fmt: skip
+        agent = Agent(client, item.model, sampling=Sampling(**settings.sampling), limits=AgentLimits(**settings.limits))
+        actor = model_episode_agent(settings, agent, resolve_harness(settings.agent, settings.backend), item.attempt)
+        return await run_episode(
+            engine, task, settings.backend, actor, attempt=item.attempt, task_path=suite_task_path(task, item.root),
+            model=item.model, checkpoint=item.checkpoint,
         )  # fmt: skip
-    spec = ModelSpec(item.model, item.checkpoint)
-    async with run.sandbox_limiter:
-        return await run.run_episode(agent, spec, load_task(item.task_dir), Path(item.root), item.attempt)

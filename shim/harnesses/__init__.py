@@ -1,15 +1,15 @@
-"""Richer harnesses than TRL's single ``bash`` tool, as ``shim.HarborEnv`` subclasses.
+"""The bundled richer harnesses with TRL's API: the core harnesses on the shim's ``HarborEnv``.
 
 - :class:`HarborPythonEnv` (``agent="python"``): a persistent Python kernel
-  (``python``) plus a shell (``bash``). See :mod:`shim.harnesses.python_kernel`.
+  (``python``) plus a shell (``bash``). See :mod:`harbor_async.harnesses.python_kernel`.
 - :class:`HarborTerminalEnv` (``agent="terminal"``): a terminal whose working
   folder persists (``run``), background jobs (``start_background``,
   ``read_output``, ``stop_background``, ``list_background``) and notes
-  (``write_note``, ``read_notes``). See :mod:`shim.harnesses.terminal`.
+  (``write_note``, ``read_notes``). See :mod:`harbor_async.harnesses.terminal`.
 
-Importing this package registers both in :data:`shim.AGENTS` under
-``"python"`` and ``"terminal"``, so ``HarborSpec(agent="python")`` works once
-it is imported; ``agent="shim.harnesses:HarborPythonEnv"`` works regardless.
+The tools live in the core (``eval`` runs them without the shim); these classes
+add ``reset``/``reward`` and the engine options. Importing this package
+registers both in :data:`shim.AGENTS` under ``"python"`` and ``"terminal"``.
 """
 
 from shim.env import AGENTS
