@@ -33,9 +33,9 @@ from harbor_async.errors import (
     SandboxTimeout,
     StartError,
     VerifierFailure,
-    failure_class,
 )
 from harbor_async.logs import get_logger
+from harbor_async.policy import failure_class
 from harbor_async.records import EpisodeRecord, PhaseSpan
 from harbor_async.sandbox import VERIFIER_OUTPUT_LIMIT, SandboxState
 
@@ -159,7 +159,7 @@ class Episode:
         """
         self._begin = anyio.current_time()
         self.record.started_at = now_iso()
-        self.enter(Phase.START)
+        self._open = (Phase.START, 0.0)  # the episode begins with its start
         if sandbox is None:
             sandbox = self.engine.launch(self.task, self.backend, backend_kwargs=self.backend_kwargs)
         self.sandbox = sandbox

@@ -35,6 +35,17 @@ class BackendError(HarborAsyncError, ValueError):
     """The backend name or import path cannot be resolved to a Harbor environment."""
 
 
+class BackendStartError(HarborAsyncError, RuntimeError):
+    """A backend failed to start a sandbox; raised by a backend's adapter from its library's untyped error.
+
+    Attributes:
+        transient: whether another attempt may work (a daemon hiccup) or not
+            (a missing image, a failed build): read by the error policy.
+    """
+
+    transient: bool = True
+
+
 class BackendOptionsError(BackendError):
     """Options (``--ek``, ``backend_kwargs``) the backend does not take, refused before any sandbox starts.
 
@@ -213,11 +224,6 @@ class ReaperError(HarborAsyncError, RuntimeError):
 class JobFolderError(HarborAsyncError, OSError):
     """A job folder cannot be created, written or read."""
 
-class SimulatedTransientError(HarborAsyncError, ConnectionError):
-    """A start failure that a retry can fix (like a provider's 503)."""
-
-    transient = True
-
 class SuiteNotFoundError(HarborAsyncError, FileNotFoundError):
     """The suite source is neither an existing local directory nor a reachable Hub dataset."""
 
@@ -330,18 +336,3 @@ class SandboxLimitError(HarborAsyncError, ValueError):
 
 class PreflightError(HarborAsyncError, RuntimeError):
     """The backend could not start and stop one sandbox before the run: a configuration problem."""
-
-
-def failure_class(exc: BaseException) -> FailureClass:
-    """Who ``exc`` is blamed on (see :class:`FailureClass`)."""
-    if isinstance(exc, SandboxCancelledError) or not isinstance(exc, Exception):
-        return FailureClass.CANCELLED
-    if isinstance(exc, ModelServerError):
-        return FailureClass.MODEL_SERVER
-    if isinstance(exc, VerifierFailure):
-        return FailureClass.VERIFIER
-    if isinstance(exc, SandboxError):
-        if exc.phase is Phase.AGENT or (isinstance(exc, EpisodeDeadlineError) and exc.phase is not Phase.START):
-            return FailureClass.AGENT
-        return FailureClass.INFRASTRUCTURE
-    return FailureClass.INFRASTRUCTURE

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,13 +30,14 @@ from harbor_async.agent import Agent, AgentLimits, Sampling
 from harbor_async.backends import BackendSpec, resolve_backend
 from harbor_async.checkpoints import ModelSpec, ServerGroup, resolve_models, server_groups
 from harbor_async.errors import EvalConfigError, FailureClass, HarborAsyncError
+from harbor_async.interrupts import Interrupts
 from harbor_async.jobs import JobFolder
 from harbor_async.logs import get_logger
 from harbor_async.model_agent import api_key, model_episode_agent, resolve_harness
 from harbor_async.records import EpisodeRecord, episode_key
 from harbor_async.runner import run_episode
 from harbor_async.scoring import summarize, sweep_summary
-from harbor_async.settings import EvalSettings
+from harbor_async.settings import JobSettings
 from harbor_async.tasks import matches_names, suite_task_path
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ log = get_logger("harbor_async.eval")
 
 
 class EvalInterrupted(HarborAsyncError):
-    """SIGINT or SIGTERM stopped the evaluation; its sandboxes and server were stopped, its records kept.
+    """SIGINT, SIGTERM or SIGHUP stopped the evaluation; its sandboxes and server were stopped, its records kept.
 
     Attributes:
         signum: the signal's number.
@@ -74,16 +74,16 @@ class _Run:
     """The state of one evaluation run (one job folder)."""
 
     def __init__(
-        self, settings: EvalSettings, job: JobFolder, on_record: Callable[[EpisodeRecord], None] | None
+        self, settings: JobSettings, job: JobFolder, on_record: Callable[[EpisodeRecord], None] | None
     ) -> None:
         self.settings = settings
         self.job = job
         self.on_record = on_record
-        self.harness = resolve_harness(settings.agent, settings.backend)
-        self.backend: BackendSpec = resolve_backend(settings.backend)
+        self.harness = resolve_harness(settings.agent, settings.environment_type)
+        self.backend: BackendSpec = resolve_backend(settings.environment_type)
         self.engine: Engine | None = None
-        self.sandbox_limiter = anyio.CapacityLimiter(settings.concurrency)
-        self.tool_limiter = anyio.CapacityLimiter(settings.concurrency)
+        self.sandbox_limiter = anyio.CapacityLimiter(settings.n_concurrent)
+        self.tool_limiter = anyio.CapacityLimiter(settings.n_concurrent)
         self.request_limiter = anyio.CapacityLimiter(settings.max_concurrent_requests)
         self.sampling = Sampling(**settings.sampling)
         self.limits = AgentLimits(**settings.limits)
@@ -95,7 +95,7 @@ class _Run:
         return api_key(self.settings.api_key_name)
 
     async def run_group(self, group: ServerGroup, tasks: list[Any], root: Path, index: int, total: int) -> None:
-        pending = set(self.job.pending(_keys(group.models, tasks, root, self.settings.attempts)))
+        pending = set(self.job.pending(_keys(group.models, tasks, root, self.settings.n_attempts)))
         if not pending:
             return
         if group.command is None:
@@ -133,7 +133,7 @@ class _Run:
                         tool_limiter=self.tool_limiter,
                     )
                     for task in tasks:
-                        for attempt in range(self.settings.attempts):
+                        for attempt in range(self.settings.n_attempts):
                             if episode_key(suite_task_path(task, root), attempt, spec.name) in pending:
                                 tg.start_soon(self._episode, tg.cancel_scope, agent, spec, task, root, attempt, server)
         finally:
@@ -157,7 +157,7 @@ class _Run:
         await anyio.to_thread.run_sync(
             functools.partial(
                 run_on_cluster, eval_item, items, job=self.job, address=self.settings.ray_address,
-                concurrency=self.settings.concurrency, on_record=record,
+                concurrency=self.settings.n_concurrent, on_record=record,
                 engine_kwargs=self.settings.engine_kwargs(),
             )  # fmt: skip
         )
@@ -189,13 +189,13 @@ def _keys(models: Sequence[ModelSpec], tasks: Sequence[Any], root: Path, attempt
 
 
 def _summaries(
-    settings: EvalSettings, specs: list[ModelSpec], job: JobFolder, keys: list[str]
+    settings: JobSettings, specs: list[ModelSpec], job: JobFolder, keys: list[str]
 ) -> tuple[dict[str, Any], list[EpisodeRecord]]:
     # Suite order, not completion order: the same records give the same summary however they ran.
     done = job.latest()
     latest = [done[k] for k in keys if k in done]
     by_model = {s.name: [r for r in latest if r.model == s.name] for s in specs}
-    k, threshold = settings.attempts, settings.success_threshold
+    k, threshold = settings.n_attempts, settings.success_threshold
     summary: dict[str, Any] = {}
     if len(specs) == 1:
         summary.update(summarize(by_model[specs[0].name], k=k, success_threshold=threshold))
@@ -241,15 +241,17 @@ async def evaluate(
         models: model names on ``base_url``, checkpoint folders for a managed
             server, or globs of them (``ckpts/checkpoint-*``).
         suite: a local task tree or a Hugging Face dataset id (default: the bundled example suite).
-        resume: an existing job folder: its ``config.json`` is reused (server
+        resume: an existing job folder: its settings are reused (server
             settings given here override it); only missing episodes and those
             whose failure a resume reruns are run.
         jobs_dir, job_name: where a new job folder goes (``jobs_dir/job_name``).
         on_record: called with each record as it is written (the CLI's progress bar).
         on_plan: called once with (episodes to run now, episodes of the job).
-        **settings: the fields of :class:`EvalSettings` (``agent``, ``backend``,
-            ``attempts``, ``concurrency``, ``base_url``, ``serve_cmd``,
-            ``api_key_name``, ``sampling``, ``limits``, ...).
+        **settings: the fields of :class:`~harbor_async.settings.JobSettings` (``agent``,
+            ``environment_type``, ``environment_kwargs``, ``n_attempts``, ``n_concurrent``,
+            ``base_url``, ``serve_cmd``, ``api_key_name``, ``sampling``, ``limits``, ...);
+            the names of earlier releases (``backend``, ``attempts``, ...) still work, with a
+            ``DeprecationWarning``.
 
     Raises:
         EvalConfigError, harbor_async.serve.ServeError, harbor_async.tasks.EmptySuiteError,
@@ -260,42 +262,47 @@ async def evaluate(
 
     if resume is not None:
         job = JobFolder.open(resume)
-        stored = EvalSettings.from_dict(job.config)
+        stored = JobSettings.from_dict(job.config)
         overrides = {k: v for k, v in settings.items() if k in ("base_url", "serve_cmd", "api_key_name") and v}
-        config = EvalSettings.from_dict({**stored.to_dict(), **overrides})
+        config = JobSettings.from_dict({**stored.to_dict(), **overrides})
     else:
         if models is None:
             raise EvalConfigError("no model to evaluate: pass at least one model")
-        config = EvalSettings(models=[models] if isinstance(models, str) else list(models), suite=suite, **settings)
+        settings.setdefault("agent", "bash")
+        try:
+            config = JobSettings.from_kwargs(
+                command="eval", models=[models] if isinstance(models, str) else list(models), suite=suite, **settings
+            )
+        except TypeError as exc:
+            raise EvalConfigError(str(exc)) from None
     if config.base_url and config.serve_cmd:
         raise EvalConfigError("give --base-url or --serve-cmd, not both")
-    if config.attempts < 1 or config.concurrency < 1 or config.max_concurrent_requests < 1:
+    if config.n_attempts < 1 or config.n_concurrent < 1 or config.max_concurrent_requests < 1:
         raise EvalConfigError("attempts, concurrency and max concurrent requests must be at least 1")
     specs = resolve_models(config.models)
     config.models = [s.name for s in specs]
     filtered = bool(config.include or config.exclude)  # globs first, then the first N (as harbor run)
-    loaded = load_suite(config.suite, num_tasks=None if filtered else config.num_tasks, indices=config.indices)
+    loaded = load_suite(config.suite, num_tasks=None if filtered else config.n_tasks, indices=config.indices)
     if filtered:
         kept = [t for t in loaded.tasks if matches_names(t.name, config.include, config.exclude)]
         if not kept:
             raise EvalConfigError(f"no task of {loaded.root} matches the -i/-x globs")
-        loaded.tasks = kept[: config.num_tasks] if config.num_tasks is not None else kept
+        loaded.tasks = kept[: config.n_tasks] if config.n_tasks is not None else kept
     groups = server_groups(specs, base_url=config.base_url, serve_cmd=config.serve_cmd, vllm_args=config.vllm_args)
-    resolve_harness(config.agent, config.backend)
-    resolve_backend(config.backend).check_options(config.backend_kwargs)  # before any server or job folder
+    resolve_harness(config.agent, config.environment_type)
+    resolve_backend(config.environment_type).check_options(config.environment_kwargs)  # before any server or job folder
     api_key(config.api_key_name)  # a missing key is bad input: fail before the job folder
     if resume is None:
         job = JobFolder.create(jobs_dir, job_name, config.to_dict())
     run = _Run(config, job, on_record)
     tasks, root = list(loaded.tasks), Path(loaded.root)
-    all_keys = _keys(specs, tasks, root, config.attempts)
+    all_keys = _keys(specs, tasks, root, config.n_attempts)
     if on_plan is not None:
         on_plan(len(job.pending(all_keys)), len(all_keys))
     error: Exception | None = None
     try:
-        async with anyio.create_task_group() as tg:
-            if threading.current_thread() is threading.main_thread():
-                tg.start_soon(_watch_signals, tg.cancel_scope, run)
+        with Interrupts() as interrupts, anyio.CancelScope() as scope:
+            interrupts.arm(scope.cancel)
             try:
                 if config.ray:  # the cluster's nodes run the episodes on their own engines
                     await _run_groups(run, groups, tasks, root)
@@ -303,11 +310,13 @@ async def evaluate(
                     from harbor_async.engine import Engine
 
                     async with Engine(**config.engine_kwargs()) as run.engine:
+                        interrupts.leftovers = lambda: [s.id for s in run.engine.live_sandboxes()]
                         await _run_groups(run, groups, tasks, root)
-            except Exception as exc:  # raised below, unwrapped from the task group
+            except Exception as exc:  # raised below, after the summary
                 error = exc
             finally:
-                tg.cancel_scope.cancel()
+                interrupts.disarm()
+        run.interrupted = interrupts.signum
     finally:
         job.close()
         summary, latest = _summaries(config, specs, job, all_keys)
@@ -324,15 +333,6 @@ async def evaluate(
 async def _run_groups(run: _Run, groups: list[ServerGroup], tasks: list[Any], root: Path) -> None:
     for index, group in enumerate(groups):  # one server at a time
         await run.run_group(group, tasks, root, index, len(groups))
-
-
-async def _watch_signals(scope: anyio.CancelScope, run: _Run) -> None:
-    """Turn SIGINT/SIGTERM into a cancellation, so that every episode stops its sandbox and the server stops."""
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            run.interrupted = int(signum)
-            scope.cancel()
-            return
 
 
 def evaluate_sync(*args: Any, **kwargs: Any) -> EvalResult:

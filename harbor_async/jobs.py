@@ -2,7 +2,9 @@
 
 A job folder holds:
 
-- ``config.json``: the command's settings, written before any sandbox starts;
+- ``harbor-async.json``: the job's :class:`~harbor_async.settings.JobSettings`,
+  written before any sandbox starts (``config.json`` in earlier releases, still read;
+  ``config.json`` is the name Harbor's own job layout uses);
 - ``episodes.jsonl``: one :class:`~harbor_async.records.EpisodeRecord` a line,
   appended and flushed as each episode finishes (a resume appends again; the
   last record of an episode wins);
@@ -21,6 +23,8 @@ from typing import Any
 from harbor_async.errors import JobFolderError
 from harbor_async.records import EpisodeRecord
 
+SETTINGS_NAME = "harbor-async.json"
+#: The settings file of job folders written by earlier releases.
 CONFIG_NAME = "config.json"
 EPISODES_NAME = "episodes.jsonl"
 SUMMARY_NAME = "summary.json"
@@ -43,7 +47,7 @@ class JobFolder:
 
     @classmethod
     def create(cls, jobs_dir: str | Path, job_name: str | None, config: dict[str, Any]) -> JobFolder:
-        """Make ``jobs_dir/job_name`` and write its ``config.json``.
+        """Make ``jobs_dir/job_name`` and write its settings (``harbor-async.json``).
 
         Raises :class:`JobFolderError` when the folder exists with records in it
         (resume it instead) or cannot be written: checked before any sandbox starts.
@@ -53,7 +57,7 @@ class JobFolder:
             raise JobFolderError(f"job folder {job.path} already has records; resume it with --resume {job.path}")
         try:
             job.path.mkdir(parents=True, exist_ok=True)
-            job.write_json(CONFIG_NAME, config)
+            job.write_json(SETTINGS_NAME, config)
             (job.path / EPISODES_NAME).touch()
         except OSError as exc:
             raise JobFolderError(f"cannot write the job folder {job.path}: {exc.strerror or exc}") from exc
@@ -61,10 +65,10 @@ class JobFolder:
 
     @classmethod
     def open(cls, path: str | Path) -> JobFolder:
-        """An existing job folder (for ``--resume``); it must hold ``config.json``."""
+        """An existing job folder (for ``--resume``); it must hold its settings."""
         job = cls(Path(path))
-        if not (job.path / CONFIG_NAME).is_file():
-            raise JobFolderError(f"{job.path} is not a job folder (no {CONFIG_NAME})")
+        if job.settings_path is None:
+            raise JobFolderError(f"{job.path} is not a job folder (no {SETTINGS_NAME})")
         try:
             (job.path / EPISODES_NAME).touch()
         except OSError as exc:
@@ -72,9 +76,18 @@ class JobFolder:
         return job
 
     @property
+    def settings_path(self) -> Path | None:
+        """The settings file: ``harbor-async.json``, or an earlier release's ``config.json``; ``None`` if neither."""
+        for name in (SETTINGS_NAME, CONFIG_NAME):
+            if (self.path / name).is_file():
+                return self.path / name
+        return None
+
+    @property
     def config(self) -> dict[str, Any]:
-        """The job's ``config.json``."""
-        return self.read_json(CONFIG_NAME)
+        """The job's settings, as stored (see :meth:`harbor_async.settings.JobSettings.from_dict`)."""
+        path = self.settings_path
+        return self.read_json(path.name if path is not None else SETTINGS_NAME)
 
     def append(self, record: EpisodeRecord) -> None:
         """Append one record and flush it to the file, so that no finished episode is lost."""
@@ -94,9 +107,20 @@ class JobFolder:
         """Every record in the file, in order; a torn last line (a killed writer) is skipped."""
         return list(read_records(self.path / EPISODES_NAME))
 
-    def latest(self) -> dict[str, EpisodeRecord]:
-        """The last record of each episode, by :attr:`EpisodeRecord.key`."""
-        return latest_records(self.records())
+    def latest(self, root: str | Path | None = None) -> dict[str, EpisodeRecord]:
+        """The last record of each episode, by :attr:`EpisodeRecord.key`.
+
+        With the suite's ``root``, records of earlier releases that named a task
+        by its absolute path are read as the relative path records use now.
+        """
+        records = self.records()
+        if root is not None:
+            base = Path(root).resolve()
+            for record in records:
+                path = Path(record.task_path)
+                if path.is_absolute() and path.resolve().is_relative_to(base):
+                    record.task_path = path.resolve().relative_to(base).as_posix()
+        return latest_records(records)
 
     def pending(self, keys: Iterable[str]) -> list[str]:
         """The episodes of ``keys`` a resume runs: missing ones and those whose failure a resume reruns."""

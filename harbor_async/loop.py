@@ -250,22 +250,29 @@ def open_engine(**kwargs: Any) -> Engine:
 
 
 def _install_sigterm_handler() -> None:
-    """Turn SIGTERM into a normal exit so that atexit stops the sandboxes.
+    """Make SIGTERM stop the sandboxes: a normal exit (atexit stops them), or the program's own handler first.
 
-    Only when nobody else handles SIGTERM and only from the main thread (signal
-    handlers cannot be installed elsewhere). A second SIGTERM during that
-    cleanup (coreutils ``timeout`` sends two) is acknowledged and ignored; a
-    third ends the process at once, after naming what is left for the reaper.
+    Only from the main thread (signal handlers cannot be installed elsewhere).
+    With no handler of the program's, the first SIGTERM exits normally; with
+    one, that handler is chained to, never replaced: it decides what a SIGTERM
+    means, and the sandboxes are stopped at exit as always. An ignored SIGTERM
+    stays ignored. A second SIGTERM during the cleanup (coreutils ``timeout``
+    sends two) is acknowledged and ignored; a third ends the process at once,
+    after naming what is left for the reaper.
     """
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_IGN or previous is None:  # ignored, or set outside Python: leave it alone
         return
     received = 0
 
-    def _exit(signum: int, frame: object) -> None:
+    def _exit(signum: int, frame: Any) -> None:
         nonlocal received
         received += 1
+        if received < 3 and callable(previous):  # the program's handler decides; atexit still stops the sandboxes
+            previous(signum, frame)
+            return
         if received == 1:
             global _terminating
             _terminating = True

@@ -24,7 +24,7 @@ from harbor_async.harnesses.toolset import build_toolset
 if TYPE_CHECKING:
     from harbor_async.agent import Agent, Sampling
     from harbor_async.episode import Episode
-    from harbor_async.settings import EvalSettings
+    from harbor_async.settings import JobSettings
 
 
 @dataclass
@@ -91,7 +91,7 @@ class ModelAgent:
             episode.fail(FailureClass.AGENT, f"the episode reached its {deadline:g} s deadline", Phase.AGENT)
 
 
-def model_episode_agent(settings: EvalSettings, agent: Agent, harness: Callable[[], Harness], attempt: int) -> ModelAgent:
+def model_episode_agent(settings: JobSettings, agent: Agent, harness: Callable[[], Harness], attempt: int) -> ModelAgent:
     """The agent phase of one evaluation episode (a driver's or a cluster worker's)."""
     return ModelAgent(agent, harness, settings.agent, attempt=attempt, timeout=agent.limits.timeout)
 

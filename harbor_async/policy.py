@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import functools
 import math
-import re
 from collections.abc import Callable
 from typing import Any
 from dataclasses import dataclass, field, replace
@@ -19,7 +18,19 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from harbor_async.errors import BackendError, SandboxError
+from harbor.environments.base import SandboxBuildFailedError
+
+from harbor_async.errors import (
+    BackendError,
+    BackendStartError,
+    EpisodeDeadlineError,
+    FailureClass,
+    ModelServerError,
+    Phase,
+    SandboxCancelledError,
+    SandboxError,
+    VerifierFailure,
+)
 
 
 @dataclass(frozen=True)
@@ -104,54 +115,94 @@ def _scaled(value: float | None, factor: float) -> float | None:
     return None if value is None else value * factor
 
 
-# Errors that say the task or the configuration is wrong, or that the process
-# itself is in trouble, or that the code has a bug: retrying cannot help.
-_PERMANENT_TYPES: tuple[type[BaseException], ...] = (
-    FileNotFoundError,
-    NotADirectoryError,
-    PermissionError,
-    ImportError,
-    BackendError,
-    ValueError,
-    TypeError,
-    NotImplementedError,
-    MemoryError,
-    LookupError,  # KeyError, IndexError
-    AttributeError,
-    NameError,
-    AssertionError,
-    RecursionError,
-    SyntaxError,
+@dataclass(frozen=True)
+class ErrorRule:
+    """What an error means for its episode (as Harbor's ``ErrorPolicy``).
+
+    Attributes:
+        failure: who the episode's failure is blamed on.
+        retry: whether a sandbox start that failed with it is worth another attempt.
+        graded: whether the episode still counts as the model's (scored, 0
+            without a reward) or is left out and rerun by a resume.
+    """
+
+    failure: FailureClass
+    retry: bool
+
+    @property
+    def graded(self) -> bool:
+        """Whether the episode is the model's (see :attr:`FailureClass.scored`)."""
+        return self.failure.scored
+
+
+_INFRA_RETRY = ErrorRule(FailureClass.INFRASTRUCTURE, retry=True)
+_INFRA = ErrorRule(FailureClass.INFRASTRUCTURE, retry=False)
+
+#: The one error-policy table: the first row whose type (and phase, for sandbox
+#: errors; ``None`` matches any) fits the error decides (a subclass's row comes before its base's). Types only: a backend
+#: whose library raises an untyped error turns it into a typed one in its own
+#: adapter (:meth:`harbor_async.backends.BackendSpec.typed_error`), never here.
+ERROR_POLICY: tuple[tuple[type[BaseException], Phase | None, ErrorRule], ...] = (
+    # Not errors of the episode: an interruption, an exit, a superseded start.
+    (SandboxCancelledError, None, ErrorRule(FailureClass.CANCELLED, retry=False)),
+    # The model's episode.
+    (ModelServerError, None, ErrorRule(FailureClass.MODEL_SERVER, retry=False)),
+    (VerifierFailure, None, ErrorRule(FailureClass.VERIFIER, retry=False)),
+    (EpisodeDeadlineError, Phase.START, _INFRA),
+    (EpisodeDeadlineError, None, ErrorRule(FailureClass.AGENT, retry=False)),
+    (SandboxError, Phase.AGENT, ErrorRule(FailureClass.AGENT, retry=False)),
+    # Sandbox errors of the other phases were already retried where that was safe.
+    (SandboxError, None, _INFRA),
+    # Raised by a backend while starting: permanent when the task, image,
+    # configuration or host is wrong, or the code has a bug.
+    (BackendStartError, None, _INFRA),  # its own ``transient`` decides, see rule_for
+    (BackendError, None, _INFRA),
+    (SandboxBuildFailedError, None, _INFRA),
+    (FileNotFoundError, None, _INFRA),
+    (NotADirectoryError, None, _INFRA),
+    (PermissionError, None, _INFRA),
+    (ImportError, None, _INFRA),
+    (ValueError, None, _INFRA),
+    (TypeError, None, _INFRA),
+    (NotImplementedError, None, _INFRA),
+    (MemoryError, None, _INFRA),
+    (LookupError, None, _INFRA),  # KeyError, IndexError
+    (AttributeError, None, _INFRA),
+    (NameError, None, _INFRA),
+    (AssertionError, None, _INFRA),
+    (RecursionError, None, _INFRA),
+    (SyntaxError, None, _INFRA),
+    # Anything else from a backend: a network blip, a daemon hiccup, a slow provider.
+    (Exception, None, _INFRA_RETRY),
+    # Not an Exception: KeyboardInterrupt, SystemExit, a cancellation.
+    (BaseException, None, ErrorRule(FailureClass.CANCELLED, retry=False)),
 )
+
 #: ``OSError`` numbers of a full disk or quota: the next attempt would fail the same way.
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
-_PERMANENT_WORDS = re.compile(
-    r"quota|not found|no such image|manifest unknown|pull access denied|"
-    r"invalid|unauthori[sz]ed|forbidden|permission denied|build failed",
-    re.IGNORECASE,
-)
+
+
+def rule_for(exc: BaseException) -> ErrorRule:
+    """The :data:`ERROR_POLICY` row that decides ``exc``."""
+    if isinstance(exc, BackendStartError):
+        return _INFRA_RETRY if exc.transient else _INFRA
+    if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+        return _INFRA
+    phase = exc.phase if isinstance(exc, SandboxError) else None
+    for kind, when, rule in ERROR_POLICY:
+        if isinstance(exc, kind) and (when is None or when is phase):
+            return rule
+    raise AssertionError("unreachable: the table ends with BaseException and Exception rows")  # pragma: no cover
+
+
+def failure_class(exc: BaseException) -> FailureClass:
+    """Who ``exc`` is blamed on (see :class:`~harbor_async.errors.FailureClass`)."""
+    return rule_for(exc).failure
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether a start failure is worth retrying.
-
-    Harbor's backends raise many error types; a failure is permanent when its
-    type or message says the task, image, credentials or quota are wrong, and
-    transient otherwise (network blips, daemon hiccups, slow providers).
-    """
-    from harbor.environments.base import SandboxBuildFailedError
-
-    if not isinstance(exc, Exception):  # cancellation, KeyboardInterrupt, SystemExit
-        return False
-    if isinstance(exc, SandboxError):
-        return False
-    if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
-        return False
-    if isinstance(exc, (SandboxBuildFailedError, *_PERMANENT_TYPES)):
-        return False
-    if getattr(exc, "transient", None) is not None:
-        return bool(exc.transient)
-    return not _PERMANENT_WORDS.search(str(exc))
+    """Whether a start that failed with ``exc`` is worth retrying."""
+    return rule_for(exc).retry
 
 
 def _stop_at(deadline: Callable[[], float]) -> Callable[[Any], bool]:

@@ -22,7 +22,8 @@ import anyio
 
 from harbor_async.backends import BackendSpec, resolve_backend
 from harbor_async.episode import Episode
-from harbor_async.errors import FailureClass, SandboxError, failure_class
+from harbor_async.errors import FailureClass, SandboxError
+from harbor_async.policy import failure_class
 from harbor_async.logs import get_logger
 from harbor_async.records import EpisodeRecord
 

@@ -461,9 +461,12 @@ class Sandbox:
                 )
                 await self._env.start(force_build=False)
                 await self._env.run_healthcheck()
-            except BaseException:
+            except BaseException as exc:
                 await self._discard_failed_start()
-                raise
+                typed = self.backend.typed_error(exc)
+                if typed is exc:
+                    raise
+                raise typed from exc
 
     async def _discard_failed_start(self) -> None:
         """Tear down what a failed start attempt left, so a retry starts clean."""

@@ -1,34 +1,82 @@
-"""The job settings an evaluation is run with, stored in its job folder so that a resume repeats them.
+"""One job's settings, for ``run`` and ``eval`` alike: what a resume repeats, stored as ``harbor-async.json``.
 
-Shared by the driver (:mod:`harbor_async.evaluation`) and the cluster's
-workers (:mod:`harbor_async.cluster.eval_items`), which rebuild the episode's
-engine limits, agent loop and harness from them.
+Field names are Harbor's words (``harbor run``'s flags and ``JobConfig``):
+``environment_type`` (``-e``), ``environment_kwargs`` (``--ek``), ``n_attempts``
+(``-k``), ``n_concurrent`` (``-n``), ``n_tasks`` (``-l``), the timeout
+multipliers. Settings written by earlier releases (``config.json``: nested for
+``run``, flat with other names for ``eval``) are read too.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+from datetime import UTC, datetime
 from typing import Any
 
 from harbor_async.policy import Limits, Timeouts
 from harbor_async.scoring import DEFAULT_SUCCESS_THRESHOLD
 from harbor_async.serve import DEFAULT_READY_TIMEOUT
 
+#: Names of earlier releases, read (with a DeprecationWarning where a user passes them) as today's.
+RENAMED = {
+    "backend": "environment_type",
+    "env": "environment_type",
+    "backend_kwargs": "environment_kwargs",
+    "ek": "environment_kwargs",
+    "attempts": "n_attempts",
+    "concurrency": "n_concurrent",
+    "num_tasks": "n_tasks",
+    "max_live": "max_live_sandboxes",
+    "source": "suite",
+}
+
+SETTINGS_VERSION = 2
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
 
 @dataclass
-class EvalSettings:
-    """Everything an evaluation needs, stored as the job's ``config.json`` (so a resume repeats it)."""
+class JobSettings:
+    """Everything a ``run`` or an ``eval`` job needs (``command`` says which).
 
-    models: list[str]
+    Attributes shared by both: the suite and its selection, the backend and its
+    options, attempts, concurrency, the episode deadline and Harbor's timeout
+    multipliers, and the cluster options (``ray``, ``ray_address``, ``budget``
+    and the cluster caps ``max_live_sandboxes``, ``creates_per_second``).
+    ``run`` adds the plan (``episodes``); ``eval`` adds the models and how to
+    reach them (``models``, ``base_url``, ``serve_cmd``, ``api_key_name``,
+    ``vllm_args``, ``ready_timeout``), sampling, the agent loop's limits and the
+    scoring threshold.
+    """
+
+    command: str = "run"
     suite: str | None = None
-    agent: str = "bash"
-    backend: str = "local"
-    attempts: int = 1
-    concurrency: int = 8
-    num_tasks: int | None = None
+    dataset: str | None = None
+    agent: str = "oracle"
+    environment_type: str = "local"
+    environment_kwargs: dict[str, Any] = field(default_factory=dict)
+    n_attempts: int = 1
+    n_concurrent: int = 8
+    n_tasks: int | None = None
     indices: list[int] | None = None
     include: list[str] | None = None
     exclude: list[str] | None = None
+    episode_timeout: float | None = None
+    start_timeout: float | None = None
+    timeout_multiplier: float = 1.0
+    agent_timeout_multiplier: float | None = None
+    verifier_timeout_multiplier: float | None = None
+    environment_build_timeout_multiplier: float | None = None
+    ray: bool = False
+    ray_address: str | None = None
+    budget: str = "local"
+    max_live_sandboxes: int | None = None
+    creates_per_second: float | None = None
+    # eval
+    models: list[str] = field(default_factory=list)
     base_url: str | None = None
     serve_cmd: str | None = None
     api_key_name: str | None = None
@@ -37,43 +85,93 @@ class EvalSettings:
     max_concurrent_requests: int = 32
     request_timeout: float = 600.0
     success_threshold: float = DEFAULT_SUCCESS_THRESHOLD
-    episode_timeout: float | None = None
     ready_timeout: float = DEFAULT_READY_TIMEOUT
-    backend_kwargs: dict[str, Any] = field(default_factory=dict)
     vllm_args: list[str] = field(default_factory=list)
-    ray: bool = False
-    ray_address: str | None = None
-    budget: str = "local"
-    max_live: int | None = None
-    creates_per_second: float | None = None
-    command: str = "eval"
+    # run
+    episodes: list[dict[str, Any]] = field(default_factory=list)
+    created_at: str = field(default_factory=_now)
+    version: int = SETTINGS_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form."""
+        """Plain-JSON form (the job's ``harbor-async.json``)."""
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EvalSettings:
-        """Read :meth:`to_dict`'s output (unknown keys ignored)."""
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
+    def from_dict(cls, data: dict[str, Any]) -> JobSettings:
+        """Read :meth:`to_dict`'s output, or an earlier release's ``config.json`` (unknown keys ignored)."""
+        data = dict(data)
+        nested = data.pop("settings", None)
+        if isinstance(nested, dict):  # run's earlier shape: {"command", "created_at", "settings": {...}, "episodes"}
+            multipliers = nested.pop("multipliers", None) or {}
+            data.update(nested)
+            data.update(
+                timeout_multiplier=multipliers.get("all") or 1.0,
+                agent_timeout_multiplier=multipliers.get("agent"),
+                verifier_timeout_multiplier=multipliers.get("verifier"),
+                environment_build_timeout_multiplier=multipliers.get("environment_build"),
+            )
+        values = {RENAMED.get(k, k): v for k, v in data.items()}
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
 
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> JobSettings:
+        """Build from keyword arguments; an earlier release's name works, with a ``DeprecationWarning``.
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        """The ``Engine`` arguments of this evaluation's episodes (the driver's, or a cluster node's).
-
-        The episodes' one concurrency limit is the driver's (``concurrency``)
-        or the worker's; the engine gets no lower one. The Ray budget, when
-        asked for, leases one slot per sandbox from the cluster's actor.
+        Raises:
+            TypeError: a name that is no setting.
         """
-        budget = None
-        if self.budget == "ray":
-            from harbor_async.cluster.ray_budget import factory
+        known = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            if name in RENAMED and RENAMED[name] in known:
+                warnings.warn(
+                    f"{name}= is deprecated; use {RENAMED[name]}= (the old name goes in the next release)",
+                    DeprecationWarning,
+                    stacklevel=3,
+                )
+                name = RENAMED[name]
+            if name not in known:
+                raise TypeError(f"unknown setting {name!r}; settings are: {', '.join(sorted(known))}")
+            values[name] = value
+        return cls(**values)
 
-            budget = factory(address=self.ray_address, max_live=self.max_live, creates_per_second=self.creates_per_second)
+    def timeouts(self) -> Timeouts:
+        """The engine's phase budgets for this job (each task's own are applied per sandbox)."""
+        base = Timeouts()
+        return Timeouts(
+            start=self.start_timeout or base.start,
+            episode=self.episode_timeout,
+            timeout_multiplier=self.timeout_multiplier or 1.0,
+            agent_timeout_multiplier=self.agent_timeout_multiplier,
+            verifier_timeout_multiplier=self.verifier_timeout_multiplier,
+            environment_build_timeout_multiplier=self.environment_build_timeout_multiplier,
+        )
+
+    def budget_factory(self) -> Any:
+        """The ``Engine(budget=...)`` factory: ``None`` (this process's limits) or the cluster's Ray budget."""
+        if self.budget != "ray":
+            return None
+        from harbor_async.cluster.ray_budget import factory
+
+        return factory(
+            address=self.ray_address, max_live=self.max_live_sandboxes, creates_per_second=self.creates_per_second
+        )
+
+    def engine_kwargs(self, budget: Any = None) -> dict[str, Any]:
+        """The ``Engine`` arguments of this job's episodes (the driver's, or a cluster node's).
+
+        The episodes' one concurrency limit is the driver's (``n_concurrent``)
+        or the worker's; the engine gets no lower one. ``budget``: a budget
+        factory already made (else :meth:`budget_factory`).
+        """
         return {
             "limits": Limits(live_sandboxes=None),
-            "timeouts": Timeouts(episode=self.episode_timeout),
-            "backend_kwargs": dict(self.backend_kwargs),
-            "budget": budget,
+            "timeouts": self.timeouts(),
+            "backend_kwargs": dict(self.environment_kwargs),
+            "budget": budget if budget is not None else self.budget_factory(),
         }
+
+
+#: The name of earlier releases.
+EvalSettings = JobSettings

@@ -26,7 +26,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, Generic, Self, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar, Unpack
 
 from harbor_async.backends import resolve_backend
 from harbor_async.harnesses.base import BACKENDS_DROPPING_COPY, Harness
@@ -35,6 +35,9 @@ from shim import engines
 from shim.episode import PREPARING, Episode, await_loop, retire_episodes, stop_episodes
 from shim.options import EngineOptions, EngineOptionsKwargs
 from shim.task_cache import load_task_cached
+
+if TYPE_CHECKING:
+    from harbor_async.records import EpisodeRecord
 
 R = TypeVar("R")
 
@@ -235,6 +238,16 @@ class HarborEnv(Harness):
         self._close()
 
     # ── harness helpers ──────────────────────────────────────────────────
+
+    @property
+    def episode_record(self) -> EpisodeRecord | None:
+        """The current rollout's record (phases, reward, failure), as ``run`` and ``eval`` write them.
+
+        Complete once the rollout's sandbox is stopped (after ``close()``, or
+        in the background after the reward); the same object fills in.
+        """
+        episode = self._episode
+        return None if episode is None else episode.record
 
     @property
     def sandbox_error(self) -> str | None:

@@ -30,10 +30,10 @@ from harbor_async.errors import (
     Phase,
     SandboxClosedError,
     SandboxError,
-    failure_class,
 )
 from harbor_async.harnesses.base import BASE_SETUP_COMMAND
 from harbor_async.logs import get_logger
+from harbor_async.policy import failure_class
 from shim import engines, prefetch
 
 if TYPE_CHECKING:

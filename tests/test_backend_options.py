@@ -138,7 +138,7 @@ def test_the_evaluate_api_refuses_before_any_server_or_job_folder(tmp_path: Path
 
     async def main():
         await evaluate(
-            "m", None, base_url="http://127.0.0.1:9/v1", backend="local", backend_kwargs={"memroy_mb": 1},
+            "m", None, base_url="http://127.0.0.1:9/v1", environment_type="local", environment_kwargs={"memroy_mb": 1},
             jobs_dir=tmp_path / "jobs",
         )  # fmt: skip
 

@@ -62,18 +62,43 @@ def test_resume_reruns_only_the_failures_a_resume_reruns(tmp_path):
         "run", "-e", "tests.broken_backend:FailingStartEnvironment", "-l", "2", "-o", str(jobs), "--job-name", "j"
     )
     assert first.returncode == 1
-    config = jobs / "j" / "config.json"
+    config = jobs / "j" / "harbor-async.json"
     data = json.loads(config.read_text())
-    data["settings"]["env"] = "simulated"  # the backend was fixed: the failed starts are rerun
-    data["settings"]["ek"] = {"verify_failure_rate": 1}
+    data["environment_type"] = "simulated"  # the backend was fixed: the failed starts are rerun
+    data["environment_kwargs"] = {"verify_failure_rate": 1}
     config.write_text(json.dumps(data))
     second = harbor_async("run", "--resume", str(jobs / "j"))
     assert second.returncode == 0, second.stderr
     assert "0 of 2 episodes kept, 2 to run" in second.stderr
-    data["settings"]["ek"] = {}
+    data["environment_kwargs"] = {}
     config.write_text(json.dumps(data))
     third = harbor_async("run", "--resume", str(jobs / "j"))
     assert "2 of 2 episodes kept, 0 to run" in third.stderr  # verifier failures are not rerun
     summary = json.loads((jobs / "j" / "summary.json").read_text())
     assert summary["failures"] == {"verifier": 2} and summary["mean_reward"] == 0.0
     shutil.rmtree(jobs)
+
+
+def test_a_job_folder_of_the_previous_release_resumes(tmp_path):
+    """config.json with run's nested settings, records naming tasks by absolute path: kept, the rest runs."""
+    suite = make_suite(tmp_path / "suite", FAST)
+    tasks = sorted((suite / "tasks").iterdir())
+    job = tmp_path / "jobs" / "old"
+    job.mkdir(parents=True)
+    episodes = [{"task": t.name, "task_path": str(t), "attempt": 0} for t in tasks]
+    legacy = {
+        "command": "run", "created_at": "2026-11-30T10:00:00+00:00", "episodes": episodes,
+        "settings": {"source": str(suite / "tasks"), "env": "simulated", "agent": "oracle", "n_attempts": 1,
+                     "ek": {}, "multipliers": {"all": None, "agent": None, "verifier": None, "environment_build": None},
+                     "episode_timeout": None, "start_timeout": None, "dataset": None},
+    }  # fmt: skip
+    (job / "config.json").write_text(json.dumps(legacy))
+    kept = {"task": tasks[0].name, "task_path": str(tasks[0]), "attempt": 0, "reward": 1.0, "phases": [], "version": 1}
+    (job / "episodes.jsonl").write_text(json.dumps(kept) + "\n")
+    done = harbor_async("run", "--resume", str(job))
+    assert done.returncode == 0, done.stderr
+    assert "1 of 3 episodes kept, 2 to run" in done.stderr
+    new = records(job)[1:]
+    assert sorted(r["task_path"] for r in new) == [t.name for t in tasks[1:]]  # today's records: paths in the suite
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["episodes"] == 3 and summary["complete"] is True

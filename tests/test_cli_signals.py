@@ -53,7 +53,7 @@ def test_a_second_signal_does_not_abort_the_cleanup(tmp_path):
         "run", "-e", "simulated", "--ek", "exec_latency=60", "--ek", "stop_latency=2", "-l", "3",
         "-o", str(tmp_path / "jobs"), "--job-name", "j",
     )  # fmt: skip
-    wait_for(lambda: (job / "config.json").exists(), 60, "the job folder")
+    wait_for(lambda: (job / "harbor-async.json").exists(), 60, "the job folder")
     time.sleep(1.5)  # the oracles are running (each exec takes 60 s)
     returncode, _, err, seconds = interrupt(proc, [signal.SIGTERM, signal.SIGTERM], gap=0.5)
     assert returncode == 143, err
@@ -70,14 +70,14 @@ def test_a_third_signal_forces_the_exit_and_names_what_is_left(tmp_path, leak_pr
         "run", "-e", "simulated", "--ek", "exec_latency=60", "--ek", "stop_latency=60", "-l", "2",
         "-o", str(tmp_path / "jobs"), "--job-name", "j",
     )  # fmt: skip
-    wait_for(lambda: (job / "config.json").exists(), 60, "the job folder")
+    wait_for(lambda: (job / "harbor-async.json").exists(), 60, "the job folder")
     time.sleep(1.5)
     returncode, _, err, seconds = interrupt(proc, [signal.SIGINT, signal.SIGINT, signal.SIGINT], gap=0.5)
     assert returncode == 130, err
     assert seconds < 10, "the third signal did not force the exit"
     assert "harbor-async sandboxes reap" in err
     assert "2 sandbox(es) may be left" in err
-    config = json.loads((job / "config.json").read_text())
+    config = json.loads((job / "harbor-async.json").read_text())
     assert len(config["episodes"]) == 2
     # What it names is what `sandboxes reap` removes: here, the two sandboxes' trial folders.
     assert leak_probe.sandbox_dirs(), "a forced exit during the stops leaves the trial folders"

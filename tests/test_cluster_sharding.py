@@ -143,7 +143,7 @@ def test_an_eval_sharded_over_the_cluster_gives_the_local_summary(ray_cluster, t
         return {k: summary[k] for k in ("episodes", "tasks", "completed", "failures", "mean_reward", "pass_at_k")}
 
     with ScriptedServer() as server:
-        common = dict(base_url=server.base_url, jobs_dir=tmp_path, num_tasks=3, attempts=2, concurrency=4)
+        common = dict(base_url=server.base_url, jobs_dir=tmp_path, n_tasks=3, n_attempts=2, n_concurrent=4)
         local = evaluate_sync(["solver"], None, job_name="local", **common)
         sharded = evaluate_sync(["solver"], None, job_name="sharded", ray=True, ray_address=ray_cluster.address, **common)
     assert sharded.ran == 6 and comparable(sharded.summary) == comparable(local.summary)
@@ -171,3 +171,58 @@ def test_the_eval_command_shards_over_the_cluster_with_the_ray_budget(ray_cluste
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "sharded" / "summary.json").read_text())
     assert summary["episodes"] == 4 and summary["mean_reward"] == 1.0
+
+
+def test_run_eval_a_cluster_worker_and_the_shim_write_one_record_shape(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+    """One task through `run`, `eval` (local and on a cluster worker) and the shim: one runner, one record shape."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    from harbor_async.evaluation import evaluate_sync
+    from harbor_async.tasks import load_suite
+    from shim import HarborBashEnv
+    from tests.cluster_helpers import REPO, child_env
+    from tests.scripted_server import ScriptedServer
+
+    suite = example_suite_path()
+    loaded = load_suite(suite)
+    task = loaded.tasks[0]
+    command = [
+        sys.executable, "-m", "harbor_async", "run", "-p", str(suite), "-i", task.name, "-e", "local",
+        "-o", str(tmp_path), "--job-name", "run",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env=child_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    (ran,) = JobFolder.open(tmp_path / "run").records()
+    with ScriptedServer() as server:
+        common = dict(base_url=server.base_url, jobs_dir=tmp_path, include=[task.name], environment_type="local")
+        (local,) = evaluate_sync(["solver"], str(suite), job_name="eval", **common).records
+        (worker,) = evaluate_sync(
+            ["solver"], str(suite), job_name="sharded", ray=True, ray_address=ray_cluster.address, **common
+        ).records
+    env = HarborBashEnv("local")
+    env.reset(task_dir=str(task.paths.task_dir))
+    env.bash((task.paths.solution_dir / "solve.sh").read_text())
+    assert env.reward == 1.0
+    shim = env.episode_record
+    env.close()
+
+    records = {"run": ran, "eval": local, "cluster": worker, "shim": shim}
+    for name, record in records.items():
+        assert record.reward == 1.0 and record.error_class is None, name
+        assert record.task == task.name and record.sandbox, name
+        # the same phases, in the same order, each a span inside the episode and after the one before
+        assert [p.phase for p in record.phases] == ["start", "agent", "verify", "stop"], name
+        ends = [0.0] + [p.end for p in record.phases]
+        assert all(p.start >= prev - 1e-3 and p.end >= p.start for p, prev in zip(record.phases, ends, strict=False)), name
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00", record.started_at), name
+        assert {"start", "stop", "total"} <= set(record.seconds) and record.start_attempts == 1, name
+        assert set(json.loads(json.dumps(record.to_dict()))) == set(ran.to_dict()), name
+    # jobs name the task by its path in the suite; the shim, given a folder, by that folder
+    assert ran.task_path == local.task_path == worker.task_path == task.paths.task_dir.relative_to(loaded.root).as_posix()
+    assert Path(shim.task_path) == task.paths.task_dir
+    # eval on the driver and on a worker: the same conversation
+    assert [m["role"] for m in local.transcript] == [m["role"] for m in worker.transcript]
+    assert local.agent == worker.agent == shim.agent == "bash" and ran.agent == "oracle"

@@ -28,13 +28,13 @@ def server():
 
 
 def _eval(server, tmp_path, models, **kwargs):
-    kwargs.setdefault("num_tasks", 2)
-    kwargs.setdefault("concurrency", 4)
+    kwargs.setdefault("n_tasks", 2)
+    kwargs.setdefault("n_concurrent", 4)
     return evaluate_sync(models, None, base_url=server.base_url, jobs_dir=tmp_path, job_name="job", **kwargs)
 
 
 def test_solver_scores_one_and_records_everything(server, tmp_path) -> None:
-    result = _eval(server, tmp_path, ["solver"], attempts=2)
+    result = _eval(server, tmp_path, ["solver"], n_attempts=2)
     assert len(result.records) == 4 and result.ran == 4
     assert [r.reward for r in result.records] == [1.0] * 4
     assert sorted((r.task, r.attempt) for r in result.records) == sorted(
@@ -65,7 +65,7 @@ def test_prompt_and_tools_are_the_training_ones(server, tmp_path) -> None:
     from harbor_async.tasks import load_suite
     from shim.harnesses import HarborTerminalEnv
 
-    result = _eval(server, tmp_path, ["solver"], agent="terminal", num_tasks=1)
+    result = _eval(server, tmp_path, ["solver"], agent="terminal", n_tasks=1)
     task = load_suite(None).tasks[0]
     record = result.records[0]
     assert record.reward == 1.0
@@ -77,7 +77,7 @@ def test_prompt_and_tools_are_the_training_ones(server, tmp_path) -> None:
 
 
 def test_malformed_arguments_and_unknown_tool_go_back_to_the_model(server, tmp_path) -> None:
-    result = _eval(server, tmp_path, ["misbehave"], num_tasks=1)
+    result = _eval(server, tmp_path, ["misbehave"], n_tasks=1)
     record = result.records[0]
     tool_texts = [m["content"] for m in record.transcript if m["role"] == "tool"]
     assert tool_texts[0].startswith("{'error': 'Invalid JSON in the arguments of tool bash")
@@ -88,14 +88,14 @@ def test_malformed_arguments_and_unknown_tool_go_back_to_the_model(server, tmp_p
 
 @pytest.mark.parametrize("model", ["flaky-429", "flaky-500"])
 def test_transient_server_errors_are_retried(server, tmp_path, model) -> None:
-    result = _eval(server, tmp_path, [model], num_tasks=1, limits={"retry_max_wait": 0.2})
+    result = _eval(server, tmp_path, [model], n_tasks=1, limits={"retry_max_wait": 0.2})
     record = result.records[0]
     assert record.reward == 1.0 and record.error_class is None
     assert record.usage["retries"] == 2 and record.usage["requests"] == 4
 
 
 def test_a_server_that_keeps_failing_is_a_model_server_failure(server, tmp_path) -> None:
-    result = _eval(server, tmp_path, ["always-500"], num_tasks=1, limits={"retries": 2, "retry_max_wait": 0.1})
+    result = _eval(server, tmp_path, ["always-500"], n_tasks=1, limits={"retries": 2, "retry_max_wait": 0.1})
     record = result.records[0]
     assert record.failure is FailureClass.MODEL_SERVER and record.rerun
     assert record.reward is None and "HTTP 500" in record.error
@@ -104,26 +104,26 @@ def test_a_server_that_keeps_failing_is_a_model_server_failure(server, tmp_path)
 
 
 def test_context_overflow_ends_the_episode_and_it_is_scored(server, tmp_path) -> None:
-    record = _eval(server, tmp_path, ["context"], num_tasks=1).records[0]
+    record = _eval(server, tmp_path, ["context"], n_tasks=1).records[0]
     assert record.finish_reason == "context_length" and record.error_class is None
     assert record.reward == 1.0  # the solution ran before the overflow
 
 
 def test_limits_end_the_loop(server, tmp_path) -> None:
-    turns = _eval(server, tmp_path / "a", ["misbehave"], num_tasks=1, limits={"max_turns": 1}).records[0]
+    turns = _eval(server, tmp_path / "a", ["misbehave"], n_tasks=1, limits={"max_turns": 1}).records[0]
     assert turns.finish_reason == "max_turns" and turns.reward == 0.0 and turns.error_class is None
-    tokens = _eval(server, tmp_path / "b", ["solver"], num_tasks=1, limits={"max_total_tokens": 10}).records[0]
+    tokens = _eval(server, tmp_path / "b", ["solver"], n_tasks=1, limits={"max_total_tokens": 10}).records[0]
     assert tokens.finish_reason == "max_total_tokens" and tokens.reward == 1.0
-    slow = _eval(server, tmp_path / "c", ["slow"], num_tasks=1, limits={"timeout": 0.5}).records[0]
+    slow = _eval(server, tmp_path / "c", ["slow"], n_tasks=1, limits={"timeout": 0.5}).records[0]
     assert slow.finish_reason == "agent_timeout" and slow.failure is FailureClass.AGENT
     assert slow.reward == 0.0  # judged: the verifier found no answer
-    late = _eval(server, tmp_path / "d", ["slow"], num_tasks=1, episode_timeout=4.0).records[0]
+    late = _eval(server, tmp_path / "d", ["slow"], n_tasks=1, episode_timeout=4.0).records[0]
     assert late.finish_reason == "episode_deadline" and late.failure is FailureClass.AGENT
     assert late.reward == 0.0 and "4 s deadline" in late.error
 
 
 def test_quitter_scores_zero(server, tmp_path) -> None:
-    record = _eval(server, tmp_path, ["quitter"], num_tasks=1).records[0]
+    record = _eval(server, tmp_path, ["quitter"], n_tasks=1).records[0]
     assert record.reward == 0.0 and record.finish_reason == "stop" and record.error_class is None
 
 
@@ -142,8 +142,8 @@ def test_a_harness_from_a_file_and_a_seed_per_attempt(server, tmp_path) -> None:
         tmp_path / "jobs",
         ["solver"],
         agent=f"{harness}:Shell",
-        num_tasks=1,
-        attempts=2,
+        n_tasks=1,
+        n_attempts=2,
         sampling={"seed": 7, "temperature": 0.5},
     )
     assert [r.reward for r in result.records] == [1.0, 1.0]
@@ -154,7 +154,7 @@ def test_a_harness_from_a_file_and_a_seed_per_attempt(server, tmp_path) -> None:
 
 def test_attempts_running_at_once_keep_their_own_seed(server, tmp_path) -> None:
     # "slow" holds every reply 2 s, so both attempts' conversations are open at once on one shared agent.
-    result = _eval(server, tmp_path / "jobs", ["slow"], num_tasks=1, attempts=2, sampling={"seed": 7})
+    result = _eval(server, tmp_path / "jobs", ["slow"], n_tasks=1, n_attempts=2, sampling={"seed": 7})
     assert [r.reward for r in result.records] == [1.0, 1.0]
     # Each conversation's two requests (before and after its tool call) carry its attempt's seed.
     assert sorted(server.seed_turns) == [(0, 7), (0, 8), (1, 7), (1, 8)]
@@ -179,14 +179,14 @@ class AnswerExecFailsEnvironment(SimulatedEnvironment):
 
 def test_sandbox_failures_are_infrastructure_not_scored(server, tmp_path) -> None:
     start = _eval(
-        server, tmp_path / "a", ["solver"], num_tasks=1, backend="tests.broken_backend:FailingStartEnvironment"
+        server, tmp_path / "a", ["solver"], n_tasks=1, environment_type="tests.broken_backend:FailingStartEnvironment"
     )
     record = start.records[0]
     assert record.failure is FailureClass.INFRASTRUCTURE and record.error_phase == "start"
     assert record.reward is None and record.rerun and record.transcript is None
     assert server.requests["solver"] == 0  # the model is not asked about a sandbox that never started
 
-    execs = _eval(server, tmp_path / "b", ["solver"], num_tasks=1, backend=f"{__name__}:AnswerExecFailsEnvironment")
+    execs = _eval(server, tmp_path / "b", ["solver"], n_tasks=1, environment_type=f"{__name__}:AnswerExecFailsEnvironment")
     record = execs.records[0]
     assert record.failure is FailureClass.INFRASTRUCTURE and record.error_phase == "exec"
     assert record.reward is None and "could not be run" in record.transcript[2]["content"]
@@ -200,13 +200,31 @@ def test_api_key_comes_from_the_named_variable(server, tmp_path, monkeypatch) ->
         _eval(server, tmp_path, ["solver"], api_key_name="EVAL_TEST_KEY")
     assert not (tmp_path / "job").exists()
     monkeypatch.setenv("EVAL_TEST_KEY", "sekret")
-    result = _eval(server, tmp_path, ["solver"], num_tasks=1, api_key_name="EVAL_TEST_KEY")
+    result = _eval(server, tmp_path, ["solver"], n_tasks=1, api_key_name="EVAL_TEST_KEY")
     assert result.records[0].reward == 1.0 and server.auth == {"Bearer sekret"}
-    assert "sekret" not in (result.job_dir / "config.json").read_text()
+    assert "sekret" not in (result.job_dir / "harbor-async.json").read_text()
 
 
 def test_task_name_globs_select_as_harbor_run_does(server, tmp_path) -> None:
-    result = _eval(server, tmp_path, ["solver"], num_tasks=None, include=["csv-*"], exclude=["csv-group-by"])
+    result = _eval(server, tmp_path, ["solver"], n_tasks=None, include=["csv-*"], exclude=["csv-group-by"])
     tasks = sorted({r.task for r in result.records})
     assert tasks and all(t.startswith("csv-") for t in tasks) and "csv-group-by" not in tasks
     assert [r.reward for r in result.records] == [1.0] * len(result.records)
+
+
+def test_the_names_of_the_previous_release_still_work(server, tmp_path) -> None:
+    with pytest.warns(DeprecationWarning, match=r"attempts= is deprecated; use n_attempts="):
+        result = evaluate_sync(
+            ["solver"], None, base_url=server.base_url, jobs_dir=tmp_path, job_name="old", num_tasks=1, attempts=2
+        )
+    assert len(result.records) == 2 and JobFolder.open(result.job_dir).config["n_attempts"] == 2
+    # a job folder of the previous release (flat config.json, its names) resumes with its settings
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "config.json").write_text(json.dumps({
+        "command": "eval", "models": ["solver"], "suite": None, "agent": "bash", "backend": "local", "attempts": 2,
+        "concurrency": 2, "num_tasks": 1, "base_url": server.base_url, "backend_kwargs": {},
+    }))  # fmt: skip
+    (legacy / "episodes.jsonl").write_text(json.dumps(result.records[0].to_dict()) + "\n")
+    resumed = evaluate_sync(resume=legacy)
+    assert resumed.ran == 1 and len(resumed.records) == 2 and [r.reward for r in resumed.records] == [1.0, 1.0]

@@ -1,14 +1,30 @@
-"""Retry classification, output truncation, latency specs and percentiles."""
+"""The error policy (retry and blame by type), docker's typed errors, output truncation, latency specs, percentiles."""
 
 from __future__ import annotations
+
+import ast
+import inspect
 
 import pytest
 from harbor.environments.base import SandboxBuildFailedError
 
+from harbor_async import policy
+from harbor_async.agent import ModelServerError
 from harbor_async.backends import resolve_backend
+from harbor_async.backends.docker.errors import DockerBuildError, DockerImageError, DockerStartError
 from harbor_async.backends.simulated import Latency, SimulatedTransientError
-from harbor_async.errors import BackendError, Phase, StartError
-from harbor_async.policy import is_transient
+from harbor_async.errors import (
+    BackendError,
+    EpisodeDeadlineError,
+    ExecError,
+    FailureClass,
+    Phase,
+    SandboxCancelledError,
+    SandboxTimeout,
+    StartError,
+    VerifierFailure,
+)
+from harbor_async.policy import failure_class, is_transient, rule_for
 from harbor_async.results import scalar_reward, truncate_output
 from harbor_async.stats import percentile
 
@@ -20,15 +36,72 @@ from harbor_async.stats import percentile
         (ConnectionResetError("reset by peer"), True),
         (TimeoutError(), True),
         (RuntimeError("docker daemon hiccup"), True),
+        (RuntimeError("invalid sandbox: not found"), True),  # words decide nothing: the type does
         (SandboxBuildFailedError("empty Dockerfile"), False),
         (FileNotFoundError("environment/Dockerfile"), False),
-        (RuntimeError("Error: No such image: foo"), False),
-        (RuntimeError("sandbox quota exceeded"), False),
+        (OSError(28, "No space left on device"), False),
+        (DockerImageError("x"), False),
+        (DockerBuildError("x"), False),
+        (DockerStartError("x"), True),
         (StartError(Phase.START, "t", "s"), False),
     ],
 )
 def test_transient_classification(exc, transient):
     assert is_transient(exc) is transient
+
+
+@pytest.mark.parametrize(
+    "exc, failure, graded",
+    [
+        (VerifierFailure(Phase.VERIFY, "t", "s"), FailureClass.VERIFIER, True),
+        (SandboxTimeout(Phase.AGENT, "t", "s"), FailureClass.AGENT, True),
+        (EpisodeDeadlineError(Phase.EXEC, "t", "s"), FailureClass.AGENT, True),
+        (EpisodeDeadlineError(Phase.START, "t", "s"), FailureClass.INFRASTRUCTURE, False),
+        (ExecError(Phase.EXEC, "t", "s"), FailureClass.INFRASTRUCTURE, False),
+        (SandboxCancelledError(Phase.START, "t", "s"), FailureClass.CANCELLED, False),
+        (ModelServerError("502"), FailureClass.MODEL_SERVER, False),
+        (KeyboardInterrupt(), FailureClass.CANCELLED, False),
+        (RuntimeError("boom"), FailureClass.INFRASTRUCTURE, False),
+    ],
+)
+def test_the_table_blames_by_type_and_phase(exc, failure, graded):
+    assert failure_class(exc) is failure and rule_for(exc).graded is graded
+
+
+def _compose_failure(command: str, stderr: str) -> RuntimeError:
+    # Harbor's own text (environments/docker/docker.py, _run_docker_compose_command).
+    return RuntimeError(
+        f"Docker compose command failed for environment e. Command: docker compose -p x {command}. "
+        f"Return code: 1. Stdout: . Stderr: {stderr}. "
+    )
+
+
+@pytest.mark.parametrize(
+    "backend", ["docker", "docker-fast"],
+)
+def test_docker_types_its_untyped_start_errors(backend):
+    spec = resolve_backend(backend)
+    build = spec.typed_error(_compose_failure("build", "failed to solve: process did not complete"))
+    assert type(build) is DockerBuildError and not is_transient(build) and isinstance(build.__cause__, RuntimeError)
+    missing = spec.typed_error(_compose_failure("up -d", "Error response from daemon: pull access denied for nope"))
+    assert type(missing) is DockerImageError and not is_transient(missing)
+    hiccup = spec.typed_error(_compose_failure("up -d", "Error response from daemon: i/o timeout"))
+    assert type(hiccup) is DockerStartError and is_transient(hiccup)
+    other = RuntimeError("something else")
+    assert spec.typed_error(other) is other
+    assert resolve_backend("local").typed_error(_compose_failure("build", "x")).__class__ is RuntimeError
+
+
+def test_the_policy_decides_by_type_never_by_message():
+    tree = ast.parse(inspect.getsource(policy))
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)
+                for alias in node.names} | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "re" not in imported and "fnmatch" not in imported
+    # no error is turned into text: no str(...), repr(...), .args or .message anywhere in the module
+    calls = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    assert not calls & {"str", "repr", "format"}
+    attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    assert not attributes & {"args", "message", "search", "match", "fullmatch", "findall", "lower", "casefold"}
 
 
 def test_truncation_keeps_the_limit_and_adds_the_marker():

@@ -22,7 +22,7 @@ import pytest
 from typer.testing import CliRunner
 
 from harbor_async.cli import app
-from harbor_async.jobs import CONFIG_NAME, EPISODES_NAME, JobFolder
+from harbor_async.jobs import EPISODES_NAME, SETTINGS_NAME, JobFolder
 from harbor_async.records import EpisodeRecord
 from harbor_async.report import ReportSourceError, default_output, load_source, render, write_report
 from harbor_async.report.analysis import SOLVED, UNSOLVED, analyze
@@ -113,9 +113,9 @@ def test_report_is_one_self_contained_file(tmp_path: Path) -> None:
 def test_everything_is_escaped(tmp_path: Path) -> None:
     evil_task = "evil<b>task</b>"
     job = make_job(tmp_path, tasks=3, attempts=1, evil_task=evil_task)
-    config = json.loads((job / CONFIG_NAME).read_text())
+    config = json.loads((job / SETTINGS_NAME).read_text())
     config["note"] = "</script><script>alert(1)</script>"
-    (job / CONFIG_NAME).write_text(json.dumps(config))
+    (job / SETTINGS_NAME).write_text(json.dumps(config))
     page = render(job)
     # The only <script> elements are the page's own code and its inert data blocks.
     scripts = re.findall(r"<script\b[^>]*>", page)

@@ -10,7 +10,7 @@ import pytest
 from harbor_async.engine import Engine
 from harbor_async.errors import FailureClass
 from harbor_async.policy import Limits, Timeouts
-from harbor_async.errors import failure_class as classify
+from harbor_async.policy import failure_class as classify
 from harbor_async.runner import PlannedEpisode, run_suite
 from tests.cli_helpers import harbor_async, records
 

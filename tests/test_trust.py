@@ -28,9 +28,8 @@ from harbor_async.errors import (
     SandboxLimitError,
     StartError,
     VerifierFailure,
-    failure_class,
 )
-from harbor_async.policy import RetryPolicy, Timeouts, is_transient
+from harbor_async.policy import RetryPolicy, Timeouts, failure_class, is_transient
 from harbor_async.stats import StatsRecorder
 from harbor_async.suites import example_suite_path
 from harbor_async.tasks import load_task

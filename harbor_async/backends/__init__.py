@@ -111,6 +111,20 @@ class BackendSpec:
             return overlay_extras(trial_dir, run_label, sandbox_id, task_env, backend_kwargs)
         return {}
 
+    def typed_error(self, exc: BaseException) -> BaseException:
+        """``exc`` from this backend's start, typed for the error policy where the library left it untyped.
+
+        Harbor's docker backend (and subclasses of it) raise a bare
+        ``RuntimeError``; see :mod:`harbor_async.backends.docker.errors`.
+        """
+        from harbor.environments.docker.docker import DockerEnvironment
+
+        if isinstance(exc, RuntimeError) and issubclass(self.environment_class(), DockerEnvironment):
+            from harbor_async.backends.docker.errors import typed_start_error
+
+            return typed_start_error(exc)
+        return exc
+
     def check_async_library(self) -> None:
         """Load the class; fail clearly when an asyncio-only backend is driven under trio.
 

@@ -30,7 +30,13 @@ from harbor.environments.base import (
 )
 from harbor.environments.capabilities import EnvironmentCapabilities
 
-from harbor_async.errors import SimulatedTransientError
+from harbor_async.errors import BackendStartError
+
+
+class SimulatedTransientError(BackendStartError, ConnectionError):
+    """A simulated start failure that a retry can fix (like a provider's 503)."""
+
+    transient = True
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,16 @@
 """``harbor-async run`` and ``harbor-async tasks``: episodes of a suite, in Harbor's dialect.
 
 Every run is a job folder (``-o/--jobs-dir``/``--job-name``, as Harbor's): its
-settings in ``config.json``, one record a line in ``episodes.jsonl`` appended
+settings in ``harbor-async.json``, one record a line in ``episodes.jsonl`` appended
 and flushed as each episode ends, ``summary.json`` at the end. ``--resume``
 runs what a job is missing. Signals stop the batch cleanly (see
-:mod:`harbor_async.cli.interrupts`).
+:mod:`harbor_async.interrupts`).
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Annotated, Any
 
@@ -40,7 +38,7 @@ from harbor_async.cli.common import (
     say,
     setup_logging,
 )
-from harbor_async.cli.interrupts import Interrupts
+from harbor_async.interrupts import Interrupts
 from harbor_async.cli.selection import (
     describe_episodes,
     load_tasks,
@@ -50,6 +48,7 @@ from harbor_async.cli.selection import (
 )
 from harbor_async.records import EpisodeRecord
 from harbor_async.runner import MODEL_FREE_AGENTS, PlannedEpisode
+from harbor_async.settings import JobSettings
 
 PHASES = ("start", "agent", "verify", "stop")
 DEFAULT_JOBS_DIR = Path("jobs")
@@ -136,8 +135,8 @@ def run(
             config = job.config
         except JobFolderError as exc:
             raise fail(exc) from None
-        episodes = reload_episodes(config.get("episodes", []))
-        settings = config.get("settings", {})
+        settings = JobSettings.from_dict(config)
+        episodes = reload_episodes(settings.episodes)
     else:
         settings = _settings(
             suite_source(suite, path, dataset), env or backend or "local", agent, n_attempts, ek,
@@ -145,9 +144,11 @@ def run(
             environment_build_timeout_multiplier, episode_timeout, start_timeout,
         )  # fmt: skip
         loaded = load_tasks(
-            settings["source"], n_tasks=n_tasks or num_tasks, indices=parse_indices(indices), include=include, exclude=exclude
+            settings.suite, n_tasks=n_tasks or num_tasks, indices=parse_indices(indices), include=include, exclude=exclude
         )
-        settings["source"], settings["dataset"] = str(loaded.root), dataset
+        settings.suite, settings.dataset = str(loaded.root), dataset
+        settings.ray, settings.ray_address, settings.budget = on_ray, ray_address, budget
+        settings.max_live_sandboxes, settings.creates_per_second = max_live, creates_per_second
         episodes = plan_episodes(loaded.tasks, n_attempts)
     spec, timeouts = _resolve(settings)
     budget_factory = cluster_opts.budget_from_options(budget, ray_address, max_live, creates_per_second)
@@ -156,13 +157,15 @@ def run(
 
     export = _open_export(json_path)  # an unwritable export fails now, not after the batch
     if resume is None:
-        config = {"command": "run", "created_at": _now(), "settings": settings, "episodes": describe_episodes(episodes)}
+        settings.episodes = describe_episodes(episodes)
+        config = settings.to_dict()
         try:
             job = JobFolder.create(jobs_dir, job_name, config)
         except JobFolderError as exc:
             raise fail(exc) from None
-    keys = [_key(e) for e in episodes]
-    done = job.latest()
+    root = settings.suite or ""
+    keys = [_key(e, root) for e in episodes]
+    done = job.latest(root)
     todo = [e for e, key in zip(episodes, keys, strict=True) if key not in done or done[key].rerun]
     if resume is not None:
         err.print(Text(f"resuming {job.path}: {len(episodes) - len(todo)} of {len(episodes)} episodes kept, {len(todo)} to run"))
@@ -174,15 +177,15 @@ def run(
     with interrupts:
         try:
             if on_ray:
-                _on_cluster(todo, settings, concurrency, timeouts, budget_factory, ray_address, job, new)
+                _on_cluster(todo, settings, concurrency, timeouts, budget_factory, ray_address, job, new, root)
             else:
                 anyio.run(
-                    _batch, todo, spec, settings["agent"], concurrency, timeouts, settings["ek"], job, new, interrupts,
-                    budget_factory,
+                    _batch, todo, spec, settings.agent, concurrency, timeouts, settings.environment_kwargs, job, new, interrupts,
+                    budget_factory, root,
                 )  # fmt: skip
         finally:
             job.close()
-    latest = job.latest()
+    latest = job.latest(root)
     records = [latest[key] for key in keys if key in latest]
     _print_table(records)
     summary = _summary(records, len(episodes), settings, interrupted=interrupts.name or None)
@@ -204,8 +207,8 @@ def run(
         raise typer.Exit(1)
 
 
-def _settings(source, env, agent, k, ek, mult, agent_mult, verifier_mult, build_mult, episode_timeout, start_timeout) -> dict[str, Any]:
-    """Check every job-defining value once (exit 2 with the reason) and keep it as config.json does."""
+def _settings(source, env, agent, k, ek, mult, agent_mult, verifier_mult, build_mult, episode_timeout, start_timeout) -> JobSettings:
+    """Check every job-defining value once (exit 2 with the reason); the job's settings."""
     if agent not in MODEL_FREE_AGENTS:
         raise fail(f"unknown agent {agent!r}; use one of {', '.join(MODEL_FREE_AGENTS)}")
     for name, value in (
@@ -216,36 +219,26 @@ def _settings(source, env, agent, k, ek, mult, agent_mult, verifier_mult, build_
             raise fail(f"{name} must be a finite number above 0, got {value}")
     positive("--episode-timeout", episode_timeout)
     positive("--start-timeout", start_timeout)
-    return {
-        "source": source if not isinstance(source, Path) else str(source),
-        "env": env,
-        "agent": agent,
-        "n_attempts": k,
-        "ek": parse_kwargs(ek),
-        "multipliers": {"all": mult, "agent": agent_mult, "verifier": verifier_mult, "environment_build": build_mult},
-        "episode_timeout": episode_timeout,
-        "start_timeout": start_timeout,
-    }
-
-
-def _resolve(settings: dict[str, Any]):
-    """The backend (resolved and loaded once, here) and the phase budgets of a job's settings."""
-    from harbor_async.policy import Timeouts
-
-    spec = checked_backend(settings["env"], settings["ek"])
-    base = Timeouts()
-    m = settings.get("multipliers", {})
-    # Each sandbox applies the multipliers to its task's own budgets (Timeouts.for_task).
-    timeouts = replace(
-        base,
-        start=settings.get("start_timeout") or base.start,
-        episode=settings.get("episode_timeout"),
-        timeout_multiplier=m.get("all") or 1.0,
-        agent_timeout_multiplier=m.get("agent"),
-        verifier_timeout_multiplier=m.get("verifier"),
-        environment_build_timeout_multiplier=m.get("environment_build"),
+    return JobSettings(
+        command="run",
+        suite=source if not isinstance(source, Path) else str(source),
+        environment_type=env,
+        agent=agent,
+        n_attempts=k,
+        environment_kwargs=parse_kwargs(ek),
+        timeout_multiplier=mult or 1.0,
+        agent_timeout_multiplier=agent_mult,
+        verifier_timeout_multiplier=verifier_mult,
+        environment_build_timeout_multiplier=build_mult,
+        episode_timeout=episode_timeout,
+        start_timeout=start_timeout,
     )
-    return spec, timeouts
+
+
+def _resolve(settings: JobSettings):
+    """The backend (resolved and loaded once, here) and the phase budgets of a job's settings."""
+    spec = checked_backend(settings.environment_type, settings.environment_kwargs)
+    return spec, settings.timeouts()
 
 
 def _open_export(path: Path | None) -> IO[str] | None:
@@ -258,27 +251,28 @@ def _open_export(path: Path | None) -> IO[str] | None:
         raise fail(f"cannot write --json {path}: {exc.strerror or exc}") from None
 
 
-def _on_cluster(todo, settings, concurrency, timeouts, budget_factory, address, job, new: list[EpisodeRecord]) -> None:
+def _on_cluster(todo, settings, concurrency, timeouts, budget_factory, address, job, new: list[EpisodeRecord], root: str) -> None:
     """Shard the episodes over the Ray cluster: one engine per node, records appended here as they arrive."""
     from harbor_async.cluster.episodes import run_item, run_items
     from harbor_async.cluster.sharding import run_on_cluster
     from harbor_async.policy import Limits
 
     engine_kwargs = {
-        "limits": Limits(live_sandboxes=None), "timeouts": timeouts, "backend_kwargs": settings["ek"],
+        "limits": Limits(live_sandboxes=None), "timeouts": timeouts, "backend_kwargs": settings.environment_kwargs,
         "budget": budget_factory,
     }  # fmt: skip
     run_on_cluster(
-        run_item, run_items(todo, settings["env"], settings["agent"]), job=job, address=address,
+        run_item, run_items(todo, settings.environment_type, settings.agent, root), job=job, address=address,
         concurrency=concurrency, engine_kwargs=engine_kwargs, on_record=new.append,
     )  # fmt: skip
 
 
-async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, timeouts, ek, job, new: list[EpisodeRecord], interrupts: Interrupts, budget_factory=None) -> None:
+async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, timeouts, ek, job, new: list[EpisodeRecord], interrupts: Interrupts, budget_factory=None, root: str = "") -> None:
     """Run the episodes into the job folder; a signal cancels the batch (records of cancelled episodes kept)."""
     from harbor_async.engine import Engine
     from harbor_async.policy import Limits
     from harbor_async.runner import run_suite
+    from harbor_async.tasks import suite_task_path
 
     if not todo:
         return
@@ -302,24 +296,24 @@ async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, timeouts,
             interrupts.leftovers = lambda: [s.id for s in engine.live_sandboxes()]
             with anyio.CancelScope() as batch:
                 interrupts.arm(batch.cancel)
-                await run_suite(engine, todo, spec, agent=agent, concurrency=concurrency, on_done=done)
+                await run_suite(
+                    engine, todo, spec, agent=agent, concurrency=concurrency, on_done=done,
+                    task_path=lambda task: suite_task_path(task, root),
+                )  # fmt: skip
         interrupts.disarm()
 
 
-def _key(episode: PlannedEpisode) -> str:
+def _key(episode: PlannedEpisode, root: str) -> str:
     from harbor_async.records import episode_key
+    from harbor_async.tasks import suite_task_path
 
-    return episode_key(str(episode.task.paths.task_dir), episode.attempt)
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
+    return episode_key(suite_task_path(episode.task, root), episode.attempt)
 
 
-def _summary(records: list[EpisodeRecord], planned: int, settings: dict[str, Any], *, interrupted: str | None) -> dict[str, Any]:
+def _summary(records: list[EpisodeRecord], planned: int, settings: JobSettings, *, interrupted: str | None) -> dict[str, Any]:
     from harbor_async.scoring import summarize
 
-    k = int(settings.get("n_attempts") or 1)
+    k = settings.n_attempts or 1
     summary = summarize(records, k=k)
     summary["planned_episodes"] = planned
     summary["complete"] = interrupted is None and len(records) == planned and not any(r.rerun for r in records)

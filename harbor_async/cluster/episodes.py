@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from harbor_async.records import EpisodeRecord, episode_key
+from harbor_async.tasks import suite_task_path
 
 if TYPE_CHECKING:
+    from harbor_async.engine import Engine
     from harbor_async.runner import PlannedEpisode
 
 
@@ -27,22 +29,34 @@ class RunItem:
     attempt: int = 0
     backend: str = "local"
     agent: str = "oracle"
+    task_path: str = ""  # the task's path in its suite (the record's and the key's); "" means task_dir
 
     @property
     def key(self) -> str:
         """The episode's key in the job folder (the key ``run`` uses)."""
-        return episode_key(self.task_dir, self.attempt)
+        return episode_key(self.task_path or self.task_dir, self.attempt)
 
 
-def run_items(episodes: Iterable[PlannedEpisode], backend: str, agent: str) -> list[tuple[str, RunItem]]:
+def run_items(
+    episodes: Iterable[PlannedEpisode], backend: str, agent: str, root: str | None = None
+) -> list[tuple[str, RunItem]]:
     """``(key, item)`` for each planned episode of ``run`` (pass only the pending ones on a resume)."""
-    items = [RunItem(str(ep.task.paths.task_dir), ep.attempt, backend, agent) for ep in episodes]
+    items = [
+        RunItem(
+            str(ep.task.paths.task_dir), ep.attempt, backend, agent,
+            suite_task_path(ep.task, root) if root is not None else "",
+        )  # fmt: skip
+        for ep in episodes
+    ]
     return [(item.key, item) for item in items]
 
 
-async def run_item(engine: Any, item: RunItem) -> EpisodeRecord:
-    """The worker's side: load the task and run the episode as ``run`` does."""
+async def run_item(engine: Engine, item: RunItem) -> EpisodeRecord:
+    """The worker's side: load the task and run the episode on the node's ``engine`` as ``run`` does."""
     from harbor_async.runner import run_episode
     from harbor_async.tasks import load_task
 
-    return await run_episode(engine, load_task(item.task_dir), item.backend, item.agent, attempt=item.attempt)
+    return await run_episode(
+        engine, load_task(item.task_dir), item.backend, item.agent, attempt=item.attempt,
+        task_path=item.task_path or None,
+    )  # fmt: skip

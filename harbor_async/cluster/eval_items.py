@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harbor_async.records import EpisodeRecord, episode_key
-from harbor_async.settings import EvalSettings
+from harbor_async.settings import JobSettings
 from harbor_async.tasks import suite_task_path
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 class EvalItem:
     """One evaluation episode, by value."""
 
-    settings: str  # EvalSettings as JSON
+    settings: str  # JobSettings as JSON
     model: str
     checkpoint: str | None
     base_url: str
@@ -40,14 +40,14 @@ class EvalItem:
 
 
 def eval_items(
-    settings: EvalSettings, models: list[ModelSpec], base_url: str, tasks: list[Any], root: Path, pending: set[str]
+    settings: JobSettings, models: list[ModelSpec], base_url: str, tasks: list[Any], root: Path, pending: set[str]
 ) -> list[tuple[str, EvalItem]]:
     """``(key, item)`` for each pending episode of ``models`` on ``tasks``."""
     encoded = json.dumps(settings.to_dict(), sort_keys=True)
     items = []
     for spec in models:
         for task in tasks:
-            for attempt in range(settings.attempts):
+            for attempt in range(settings.n_attempts):
                 key = episode_key(suite_task_path(task, root), attempt, spec.name)
                 if key in pending:
                     item = EvalItem(
@@ -69,15 +69,15 @@ async def eval_item(engine: Engine, item: EvalItem) -> EpisodeRecord:
     from harbor_async.runner import run_episode
     from harbor_async.tasks import load_task
 
-    settings = EvalSettings.from_dict(json.loads(item.settings))
+    settings = JobSettings.from_dict(json.loads(item.settings))
     task = load_task(item.task_dir)
     async with openai.AsyncOpenAI(
         base_url=item.base_url, api_key=api_key(settings.api_key_name), max_retries=0,
         timeout=settings.request_timeout,
     ) as client:  # fmt: skip
         agent = Agent(client, item.model, sampling=Sampling(**settings.sampling), limits=AgentLimits(**settings.limits))
-        actor = model_episode_agent(settings, agent, resolve_harness(settings.agent, settings.backend), item.attempt)
+        actor = model_episode_agent(settings, agent, resolve_harness(settings.agent, settings.environment_type), item.attempt)
         return await run_episode(
-            engine, task, settings.backend, actor, attempt=item.attempt, task_path=suite_task_path(task, item.root),
+            engine, task, settings.environment_type, actor, attempt=item.attempt, task_path=suite_task_path(task, item.root),
             model=item.model, checkpoint=item.checkpoint,
         )  # fmt: skip

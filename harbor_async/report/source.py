@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from harbor_async.errors import HarborAsyncError
-from harbor_async.jobs import CONFIG_NAME, EPISODES_NAME, SUMMARY_NAME, latest_records, read_records
+from harbor_async.jobs import CONFIG_NAME, EPISODES_NAME, SETTINGS_NAME, SUMMARY_NAME, latest_records, read_records
 from harbor_async.records import EpisodeRecord
 
 
@@ -34,7 +34,10 @@ class JobSource:
     @property
     def watched(self) -> list[Path]:
         """The files whose change means the report is out of date (``view`` polls them)."""
-        return [self.episodes_path or self.path / EPISODES_NAME, self.path / SUMMARY_NAME, self.path / CONFIG_NAME]
+        return [
+            self.episodes_path or self.path / EPISODES_NAME, self.path / SUMMARY_NAME, self.path / SETTINGS_NAME,
+            self.path / CONFIG_NAME,
+        ]
 
 
 @dataclass
@@ -76,12 +79,12 @@ def load_source(path: str | Path) -> Source:
     """
     path = Path(path)
     if path.is_dir():
-        if (path / EPISODES_NAME).is_file() or (path / CONFIG_NAME).is_file():
+        if any((path / name).is_file() for name in (EPISODES_NAME, SETTINGS_NAME, CONFIG_NAME)):
             return _job(path.name, path, path / EPISODES_NAME)
         results = [r for r in (_benchmark(p) for p in sorted(path.glob("*.json"))) if r is not None]
         if results:
             return BenchmarkSource(path.name, path, results)
-        raise ReportSourceError(f"{path} holds no job ({EPISODES_NAME}, {CONFIG_NAME}) and no benchmark results (*.json)")
+        raise ReportSourceError(f"{path} holds no job ({EPISODES_NAME}, {SETTINGS_NAME}) and no benchmark results (*.json)")
     if not path.is_file():
         raise ReportSourceError(f"{path} does not exist")
     if path.suffix == ".json":
@@ -96,7 +99,9 @@ def load_source(path: str | Path) -> Source:
 
 def _job(name: str, folder: Path, episodes: Path) -> JobSource:
     config: dict[str, Any] = {}
-    config_path = folder / CONFIG_NAME
+    config_path = folder / SETTINGS_NAME
+    if not config_path.is_file():
+        config_path = folder / CONFIG_NAME  # an earlier release's job
     if config_path.is_file():
         try:
             config = json.loads(config_path.read_text(encoding="utf-8"))

@@ -1,5 +1,8 @@
 """SIGINT, SIGTERM and SIGHUP during a batch: stop cleanly, keep the records, exit 128 + signal.
 
+The one interrupt policy of ``run`` and ``eval`` (and of :func:`harbor_async.evaluation.evaluate`
+called from a program's main thread):
+
 - The first signal cancels the batch: every episode records itself as
   cancelled, every sandbox is stopped (each stop bounded by the stop budget),
   the records are flushed; the command then prints the partial table and
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 from collections.abc import Callable
 from types import FrameType
 
@@ -70,8 +74,9 @@ class Interrupts:
         self._cancel = None
 
     def __enter__(self) -> Interrupts:
-        for sig in SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
+        if threading.current_thread() is threading.main_thread():  # handlers can be set only there
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
