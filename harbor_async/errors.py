@@ -302,6 +302,23 @@ class FailureClass(StrEnum):
 _RERUN = frozenset({FailureClass.INFRASTRUCTURE, FailureClass.MODEL_SERVER, FailureClass.CANCELLED})
 
 
+class SettingError(HarborAsyncError, ValueError):
+    """A configuration value out of its range.
+
+    Attributes:
+        name: the setting's name.
+        value: the value given.
+        requirement: what the value must be.
+    """
+
+    def __init__(self, name: str, value: Any, requirement: str) -> None:
+        self.name, self.value, self.requirement = name, value, requirement
+        super().__init__(f"{name} must be {requirement}, got {value!r}")
+
+    def __reduce__(self):  # keep it picklable (three-argument constructor)
+        return (type(self), (self.name, self.value, self.requirement))
+
+
 class LogSettingError(HarborAsyncError, ValueError):
     """A log level or format that does not exist (from a flag or the environment)."""
 

@@ -305,15 +305,13 @@ async def evaluate(
             interrupts.arm(scope.cancel)
             try:
                 if config.ray:  # the cluster's nodes run the episodes on their own engines
-                    await _run_groups(run, groups, tasks, root)
+                    error = await _run_groups(run, groups, tasks, root)
                 else:
                     from harbor_async.engine import Engine
 
                     async with Engine(**config.engine_kwargs()) as run.engine:
                         interrupts.leftovers = lambda: [s.id for s in run.engine.live_sandboxes()]
-                        await _run_groups(run, groups, tasks, root)
-            except Exception as exc:  # raised below, after the summary
-                error = exc
+                        error = await _run_groups(run, groups, tasks, root)
             finally:
                 interrupts.disarm()
         run.interrupted = interrupts.signum
@@ -330,9 +328,14 @@ async def evaluate(
     return EvalResult(job.path, summary, latest, ran=run.ran)
 
 
-async def _run_groups(run: _Run, groups: list[ServerGroup], tasks: list[Any], root: Path) -> None:
-    for index, group in enumerate(groups):  # one server at a time
-        await run.run_group(group, tasks, root, index, len(groups))
+async def _run_groups(run: _Run, groups: list[ServerGroup], tasks: list[Any], root: Path) -> Exception | None:
+    """Run every group, one server at a time; return the error that stopped them (raised after the summary)."""
+    try:
+        for index, group in enumerate(groups):
+            await run.run_group(group, tasks, root, index, len(groups))
+    except Exception as exc:  # noqa: BLE001 - handed back, not lost: the engine's task group would wrap it
+        return exc
+    return None
 
 
 def evaluate_sync(*args: Any, **kwargs: Any) -> EvalResult:

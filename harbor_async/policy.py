@@ -29,6 +29,7 @@ from harbor_async.errors import (
     Phase,
     SandboxCancelledError,
     SandboxError,
+    SettingError,
     VerifierFailure,
 )
 
@@ -37,7 +38,9 @@ from harbor_async.errors import (
 class Timeouts:
     """Per-phase time budgets in seconds (``None``: no limit for that phase).
 
-    ``agent`` bounds a model-free Harbor agent's run (the oracle's solve.sh);
+    ``agent`` bounds the agent's run (the oracle's solve.sh; a rollout's tool
+    time; an evaluation's loop) when the task's ``[agent] timeout_sec`` does not:
+    ``None`` by default, as Harbor (no limit unless the task sets one);
     ``slot`` bounds the wait for a live-sandbox slot before a start.
 
     ``episode`` bounds the whole life of a sandbox, from the start request to the
@@ -48,7 +51,7 @@ class Timeouts:
 
     start: float | None = 600.0
     exec: float | None = 180.0
-    agent: float | None = 1800.0
+    agent: float | None = None
     verify: float | None = 600.0
     stop: float | None = 120.0
     slot: float | None = 600.0
@@ -60,18 +63,14 @@ class Timeouts:
 
     def __post_init__(self) -> None:
         for name in ("start", "exec", "agent", "verify", "stop", "slot", "episode"):
-            value = getattr(self, name)
-            if value is not None and not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"timeout {name!r} must be a positive number of seconds or None, got {value!r}")
+            _check_positive(name, getattr(self, name), "a positive number of seconds or None")
         for name in (
             "timeout_multiplier",
             "agent_timeout_multiplier",
             "verifier_timeout_multiplier",
             "environment_build_timeout_multiplier",
         ):
-            value = getattr(self, name)
-            if value is not None and not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
+            _check_positive(name, getattr(self, name), "a positive number")
 
     def for_task(self, task: Any) -> Timeouts:
         """The budgets for one Harbor task, as ``harbor run`` computes them.
@@ -100,6 +99,20 @@ class Timeouts:
             verifier_timeout_multiplier=None,
             environment_build_timeout_multiplier=None,
         )
+
+
+def _check_positive(name: str, value: Any, requirement: str) -> None:
+    """A positive finite number, or ``None``."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise SettingError(name, value, requirement)
+
+
+def _check_count(name: str, value: Any) -> None:
+    """A positive integer, or ``None``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise SettingError(name, value, "a positive integer or None")
 
 
 def _task_value(section: Any, field_name: str, default: float | None) -> float | None:
@@ -228,6 +241,13 @@ class RetryPolicy:
     max_wait: float = 10.0
     max_total: float | None = 120.0
 
+    def __post_init__(self) -> None:
+        attempts = self.attempts
+        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+            raise SettingError("attempts", attempts, "an integer >= 1")
+        for name in ("initial_wait", "max_wait", "max_total"):
+            _check_positive(name, getattr(self, name), "a positive number of seconds")
+
     def retrying(self, deadline: float | Callable[[], float] = math.inf) -> AsyncRetrying:
         """A tenacity ``AsyncRetrying`` that sleeps with anyio (asyncio or trio).
 
@@ -251,7 +271,7 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class Limits:
-    """Concurrency limits (``None``: unlimited).
+    """Concurrency limits (``None``, every default: unlimited).
 
     ``live_sandboxes`` counts a sandbox from its create call until its stop is
     confirmed, so a slow teardown still holds its slot. ``concurrent_execs``
@@ -259,9 +279,14 @@ class Limits:
     flight across all sandboxes.
     """
 
-    live_sandboxes: int | None = 64
+    live_sandboxes: int | None = None
     creates_per_second: float | None = None
     concurrent_execs: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_count("live_sandboxes", self.live_sandboxes)
+        _check_count("concurrent_execs", self.concurrent_execs)
+        _check_positive("creates_per_second", self.creates_per_second, "a positive number or None")
 
 
 @dataclass

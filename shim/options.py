@@ -1,5 +1,10 @@
 """Engine options: the knobs TRL's env does not have, as flat keyword arguments.
 
+A thin builder of the engine's own configuration (:class:`~harbor_async.policy.Limits`,
+:class:`~harbor_async.policy.Timeouts`, :class:`~harbor_async.policy.RetryPolicy`,
+which check the values), as httpx's ``Timeout``/``Limits`` serve its sync and async
+clients alike; plus the shim's own failure budget and the cluster budget.
+
 ``HarborSpec(...)`` and ``HarborEnv(...)`` accept every field of
 :class:`EngineOptions` as a keyword argument (``max_live_sandboxes=16,
 exec_timeout=60``); an unknown keyword raises ``TypeError``. The options are
@@ -10,11 +15,23 @@ across the whole batch, not per env.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, TypedDict
 
+from harbor_async.errors import SettingError
 from harbor_async.policy import Limits, RetryPolicy, Timeouts
+
+#: The engine's names of the settings an option sets (for errors in the option's name).
+_OPTION_NAMES = {
+    "live_sandboxes": "max_live_sandboxes",
+    "start": "start_timeout",
+    "exec": "exec_timeout",
+    "verify": "verify_timeout",
+    "stop": "stop_timeout",
+    "episode": "episode_timeout",
+    "agent": "agent_timeout",
+    "attempts": "start_attempts",
+}
 
 
 @dataclass(frozen=True)
@@ -100,35 +117,53 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         if self.budget not in ("local", "ray"):
-            raise ValueError(f"budget must be 'local' or 'ray', got {self.budget!r}")
-        for name in ("max_live_sandboxes", "concurrent_execs", "max_start_failures_in_a_row", "cluster_max_live"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        for name in (
-            "creates_per_second",
-            "cluster_creates_per_second",
-            "start_timeout",
-            "exec_timeout",
-            "verify_timeout",
-            "stop_timeout",
-            "episode_timeout",
-            "agent_timeout",
-            "timeout_multiplier",
-            "agent_timeout_multiplier",
-            "verifier_timeout_multiplier",
-            "environment_build_timeout_multiplier",
-        ):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isnan(value)
-            ):
-                raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+            raise SettingError("budget", self.budget, "'local' or 'ray'")
         share = self.max_failure_share
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1):
-            raise ValueError(f"max_failure_share must be a number in [0, 1] or None, got {share!r}")
-        if isinstance(self.start_attempts, bool) or not isinstance(self.start_attempts, int) or self.start_attempts < 1:
-            raise ValueError(f"start_attempts must be an integer >= 1, got {self.start_attempts!r}")
+            raise SettingError("max_failure_share", share, "a number in [0, 1] or None")
+        for name in ("max_start_failures_in_a_row", "cluster_max_live"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise SettingError(name, value, "a positive integer or None")
+        value = self.cluster_creates_per_second
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise SettingError("cluster_creates_per_second", value, "a positive number or None")
+        try:  # the engine's own classes check the rest, once
+            self.limits(), self.timeouts(), self.retry()
+        except SettingError as exc:
+            raise SettingError(_OPTION_NAMES.get(exc.name, exc.name), exc.value, exc.requirement) from None
+
+    def limits(self) -> Limits:
+        """The engine's :class:`~harbor_async.policy.Limits` (per rank with ``per_rank_limits``)."""
+        limits = Limits(
+            live_sandboxes=self.max_live_sandboxes,
+            creates_per_second=self.creates_per_second,
+            concurrent_execs=self.concurrent_execs,
+        )
+        if self.per_rank_limits:
+            from harbor_async.cluster.ranks import divide_limits
+
+            limits = divide_limits(limits)
+        return limits
+
+    def timeouts(self) -> Timeouts:
+        """The engine's :class:`~harbor_async.policy.Timeouts`."""
+        return Timeouts(
+            start=self.start_timeout,
+            exec=self.exec_timeout,
+            verify=self.verify_timeout,
+            stop=self.stop_timeout,
+            episode=self.episode_timeout,
+            agent=self.agent_timeout,
+            timeout_multiplier=self.timeout_multiplier,
+            agent_timeout_multiplier=self.agent_timeout_multiplier,
+            verifier_timeout_multiplier=self.verifier_timeout_multiplier,
+            environment_build_timeout_multiplier=self.environment_build_timeout_multiplier,
+        )
+
+    def retry(self) -> RetryPolicy:
+        """The engine's :class:`~harbor_async.policy.RetryPolicy`."""
+        return RetryPolicy(attempts=self.start_attempts)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineOptions:
@@ -148,15 +183,7 @@ class EngineOptions:
         ``max_output`` stays at the engine default (8000 characters), the cut
         TRL's env applies, so tool outputs match TRL's byte for byte.
         """
-        limits = Limits(
-            live_sandboxes=self.max_live_sandboxes,
-            creates_per_second=self.creates_per_second,
-            concurrent_execs=self.concurrent_execs,
-        )
-        if self.per_rank_limits:
-            from harbor_async.cluster.ranks import divide_limits
-
-            limits = divide_limits(limits)
+        limits = self.limits()
         kwargs: dict[str, Any] = {}
         if self.budget == "ray":
             from harbor_async.cluster.ranks import current_world
@@ -174,23 +201,7 @@ class EngineOptions:
                 creates_per_second=self.cluster_creates_per_second,
                 batch=limits.live_sandboxes,
             )
-        return {
-            **kwargs,
-            "limits": limits,
-            "timeouts": Timeouts(
-                start=self.start_timeout,
-                exec=self.exec_timeout,
-                verify=self.verify_timeout,
-                stop=self.stop_timeout,
-                episode=self.episode_timeout,
-                agent=self.agent_timeout,
-                timeout_multiplier=self.timeout_multiplier,
-                agent_timeout_multiplier=self.agent_timeout_multiplier,
-                verifier_timeout_multiplier=self.verifier_timeout_multiplier,
-                environment_build_timeout_multiplier=self.environment_build_timeout_multiplier,
-            ),
-            "retry": RetryPolicy(attempts=self.start_attempts),
-        }
+        return {**kwargs, "limits": limits, "timeouts": self.timeouts(), "retry": self.retry()}
 
     def as_dict(self) -> dict[str, Any]:
         """The options as keyword arguments."""

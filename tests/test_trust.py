@@ -26,6 +26,7 @@ from harbor_async.errors import (
     SandboxError,
     PreflightError,
     SandboxLimitError,
+    SettingError,
     StartError,
     VerifierFailure,
 )
@@ -183,10 +184,12 @@ def test_timeout_multipliers_scale_what_the_task_set(tmp_path: Path):
     assert plain.verify == 10.0 and plain.agent is None and plain.start == 600.0  # unset fields: engine defaults
     scaled = Timeouts(timeout_multiplier=2.0, verifier_timeout_multiplier=3.0).for_task(task)
     assert scaled.verify == 30.0 and scaled.start == 1200.0
-    with pytest.raises(ValueError, match="'start'"):
+    with pytest.raises(SettingError) as bad:
         Timeouts(start=0)
-    with pytest.raises(ValueError, match="'exec'"):
+    assert bad.value.name == "start" and bad.value.value == 0
+    with pytest.raises(SettingError) as bad:
         Timeouts(exec=float("nan"))
+    assert bad.value.name == "exec"
 
 
 # ── the loop thread never blocks ───────────────────────────────────────────

@@ -56,7 +56,7 @@ from harbor_async.backends.local.layout import (
 from harbor_async.backends.local.limits import (
     Cgroups,
     LimitError,
-    Limits,
+    ResourceLimits,
     UidLease,
     cgroup_version,
     parse_limit,
@@ -140,7 +140,7 @@ class LocalEnvironment(SandboxTransfers, BaseEnvironment):
         self._marker_live = False  # the marker may be (re)written: between start and stop
         self._warned_user = False
         self._created_at = ""
-        self._defaults = Limits(
+        self._defaults = ResourceLimits(
             pids=parse_limit(pids_limit, int), memory_mb=parse_limit(memory_mb, int),
             cpus=parse_limit(cpus, float), storage_mb=parse_limit(storage_mb, int),
         )  # fmt: skip
@@ -172,10 +172,10 @@ class LocalEnvironment(SandboxTransfers, BaseEnvironment):
         return EnvironmentResourceCapabilities(cpu_limit=limited, memory_limit=limited, fractional_cpus=True)
 
     @property
-    def limits(self) -> Limits:
+    def limits(self) -> ResourceLimits:
         """This sandbox's limits: ``task.toml``'s ``[environment]`` values, else the backend's defaults."""
         config = self.task_env_config
-        return Limits(
+        return ResourceLimits(
             pids=self._defaults.pids,
             memory_mb=config.memory_mb or self._defaults.memory_mb,
             cpus=config.cpus or self._defaults.cpus,

@@ -43,7 +43,7 @@ class LimitError(HarborAsyncError, RuntimeError):
 
 
 @dataclass(frozen=True)
-class Limits:
+class ResourceLimits:
     """What one sandbox may use. ``None``: not limited."""
 
     pids: int | None = 1024
@@ -154,7 +154,7 @@ class Cgroups:
         """The ``cgroup.procs`` files a process writes its pid to, to join."""
         return [str(folder / "cgroup.procs") for folder in self.folders]
 
-    def create(self, limits: Limits) -> None:
+    def create(self, limits: ResourceLimits) -> None:
         """Make the cgroups and write the limits.
 
         Raises:
@@ -169,7 +169,7 @@ class Cgroups:
             self.remove()
             raise LimitError(f"cannot set up the sandbox's cgroups ({self.version}): {exc}") from exc
 
-    def _create_v1(self, limits: Limits) -> None:
+    def _create_v1(self, limits: ResourceLimits) -> None:
         pids, memory, cpu = self.folders
         for folder in self.folders:
             folder.mkdir(parents=True, exist_ok=True)
@@ -184,7 +184,7 @@ class Cgroups:
             _write(cpu / "cpu.cfs_period_us", str(CPU_PERIOD_US))
             _write(cpu / "cpu.cfs_quota_us", str(max(int(limits.cpus * CPU_PERIOD_US), 1000)))
 
-    def _create_v2(self, limits: Limits) -> None:
+    def _create_v2(self, limits: ResourceLimits) -> None:
         (folder,) = self.folders
         parent = folder.parent
         parent.mkdir(exist_ok=True)

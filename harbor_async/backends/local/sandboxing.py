@@ -30,7 +30,7 @@ from harbor_async.backends.local.layout import (
     SHM_SIZE,
     SYSTEM_DIRS,
 )
-from harbor_async.backends.local.limits import Cgroups, Limits
+from harbor_async.backends.local.limits import Cgroups, ResourceLimits
 
 _HELPERS = resources.files("harbor_async.backends.local") / "helpers"
 
@@ -44,7 +44,7 @@ def helper(name: str) -> str:
 class Confinement:
     """One sandbox's host identity and limits."""
 
-    limits: Limits
+    limits: ResourceLimits
     uid: int | None = None  # the sandbox's host uid (None: the caller's own, not root)
     cgroups: Cgroups | None = None
 
