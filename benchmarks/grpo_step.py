@@ -101,7 +101,7 @@ def _make_envs(implementation: str, backend: str, batch: int, backend_kwargs: di
         from shim.rewards import _outcome_reward_func
 
         envs = [
-            HarborBashEnv(environment_type=backend, backend_kwargs=backend_kwargs, max_live_sandboxes=2 * batch + 8)
+            HarborBashEnv(environment_type=backend, environment_kwargs=backend_kwargs, max_live_sandboxes=2 * batch + 8)
             for _ in range(batch)
         ]
         return envs, _outcome_reward_func

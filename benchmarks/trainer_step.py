@@ -227,7 +227,7 @@ def run_trainer(trainer: str, scenario: dict[str, Any], model_dir: Path, tokeniz
     spec = shim.HarborSpec(
         example_suite_path(),
         environment_type="simulated",
-        backend_kwargs=scenario["latencies"],
+        environment_kwargs=scenario["latencies"],
         max_live_sandboxes=2 * batch + 8,  # this batch's sandboxes and the last one's, while they stop
     )
     args = cpu_grpo_config(

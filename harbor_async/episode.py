@@ -345,6 +345,7 @@ class Episode:
             if sandbox.stop_error is not None:  # a leaked sandbox is the infrastructure's, unless blamed earlier
                 self.fail(FailureClass.INFRASTRUCTURE, sandbox.stop_error)
         record.seconds["total"] = round(self._elapsed(), 4)
+        record.finished_at = now_iso()
         self._settle()
         log.info(
             "episode",

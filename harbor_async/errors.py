@@ -141,11 +141,13 @@ class EpisodeDeadlineError(SandboxTimeout):
     kind = "ran past the episode deadline"
 
 
-class BackendExecTimeout(HarborAsyncError, RuntimeError):
+class BackendExecTimeout(HarborAsyncError, TimeoutError, RuntimeError):
     """A backend's ``exec`` ran past its ``timeout_sec`` (raised by this project's backends).
 
-    A ``RuntimeError`` with the message Harbor's docker backend uses, so that
-    code written for Harbor's backends treats it the same way.
+    One timeout family: every timeout is a ``TimeoutError`` (this one, and
+    :class:`SandboxTimeout` with :class:`EpisodeDeadlineError`, the engine's).
+    Also a ``RuntimeError`` with the message Harbor's docker backend uses, so
+    that code written for Harbor's backends treats it the same way.
     """
 
     def __init__(self, timeout_sec: float, stdout: str | None = None, stderr: str | None = None) -> None:

@@ -35,7 +35,12 @@ class EpisodeRecord:
     """One episode's outcome.
 
     ``attempt`` is the index (0-based) of a repeated episode of the same task
-    (``-k``); retries of a sandbox start are ``start_attempts``. ``reward`` is
+    (``-k``); retries of a sandbox start are ``start_attempts``. ``task_path``
+    is the task's folder relative to its suite's root (absolute for a task
+    outside one). ``started_at``/``finished_at`` (UTC, milliseconds) and the
+    ``phases`` (seconds from the start: ``start``, ``agent``, ``verify``,
+    ``stop``) map onto Harbor's ``TrialResult`` and its ``TimingInfo``s
+    (environment setup, agent execution, verifier). ``reward`` is
     ``None`` only when the model was not judged (``error_class`` is one that a
     resume reruns); a verifier or agent failure without a reward scores 0.
     """
@@ -55,6 +60,7 @@ class EpisodeRecord:
     sandbox: str | None = None
     start_attempts: int = 0
     started_at: str | None = None
+    finished_at: str | None = None
     phases: list[PhaseSpan] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     verifier_output: str | None = None

@@ -520,13 +520,13 @@ class Sandbox:
             return exc
         attempt = max(self.start_attempts, 1)
         error: SandboxError
-        if isinstance(exc, TimeoutError):
+        if isinstance(exc, BackendExecTimeout):  # the backend's own bound, before the engine's
+            error = SandboxTimeout(phase, self.task_name, self.id, str(exc), start_attempt=attempt)
+        elif isinstance(exc, TimeoutError):
             detail = f"no result within {budget:.3g} s" if budget is not None else str(exc)
             deadline = self._deadline - anyio.current_time() <= 0 and phase is not Phase.STOP
             kind = EpisodeDeadlineError if deadline else SandboxTimeout
             error = kind(phase, self.task_name, self.id, detail, start_attempt=attempt)
-        elif isinstance(exc, BackendExecTimeout):
-            error = SandboxTimeout(phase, self.task_name, self.id, str(exc), start_attempt=attempt)
         elif isinstance(exc, anyio.get_cancelled_exc_class()):
             error = SandboxCancelledError(phase, self.task_name, self.id, "cancelled before it finished", start_attempt=attempt)
         else:

@@ -33,7 +33,7 @@ from harbor_async.harnesses.base import BACKENDS_DROPPING_COPY, Harness
 from harbor_async.harnesses.bash import BashHarness
 from shim import engines
 from shim.episode import PREPARING, Episode, await_loop, retire_episodes, stop_episodes
-from shim.options import EngineOptions, EngineOptionsKwargs
+from shim.options import EngineOptions, EngineOptionsKwargs, renamed_kwargs
 from shim.task_cache import load_task_cached
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class HarborEnv(Harness):
             ``"simulated"``, or an import path ``"package.module:Class"`` of a
             Harbor ``BaseEnvironment``. A name that cannot be loaded raises
             :class:`~harbor_async.errors.BackendError` (a ``ValueError``) here.
-        backend_kwargs: extra constructor arguments for every Harbor
+        environment_kwargs: extra constructor arguments for every Harbor
             environment this env creates (Harbor's ``--ek``).
         **engine_options: limits, timeouts and retries; see
             :class:`~shim.options.EngineOptions`. Envs with equal options share
@@ -95,13 +95,14 @@ class HarborEnv(Harness):
         self,
         environment_type: str = "docker",
         *,
+        environment_kwargs: Mapping[str, Any] | None = None,
         backend_kwargs: Mapping[str, Any] | None = None,
         **engine_options: Unpack[EngineOptionsKwargs],
     ) -> None:
         self._environment_type = environment_type
         self._backend = resolve_backend(environment_type)
         self._options = EngineOptions.from_kwargs(dict(engine_options))
-        self._backend_kwargs: dict[str, Any] = dict(backend_kwargs or {})
+        self._backend_kwargs: dict[str, Any] = dict(renamed_kwargs(environment_kwargs, backend_kwargs) or {})
         # Import the backend class and check its options now (no sandbox starts): a
         # typo or a missing vendor SDK fails at construction, not in the middle of a batch.
         self._backend.check_options(self._backend_kwargs)

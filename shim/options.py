@@ -15,6 +15,7 @@ across the whole batch, not per env.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, TypedDict
 
@@ -206,6 +207,20 @@ class EngineOptions:
     def as_dict(self) -> dict[str, Any]:
         """The options as keyword arguments."""
         return asdict(self)
+
+
+def renamed_kwargs(environment_kwargs: Any, backend_kwargs: Any) -> Any:
+    """``environment_kwargs=``, or the deprecated ``backend_kwargs=`` with a ``DeprecationWarning``."""
+    if backend_kwargs is None:
+        return environment_kwargs
+    if environment_kwargs is not None:
+        raise TypeError("give environment_kwargs=, not also its deprecated name backend_kwargs=")
+    warnings.warn(
+        "backend_kwargs= is deprecated; use environment_kwargs= (Harbor's --ek; the old name goes in the next release)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return backend_kwargs
 
 
 class EngineOptionsKwargs(TypedDict, total=False):

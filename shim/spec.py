@@ -42,7 +42,7 @@ from harbor_async.tasks import load_suite
 from shim import engines
 from shim.env import AGENTS, HarborEnv, _close_budget
 from shim.episode import stop_episodes
-from shim.options import EngineOptions, EngineOptionsKwargs
+from shim.options import EngineOptions, EngineOptionsKwargs, renamed_kwargs
 from shim.preflight import preflight as run_preflight
 from shim.rewards import _outcome_reward_func, with_env_reward
 from shim.trl_harness import adapt_trl_harness, is_trl_harness
@@ -160,7 +160,8 @@ class HarborSpec:
             an async ``get_reward()`` and leaves ``reward_funcs`` empty (for
             AsyncGRPOTrainer, see :mod:`shim.rewards`). ``None`` (default):
             ``True`` only if the harness class defines ``get_reward`` itself.
-        backend_kwargs: extra constructor arguments for every Harbor environment.
+        environment_kwargs: extra constructor arguments for every Harbor environment
+            (Harbor's ``--ek``; ``backend_kwargs`` is the deprecated name).
         preflight: start and stop one sandbox of the backend here, on the first
             task, and raise :class:`~harbor_async.errors.PreflightError` if it
             cannot start (a missing extra, bubblewrap, credentials, image).
@@ -184,6 +185,7 @@ class HarborSpec:
         indices: list[int] | None = None,
         include_metadata: bool = True,
         env_reward: bool | None = None,
+        environment_kwargs: Mapping[str, Any] | None = None,
         backend_kwargs: Mapping[str, Any] | None = None,
         preflight: bool = True,
         **engine_options: Unpack[EngineOptionsKwargs],
@@ -208,7 +210,7 @@ class HarborSpec:
         if self._env_reward:  # TRL reads get_reward from 1.8 on; before, it would be a tool the model sees
             require_supported("trl", "HarborSpec(env_reward=True)", "trl-env-reward")
         self._options = EngineOptions.from_kwargs(dict(engine_options))
-        self._backend_kwargs = dict(backend_kwargs or {})
+        self._backend_kwargs = dict(renamed_kwargs(environment_kwargs, backend_kwargs) or {})
         backend = resolve_backend(environment_type)
         backend.check_options(self._backend_kwargs)  # fail here, not mid-training
         self._token = uuid.uuid4().hex

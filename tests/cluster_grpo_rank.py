@@ -44,7 +44,7 @@ def main(address: str, model_dir: str, out: Path) -> None:
         ray_address=address,
         cluster_max_live=CLUSTER_CAP,
         max_live_sandboxes=RANK_BATCH,
-        backend_kwargs={"start_latency": 0.2, "stop_latency": 0.05},
+        environment_kwargs={"start_latency": 0.2, "stop_latency": 0.05},
     )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     args = _grpo_args(out / "trainer", 2, RANK_BATCH, 2, completion=256, ddp_backend="gloo")

@@ -152,9 +152,9 @@ def test_the_shim_refuses_at_construction():
     from harbor_async.suites import example_suite_path
 
     with pytest.raises(BackendOptionsError, match="memory_mb"):
-        HarborEnv(environment_type="local", backend_kwargs={"memroy_mb": 64})
+        HarborEnv(environment_type="local", environment_kwargs={"memroy_mb": 64})
     with pytest.raises(BackendOptionsError, match="memory_mb"):
-        HarborSpec(example_suite_path(), environment_type="local", backend_kwargs={"memroy_mb": 64}, preflight=False)
+        HarborSpec(example_suite_path(), environment_type="local", environment_kwargs={"memroy_mb": 64}, preflight=False)
 
 
 def test_a_harbor_class_that_reads_its_own_kwargs_is_not_refused_what_it_reads():

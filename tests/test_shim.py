@@ -242,7 +242,7 @@ def test_environment_factory_pickles_and_builds_configured_envs():
     spec = shim.HarborSpec(
         example_suite_path(),
         environment_type="simulated",
-        backend_kwargs={"exec_latency": 0.01},
+        environment_kwargs={"exec_latency": 0.01},
         max_live_sandboxes=5,
         exec_timeout=7,
     )
@@ -272,7 +272,7 @@ def test_environment_factory_pickles_and_builds_configured_envs():
 def test_reset_returns_at_once_and_starts_the_batch_together():
     latency = 1.0
     spec = shim.HarborSpec(
-        example_suite_path(), environment_type="simulated", num_tasks=4, backend_kwargs={"start_latency": latency}, preflight=False
+        example_suite_path(), environment_type="simulated", num_tasks=4, environment_kwargs={"start_latency": latency}, preflight=False
     )
     envs = [spec.environment_factory() for _ in range(4)]
     rows = list(spec.train_dataset)
@@ -358,7 +358,7 @@ def test_exec_timeout_is_a_message_and_the_sandbox_survives():
 
 def test_start_failure_is_a_message_and_leaves_the_rollout_without_a_reward(monkeypatch: pytest.MonkeyPatch):
     good = shim.HarborBashEnv("simulated")
-    bad = shim.HarborBashEnv("simulated", backend_kwargs={"start_permanent_failure_rate": 1.0})
+    bad = shim.HarborBashEnv("simulated", environment_kwargs={"start_permanent_failure_rate": 1.0})
     good.reset(task_dir=CSV_SUM)
     bad.reset(task_dir=CSV_SUM)
     message = trl_call_tool(bad, "bash", {"command": "ls"})
@@ -463,7 +463,7 @@ def test_reward_funcs_verify_a_batch_concurrently_in_one_loop_call(monkeypatch: 
     real_call = engines.call
     monkeypatch.setattr(engines, "call", lambda fn, *a, **k: (calls.append(fn.__name__), real_call(fn, *a, **k))[1])
     spec = shim.HarborSpec(
-        example_suite_path(), environment_type="simulated", backend_kwargs={"verify_latency": 0.3, "reward": 0.25}
+        example_suite_path(), environment_type="simulated", environment_kwargs={"verify_latency": 0.3, "reward": 0.25}
     )
     envs = [spec.environment_factory() for _ in range(n)]
     try:
@@ -499,7 +499,7 @@ def test_outcome_reward_accepts_captured_rewards_and_needs_one_source():
 def test_env_owned_reward_is_opt_in_and_never_double_counted():
     suite = example_suite_path()
     plain = shim.HarborSpec(suite, environment_type="simulated")
-    owned = shim.HarborSpec(suite, environment_type="simulated", env_reward=True, backend_kwargs={"reward": 0.5})
+    owned = shim.HarborSpec(suite, environment_type="simulated", env_reward=True, environment_kwargs={"reward": 0.5})
     assert plain.reward_funcs is _outcome_reward_func and not plain.env_reward
     assert owned.reward_funcs == [] and owned.reward_funcs is not owned.reward_funcs  # fresh list: TRL appends
     env_cls = type(owned.environment_factory())
@@ -539,7 +539,7 @@ def test_envs_share_one_engine_per_option_set_and_its_limits():
     # so a rollout may wait for a slot; batch rewards refuse that (see test_trust.py).
     owned = shim.rewards.with_env_reward(shim.HarborBashEnv)
     a = owned("simulated", max_live_sandboxes=2)
-    b = owned("simulated", max_live_sandboxes=2, backend_kwargs={"reward": 0.5})
+    b = owned("simulated", max_live_sandboxes=2, environment_kwargs={"reward": 0.5})
     c = owned("simulated", max_live_sandboxes=2)
     d = owned("simulated", max_live_sandboxes=3)
     envs = [a, b, c, d]

@@ -77,7 +77,7 @@ def test_a_limit_below_the_batch_is_refused_at_once():
 
 def test_defaults_never_limit_a_batch():
     n = 80
-    envs = [shim.HarborBashEnv("simulated", backend_kwargs={"start_latency": 0.05}) for _ in range(n)]
+    envs = [shim.HarborBashEnv("simulated", environment_kwargs={"start_latency": 0.05}) for _ in range(n)]
     try:
         for env in envs:
             env.reset(task_dir=CSV_SUM)
@@ -112,7 +112,7 @@ def test_preflight_raises_for_a_missing_bubblewrap(tmp_path: Path, monkeypatch: 
 
 def test_a_batch_whose_every_start_fails_stops_the_run_with_its_cause():
     kwargs = {"start_permanent_failure_rate": 1.0}
-    envs = [shim.HarborBashEnv("simulated", backend_kwargs=kwargs, max_start_failures_in_a_row=None) for _ in range(4)]
+    envs = [shim.HarborBashEnv("simulated", environment_kwargs=kwargs, max_start_failures_in_a_row=None) for _ in range(4)]
     try:
         for env in envs:
             env.reset(task_dir=CSV_SUM)
@@ -129,7 +129,7 @@ def test_a_batch_whose_every_start_fails_stops_the_run_with_its_cause():
 
 def test_starts_failing_in_a_row_stop_the_next_reset():
     kwargs = {"start_permanent_failure_rate": 1.0}
-    envs = [shim.HarborBashEnv("simulated", backend_kwargs=kwargs, max_start_failures_in_a_row=3) for _ in range(3)]
+    envs = [shim.HarborBashEnv("simulated", environment_kwargs=kwargs, max_start_failures_in_a_row=3) for _ in range(3)]
     try:
         for env in envs:
             env.reset(task_dir=CSV_SUM)

@@ -80,7 +80,7 @@ def test_a_batch_of_128_rollouts_with_default_options_never_waits(tmp_path, monk
     _, tokenizer = tiny_model
     indices = list(range(8))
     spec = shim.HarborSpec(
-        example_suite_path(), environment_type="simulated", indices=indices, backend_kwargs={"start_latency": 0.05}
+        example_suite_path(), environment_type="simulated", indices=indices, environment_kwargs={"start_latency": 0.05}
     )
     batches = _record_rewards(monkeypatch)
     trainer = _trainer(tmp_path, spec, tiny_model, batch=128, generations=16)
@@ -146,7 +146,7 @@ def test_a_batch_whose_every_start_fails_stops_the_trainer_naming_the_cause(tmp_
     indices = [1, 3]
     spec = shim.HarborSpec(
         example_suite_path(), environment_type="simulated", indices=indices, preflight=False,
-        backend_kwargs={"start_permanent_failure_rate": 1.0},
+        environment_kwargs={"start_permanent_failure_rate": 1.0},
     )  # fmt: skip
     trainer = _trainer(tmp_path, spec, tiny_model, batch=4, generations=2)
     try:
