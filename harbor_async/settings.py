@@ -27,7 +27,8 @@ RENAMED = {
     "attempts": "n_attempts",
     "concurrency": "n_concurrent",
     "num_tasks": "n_tasks",
-    "max_live": "max_live_sandboxes",
+    "max_live": "cluster_max_live",
+    "creates_per_second": "cluster_creates_per_second",
     "source": "suite",
 }
 
@@ -45,7 +46,8 @@ class JobSettings:
     Attributes shared by both: the suite and its selection, the backend and its
     options, attempts, concurrency, the episode deadline and Harbor's timeout
     multipliers, and the cluster options (``ray``, ``ray_address``, ``budget``
-    and the cluster caps ``max_live_sandboxes``, ``creates_per_second``).
+    and the cluster's caps ``cluster_max_live``, ``cluster_creates_per_second``,
+    named as the shim's engine options name them).
     ``run`` adds the plan (``episodes``); ``eval`` adds the models and how to
     reach them (``models``, ``base_url``, ``serve_cmd``, ``api_key_name``,
     ``vllm_args``, ``ready_timeout``), sampling, the agent loop's limits and the
@@ -73,8 +75,8 @@ class JobSettings:
     ray: bool = False
     ray_address: str | None = None
     budget: str = "local"
-    max_live_sandboxes: int | None = None
-    creates_per_second: float | None = None
+    cluster_max_live: int | None = None
+    cluster_creates_per_second: float | None = None
     # eval
     models: list[str] = field(default_factory=list)
     base_url: str | None = None
@@ -155,7 +157,7 @@ class JobSettings:
         from harbor_async.cluster.ray_budget import factory
 
         return factory(
-            address=self.ray_address, max_live=self.max_live_sandboxes, creates_per_second=self.creates_per_second
+            address=self.ray_address, max_live=self.cluster_max_live, creates_per_second=self.cluster_creates_per_second
         )
 
     def engine_kwargs(self, budget: Any = None) -> dict[str, Any]:

@@ -106,6 +106,14 @@ EXIT_SCRIPT = textwrap.dedent(
     from harbor_async.tasks import load_suite
 
     os.environ["HARBOR_ASYNC_LOCAL_ROOT"] = sys.argv[1]
+    if sys.argv[3] == "mine":  # the program's own SIGTERM handler, set before the library's loop starts
+        import signal
+
+        def mine(signum, frame):
+            print("MINE", flush=True)
+            sys.exit(7)
+
+        signal.signal(signal.SIGTERM, mine)
     task = load_suite(example_suite_path()).tasks[0]
     engine = loop.open_engine()
 
@@ -127,11 +135,13 @@ EXIT_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("how", ["exit", "sigterm", "sigint"])
+@pytest.mark.parametrize("how", ["exit", "sigterm", "sigint", "sigterm-mine"])
 def test_process_exit_stops_live_sandboxes_and_never_hangs(tmp_path, how):
+    """Whatever ends the process, its sandboxes are stopped; a program's own SIGTERM handler is chained to, not replaced."""
     root = tmp_path / "sandboxes"
+    mine = "mine" if how == "sigterm-mine" else "-"
     proc = subprocess.Popen(
-        [sys.executable, "-c", EXIT_SCRIPT, str(root), "exit" if how == "exit" else "wait"],
+        [sys.executable, "-c", EXIT_SCRIPT, str(root), "exit" if how == "exit" else "wait", mine],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -141,13 +151,15 @@ def test_process_exit_stops_live_sandboxes_and_never_hangs(tmp_path, how):
     assert len(list(root.glob("harbor-async-*"))) == 3
     if how != "exit":
         time.sleep(0.2)
-        os.kill(proc.pid, signal.SIGTERM if how == "sigterm" else signal.SIGINT)
+        os.kill(proc.pid, signal.SIGINT if how == "sigint" else signal.SIGTERM)
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
         pytest.fail("the process hung at exit")
     stderr = proc.stderr.read()
+    if mine == "mine":
+        assert proc.stdout.read().strip() == "MINE" and proc.returncode == 7, stderr
     assert list(root.glob("harbor-async-*")) == [], stderr
     left = subprocess.run(["pgrep", "-f", f"bwrap.*{root}"], capture_output=True, text=True).stdout
     assert left == "", f"bubblewrap processes left: {left}"

@@ -257,3 +257,14 @@ def test_outcome_names(tmp_path: Path) -> None:
     a = analyze(list(JobFolder(job).latest().values()))
     assert set(a.outcomes) <= {SOLVED, UNSOLVED, "agent", "verifier", "infrastructure", "model_server", "cancelled"}
     assert "infrastructure" in a.outcomes and UNSOLVED in a.outcomes
+
+
+def test_a_job_folder_of_the_previous_release_is_reported(tmp_path: Path) -> None:
+    """Its settings file was config.json: the report still finds the job and shows its settings."""
+    job = make_job(tmp_path, tasks=2, attempts=1)
+    settings = json.loads((job / SETTINGS_NAME).read_text())
+    (job / SETTINGS_NAME).unlink()
+    (job / "config.json").write_text(json.dumps({**settings, "note": "written by the previous release"}))
+    source = load_source(job)
+    assert source.config["note"] == "written by the previous release" and len(source.records) == 2
+    assert "written by the previous release" in render(job)

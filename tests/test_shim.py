@@ -761,3 +761,29 @@ def test_upload_build_files_replays_the_dockerfiles_copies():
         assert env.bash("head -n 1 /workdir/sales.csv") == (Path(CSV_SUM) / "environment" / "sales.csv").read_text().splitlines()[0] + "\n"
     finally:
         env.close()
+
+
+def test_engine_options_build_the_engines_configuration_and_name_their_own_errors():
+    import dataclasses
+
+    from harbor_async.errors import SettingError
+    from harbor_async.policy import Limits, RetryPolicy, Timeouts
+    from shim.options import EngineOptionsKwargs
+
+    # The typed keywords list every option (a type checker's copy of the dataclass), nothing else.
+    assert set(EngineOptionsKwargs.__annotations__) == {f.name for f in dataclasses.fields(shim.EngineOptions)}
+    options = shim.EngineOptions(max_live_sandboxes=3, exec_timeout=7, start_attempts=2)
+    built = options.engine_kwargs()
+    assert built["limits"] == Limits(live_sandboxes=3) and built["retry"] == RetryPolicy(attempts=2)
+    assert built["timeouts"] == Timeouts(exec=7)
+    with pytest.raises(SettingError) as bad:  # checked by Limits, named as the option
+        shim.EngineOptions(max_live_sandboxes=0)
+    assert bad.value.name == "max_live_sandboxes"
+
+
+def test_backend_kwargs_is_the_deprecated_name_of_environment_kwargs():
+    with pytest.warns(DeprecationWarning, match="use environment_kwargs="):
+        env = shim.HarborBashEnv("simulated", backend_kwargs={"reward": 0.5})
+    assert env._backend_kwargs == {"reward": 0.5}
+    with pytest.raises(TypeError, match="not also"):
+        shim.HarborBashEnv("simulated", backend_kwargs={}, environment_kwargs={})

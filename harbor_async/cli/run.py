@@ -148,7 +148,7 @@ def run(
         )
         settings.suite, settings.dataset = str(loaded.root), dataset
         settings.ray, settings.ray_address, settings.budget = on_ray, ray_address, budget
-        settings.max_live_sandboxes, settings.creates_per_second = max_live, creates_per_second
+        settings.cluster_max_live, settings.cluster_creates_per_second = max_live, creates_per_second
         episodes = plan_episodes(loaded.tasks, n_attempts)
     spec, timeouts = _resolve(settings)
     budget_factory = cluster_opts.budget_from_options(budget, ray_address, max_live, creates_per_second)
