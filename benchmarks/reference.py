@@ -48,7 +48,7 @@ from harbor_async.backends import resolve_backend
 from harbor_async.doctor import require_supported
 
 # This module overrides TRL's private _start: only the TRL releases CI tested.
-require_supported("trl", "shim.reference (TRL's HarborEnv internals)", "trl-internals")
+require_supported("trl", "benchmarks/reference.py (TRL's HarborEnv internals)", "trl-internals")
 
 #: (import path, extra kwargs) for the Harbor environment the current ``_start`` creates.
 _OVERRIDE: contextvars.ContextVar[tuple[str, dict[str, Any]] | None] = contextvars.ContextVar(

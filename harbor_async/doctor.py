@@ -66,7 +66,7 @@ def _declared_ranges() -> dict[str, str]:
 #: Supported ranges: what the installed package declares (pyproject.toml's), and
 #: what ``doctor`` checks, plus narrower ranges of single features:
 #: ``trl-internals``, code that reaches into TRL's private methods
-#: (``shim.reference``): only the releases CI tested; ``trl-env-reward``: TRL
+#: (``benchmarks/reference.py``): only the releases CI tested; ``trl-env-reward``: TRL
 #: reads an env's ``get_reward`` as a reward source from 1.8 on (1.7 would list
 #: it as a tool).
 SUPPORTED: dict[str, str] = {
@@ -187,7 +187,7 @@ def require_supported(dist: str, feature: str, range_name: str | None = None) ->
 
     Args:
         dist: The distribution (``trl``).
-        feature: What needs it, for the message (``shim.reference``).
+        feature: What needs it, for the message (``benchmarks/reference.py``).
         range_name: The key in :data:`SUPPORTED` (default: ``dist``).
 
     Raises:

@@ -10,7 +10,7 @@ Why not ``anyio.from_thread.start_blocking_portal``: leaving its context waits
 for the loop thread without a bound, and exit must stay bounded even when a
 backend wedged the loop with a blocking call. So this module owns the (daemon)
 thread and runs anyio's own ``BlockingPortal`` in it; plain submits skip the
-portal's hand-shake (measured: 40 µs against 85 µs, see :meth:`LoopThread.submit`).
+portal's hand-shake (one thread wake-up fewer, see :meth:`LoopThread.submit`).
 """
 
 from __future__ import annotations
@@ -127,10 +127,9 @@ class LoopThread:
         way (an awaitable it returns is awaited). Both are one thread hand-off
         and never wait for the loop, so a
         submit (a finalizer's, say) cannot hang on a wedged loop; the portal's
-        ``start_task_soon`` waits for the loop to take the task. Measured here
-        (2 cores, a no-op coroutine, p50 of 3,000 calls): the portal's
-        ``call``/``start_task_soon`` take about 85 µs, the direct hand-off about
-        40 µs: this is what every shim tool call pays.
+        ``start_task_soon`` waits for the loop to take the task. Every shim
+        tool call pays this hand-off; ``harbor-async bench overhead`` measures
+        it against the machine's floor (docs/benchmarks.md).
         """
         if self.in_loop_thread():
             raise LoopThreadError("submit() is for other threads; on the loop thread, spawn a task")
