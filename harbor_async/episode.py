@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 
 from harbor_async.errors import (
     EpisodeDeadlineError,
@@ -118,6 +119,7 @@ class Episode:
         self.tool_seconds = 0.0
         self.agent_budget: float | None = engine.timeouts.for_task(task).agent
         self._begin: float | None = None
+        self._token: anyio.lowlevel.EventLoopToken | None = None
         self._open: tuple[Phase, float] | None = None
         self._stopped: anyio.Event | None = None
         self._finished = False
@@ -150,6 +152,19 @@ class Episode:
         value = phase.value if isinstance(phase, Phase) else phase
         self.record.set_error(failure, exc, value)
 
+    def interrupted(self) -> None:
+        """Record that the episode was interrupted before it finished.
+
+        Overrides a failure recorded so far that would be scored (an agent that
+        failed before the verifier could judge what it left): with no verdict,
+        the episode is not the model's, and a resume runs it again.
+        """
+        record = self.record
+        if record.failure is not None and record.failure.scored:
+            record.error_class = record.error_phase = record.error_type = record.error = None
+            record.reward, record.rewards = None, {}
+        self.fail(FailureClass.CANCELLED, "the episode was interrupted before it finished", self.phase)
+
     # ── start ─────────────────────────────────────────────────────────────
 
     def launch(self, sandbox: Sandbox | None = None) -> Sandbox:
@@ -158,6 +173,7 @@ class Episode:
         Raises what :meth:`Engine.launch` raises (a bad backend, a closed engine).
         """
         self._begin = anyio.current_time()
+        self._token = anyio.lowlevel.current_token()  # for sync tools calling from any thread
         self.record.started_at = now_iso()
         self._open = (Phase.START, 0.0)  # the episode begins with its start
         if sandbox is None:
@@ -182,16 +198,20 @@ class Episode:
             self.fail(failure_class(exc), exc)
             return False
         self._started(None)
+        budget = anyio.CancelScope()
         try:
             if setup is not None:
-                with anyio.fail_after(self.engine.timeouts.start):  # TRL counts its setup as the start
+                with anyio.fail_after(self.engine.timeouts.start) as budget:  # TRL counts its setup as the start
                     await setup()
         except SandboxError as exc:
             self.error = exc
             self.fail(failure_class(exc), exc)
         except TimeoutError as exc:
             self.error = exc
-            self.fail(FailureClass.AGENT, "the harness setup ran past the start budget", Phase.START)
+            if budget.cancelled_caught:
+                self.fail(FailureClass.AGENT, "the harness setup ran past the start budget", Phase.START)
+            else:  # the setup's own timeout (a command it bounded itself)
+                self.fail(FailureClass.AGENT, exc, Phase.START)
         except Exception as exc:  # the harness's own code failed: the agent's failure, not the sandbox's
             self.error = exc
             self.fail(FailureClass.AGENT, exc, Phase.START)
@@ -207,8 +227,8 @@ class Episode:
     # ── agent ─────────────────────────────────────────────────────────────
 
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """Run ``fn(*args)`` on the episode's loop from a worker thread of it and wait (a sync tool's call)."""
-        return anyio.from_thread.run(fn, *args)
+        """Run ``fn(*args)`` on the episode's loop from any other thread and wait (a sync tool's call)."""
+        return anyio.from_thread.run(fn, *args, token=self._token)
 
     async def call_async(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Await ``fn(*args)`` from async code on the episode's loop (an async tool, ``_setup``)."""
@@ -343,10 +363,11 @@ class Episode:
             record.start_attempts = sandbox.start_attempts
             record.seconds.update({k: round(v, 4) for k, v in sandbox.times.seconds.items()})
             if sandbox.stop_error is not None:  # a leaked sandbox is the infrastructure's, unless blamed earlier
-                self.fail(FailureClass.INFRASTRUCTURE, sandbox.stop_error)
+                self.fail(FailureClass.INFRASTRUCTURE, sandbox.stop_error)  # a verdict already given stays
         record.seconds["total"] = round(self._elapsed(), 4)
         record.finished_at = now_iso()
-        self._settle()
+        if record.failure is not None and record.failure.scored and record.reward is None:
+            record.reward = 0.0  # the model's episode, with no reward: it scores 0
         log.info(
             "episode",
             task=record.task,

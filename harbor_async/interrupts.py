@@ -15,7 +15,8 @@ called from a program's main thread):
 Handlers are Python ``signal`` handlers, not event-loop ones, so that the
 third signal still works when the loop is stuck; they write to the stderr
 file descriptor directly (no console lock can be held by the code they
-interrupt) and hand the cancellation to the loop with ``call_soon_threadsafe``.
+interrupt) and hand the cancellation to the loop with ``call_soon_threadsafe`` (trio:
+its token's ``run_sync_soon``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
+
+import sniffio
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -49,7 +52,7 @@ class Interrupts:
         self.signum: int | None = None
         self.count = 0
         self._cancel: Callable[[], None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._soon: Callable[[Callable[[], None]], object] | None = None
         self._previous: dict[int, object] = {}
 
     @property
@@ -63,8 +66,13 @@ class Interrupts:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
     def arm(self, cancel: Callable[[], None]) -> None:
-        """Call ``cancel`` on the running loop at the first signal (now, if one already came)."""
-        self._loop = asyncio.get_running_loop()
+        """Call ``cancel`` on the running loop (asyncio or trio) at the first signal (now, if one already came)."""
+        if sniffio.current_async_library() == "trio":
+            import trio
+
+            self._soon = trio.lowlevel.current_trio_token().run_sync_soon
+        else:
+            self._soon = asyncio.get_running_loop().call_soon_threadsafe
         self._cancel = cancel
         if self.signum is not None:
             cancel()
@@ -91,10 +99,10 @@ class Interrupts:
             self.signum = signum
             _write(f"\n{name}: stopping every sandbox and keeping the finished episodes' records "
                    "(a third signal forces the exit)\n")  # fmt: skip
-            cancel, loop = self._cancel, self._loop
-            if cancel is not None and loop is not None:
+            cancel, soon = self._cancel, self._soon
+            if cancel is not None and soon is not None:
                 try:
-                    loop.call_soon_threadsafe(cancel)
+                    soon(cancel)
                 except RuntimeError:  # the loop is closed: nothing left to cancel
                     pass
             return

@@ -113,14 +113,7 @@ class JobFolder:
         With the suite's ``root``, records of earlier releases that named a task
         by its absolute path are read as the relative path records use now.
         """
-        records = self.records()
-        if root is not None:
-            base = Path(root).resolve()
-            for record in records:
-                path = Path(record.task_path)
-                if path.is_absolute() and path.resolve().is_relative_to(base):
-                    record.task_path = path.resolve().relative_to(base).as_posix()
-        return latest_records(records)
+        return latest_records(self.records(), root)
 
     def pending(self, keys: Iterable[str]) -> list[str]:
         """The episodes of ``keys`` a resume runs: missing ones and those whose failure a resume reruns."""
@@ -161,9 +154,18 @@ def read_records(path: Path) -> Iterator[EpisodeRecord]:
             continue
 
 
-def latest_records(records: Iterable[EpisodeRecord]) -> dict[str, EpisodeRecord]:
-    """The last record of each episode, by key, in first-seen order."""
+def latest_records(records: Iterable[EpisodeRecord], root: str | Path | None = None) -> dict[str, EpisodeRecord]:
+    """The last record of each episode, by key, in first-seen order.
+
+    With the suite's ``root``, a record of an earlier release that named its
+    task by absolute path is read as today's records name it (relative to the
+    root), so it and its rerun are one episode.
+    """
+    base = Path(root).resolve() if root else None
     latest: dict[str, EpisodeRecord] = {}
     for record in records:
+        path = Path(record.task_path)
+        if base is not None and path.is_absolute() and path.resolve().is_relative_to(base):
+            record.task_path = path.resolve().relative_to(base).as_posix()
         latest[record.key] = record
     return latest

@@ -197,8 +197,9 @@ _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 def rule_for(exc: BaseException) -> ErrorRule:
     """The :data:`ERROR_POLICY` row that decides ``exc``."""
-    if isinstance(exc, BackendStartError):
-        return _INFRA_RETRY if exc.transient else _INFRA
+    transient = getattr(exc, "transient", None)  # typed metadata a backend's error carries, not its text
+    if isinstance(exc, BackendStartError) or isinstance(transient, bool):
+        return _INFRA_RETRY if transient else _INFRA
     if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
         return _INFRA
     phase = exc.phase if isinstance(exc, SandboxError) else None

@@ -113,7 +113,7 @@ async def run_episode(
             await actor.act(episode)
         await episode.verify()
     except anyio.get_cancelled_exc_class():
-        episode.fail(FailureClass.CANCELLED, "the episode was interrupted before it finished", episode.phase)
+        episode.interrupted()
         raise
     except Exception as exc:  # a bug or an unexpected Harbor error: record it, keep the batch
         log.exception("episode crashed", task=task.name, sandbox=episode.record.sandbox)

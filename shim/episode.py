@@ -158,6 +158,7 @@ class Episode(core.Episode):
                 previous.retire()
             if self._retired:  # closed before the loop got here
                 self.error = SandboxClosedError(Phase.START, self.task.name, "-", "the episode was closed")
+                self.fail(FailureClass.CANCELLED, self.error, Phase.START)
                 return
             try:
                 # No await before the claim: prefetch.release() relies on every reset handed to the loop
@@ -207,9 +208,10 @@ class Episode(core.Episode):
         if self.sandbox is None:
             return
         try:
-            self.engine.start_soon(self.stop, name=f"stop episode {self.sandbox.id}")
+            # The core's stop: a background stop must not retire (and uncount) an episode awaiting its reward.
+            self.engine.start_soon(core.Episode.stop, self, name=f"stop episode {self.sandbox.id}")
         except EngineClosedError:
-            pass  # the engine's own close stops (or stopped) every sandbox it holds
+            self.finish()  # the engine's own close stops (or stopped) every sandbox it holds
 
     async def stop(self) -> core.EpisodeRecord:
         """Retire the episode and wait until its sandbox is stopped (shielded, bounded by the stop budget)."""

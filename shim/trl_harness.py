@@ -58,7 +58,14 @@ def _compat_base() -> type[HarborEnv]:
             HarborEnv.__init__(self, environment_type, **kwargs)
 
         def _run(self, coro: Awaitable[T]) -> T:
-            """TRL's helper (run a coroutine, block for its result): on the shim's loop thread."""
+            """TRL's helper (run a coroutine, block for its result): on the loop of the current episode.
+
+            The shim's loop thread in training; the evaluation's loop when ``eval``
+            drives the harness (its Harbor environment lives there).
+            """
+            episode = self._current()
+            if episode is not None:
+                return episode.call(_await, coro)
             return engines.call(_await, coro)
 
         def __del__(self) -> None:

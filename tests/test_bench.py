@@ -59,8 +59,12 @@ def test_overhead_reports_the_round_trip_and_capacity(tmp_path):
     assert rt["calls"] == 200
     assert 0 < rt["direct_p50_us"] < rt["portal_p50_us"]  # the portal adds a thread hand-off
     assert 0 < rt["floor_p50_us"] < rt["portal_p50_us"]  # a bare hand-off of nothing costs less than one of an exec
-    assert [s["sandboxes"] for s in data["capacity"]][0] == 20
-    assert data["max_sandboxes_under_1ms"] in (0, 20, 40)
+    capacity = data["capacity"]
+    assert capacity[0]["sandboxes"] == 20
+    for step in capacity:  # each step's verdict is its own p50, and the probe ran under load
+        assert step["under_1ms"] is (step["probe_p50_us"] < 1000) and 0 < step["probe_p50_us"] <= step["probe_p99_us"]
+    assert all(step["under_1ms"] for step in capacity[:-1])  # it stops at the first size that misses
+    assert data["max_sandboxes_under_1ms"] == max((s["sandboxes"] for s in capacity if s["under_1ms"]), default=0)
 
 
 def test_grpo_step_replay_with_prefetch_claims_every_later_start_and_leaves_nothing(example_tasks):

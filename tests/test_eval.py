@@ -228,3 +228,34 @@ def test_the_names_of_the_previous_release_still_work(server, tmp_path) -> None:
     (legacy / "episodes.jsonl").write_text(json.dumps(result.records[0].to_dict()) + "\n")
     resumed = evaluate_sync(resume=legacy)
     assert resumed.ran == 1 and len(resumed.records) == 2 and [r.reward for r in resumed.records] == [1.0, 1.0]
+
+
+def test_a_sync_tool_reaches_the_sandbox_from_its_own_threads(server, tmp_path) -> None:
+    """A harness may call _exec from a thread pool of its own, as in training (not only anyio's worker threads)."""
+    harness = tmp_path / "pooled.py"
+    harness.write_text(
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "from shim import HarborEnv\n\n\n"
+        "class Pooled(HarborEnv):\n"
+        "    def bash(self, command: str) -> str:\n"
+        '        """\n        Run a command.\n\n        Args:\n            command: The command.\n        """\n'
+        "        with ThreadPoolExecutor(1) as pool:\n"
+        "            return pool.submit(self._exec, command).result()\n"
+    )
+    result = _eval(server, tmp_path / "jobs", ["solver"], agent=f"{harness}:Pooled", n_tasks=1)
+    assert [r.reward for r in result.records] == [1.0]
+
+
+def test_evaluate_runs_under_trio(server, tmp_path) -> None:
+    """The core is anyio: evaluate() on trio with an anyio-native backend, its interrupt policy armed on trio."""
+    import anyio
+
+    from harbor_async import evaluate
+
+    async def main():
+        return await evaluate(
+            ["solver"], None, base_url=server.base_url, jobs_dir=tmp_path, job_name="trio", n_tasks=1
+        )
+
+    result = anyio.run(main, backend="trio")
+    assert [r.reward for r in result.records] == [1.0]

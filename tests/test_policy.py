@@ -11,7 +11,7 @@ from harbor.environments.base import SandboxBuildFailedError
 from harbor_async import policy
 from harbor_async.agent import ModelServerError
 from harbor_async.backends import resolve_backend
-from harbor_async.backends.docker.errors import DockerBuildError, DockerImageError, DockerStartError
+from harbor_async.backends.docker.errors import DockerBuildError, DockerImageError, DockerRefusedError, DockerStartError
 from harbor_async.backends.simulated import Latency, SimulatedTransientError
 from harbor_async.errors import (
     BackendError,
@@ -43,6 +43,8 @@ from harbor_async.stats import percentile
         (DockerImageError("x"), False),
         (DockerBuildError("x"), False),
         (DockerStartError("x"), True),
+        (DockerRefusedError("x"), False),
+        (type("QuotaError", (Exception,), {"transient": False})("over quota"), False),  # typed by its backend
         (StartError(Phase.START, "t", "s"), False),
     ],
 )
@@ -85,6 +87,8 @@ def test_docker_types_its_untyped_start_errors(backend):
     assert type(build) is DockerBuildError and not is_transient(build) and isinstance(build.__cause__, RuntimeError)
     missing = spec.typed_error(_compose_failure("up -d", "Error response from daemon: pull access denied for nope"))
     assert type(missing) is DockerImageError and not is_transient(missing)
+    refused = spec.typed_error(_compose_failure("up -d", "unauthorized: authentication required"))
+    assert type(refused) is DockerRefusedError and not is_transient(refused)
     hiccup = spec.typed_error(_compose_failure("up -d", "Error response from daemon: i/o timeout"))
     assert type(hiccup) is DockerStartError and is_transient(hiccup)
     other = RuntimeError("something else")

@@ -268,3 +268,18 @@ def test_a_job_folder_of_the_previous_release_is_reported(tmp_path: Path) -> Non
     source = load_source(job)
     assert source.config["note"] == "written by the previous release" and len(source.records) == 2
     assert "written by the previous release" in render(job)
+
+
+def test_a_resumed_job_of_the_previous_release_counts_each_episode_once(tmp_path: Path) -> None:
+    """A run job of the previous release: records by absolute path, then today's rerun of one by its suite path."""
+    job = tmp_path / "old-run"
+    job.mkdir()
+    suite = tmp_path / "suite" / "tasks"
+    legacy = {"command": "run", "settings": {"source": str(suite), "env": "local"}, "episodes": []}
+    (job / "config.json").write_text(json.dumps(legacy))
+    old = [EpisodeRecord(task=t, task_path=str(suite / t), error_class="infrastructure" if t == "t1" else None,
+                         reward=None if t == "t1" else 1.0) for t in ("t1", "t2")]  # fmt: skip
+    rerun = EpisodeRecord(task="t1", task_path="t1", reward=1.0)
+    (job / EPISODES_NAME).write_text("".join(json.dumps(r.to_dict()) + "\n" for r in [*old, rerun]))
+    source = load_source(job)
+    assert sorted((r.task_path, r.reward) for r in source.records) == [("t1", 1.0), ("t2", 1.0)]

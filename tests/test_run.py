@@ -186,3 +186,29 @@ def test_cli_tasks_lists_the_suite():
     result = harbor_async("tasks")
     assert result.returncode == 0, result.stderr
     assert "word-frequency" in result.stdout and "csv-group-by" in result.stdout
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_failed_stop_is_the_infrastructures_but_keeps_the_verdict(example_tasks):
+    async with Engine(backend_kwargs={"stop_failure_rate": 1.0}) as engine:
+        (record,) = await run_suite(engine, example_tasks[:1], "simulated")
+    assert record.error_class == "infrastructure" and record.error_phase == "stop"
+    assert record.reward == 1.0 and record.rerun  # judged, and the leak still reruns it
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_interruption_after_a_scored_failure_leaves_the_episode_unjudged(example_tasks):
+    """The agent failed, then a signal stopped the verifier: no verdict, so not the model's 0."""
+    import anyio
+
+    from harbor_async.runner import run_episode
+
+    done = []
+    async with Engine(timeouts=Timeouts(agent=0.2), backend_kwargs={"exec_latency": 1.0, "verify_latency": 30}) as engine:
+        with anyio.move_on_after(3):
+            await run_episode(engine, example_tasks[0], "simulated", "oracle", on_done=done.append)
+    (record,) = done
+    assert record.error_class == "cancelled" and record.reward is None and record.rerun
+    assert [p.phase for p in record.phases] == ["start", "agent", "verify", "stop"]

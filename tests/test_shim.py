@@ -787,3 +787,28 @@ def test_backend_kwargs_is_the_deprecated_name_of_environment_kwargs():
     assert env._backend_kwargs == {"reward": 0.5}
     with pytest.raises(TypeError, match="not also"):
         shim.HarborBashEnv("simulated", backend_kwargs={}, environment_kwargs={})
+
+
+def test_a_rollout_whose_setup_failed_stays_counted_until_its_reward_is_read():
+    """Its sandbox is stopped at once (the slot comes back) but the batch still waits for its reward."""
+
+    class Broken(shim.HarborBashEnv):
+        async def _setup(self) -> None:
+            raise RuntimeError("the harness broke")
+
+    envs = [Broken("simulated", max_live_sandboxes=7) for _ in range(2)]
+    guard = engines.guard_for(envs[0]._options)
+    try:
+        for env in envs:
+            env.reset(task_dir=CSV_SUM)
+        assert envs[0].bash("ls").startswith("Error: the sandbox for this task could not be prepared")
+        wait_for = time.monotonic() + 10
+        while engines.live_sandbox_count() and time.monotonic() < wait_for:  # the stops ran in the background
+            time.sleep(0.05)
+        assert engines.live_sandbox_count() == 0 and guard.awaiting == 2
+        assert [env.reward for env in envs] == [0.0, 0.0] and guard.awaiting == 0
+        record = envs[0].episode_record
+        assert record.error_class == "agent" and record.error_phase == "start" and record.finished_at
+    finally:
+        for env in envs:
+            env.close()

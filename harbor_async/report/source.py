@@ -107,7 +107,9 @@ def _job(name: str, folder: Path, episodes: Path) -> JobSource:
             config = json.loads(config_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise ReportSourceError(f"cannot read {config_path}: {exc}") from exc
-    records = list(latest_records(read_records(episodes)).values())
+    # run's records of earlier releases named tasks by absolute path; today's by their path in the suite
+    root = config.get("suite") or (config.get("settings") or {}).get("source") if config.get("command") == "run" else None
+    records = list(latest_records(read_records(episodes), root).values())
     return JobSource(
         name, folder, records, config if isinstance(config, dict) else {}, (folder / SUMMARY_NAME).is_file(), episodes
     )

@@ -20,6 +20,10 @@ _NO_IMAGE = re.compile(
     r"not found: manifest|failed to resolve reference",
     re.I,
 )
+#: What the daemon says when the task's or the host's configuration is wrong: another attempt fails the same way.
+_REFUSED = re.compile(
+    r"unauthorized|authentication required|permission denied|forbidden|invalid|quota|no space left", re.I
+)
 
 
 class DockerStartError(BackendStartError):
@@ -40,6 +44,12 @@ class DockerImageError(DockerStartError):
     transient = False
 
 
+class DockerRefusedError(DockerStartError):
+    """The daemon refused the container (credentials, an invalid option or mount, quota, a full disk)."""
+
+    transient = False
+
+
 def typed_start_error(exc: BaseException) -> BaseException:
     """The typed error for a failed docker start (chained to ``exc``), or ``exc`` itself when it is not one."""
     if type(exc) is not RuntimeError:
@@ -53,6 +63,8 @@ def typed_start_error(exc: BaseException) -> BaseException:
         kind = DockerBuildError
     elif _NO_IMAGE.search(str(exc)):
         kind = DockerImageError
+    elif _REFUSED.search(str(exc)):
+        kind = DockerRefusedError
     error = kind(str(exc))
     error.__cause__ = exc
     return error
