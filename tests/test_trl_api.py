@@ -99,3 +99,28 @@ def test_env_owned_reward_runs_where_trl_reads_get_reward_and_is_refused_before(
         assert trainer.reward_func_names == ["HarborBashEnv"]  # ...but the one reward source, named after the class
     finally:
         spec.close()
+
+
+@pytest.mark.parametrize("agent", ["bash", "terminal", "python"])
+def test_eval_offers_the_model_the_tools_the_trainer_offers(tiny_model, tmp_path: Path, agent: str):
+    """The installed GRPOTrainer's tools for a harness, rendered as its chat template renders them, are eval's."""
+    from transformers.utils import get_json_schema
+
+    from harbor_async.evaluation import evaluate_sync
+    from tests.scripted_server import ScriptedServer
+    from tests.test_shim import trl_tool_names
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    spec = shim.HarborSpec(example_suite_path(), agent=agent, environment_type="simulated", num_tasks=2)
+    try:
+        trainer = _trainer(tiny_model, tmp_path / "out", spec)
+        trained = [get_json_schema(tool) for tool in trainer.tools]
+        assert [tool.__name__ for tool in trainer.tools] == trl_tool_names(spec._env_cls)  # the tests' helper agrees
+    finally:
+        spec.close()
+    with ScriptedServer() as server:
+        evaluate_sync(
+            ["solver"], None, base_url=server.base_url, agent=agent, environment_type="simulated", n_tasks=1,
+            jobs_dir=tmp_path, job_name="eval",
+        )  # fmt: skip
+        assert server.tools["solver"] == trained
