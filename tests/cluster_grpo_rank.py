@@ -29,7 +29,7 @@ import shim
 from harbor_async.suites import example_suite_path
 from tests.test_shim_grpo import TASKS, ScriptedGeneration, _grpo_args, _instructions
 
-CLUSTER_CAP = 4
+CLUSTER_CAP = 3  # below the two ranks' demand (2 x RANK_BATCH): the cap, not the demand, bounds them
 RANK_BATCH = 2  # per_device_train_batch_size: the rollouts one rank has in flight
 
 

@@ -227,19 +227,14 @@ def test_shim_bash_env_on_docker(example_tasks):
 
 
 @pytest.mark.anyio
-async def test_measure_docker_start_and_stop(example_tasks, report, tmp_path):
-    """Logs how long Harbor's docker start and stop take here (no timing is asserted).
-
-    Harbor's own container runs ``sh -c "sleep infinity"`` as PID 1, which
-    ignores SIGTERM, so ``compose down`` waits out Docker's 10 s grace period;
-    the engine's overlay (the default) gives the container an init, which stops
-    at once.
+async def test_the_overlays_init_makes_a_stop_fast(example_tasks, tmp_path):
+    """Harbor's own container runs ``sh -c "sleep infinity"`` as PID 1, which ignores SIGTERM, so
+    ``compose down`` waits out Docker's 10 s grace period; the engine's overlay (the default) gives the
+    container an init, which stops at once. The grace period makes the gap large and deterministic.
     """
     task = example_tasks[0]
-    variants = {"harbor default": False, "engine overlay (init: true)": True}
-    measured: dict[str, tuple[list[float], list[float]]] = {}
-    for name, overlay in variants.items():
-        starts, stops = [], []
+    stops: dict[bool, list[float]] = {}
+    for overlay in (False, True):
         async with Engine(docker_overlay=overlay) as engine:
             for _ in range(2):
                 sandbox = engine.launch(task, "docker")
@@ -249,44 +244,29 @@ async def test_measure_docker_start_and_stop(example_tasks, report, tmp_path):
                 await sandbox.stop()
                 assert sandbox.state is SandboxState.STOPPED and sandbox.stop_error is None
                 assert docker_leftovers(sandbox.id) == {}
-                starts.append(sandbox.times.seconds["start"])
-                stops.append(sandbox.times.seconds["stop"])
-        measured[name] = (starts, stops)
-    for name, (starts, stops) in measured.items():
-        report(
-            f"[docker] one sandbox at a time, {name}: start {', '.join(f'{s:.2f}' for s in starts)} s; "
-            f"stop (compose down --rmi local --volumes) {', '.join(f'{s:.2f}' for s in stops)} s"
-        )
-    assert all(len(starts) == len(stops) == 2 for starts, stops in measured.values())
+                stops.setdefault(overlay, []).append(sandbox.times.seconds["stop"])
+    assert min(stops[False]) >= 9.0  # Docker's grace period, waited out
+    assert max(stops[True]) * 5 < min(stops[False])
 
 
 @pytest.mark.anyio
-async def test_stop_soon_returns_before_the_stop_is_done(example_tasks, report):
+async def test_stop_soon_returns_before_the_stop_is_done(example_tasks):
+    """A container without the overlay's init takes Docker's 10 s grace period to stop: the next
+    sandbox starts and runs a command while that stop is still in progress."""
     first_task, next_task = example_tasks[0], example_tasks[1]
-    async with Engine() as engine:
+    async with Engine(docker_overlay=False) as engine:
         first = engine.launch(first_task, "docker")
         await first.wait_started()
-        began = anyio.current_time()
         engine.stop_soon(first)
-        returned_after = anyio.current_time() - began
-        # The call returned; the stop runs in the background.
-        assert not first.done
-        assert first in engine.live_sandboxes()
-
-        # The next episode starts and runs commands meanwhile.
         second = engine.launch(next_task, "docker")
         await second.wait_started()
         assert (await second.exec("echo ok")).output.strip() == "ok"
-        first_still_stopping = not first.done
-
+        assert not first.done and first in engine.live_sandboxes()  # still stopping, in the background
         await first.stop()  # idempotent: waits for the background stop
         assert first.done and first.state is SandboxState.STOPPED and first.stop_error is None
+        assert first.times.seconds["stop"] >= 9.0
         assert docker_leftovers(first.id) == {}
         await second.stop()
-    report(
-        f"[docker] stop_soon returned in {returned_after * 1000:.1f} ms; the stop took "
-        f"{first.times.seconds['stop']:.1f} s; next sandbox was up while it ran: {first_still_stopping}"
-    )
 
 
 # ─── kill -9 in the middle of a batch, then reap ─────────────────────────────
