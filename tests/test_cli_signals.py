@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 
@@ -81,6 +82,9 @@ def test_a_third_signal_forces_the_exit_and_names_what_is_left(tmp_path, leak_pr
     assert len(config["episodes"]) == 2
     # What it names is what `sandboxes reap` removes: here, the two sandboxes' trial folders.
     assert leak_probe.sandbox_dirs(), "a forced exit during the stops leaves the trial folders"
-    reaped = harbor_async("sandboxes", "reap")
+    left = re.search(r"may be left: (.+)", err).group(1).split(", ")
+    labels = {sandbox.rsplit("-", 1)[0] for sandbox in left}  # a sandbox id is its run's label + a suffix
+    assert len(labels) == 1  # scoped to this run: other runs' leftovers are not the test's to remove
+    reaped = harbor_async("sandboxes", "reap", "--run-label", labels.pop())
     assert reaped.returncode == 0, reaped.stdout + reaped.stderr
     assert not leak_probe.sandbox_dirs()
