@@ -79,6 +79,14 @@ def engine_for(options: EngineOptions) -> Engine:
     return slot.result()
 
 
+def close_engine(options: EngineOptions) -> None:
+    """Stop the sandboxes of the engine for ``options`` and end it; a later env with them opens a new one."""
+    with _engines_lock:
+        slot = _engines.pop(options, None)
+    if slot is not None and slot.done() and slot.exception() is None:
+        _loop.get_loop().close_engine(slot.result())
+
+
 def guard_for(options: EngineOptions) -> RolloutGuard:
     """The rollout guard shared by every env with ``options`` (see :mod:`shim.guard`)."""
     with _engines_lock:

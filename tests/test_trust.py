@@ -205,13 +205,17 @@ def test_polling_the_count_while_engines_open_never_deadlocks():
 
     poller = threading.Thread(target=poll)
     poller.start()
+    options = [shim.options.EngineOptions(start_timeout=100.0 + i) for i in range(1000)]
     try:
-        for i in range(1000):  # each option set opens its own engine on the loop thread
-            engines.engine_for(shim.options.EngineOptions(start_timeout=100.0 + i))
+        for option in options:  # each option set opens its own engine on the loop thread
+            engines.engine_for(option)
     finally:
         stop.set()
         poller.join(timeout=10)
+        for option in options:
+            engines.close_engine(option)
     assert not poller.is_alive() and counts
+    assert not any(engine.timeouts.start in {o.start_timeout for o in options} for engine in engines.open_engines())
 
 
 def _child(mode: str, **env: str) -> subprocess.Popen[str]:
