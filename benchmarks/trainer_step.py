@@ -1,6 +1,6 @@
 """GRPO steps of a real ``GRPOTrainer`` on CPU: the plain shim against ``HarborGRPOTrainer``, beside TRL's env.
 
-Each run trains a tiny Qwen3 (built on the fly, tests/tiny_model.py) with
+Each run trains a tiny Qwen3 (built on the fly, benchmarks/tiny_model.py) with
 ``model.generate`` scripted: every rollout makes ``turns`` bash tool calls,
 one per turn, then answers. The environments are the shim's on the simulated
 backend, so only their latencies cost time. Two trainers, same data, same
@@ -162,7 +162,7 @@ class _Script:
     """``model.generate``: a bash call on each of the first ``turns`` turns, then a final answer."""
 
     def __init__(self, tokenizer: Any, turns: int) -> None:
-        from tests.tiny_model import encode_exact
+        from benchmarks.tiny_model import encode_exact
 
         self.tokenizer = tokenizer
         self.turns = turns
@@ -278,7 +278,7 @@ def _child_env() -> None:
 def run_one(name: str, trainer: str, log: Any = print) -> dict[str, Any]:
     """One trainer on one scenario, in this process (tiny model built here); its run as JSON."""
     _child_env()
-    from tests.tiny_model import build_tiny_qwen3
+    from benchmarks.tiny_model import build_tiny_qwen3
 
     scenario = SCENARIOS[name]
     with tempfile.TemporaryDirectory(prefix="trainer-step-") as tmp:

@@ -23,7 +23,7 @@ from tests.cluster_grpo_rank import CLUSTER_CAP, RANK_BATCH
 @pytest.mark.timeout(1200)
 def test_two_ranks_train_two_steps_under_one_cluster_budget(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
     from tests.test_shim_grpo import TASKS, _instructions
-    from tests.tiny_model import build_tiny_qwen3
+    from benchmarks.tiny_model import build_tiny_qwen3
 
     warnings.filterwarnings("ignore", category=UserWarning)
     model_dir, _ = build_tiny_qwen3(tmp_path / "tiny-qwen3", corpus=list(_instructions(list(TASKS))))

@@ -197,7 +197,7 @@ def test_a_managed_server_dying_mid_run_is_a_clear_error(tmp_path: Path) -> None
 
 
 def test_transformers_serve_of_the_tiny_model_through_serve_cmd(tmp_path: Path) -> None:
-    from tests.tiny_model import build_tiny_qwen3
+    from benchmarks.tiny_model import build_tiny_qwen3
 
     model_dir, _ = build_tiny_qwen3(tmp_path / "tiny-qwen3")
     transformers = Path(sys.executable).parent / "transformers"

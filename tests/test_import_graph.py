@@ -137,3 +137,15 @@ def test_the_sandbox_never_imports_the_engine():
 def test_product_modules_stay_small():
     long = {name: n for name, path in MODULES.items() if (n := path.read_text(encoding="utf-8").count("\n")) > MAX_LINES}
     assert long == {}, f"modules over {MAX_LINES} lines"
+
+
+def test_the_benchmarks_never_import_the_tests():
+    found = {}
+    for path in sorted((REPO / "benchmarks").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        bad = [n for n in names if n.split(".")[0] == "tests"]
+        if bad:
+            found[path.name] = bad
+    assert found == {}

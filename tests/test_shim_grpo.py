@@ -1,6 +1,6 @@
 """A real TRL GRPOTrainer run on CPU with the shim's HarborSpec on the local (bubblewrap) backend.
 
-The model is a tiny Qwen3 built at test time (tests/tiny_model.py); its
+The model is a tiny Qwen3 built at test time (benchmarks/tiny_model.py); its
 ``generate`` is patched, as in TRL's own tests, so that each rollout's first
 turn is a real ``<tool_call>`` that TRL parses and sends to the env: a bash
 command that runs in the task's sandbox and writes an answer (the task's gold
@@ -36,7 +36,7 @@ from harbor_async.suites import example_suite_path
 from harbor_async.tasks import load_task
 from shim import engines
 from shim.spec import _SPEC_ENVS
-from tests.tiny_model import build_tiny_qwen3, encode_exact
+from benchmarks.tiny_model import build_tiny_qwen3, encode_exact
 
 from tests.conftest import needs_trl_get_reward  # noqa: E402
 

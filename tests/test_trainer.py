@@ -36,7 +36,7 @@ from harbor_async.suites import example_suite_path
 from shim import engines
 from shim.trainer import FAILED_KEY, HarborGRPOTrainer, UnsupportedTRLVersionError, check_trl_version
 from tests.test_shim_grpo import _grpo_args
-from tests.tiny_model import build_tiny_qwen3, encode_exact
+from benchmarks.tiny_model import build_tiny_qwen3, encode_exact
 
 INDICES = [1, 3]  # csv-column-sum, csv-max-price: tasks with a gold answer
 MARKER = re.compile(r"\[r(\d)\]")

@@ -30,7 +30,7 @@ from shim import engines
 from shim.rewards import verify_environments
 from shim.trainer import FAILED_KEY, METRIC_KEYS, HarborGRPOTrainer, select_rows
 from tests.test_trainer import grpo_args
-from tests.tiny_model import build_tiny_qwen3, encode_exact
+from benchmarks.tiny_model import build_tiny_qwen3, encode_exact
 from tests.trainer_backend import OneFailedStart
 
 MARKER = re.compile(r"\[r(\d)\]")

@@ -27,7 +27,7 @@ from harbor_async.suites import example_suite_path
 from shim import engines
 from shim.trainer import HarborGRPOTrainer
 from tests.test_trainer import grpo_args
-from tests.tiny_model import build_tiny_qwen3, encode_exact
+from benchmarks.tiny_model import build_tiny_qwen3, encode_exact
 
 HARNESS = str(Path(__file__).with_name("trl_style_harness.py")) + ":NotesHarness"
 INDICES = [1, 3, 4, 9]  # tasks with a gold answer

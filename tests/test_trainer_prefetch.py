@@ -36,7 +36,7 @@ from shim import engines, prefetch
 from shim.trainer import PREFETCH_METRIC_KEYS, HarborGRPOTrainer
 from tests.test_shim_grpo import _grpo_args
 from tests.test_trainer_failures import Scripted, _turns
-from tests.tiny_model import build_tiny_qwen3
+from benchmarks.tiny_model import build_tiny_qwen3
 
 STEPS = 3
 

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.trl_api
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory):
-    from tests.tiny_model import build_tiny_qwen3
+    from benchmarks.tiny_model import build_tiny_qwen3
 
     warnings.filterwarnings("ignore", category=UserWarning)
     return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), corpus=["list the files", "sum a column"])

@@ -28,7 +28,7 @@ from harbor_async.errors import InfrastructureBudgetError, SandboxLimitError
 from harbor_async.suites import example_suite_path
 from shim import engines
 from tests.test_shim_grpo import TASKS, ScriptedGeneration, _grpo_args, _instructions
-from tests.tiny_model import build_tiny_qwen3
+from benchmarks.tiny_model import build_tiny_qwen3
 
 FAILING_TASK = "csv-max-price"
 

@@ -1,4 +1,4 @@
-"""A tiny Qwen3 model and tokenizer built at test time: no download, CPU-sized, real TRL parsing.
+"""A tiny Qwen3 model and tokenizer built on the fly (tests and the trainer benchmark): no download, CPU-sized, real TRL parsing.
 
 - The tokenizer is a byte-level BPE trained with ``tokenizers`` on a small
   corpus (every byte stays encodable), wrapped as a ``PreTrainedTokenizerFast``
