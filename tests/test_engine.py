@@ -208,7 +208,7 @@ async def test_stop_right_after_launch_returns_at_once(example_tasks, queued):
         sandbox = eng.launch(example_tasks[0], "simulated")
         began = anyio.current_time()
         await sandbox.stop()
-        assert anyio.current_time() - began < 0.1
+        assert anyio.current_time() - began < 5  # the start it cancelled would have taken 30 s
         assert sandbox.done and eng.stats().failed == 0
         if queued:
             await blocker.stop()

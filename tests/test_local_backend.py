@@ -229,11 +229,10 @@ async def test_start_exec_stop_honours_dockerfile(env: LocalEnvironment) -> None
 
 
 @pytest.mark.anyio
-async def test_start_is_fast_and_writes_a_marker(tmp_path: Path, task_dir: Path) -> None:
+async def test_start_writes_a_marker(tmp_path: Path, task_dir: Path) -> None:
+    """(How fast a start is, `harbor-async bench throughput -e local` measures.)"""
     env = make_env(tmp_path, task_dir, run_label="bench")
-    started = time.perf_counter()
     await env.start(force_build=False)
-    assert time.perf_counter() - started < 0.5
     try:
         marker = json.loads((env.root / ".harbor-async.json").read_text())
         assert (marker["run_label"], marker["session_id"], marker["pids"]) == ("bench", "s1", [])

@@ -157,7 +157,7 @@ def test_a_task_verifier_timeout_stops_a_hung_verifier(tmp_path: Path):
         began = time.monotonic()
         assert env.reward == 0.0  # the verifier's failure is the episode's: scored 0
         took = time.monotonic() - began
-        assert 2.5 < took < 8.0, took
+        assert 3.0 <= took < 20.0, took  # stopped by its 3 s budget, not waited out (it sleeps 20 s)
         assert isinstance(env._episode.reward_error, VerifierFailure)
         assert env._episode.failure is FailureClass.VERIFIER
     finally:
