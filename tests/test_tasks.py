@@ -1,20 +1,20 @@
 """Task suites: the bundled example suite's content, and load_suite / load_task.
 
-The bundled tasks are run for real: each task's solve.sh and tests/test.sh run in a
-bubblewrap sandbox laid out like the task's container (host /usr read-only, the
-Dockerfile's COPY files in a writable /workdir, its ENV set), and the reward the
-verifier writes is read back. This harness only validates the suite content; the
-project's local backend is tested elsewhere.
+The bundled tasks are run for real on the product's local backend, through the
+engine, as `run` runs them: Harbor's oracle runs each solve.sh, Harbor's verifier
+each tests/test.sh, and the rewards it reads are checked; so these fail when the
+local backend breaks (its Dockerfile subset, ENV, COPY, uploads, verification).
 """
 
 from __future__ import annotations
 
-import json
+import base64
 import os
-import shlex
 import shutil
 import subprocess
 import tomllib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import huggingface_hub
@@ -22,6 +22,9 @@ import pytest
 from harbor.models.task.task import Task
 
 import harbor_async
+from harbor_async.backends.local.dockerfile import parse_dockerfile
+from harbor_async.engine import Engine
+from harbor_async.sandbox import Sandbox
 from harbor_async.suites import example_suite_path
 from harbor_async.tasks import (
     HUB_ALLOW_PATTERNS,
@@ -58,145 +61,37 @@ PLAUSIBLE_WRONG = {
 }
 
 
-# ── a bubblewrap harness shaped like the task's container ────────────────────
+# ── the product's local backend runs each task ───────────────────────────────
 
 
-def _bwrap_usable() -> bool:
-    if shutil.which("bwrap") is None:
-        return False
-    probe = subprocess.run(
-        ["bwrap", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "true"],
-        capture_output=True,
-    )
-    return probe.returncode == 0
+@asynccontextmanager
+async def local_sandbox(name: str, tmp_path: Path) -> AsyncIterator[Sandbox]:
+    """The task's sandbox on the product's local backend, started through the engine (as `run` starts it)."""
+    async with Engine(backend_kwargs={"sandbox_root": str(tmp_path)}) as engine:
+        sandbox = engine.launch(load_task(EXAMPLE_TASKS / name), "local")
+        try:
+            await sandbox.wait_started()
+            yield sandbox
+        finally:
+            await sandbox.stop()
 
 
-needs_bwrap = pytest.mark.skipif(not _bwrap_usable(), reason="bubblewrap (bwrap) not usable here")
-
-
-class Dockerfile:
-    """The FROM / WORKDIR / ENV / COPY lines of a task's Dockerfile."""
-
-    def __init__(self, path: Path) -> None:
-        self.base: str | None = None
-        self.workdir = "/"
-        self.env: dict[str, str] = {}
-        self.copies: list[tuple[list[str], str]] = []
-        self.other: list[str] = []
-        for raw in path.read_text().splitlines():
-            line = raw.strip()
-            if not line or line.startswith("#"):
-                continue
-            instr, _, rest = line.partition(" ")
-            instr = instr.upper()
-            if instr == "FROM":
-                self.base = rest.strip()
-            elif instr == "WORKDIR":
-                self.workdir = rest.strip()
-            elif instr == "ENV":
-                words = shlex.split(rest)
-                if words and "=" not in words[0]:  # legacy "ENV KEY value"
-                    self.env[words[0]] = rest.strip()[len(words[0]) :].strip()
-                else:
-                    for word in words:
-                        key, _, value = word.partition("=")
-                        self.env[key] = value
-            elif instr == "COPY":
-                parts = [p for p in shlex.split(rest) if not p.startswith("--")]
-                self.copies.append((parts[:-1], parts[-1]))
-            else:
-                self.other.append(line)
-
-
-def _host_path(container_path: str, workdir_host: Path) -> Path:
-    assert container_path == "/workdir" or container_path.startswith("/workdir/"), (
-        f"COPY destination {container_path} is outside /workdir"
-    )
-    return workdir_host / container_path[len("/workdir") :].lstrip("/")
-
-
-def _apply_copies(dockerfile: Dockerfile, context: Path, workdir_host: Path) -> None:
-    """Do what the Dockerfile's COPY lines do, into the host folder mounted at /workdir."""
-    for sources, dest in dockerfile.copies:
-        if not dest.startswith("/"):
-            dest = dockerfile.workdir.rstrip("/") + "/" + dest
-        into_dir = dest.endswith("/") or len(sources) > 1
-        for src in sources:
-            src_path = context / src
-            assert src_path.exists(), f"COPY source {src} missing from {context}"
-            if src_path.is_dir():
-                shutil.copytree(src_path, _host_path(dest.rstrip("/"), workdir_host), dirs_exist_ok=True)
-                continue
-            target = _host_path(dest.rstrip("/"), workdir_host)
-            if into_dir:
-                target = target / src_path.name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src_path, target)
-
-
-class Sandbox:
-    """One task's container, faked with bubblewrap over temp folders."""
-
-    def __init__(self, task_dir: Path, tmp: Path) -> None:
-        self.task_dir = task_dir
-        self.dockerfile = Dockerfile(task_dir / "environment" / "Dockerfile")
-        self.dirs = {name: tmp / name for name in ("workdir", "logs", "tests", "solution")}
-        self.dirs["workdir"].mkdir()
-        (self.dirs["logs"] / "verifier").mkdir(parents=True)
-        (self.dirs["logs"] / "agent").mkdir()
-        shutil.copytree(task_dir / "tests", self.dirs["tests"])
-        shutil.copytree(task_dir / "solution", self.dirs["solution"])
-        for script in (self.dirs["tests"] / "test.sh", self.dirs["solution"] / "solve.sh"):
-            script.chmod(0o755)  # what Harbor does before running them
-        _apply_copies(self.dockerfile, task_dir / "environment", self.dirs["workdir"])
-
-    @property
-    def workdir(self) -> Path:
-        return self.dirs["workdir"]
-
-    def run(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
-        # No --unshare-pid: its pid-1 helper outlives bwrap as a zombie until the
-        # machine's init reaps it, which the suite-wide leak check would flag.
-        cmd = ["bwrap", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--unshare-cgroup-try"]
-        cmd += ["--die-with-parent", "--ro-bind", "/usr", "/usr"]
-        cmd += ["--ro-bind", "/etc", "/etc"]
-        for name in ("bin", "lib", "lib64", "sbin"):
-            top = Path("/") / name
-            if top.is_symlink():
-                cmd += ["--symlink", os.readlink(top), str(top)]
-            elif top.is_dir():
-                cmd += ["--ro-bind", str(top), str(top)]
-        cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", "/root"]
-        for name, host in self.dirs.items():
-            cmd += ["--bind", str(host), f"/{name}"]
-        cmd += ["--chdir", self.dockerfile.workdir, "--clearenv"]
-        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
-        env.update(self.dockerfile.env)
-        for key, value in env.items():
-            cmd += ["--setenv", key, value]
-        return subprocess.run(cmd + argv, capture_output=True, text=True, timeout=60)
-
-    def solve(self) -> None:
-        result = self.run(["/solution/solve.sh"])
-        assert result.returncode == 0, f"solve.sh failed: {result.stdout}{result.stderr}"
-
-    def verify(self) -> dict[str, float]:
-        """Run tests/test.sh and read the rewards the way Harbor's verifier does."""
-        result = self.run(["/tests/test.sh"])
-        assert result.returncode == 0, f"test.sh crashed: {result.stdout}{result.stderr}"
-        assert "not found" not in result.stderr, result.stderr  # a missing tool is a bug
-        verifier = self.dirs["logs"] / "verifier"
-        if (verifier / "reward.json").exists():
-            rewards = json.loads((verifier / "reward.json").read_text())
-            assert isinstance(rewards, dict) and rewards
-            assert all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in rewards.values())
-            return {k: float(v) for k, v in rewards.items()}
-        assert (verifier / "reward.txt").exists(), "verifier wrote no reward"
-        return {"reward": float((verifier / "reward.txt").read_text())}
+async def _answer(sandbox: Sandbox, text: str) -> None:
+    encoded = base64.b64encode(text.encode()).decode()
+    done = await sandbox.exec(f"printf %s {encoded} | base64 -d > /workdir/answer.txt")
+    assert done.exit_code == 0, done.output
 
 
 def _metadata(name: str) -> dict:
     return tomllib.loads((EXAMPLE_TASKS / name / "task.toml").read_text()).get("metadata", {})
+
+
+async def _verify(sandbox: Sandbox) -> dict[str, float]:
+    """The rewards Harbor's verifier reads; a missing tool in the test script is a bug of the task."""
+    result = await sandbox.verify()
+    assert "not found" not in (result.output or ""), result.output
+    assert result.rewards and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in result.rewards.values())
+    return {k: float(v) for k, v in result.rewards.items()}
 
 
 # ── the bundled suite ────────────────────────────────────────────────────────
@@ -234,12 +129,12 @@ def test_bundled_task_content_follows_the_suite_rules(name):
     assert meta.get("difficulty") in {"easy", "medium", "hard"}
     assert meta.get("category")
 
-    dockerfile = Dockerfile(task_dir / "environment" / "Dockerfile")
-    assert dockerfile.base == "debian:bookworm-slim"
+    dockerfile = parse_dockerfile((task_dir / "environment" / "Dockerfile").read_text())  # the local backend's reader
+    assert dockerfile.base_image == "debian:bookworm-slim"
     assert dockerfile.workdir == "/workdir"
-    assert dockerfile.other == [], "only FROM / WORKDIR / ENV / COPY lines are allowed"
-    for sources, _dest in dockerfile.copies:
-        for src in sources:  # data stays inside environment/ (the build context)
+    assert dockerfile.ignored == [], "only FROM / WORKDIR / ENV / COPY lines are allowed"
+    for step in dockerfile.copies:
+        for src in step.sources:  # data stays inside environment/ (the build context)
             assert (task_dir / "environment" / src).resolve().is_relative_to(task_dir / "environment")
 
     for script in (task_dir / "solution" / "solve.sh", task_dir / "tests" / "test.sh"):
@@ -251,77 +146,74 @@ def test_bundled_task_content_follows_the_suite_rules(name):
         assert syntax.returncode == 0, syntax.stderr
 
 
-@needs_bwrap
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize("name", EXAMPLE_NAMES)
-def test_bundled_task_solution_scores_one(name, tmp_path):
-    box = Sandbox(EXAMPLE_TASKS / name, tmp_path)
-    box.solve()
-    rewards = box.verify()
+async def test_bundled_task_solution_scores_one(name, tmp_path):
+    async with local_sandbox(name, tmp_path) as sandbox:
+        await sandbox.run_agent("oracle")  # Harbor's oracle: the task's solution/solve.sh
+        rewards = await _verify(sandbox)
+        answer = await sandbox.exec("cat /workdir/answer.txt 2>/dev/null")
     assert rewards["reward"] == 1.0
     assert all(value == 1.0 for value in rewards.values()), rewards
     gold = _metadata(name).get("gold_answer")
     if gold is not None:  # the metadata's gold answer is what the solution submits
-        assert (box.workdir / "answer.txt").read_text().strip() == gold
+        assert answer.stdout.strip() == gold
 
 
-@needs_bwrap
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize("name", EXAMPLE_NAMES)
-def test_bundled_task_without_solution_scores_zero(name, tmp_path):
-    box = Sandbox(EXAMPLE_TASKS / name, tmp_path)
-    assert not (box.workdir / "answer.txt").exists()
-    rewards = box.verify()
-    assert rewards["reward"] == 0.0
-    assert all(value == 0.0 for value in rewards.values()), rewards
+async def test_bundled_task_untouched_garbage_and_wrong_answers_score_zero(name, tmp_path):
+    answers = [None, "I think the answer is 42, probably.\n", PLAUSIBLE_WRONG.get(name)]
+    for answer in [a for a in answers[1:] if a is not None] + [None]:
+        async with local_sandbox(name, tmp_path) as sandbox:
+            if answer is not None:
+                await _answer(sandbox, answer)
+            else:
+                assert (await sandbox.exec("test -e /workdir/answer.txt")).exit_code != 0
+            rewards = await _verify(sandbox)
+        assert rewards["reward"] == 0.0, (answer, rewards)
+        if answer is None:
+            assert all(value == 0.0 for value in rewards.values()), rewards
 
 
-@needs_bwrap
-@pytest.mark.parametrize("name", EXAMPLE_NAMES)
-def test_bundled_task_with_garbage_answer_scores_zero(name, tmp_path):
-    box = Sandbox(EXAMPLE_TASKS / name, tmp_path)
-    (box.workdir / "answer.txt").write_text("I think the answer is 42, probably.\n")
-    assert box.verify()["reward"] == 0.0
-
-
-@needs_bwrap
-@pytest.mark.parametrize("name", sorted(PLAUSIBLE_WRONG))
-def test_bundled_task_with_plausible_wrong_answer_scores_zero(name, tmp_path):
-    box = Sandbox(EXAMPLE_TASKS / name, tmp_path)
-    (box.workdir / "answer.txt").write_text(PLAUSIBLE_WRONG[name])
-    assert box.verify()["reward"] == 0.0
-
-
-@needs_bwrap
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize("name", [n for n in EXAMPLE_NAMES if _metadata(n).get("gold_answer")])
-def test_bundled_task_accepts_gold_answer_with_surrounding_whitespace(name, tmp_path):
-    box = Sandbox(EXAMPLE_TASKS / name, tmp_path)
-    (box.workdir / "answer.txt").write_text(f"{_metadata(name)['gold_answer']}  \n\n")
-    assert box.verify()["reward"] == 1.0
+async def test_bundled_task_accepts_gold_answer_with_surrounding_whitespace(name, tmp_path):
+    async with local_sandbox(name, tmp_path) as sandbox:
+        await _answer(sandbox, f"{_metadata(name)['gold_answer']}  \n\n")
+        assert (await _verify(sandbox))["reward"] == 1.0
 
 
-@needs_bwrap
-def test_multi_key_reward_scores_format_apart_from_correctness(tmp_path):
-    box = Sandbox(EXAMPLE_TASKS / "number-stats", tmp_path)
-    (box.workdir / "answer.txt").write_text("min=0 max=1 count=2\n")
-    assert box.verify() == {"reward": 0.0, "format": 1.0, "correct": 0.0}
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_multi_key_reward_scores_format_apart_from_correctness(tmp_path):
+    async with local_sandbox("number-stats", tmp_path) as sandbox:
+        await _answer(sandbox, "min=0 max=1 count=2\n")
+        assert await _verify(sandbox) == {"reward": 0.0, "format": 1.0, "correct": 0.0}
 
 
-@needs_bwrap
-def test_env_task_depends_on_dockerfile_env(tmp_path):
-    box = Sandbox(EXAMPLE_TASKS / "env-inventory-lookup", tmp_path)
-    assert box.dockerfile.env == {
-        "INVENTORY_FILE": "/workdir/data/inventory.csv",
-        "LOW_STOCK_THRESHOLD": "5",
-    }
-    box.dockerfile.env.clear()  # a backend that ignores ENV breaks the reference solution
-    assert box.run(["/solution/solve.sh"]).returncode != 0
-    assert box.verify()["reward"] == 0.0
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_env_task_depends_on_dockerfile_env(tmp_path):
+    async with local_sandbox("env-inventory-lookup", tmp_path) as sandbox:
+        env = await sandbox.exec('echo "$INVENTORY_FILE $LOW_STOCK_THRESHOLD"')
+        assert env.stdout.strip() == "/workdir/data/inventory.csv 5"  # the backend honours the Dockerfile's ENV
+        await sandbox.upload(EXAMPLE_TASKS / "env-inventory-lookup" / "solution", "/solution")
+        # Without the ENV (a backend that ignored it) the reference solution fails.
+        unset = await sandbox.exec("env -u INVENTORY_FILE -u LOW_STOCK_THRESHOLD sh /solution/solve.sh")
+        assert unset.exit_code != 0
+        assert (await _verify(sandbox))["reward"] == 0.0
 
 
-@needs_bwrap
-def test_verifier_ignores_stale_reward_and_rewrites_it(tmp_path):
-    box = Sandbox(EXAMPLE_TASKS / "count-log-files", tmp_path)
-    (box.dirs["logs"] / "verifier" / "reward.txt").write_text("1\n")
-    assert box.verify()["reward"] == 0.0
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_verifier_ignores_stale_reward_and_rewrites_it(tmp_path):
+    async with local_sandbox("count-log-files", tmp_path) as sandbox:
+        assert (await sandbox.exec("mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt")).exit_code == 0
+        assert (await _verify(sandbox))["reward"] == 0.0
 
 
 # ── suites built in tmp: layout, selection, invalid tasks ────────────────────
