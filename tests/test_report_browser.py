@@ -103,7 +103,7 @@ def _artifact(tmp_path: Path, page: Page, name: str) -> Path:
 @pytest.fixture(scope="module")
 def eval_report(tmp_path_factory) -> tuple[Path, list[EpisodeRecord]]:
     jobs = tmp_path_factory.mktemp("jobs")
-    job = make_job(jobs, "eval-job", tasks=14, n_attempts=3, evil_task=EVIL_TASK, seed=2)
+    job = make_job(jobs, "eval-job", tasks=14, attempts=3, evil_task=EVIL_TASK, seed=2)
     return write_report(job, job / "report.html"), list(JobFolder(job).latest().values())
 
 
@@ -201,7 +201,7 @@ def test_script_in_a_transcript_shows_as_text_and_runs_nothing(tab: Page, eval_r
 
 
 def test_sweep_and_benchmark_reports_load(tab: Page, tmp_path: Path) -> None:
-    job = make_job(tmp_path, "sweep", tasks=10, n_attempts=3, models=SWEEP, seed=4)
+    job = make_job(tmp_path, "sweep", tasks=10, attempts=3, models=SWEEP, seed=4)
     report = write_report(job, job / "report.html")
     tab.page.goto(report.as_uri())
     tab.page.wait_for_selector("#task-table tbody tr")
@@ -224,7 +224,7 @@ def test_sweep_and_benchmark_reports_load(tab: Page, tmp_path: Path) -> None:
 
 
 def test_view_reloads_while_the_job_runs(tab: Page, tmp_path: Path) -> None:
-    job_path = make_job(tmp_path, tasks=3, n_attempts=1)
+    job_path = make_job(tmp_path, tasks=3, attempts=1)
     server = ReportServer(job_path, port=0)
     url = server.start()
     try:
