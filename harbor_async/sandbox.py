@@ -245,14 +245,14 @@ class Sandbox:
         ran past its budget: the model's episode, not the infrastructure's. The
         verifier's output is kept on the result and on that error.
         """
-        from harbor.models.trial.config import VerifierConfig
         from harbor.models.trial.paths import EnvironmentPaths
-        from harbor.verifier.factory import VerifierFactory
         from harbor.verifier.verifier import (
             RewardFileEmptyError,
             RewardFileNotFoundError,
             VerifierOutputParseError,
         )
+
+        from harbor_async.reward_files import BoundedVerifier
 
         await self.wait_started()
         environment = self.environment
@@ -264,8 +264,7 @@ class Sandbox:
                 # test.sh redirects into the verifier dir; the shell cannot create its parent.
                 env_paths = EnvironmentPaths.for_os(environment.os)
                 await environment.empty_dirs([env_paths.verifier_dir], chmod=True)
-                verifier = VerifierFactory.create_verifier_from_config(
-                    VerifierConfig(),
+                verifier = BoundedVerifier(  # Harbor's verifier, reading the reward files with bounds
                     task=self.task,
                     trial_paths=self._trial_paths(),
                     environment=environment,

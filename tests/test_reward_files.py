@@ -1,0 +1,96 @@
+"""Reward files are read with bounds: a verifier that writes junk fails as the verifier, never as infrastructure.
+
+The parsing is checked on its own, then end to end: tasks whose test script
+writes a hostile reward file run through the engine on the local backend.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from harbor_async.engine import Engine
+from harbor_async.reward_files import (
+    MAX_REWARD_FILE_BYTES,
+    InvalidRewardFileError,
+    parse_reward_json,
+    parse_reward_text,
+    read_bounded,
+)
+from harbor_async.runner import run_suite
+from harbor_async.suites import example_suite_path
+from harbor_async.tasks import load_task
+
+pytestmark = pytest.mark.range
+
+
+@pytest.mark.parametrize("text, reward", [("1", 1.0), (" 0.5\n", 0.5), ("-2e-3", -0.002), ("+.25", 0.25)])
+def test_a_decimal_number_is_a_reward(text, reward):
+    assert parse_reward_text(text) == {"reward": reward}
+
+
+@pytest.mark.parametrize("text", ["1_000_000", "inf", "nan", "true", "1e300", "2000000", "1 2", "", "0x10"])
+def test_anything_else_in_reward_txt_is_refused(text):
+    with pytest.raises(InvalidRewardFileError):
+        parse_reward_text(text)
+
+
+def test_a_reward_json_is_an_object_of_bounded_numbers():
+    assert parse_reward_json('{"reward": 1, "format": 0.5}') == {"reward": 1, "format": 0.5}
+    for text in (
+        "[" * 100_000 + "]" * 100_000,  # RecursionError in json.loads
+        '{"reward": ' + "9" * 4000 + "}",  # an integer no float holds
+        '{"reward": true}', '{"reward": NaN}', '{"reward": Infinity}', '{"reward": "1"}', '{"reward": 1e7}',
+        "1", "[1]", "{}", '{"reward": {"nested": 1}}', "{" + ",".join(f'"k{i}": 1' for i in range(65)) + "}",
+    ):  # fmt: skip
+        with pytest.raises(InvalidRewardFileError):
+            parse_reward_json(text)
+
+
+def test_a_reward_file_is_read_only_if_it_is_a_small_regular_file(tmp_path: Path):
+    good = tmp_path / "reward.txt"
+    good.write_text("1")
+    assert read_bounded(good) == "1"
+    sparse = tmp_path / "sparse.txt"
+    with open(sparse, "wb") as fh:
+        fh.truncate(1 << 30)  # 1 GiB of nothing on disk: its apparent size counts
+    link = tmp_path / "link.txt"
+    link.symlink_to(good)
+    fifo = tmp_path / "fifo.txt"
+    os.mkfifo(fifo)  # would block a plain read forever
+    for path in (sparse, link, fifo, tmp_path):
+        with pytest.raises(InvalidRewardFileError):
+            read_bounded(path)
+    big = tmp_path / "big.txt"
+    big.write_text("1" * (MAX_REWARD_FILE_BYTES + 1))
+    with pytest.raises(InvalidRewardFileError):
+        read_bounded(big)
+
+
+HOSTILE = {
+    "deep-json": "python3 -c \"print('[' * 100000 + ']' * 100000)\" > /logs/verifier/reward.json",
+    "huge-integer": "python3 -c \"print('{\\\"reward\\\": ' + '9' * 4000 + '}')\" > /logs/verifier/reward.json",
+    "underscores": "echo 1_000_000 > /logs/verifier/reward.txt",
+    "boolean": "echo '{\"reward\": true}' > /logs/verifier/reward.json",
+    "too-large": "echo 1e300 > /logs/verifier/reward.txt",
+    "symlink": "ln -s /etc/passwd /logs/verifier/reward.json",
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_hostile_reward_file_is_the_verifiers_failure(tmp_path: Path):
+    template = example_suite_path() / "tasks" / "count-log-files"
+    tasks = []
+    for name, script in HOSTILE.items():
+        task = tmp_path / name
+        shutil.copytree(template, task)
+        (task / "tests" / "test.sh").write_text(f"#!/bin/sh\nmkdir -p /logs/verifier\n{script}\n")
+        tasks.append(load_task(task))
+    async with Engine() as engine:
+        records = await run_suite(engine, tasks, "local", agent="none", concurrency=3)
+    outcomes = {r.task_path.rsplit("/", 1)[-1]: (r.error_class, r.reward, r.rerun) for r in records}
+    assert outcomes == {name: ("verifier", 0.0, False) for name in HOSTILE}, [r.error for r in records]
