@@ -23,6 +23,18 @@ pytestmark = [pytest.mark.anyio, pytest.mark.range]
 FAST_RETRY = RetryPolicy(attempts=3, initial_wait=0.01, max_wait=0.02)
 
 
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest):
+    """Under trio the clock is trio's MockClock, jumping ahead whenever every task waits: the
+    simulated backend's latencies and the engine's timeouts then take no wall time, and the
+    timings the tests assert are exact, not the machine's."""
+    if request.param == "trio":
+        from trio.testing import MockClock
+
+        return "trio", {"clock": MockClock(autojump_threshold=0)}
+    return request.param
+
+
 def engine(**kwargs) -> Engine:
     backend_kwargs = kwargs.pop("backend_kwargs", {})
     return Engine(retry=kwargs.pop("retry", FAST_RETRY), backend_kwargs=backend_kwargs, **kwargs)
