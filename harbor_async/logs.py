@@ -24,6 +24,7 @@ from typing import Any
 import structlog
 
 from harbor_async.errors import LogSettingError
+from harbor_async.printing import escape_fields
 
 ROOT_LOGGER = "harbor_async"
 LEVEL_ENV = "HARBOR_ASYNC_LOG_LEVEL"
@@ -64,6 +65,8 @@ class _Renderer:
         )
 
     def __call__(self, logger: Any, method: str, event_dict: dict[str, Any]) -> tuple[tuple[str], dict[str, Any]]:
+        # A log line may carry a task's, a sandbox's or a model's strings: no control character reaches a terminal.
+        event_dict = escape_fields(event_dict)
         # The event itself rides along on the LogRecord (``record.event_dict``) for handlers that want fields.
         fields = dict(event_dict)
         return (self._render(logger, method, event_dict),), {"extra": {"event_dict": fields}}

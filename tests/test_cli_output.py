@@ -59,3 +59,21 @@ def test_tasks_of_the_same_name_are_told_apart_by_path(tmp_path):
     assert sorted(rows) == ["a", "b"]  # the table names each by its path in the suite
     summary = json.loads((tmp_path / "jobs" / "j" / "summary.json").read_text())
     assert summary["tasks"] == 2 and summary["episodes"] == 2
+
+
+def test_terminal_escapes_from_a_task_never_reach_the_terminal(tmp_path):
+    """A task folder name, a Dockerfile line (in the backend's warning) and a verifier's error are escaped."""
+    evil = "\x1b]0;owned\x07\x1b[2J"
+    suite = make_suite(tmp_path / "suite", ["fine"])
+    bad = suite / "tasks" / f"evil{evil}"
+    shutil.copytree(suite / "tasks" / "fine", bad)
+    dockerfile = bad / "environment" / "Dockerfile"
+    dockerfile.write_text(dockerfile.read_text() + f"RUN echo '{evil}ALL EPISODES PASSED'\n")
+    (bad / "tests" / "test.sh").write_text(f"#!/bin/sh\nprintf '{evil}' > /logs/verifier/reward.txt\n")
+    result = harbor_async(
+        "run", "-p", str(suite), "-o", str(tmp_path / "jobs"), "--job-name", "j", "--log-level", "info",
+        env={"HARBOR_ASYNC_LOG_FORMAT": "console"},
+    )  # fmt: skip
+    both = result.stdout + result.stderr
+    assert "\x1b" not in both and "\x07" not in both
+    assert "\\x1b]0;owned" in both  # shown, visibly

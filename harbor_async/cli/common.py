@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
+from harbor_async.printing import escape_controls
+
 out = Console()
 if not out.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
     out = Console(width=200)
@@ -38,7 +40,7 @@ __all__ = [
 
 def say(label: str, message: object, style: str = "yellow", *, console: Console | None = None) -> None:
     """Print ``label`` in ``style`` then ``message`` verbatim (no markup read in it)."""
-    (console or err).print(Text.assemble((label, style), " ", str(message)))
+    (console or err).print(Text.assemble((label, style), " ", escape_controls(str(message), keep_newlines=True)))
 
 
 def fail(message: object, code: int = 2) -> typer.Exit:

@@ -39,6 +39,7 @@ from harbor_async.cli.common import (
     setup_logging,
 )
 from harbor_async.interrupts import Interrupts
+from harbor_async.printing import escape_controls
 from harbor_async.cli.selection import (
     describe_episodes,
     load_tasks,
@@ -168,9 +169,9 @@ def run(
     done = job.latest(root)
     todo = [e for e, key in zip(episodes, keys, strict=True) if key not in done or done[key].rerun]
     if resume is not None:
-        err.print(Text(f"resuming {job.path}: {len(episodes) - len(todo)} of {len(episodes)} episodes kept, {len(todo)} to run"))
+        err.print(Text(escape_controls(f"resuming {job.path}: {len(episodes) - len(todo)} of {len(episodes)} episodes kept, {len(todo)} to run")))
     else:
-        err.print(Text(f"job folder {job.path}"))
+        err.print(Text(escape_controls(f"job folder {job.path}")))
 
     interrupts = Interrupts()
     new: list[EpisodeRecord] = []
@@ -341,12 +342,12 @@ def _print_table(records: list[EpisodeRecord]) -> None:
     for r in records:
         spans = {s.phase: s.seconds for s in r.phases}
         name = r.task if names[r.task] == 1 else r.task_path  # same names: tell them apart by path
-        row = [Text(name)]
+        row = [Text(escape_controls(name))]
         if attempts:
             row.append(str(r.attempt))
         row.append("-" if r.reward is None else f"{r.reward:g}")
         row += [f"{spans[p]:.3f}" if p in spans else "" for p in used]
-        row += [Text(r.error_class or ""), Text(r.error or "")]
+        row += [Text(r.error_class or ""), Text(escape_controls(r.error or ""))]
         table.add_row(*row)
     out.print(table)
 
@@ -382,7 +383,7 @@ def tasks(
         suite_source(suite, path, dataset), n_tasks=n_tasks or num_tasks, indices=parse_indices(indices),
         include=include, exclude=exclude,
     )  # fmt: skip
-    table = Table(title=Text(f"tasks in {loaded.root}"))
+    table = Table(title=Text(escape_controls(f"tasks in {loaded.root}")))
     table.add_column("#", justify="right")
     table.add_column("task", overflow="fold")
     table.add_column("path", overflow="fold")
@@ -392,9 +393,9 @@ def tasks(
 
         table.add_column("image on local", overflow="fold")
     for i, task in enumerate(loaded.tasks):
-        cells = [str(i), Text(task.name), Text(str(task.paths.task_dir))]
+        cells = [str(i), Text(escape_controls(task.name)), Text(escape_controls(str(task.paths.task_dir)))]
         if local:
             mismatch = task_image_mismatch(task.paths.task_dir, task.config.environment.docker_image)
-            cells.append(Text(mismatch or "ok"))
+            cells.append(Text(escape_controls(mismatch or "ok")))
         table.add_row(*cells)
     out.print(table)

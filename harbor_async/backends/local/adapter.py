@@ -34,6 +34,7 @@ from harbor.models.trial.paths import TrialPaths
 from harbor_async.backends.local.cleanup import abandon
 from harbor_async.backends.local.dockerfile import DockerfileSpec, parse_dockerfile
 from harbor_async.backends.local.errors import ExecTimeoutError
+from harbor_async.printing import escape_controls
 from harbor_async.backends.local.images import image_mismatch
 from harbor_async.backends.local.keeper import (
     Keeper,
@@ -239,9 +240,9 @@ class LocalEnvironment(SandboxTransfers, BaseEnvironment):
         if self._host_mounts:
             ignored.append(f"mounts {[m.get('target') for m in self._host_mounts]}")
         if ignored:
-            self.logger.warning(
+            self.logger.warning(  # the task's names and lines, made safe to print
                 "local environment %s ignores %d item(s) of its definition: %s",
-                self.environment_name, len(ignored), "; ".join(ignored),
+                escape_controls(self.environment_name), len(ignored), escape_controls("; ".join(ignored)),
             )  # fmt: skip
 
     # -- lifecycle ------------------------------------------------------------
