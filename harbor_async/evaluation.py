@@ -29,7 +29,7 @@ from harbor_async import serve as _serve
 from harbor_async.agent import Agent, AgentLimits, Sampling
 from harbor_async.backends import BackendSpec, resolve_backend
 from harbor_async.checkpoints import ModelSpec, ServerGroup, resolve_models, server_groups
-from harbor_async.errors import EvalConfigError, FailureClass, HarborAsyncError
+from harbor_async.errors import EvalConfigError, FailureClass, HarborAsyncError, SettingError
 from harbor_async.interrupts import Interrupts
 from harbor_async.jobs import JobFolder
 from harbor_async.logs import get_logger
@@ -288,6 +288,11 @@ async def evaluate(
         if not kept:
             raise EvalConfigError(f"no task of {loaded.root} matches the -i/-x globs")
         loaded.tasks = kept[: config.n_tasks] if config.n_tasks is not None else kept
+    for task in loaded.tasks:  # every budget finite after the multipliers, checked before any server or sandbox
+        try:
+            config.timeouts().for_task(task)
+        except SettingError as exc:
+            raise EvalConfigError(f"task {task.name}: {exc}") from None
     groups = server_groups(specs, base_url=config.base_url, serve_cmd=config.serve_cmd, vllm_args=config.vllm_args)
     resolve_harness(config.agent, config.environment_type)
     resolve_backend(config.environment_type).check_options(config.environment_kwargs)  # before any server or job folder

@@ -125,7 +125,12 @@ def _task_value(section: Any, field_name: str, default: float | None) -> float |
 
 
 def _scaled(value: float | None, factor: float) -> float | None:
-    return None if value is None else value * factor
+    if value is None:
+        return None
+    scaled = value * factor
+    if not math.isfinite(scaled):  # a large task value times a large multiplier
+        raise SettingError("timeout", scaled, f"finite after the multiplier ({value:g} s x {factor:g})")
+    return scaled
 
 
 @dataclass(frozen=True)

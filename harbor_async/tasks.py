@@ -153,6 +153,36 @@ def suite_task_path(task: Task, root: Path | str) -> str:
         return str(task.paths.task_dir)
 
 
+#: The longest phase budget a task may set (a week): past it a number is a mistake, or an attack
+#: that a timeout multiplier would turn into an overflow.
+MAX_TASK_SECONDS = 7 * 24 * 3600.0
+
+
+def _insane_value(config: TaskConfig) -> str | None:
+    """Why a timeout or resource of the task cannot be right (``None``: they are sane).
+
+    Timeouts must be finite, above 0 and at most :data:`MAX_TASK_SECONDS`; the
+    resources a task asks for (``cpus``, ``memory_mb``, ``storage_mb``) above 0.
+    """
+    sections = (
+        ("agent", config.agent), ("verifier", config.verifier), ("environment", config.environment),
+        *((f"steps[{i}].agent", step.agent) for i, step in enumerate(config.steps or []) if getattr(step, "agent", None)),
+        *((f"steps[{i}].verifier", step.verifier) for i, step in enumerate(config.steps or []) if getattr(step, "verifier", None)),
+    )  # fmt: skip
+    for name, section in sections:
+        for field_name in ("timeout_sec", "build_timeout_sec"):
+            value = getattr(section, field_name, None)
+            if value is None or field_name not in getattr(section, "model_fields_set", ()):
+                continue
+            if isinstance(value, bool) or not (0 < float(value) <= MAX_TASK_SECONDS):  # also nan and inf
+                return f"[{name}] {field_name} = {value!r} is not a number of seconds in (0, {MAX_TASK_SECONDS:g}]"
+    for field_name in ("cpus", "memory_mb", "storage_mb"):
+        value = getattr(config.environment, field_name, None)
+        if value is not None and (isinstance(value, bool) or not (0 < float(value) < float("inf"))):
+            return f"[environment] {field_name} = {value!r} must be above 0"
+    return None
+
+
 def load_task(path: Path | str) -> Task:
     """Load and validate one task folder with Harbor's ``Task`` model.
 
@@ -192,6 +222,8 @@ def load_task(path: Path | str) -> Task:
     except (ValueError, TypeError) as e:
         raise TaskLoadError(task_dir, f"invalid task.toml: {e}") from e
 
+    if (problem := _insane_value(config)) is not None:
+        raise TaskLoadError(task_dir, f"invalid task.toml: {problem}")
     for entry, target in task_path_escapes(task_dir):  # as Docker refuses a build-context escape
         raise TaskLoadError(task_dir, f"{entry.name} leads out of the task folder (to {target}); refusing to follow it")
     if not config.environment.docker_image and not (task_dir / "environment").is_dir():

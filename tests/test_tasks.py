@@ -9,6 +9,7 @@ local backend breaks (its Dockerfile subset, ENV, COPY, uploads, verification).
 from __future__ import annotations
 
 import base64
+import re
 import os
 import shutil
 import subprocess
@@ -565,3 +566,32 @@ def test_tasks_on_local_marks_a_from_image_the_host_does_not_match(tmp_path):
     assert result.returncode == 0, result.stderr
     rows = {line.split("│")[2].strip(): line for line in result.stdout.splitlines() if "-task" in line}
     assert "alpine" in rows["alpine-task"] and rows["plain-task"].rstrip(" │").endswith("ok")
+
+
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ("[verifier]\ntimeout_sec = inf", "[verifier] timeout_sec = inf"),
+        ("[verifier]\ntimeout_sec = nan", "[verifier] timeout_sec = nan"),
+        ("[verifier]\ntimeout_sec = 0.0", "[verifier] timeout_sec = 0.0"),
+        ("[agent]\ntimeout_sec = 1e308", "[agent] timeout_sec = 1e+308"),
+        ("[environment]\nmemory_mb = -1", "[environment] memory_mb = -1"),
+        ("[environment]\ncpus = 0", "[environment] cpus = 0"),
+    ],
+)  # fmt: skip
+def test_a_task_with_an_insane_timeout_or_resource_is_invalid(tmp_path, line, reason):
+    task = make_task(tmp_path, "t", toml=line + "\n")
+    with pytest.raises(TaskLoadError, match=re.escape(reason)):
+        load_task(task)
+
+
+def test_a_budget_that_a_multiplier_overflows_is_refused_before_any_sandbox_starts(tmp_path):
+    from tests.cli_helpers import harbor_async
+
+    make_task(tmp_path / "suite", "big", toml="[verifier]\ntimeout_sec = 600000.0\n")
+    result = harbor_async(
+        "run", "-p", str(tmp_path / "suite"), "-e", "simulated", "--verifier-timeout-multiplier", "1e305",
+        "-o", str(tmp_path / "jobs"),
+    )  # fmt: skip
+    assert result.returncode == 2 and "task big: timeout must be finite after the multiplier" in result.stderr
+    assert not (tmp_path / "jobs").exists() or not any((tmp_path / "jobs").rglob("episodes.jsonl"))

@@ -39,6 +39,7 @@ from harbor_async.cli.common import (
     setup_logging,
 )
 from harbor_async.interrupts import Interrupts
+from harbor_async.errors import SettingError
 from harbor_async.printing import escape_controls
 from harbor_async.cli.selection import (
     describe_episodes,
@@ -152,6 +153,11 @@ def run(
         settings.cluster_max_live, settings.cluster_creates_per_second = max_live, creates_per_second
         episodes = plan_episodes(loaded.tasks, n_attempts)
     spec, timeouts = _resolve(settings)
+    for episode in episodes:  # every budget finite after the multipliers, checked before any sandbox starts
+        try:
+            timeouts.for_task(episode.task)
+        except SettingError as exc:
+            raise fail(f"task {episode.task.name}: {exc}") from None
     budget_factory = cluster_opts.budget_from_options(budget, ray_address, max_live, creates_per_second)
     if on_ray:
         cluster_opts.require_ray()
