@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +19,7 @@ from harbor_async.policy import Limits, RetryPolicy, Timeouts
 from harbor_async.results import TRUNCATION_MARKER
 from harbor_async.sandbox import Sandbox, SandboxContext
 from harbor_async.stats import EngineStats, StatsRecorder
+from harbor_async.task_env import with_allowed_env
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
@@ -46,6 +47,8 @@ class Engine:
             see :mod:`harbor_async.backends.docker.overlay`.
         budget: makes the sandbox budget from ``limits`` on the engine's loop
             (default: :class:`~harbor_async.budget.LocalBudget`, this process's limits).
+        env_allow: host variables a task's ``${VAR}`` may read (default none;
+            see :mod:`harbor_async.task_env`).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class Engine:
         reap_stale: bool = False,
         docker_overlay: bool = True,
         budget: Callable[[Limits], Budget] | None = None,
+        env_allow: Collection[str] = (),
     ) -> None:
         self.limits = limits or Limits()
         self.timeouts = timeouts or Timeouts()
@@ -71,6 +75,7 @@ class Engine:
         self.backend_kwargs = dict(backend_kwargs or {})
         self.reap_stale = reap_stale
         self.docker_overlay = docker_overlay
+        self.env_allow = frozenset(env_allow)
         self._budget_factory = budget
         self._ledger: dict[str, Sandbox] = {}
         self._stats = StatsRecorder()
@@ -177,6 +182,8 @@ class Engine:
             BackendError: the backend cannot be loaded, or (as
                 :class:`~harbor_async.errors.BackendOptionsError`) does not take
                 the options: nothing is started.
+            TaskEnvError: the task's ``${VAR}`` names a host variable not in
+                ``env_allow``, with no default: nothing is started.
         """
         if self._tg is None or self._closing:
             raise EngineClosedError("the engine is not running (closed, or not entered)")
@@ -184,6 +191,7 @@ class Engine:
             from harbor_async.tasks import load_task
 
             task = load_task(task)
+        task = with_allowed_env(task, self.env_allow)  # raises TaskEnvError: nothing starts
         spec = backend if isinstance(backend, BackendSpec) else resolve_backend(backend)
         spec.check_async_library()  # a bad import path or library fails here, not in the background
         options = {**self.backend_kwargs, **(backend_kwargs or {})}

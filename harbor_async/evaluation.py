@@ -38,6 +38,7 @@ from harbor_async.records import EpisodeRecord, episode_key
 from harbor_async.runner import run_episode
 from harbor_async.scoring import summarize, sweep_summary
 from harbor_async.settings import JobSettings
+from harbor_async.task_env import missing_variables
 from harbor_async.tasks import matches_names, suite_task_path
 
 if TYPE_CHECKING:
@@ -288,11 +289,15 @@ async def evaluate(
         if not kept:
             raise EvalConfigError(f"no task of {loaded.root} matches the -i/-x globs")
         loaded.tasks = kept[: config.n_tasks] if config.n_tasks is not None else kept
-    for task in loaded.tasks:  # every budget finite after the multipliers, checked before any server or sandbox
+    for task in loaded.tasks:  # checked before any server or sandbox: every budget finite, every ${VAR} allowed
         try:
             config.timeouts().for_task(task)
         except SettingError as exc:
             raise EvalConfigError(f"task {task.name}: {exc}") from None
+        if missing := missing_variables(task, config.env_allow):
+            raise EvalConfigError(
+                f"task {task.name}: {'; '.join(missing)}: not an allowed host variable (--env-allow NAME) and no default"
+            )
     groups = server_groups(specs, base_url=config.base_url, serve_cmd=config.serve_cmd, vllm_args=config.vllm_args)
     resolve_harness(config.agent, config.environment_type)
     resolve_backend(config.environment_type).check_options(config.environment_kwargs)  # before any server or job folder

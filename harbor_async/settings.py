@@ -44,7 +44,7 @@ class JobSettings:
     """Everything a ``run`` or an ``eval`` job needs (``command`` says which).
 
     Attributes shared by both: the suite and its selection, the backend and its
-    options, attempts, concurrency, the episode deadline and Harbor's timeout
+    options, the host variables a task's ``${VAR}`` may read (``env_allow``), attempts, concurrency, the episode deadline and Harbor's timeout
     multipliers, and the cluster options (``ray``, ``ray_address``, ``budget``
     and the cluster's caps ``cluster_max_live``, ``cluster_creates_per_second``,
     named as the shim's engine options name them).
@@ -60,6 +60,7 @@ class JobSettings:
     agent: str = "oracle"
     environment_type: str = "local"
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
+    env_allow: list[str] = field(default_factory=list)
     n_attempts: int = 1
     n_concurrent: int = 8
     n_tasks: int | None = None
@@ -172,6 +173,7 @@ class JobSettings:
             "timeouts": self.timeouts(),
             "backend_kwargs": dict(self.environment_kwargs),
             "budget": budget if budget is not None else self.budget_factory(),
+            "env_allow": list(self.env_allow),
         }
 
 

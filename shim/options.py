@@ -92,6 +92,8 @@ class EngineOptions:
         cluster_max_live: live sandboxes across the cluster (``budget="ray"``;
             ``None`` with no rate either: join the running budget actor as it is).
         cluster_creates_per_second: sandbox creations per second across the cluster.
+        env_allow: host variables a task's ``${VAR}`` may read (names; default none:
+            see :mod:`harbor_async.task_env`).
     """
 
     max_live_sandboxes: int | None = None
@@ -115,8 +117,11 @@ class EngineOptions:
     ray_address: str | None = None
     cluster_max_live: int | None = None
     cluster_creates_per_second: float | None = None
+    env_allow: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        names = (self.env_allow,) if isinstance(self.env_allow, str) else tuple(self.env_allow)
+        object.__setattr__(self, "env_allow", names)  # hashable: option sets key the shared engines
         if self.budget not in ("local", "ray"):
             raise SettingError("budget", self.budget, "'local' or 'ray'")
         share = self.max_failure_share
@@ -202,7 +207,9 @@ class EngineOptions:
                 creates_per_second=self.cluster_creates_per_second,
                 batch=limits.live_sandboxes,
             )
-        return {**kwargs, "limits": limits, "timeouts": self.timeouts(), "retry": self.retry()}
+        return {
+            **kwargs, "limits": limits, "timeouts": self.timeouts(), "retry": self.retry(), "env_allow": self.env_allow,
+        }  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
         """The options as keyword arguments."""
@@ -247,3 +254,4 @@ class EngineOptionsKwargs(TypedDict, total=False):
     ray_address: str | None
     cluster_max_live: int | None
     cluster_creates_per_second: float | None
+    env_allow: tuple[str, ...]

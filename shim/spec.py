@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Self, Unpack
 from harbor_async.backends import resolve_backend
 from harbor_async.doctor import require_supported
 from harbor_async.harnesses import load_harness_file as _load_agent_file
+from harbor_async.task_env import TaskEnvError, missing_variables
 from harbor_async.tasks import load_suite
 from shim import engines
 from shim.env import AGENTS, HarborEnv, _close_budget
@@ -213,6 +214,7 @@ class HarborSpec:
         self._backend_kwargs = dict(renamed_kwargs(environment_kwargs, backend_kwargs) or {})
         backend = resolve_backend(environment_type)
         backend.check_options(self._backend_kwargs)  # fail here, not mid-training
+        self._selection  # noqa: B018 - the suite is read (and its ${VAR}s checked) here, not mid-training
         self._token = uuid.uuid4().hex
         if preflight and self._selection:
             run_preflight(self._selection[0][1], backend, self._options, self._backend_kwargs)
@@ -228,6 +230,11 @@ class HarborSpec:
         position in the suite. Task folders are absolute.
         """
         suite = load_suite(self._dataset, num_tasks=self._num_tasks, indices=self._indices)
+        for task in suite.tasks:  # refused now, not at a reset mid-training
+            if missing := missing_variables(task, self._options.env_allow):
+                raise TaskEnvError(
+                    task.task_dir, f"{'; '.join(missing)}: not an allowed host variable (env_allow=) and no default"
+                )
         self._metadata = [dict(task.config.metadata) for task in suite.tasks]
         return list(zip(suite.positions, (task.task_dir for task in suite.tasks), strict=True))
 

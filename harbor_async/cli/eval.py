@@ -82,6 +82,9 @@ def eval_command(
     success_threshold: Annotated[
         float, typer.Option(help="Reward at or above which an episode counts as solved.")
     ] = 1.0,
+    env_allow: Annotated[
+        list[str] | None, typer.Option("--env-allow", help="A host variable a task's ${VAR} may read (repeatable; default none).")
+    ] = None,
     backend_kwarg: Annotated[
         list[str] | None, typer.Option("--ek", help="Backend constructor argument KEY=VALUE (repeatable).")
     ] = None,
@@ -118,6 +121,7 @@ def eval_command(
     checked_backend(env, backend_kwargs)
     settings: dict[str, Any] = dict(
         environment_kwargs=backend_kwargs,
+        env_allow=list(env_allow or []),
         agent=agent,
         environment_type=env,
         n_attempts=attempts,

@@ -41,6 +41,7 @@ from harbor_async.cli.common import (
 from harbor_async.interrupts import Interrupts
 from harbor_async.errors import SettingError
 from harbor_async.printing import escape_controls
+from harbor_async.task_env import missing_variables
 from harbor_async.cli.selection import (
     describe_episodes,
     load_tasks,
@@ -78,7 +79,7 @@ IndicesOpt = Annotated[str | None, typer.Option("--indices", help="Comma-separat
 # Options that define a job: with --resume they come from the job's config.json.
 _JOB_OPTIONS = (
     "suite", "path", "dataset", "env", "backend", "agent", "n_attempts", "n_tasks", "num_tasks", "include",
-    "exclude", "indices", "ek", "timeout_multiplier", "agent_timeout_multiplier", "verifier_timeout_multiplier",
+    "exclude", "indices", "ek", "env_allow", "timeout_multiplier", "agent_timeout_multiplier", "verifier_timeout_multiplier",
     "environment_build_timeout_multiplier", "episode_timeout", "start_timeout", "jobs_dir", "job_name",
 )  # fmt: skip
 
@@ -99,6 +100,7 @@ def run(
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     indices: IndicesOpt = None,
+    env_allow: Annotated[list[str] | None, typer.Option("--env-allow", help="A host variable a task's ${VAR} may read (repeatable; default none).")] = None,
     ek: Annotated[list[str] | None, typer.Option("--ek", "--environment-kwarg", help="Backend keyword argument key=value (repeatable); values are read as JSON when they parse.")] = None,
     timeout_multiplier: Annotated[float, typer.Option("--timeout-multiplier", help="Multiplies the start, exec, agent and verifier budgets.")] = 1.0,
     agent_timeout_multiplier: Annotated[float | None, typer.Option("--agent-timeout-multiplier", help="Multiplies the agent budget (overrides --timeout-multiplier).")] = None,
@@ -145,6 +147,7 @@ def run(
             timeout_multiplier, agent_timeout_multiplier, verifier_timeout_multiplier,
             environment_build_timeout_multiplier, episode_timeout, start_timeout,
         )  # fmt: skip
+        settings.env_allow = list(env_allow or [])
         loaded = load_tasks(
             settings.suite, n_tasks=n_tasks or num_tasks, indices=parse_indices(indices), include=include, exclude=exclude
         )
@@ -153,11 +156,13 @@ def run(
         settings.cluster_max_live, settings.cluster_creates_per_second = max_live, creates_per_second
         episodes = plan_episodes(loaded.tasks, n_attempts)
     spec, timeouts = _resolve(settings)
-    for episode in episodes:  # every budget finite after the multipliers, checked before any sandbox starts
+    for episode in episodes:  # checked before any sandbox starts: every budget finite, every ${VAR} allowed
         try:
             timeouts.for_task(episode.task)
         except SettingError as exc:
             raise fail(f"task {episode.task.name}: {exc}") from None
+        if missing := missing_variables(episode.task, settings.env_allow):
+            raise fail(f"task {episode.task.name}: {'; '.join(missing)}: not an allowed host variable (--env-allow NAME) and no default")
     budget_factory = cluster_opts.budget_from_options(budget, ray_address, max_live, creates_per_second)
     if on_ray:
         cluster_opts.require_ray()
@@ -188,7 +193,7 @@ def run(
             else:
                 anyio.run(
                     _batch, todo, spec, settings.agent, concurrency, timeouts, settings.environment_kwargs, job, new, interrupts,
-                    budget_factory, root,
+                    budget_factory, root, settings.env_allow,
                 )  # fmt: skip
         finally:
             job.close()
@@ -266,7 +271,7 @@ def _on_cluster(todo, settings, concurrency, timeouts, budget_factory, address, 
 
     engine_kwargs = {
         "limits": Limits(live_sandboxes=None), "timeouts": timeouts, "backend_kwargs": settings.environment_kwargs,
-        "budget": budget_factory,
+        "budget": budget_factory, "env_allow": settings.env_allow,
     }  # fmt: skip
     run_on_cluster(
         run_item, run_items(todo, settings.environment_type, settings.agent, root), job=job, address=address,
@@ -274,7 +279,7 @@ def _on_cluster(todo, settings, concurrency, timeouts, budget_factory, address, 
     )  # fmt: skip
 
 
-async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, timeouts, ek, job, new: list[EpisodeRecord], interrupts: Interrupts, budget_factory=None, root: str = "") -> None:
+async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, timeouts, ek, job, new: list[EpisodeRecord], interrupts: Interrupts, budget_factory=None, root: str = "", env_allow: list[str] | None = None) -> None:
     """Run the episodes into the job folder; a signal cancels the batch (records of cancelled episodes kept)."""
     from harbor_async.engine import Engine
     from harbor_async.policy import Limits
@@ -299,7 +304,10 @@ async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, timeouts,
             progress.update(bar, advance=1, score=score)
 
         # run_suite's limiter is the batch's one concurrency limit (the engine gets none).
-        async with Engine(limits=Limits(live_sandboxes=None), timeouts=timeouts, backend_kwargs=ek, budget=budget_factory) as engine:
+        async with Engine(
+            limits=Limits(live_sandboxes=None), timeouts=timeouts, backend_kwargs=ek, budget=budget_factory,
+            env_allow=env_allow or (),
+        ) as engine:  # fmt: skip
             interrupts.leftovers = lambda: [s.id for s in engine.live_sandboxes()]
             with anyio.CancelScope() as batch:
                 interrupts.arm(batch.cancel)

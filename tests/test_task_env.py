@@ -1,0 +1,90 @@
+"""``${VAR}`` in task.toml reads only host variables the user allows; a secret never reaches a sandbox by default."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from harbor_async.suites import example_suite_path
+from harbor_async.task_env import TaskEnvError, missing_variables, with_allowed_env
+from harbor_async.tasks import load_task
+from tests.cli_helpers import harbor_async, records
+
+pytestmark = pytest.mark.range
+
+SECRET = "hunter2-very-secret"
+
+
+def _task(root: Path, name: str, template: str) -> Path:
+    task = root / "tasks" / name
+    shutil.copytree(example_suite_path() / "tasks" / "count-log-files", task)
+    toml = task / "task.toml"
+    toml.write_text(toml.read_text() + f'\n[environment.env]\nLEAK = "{template}"\n')
+    # The verifier scores what the sandbox saw: 1 when LEAK is the default, 0 when it is the secret.
+    (task / "tests" / "test.sh").write_text(
+        '#!/bin/sh\nmkdir -p /logs/verifier\necho "LEAK=$LEAK"\n'
+        'if [ "$LEAK" = "fallback" ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n'
+    )
+    return task
+
+
+def test_only_allowed_variables_are_read(tmp_path, monkeypatch):
+    monkeypatch.setenv("HARBOR_TEST_SECRET", SECRET)
+    with_default = load_task(_task(tmp_path, "d", "${HARBOR_TEST_SECRET:-fallback}"))
+    assert with_allowed_env(with_default, ()).config.environment.env == {"LEAK": "fallback"}
+    assert with_allowed_env(with_default, {"HARBOR_TEST_SECRET"}).config.environment.env == {"LEAK": SECRET}
+    assert with_default.config.environment.env == {"LEAK": "${HARBOR_TEST_SECRET:-fallback}"}  # a copy was filled
+    bare = load_task(_task(tmp_path, "b", "${HARBOR_TEST_SECRET}"))
+    assert missing_variables(bare, ()) == ["[environment.env] LEAK = ${HARBOR_TEST_SECRET}"]
+    with pytest.raises(TaskEnvError, match="HARBOR_TEST_SECRET"):
+        with_allowed_env(bare, ())
+    assert missing_variables(bare, {"HARBOR_TEST_SECRET"}) == []
+
+
+def test_run_refuses_a_task_needing_a_variable_not_allowed_and_keeps_secrets_out(tmp_path):
+    env = {"HARBOR_TEST_SECRET": SECRET, "HARBOR_ASYNC_LOG_LEVEL": "info"}
+    _task(tmp_path / "bare", "needs-secret", "${HARBOR_TEST_SECRET}")
+    refused = harbor_async("run", "-p", str(tmp_path / "bare"), "-a", "none", "-o", str(tmp_path / "jobs"), env=env)
+    assert refused.returncode == 2
+    assert "task needs-secret: [environment.env] LEAK = ${HARBOR_TEST_SECRET}" in refused.stderr
+    assert not (tmp_path / "jobs").exists()  # refused before any job folder or sandbox
+    _task(tmp_path / "defaulted", "defaulted", "${HARBOR_TEST_SECRET:-fallback}")
+    kept = harbor_async(
+        "run", "-p", str(tmp_path / "defaulted"), "-a", "none", "-o", str(tmp_path / "jobs"), "--job-name", "kept",
+        env=env,
+    )  # fmt: skip
+    assert kept.returncode == 0, kept.stderr
+    (record,) = records(tmp_path / "jobs" / "kept")
+    assert record["reward"] == 1.0  # the sandbox saw the default, not the host's value
+    job_text = "".join(p.read_text() for p in (tmp_path / "jobs" / "kept").iterdir())
+    assert SECRET not in job_text + kept.stdout + kept.stderr
+    allowed = harbor_async(
+        "run", "-p", str(tmp_path / "defaulted"), "-a", "none", "-o", str(tmp_path / "jobs"), "--job-name", "allowed",
+        "--env-allow", "HARBOR_TEST_SECRET", env=env,
+    )  # fmt: skip
+    assert allowed.returncode == 0, allowed.stderr
+    (record,) = records(tmp_path / "jobs" / "allowed")
+    assert record["reward"] == 0.0  # allowed on purpose: the sandbox saw the secret
+    settings = json.loads((tmp_path / "jobs" / "allowed" / "harbor-async.json").read_text())
+    assert settings["env_allow"] == ["HARBOR_TEST_SECRET"]
+
+
+def test_the_shim_and_eval_refuse_it_up_front_too(tmp_path, monkeypatch):
+    import shim
+    from harbor_async.errors import EvalConfigError
+    from harbor_async.evaluation import evaluate_sync
+
+    monkeypatch.setenv("HARBOR_TEST_SECRET", SECRET)
+    suite = tmp_path / "suite"
+    _task(suite, "needs-secret", "${HARBOR_TEST_SECRET}")
+    with pytest.raises(TaskEnvError, match=r"LEAK = \$\{HARBOR_TEST_SECRET\}"):
+        shim.HarborSpec(suite, environment_type="local", preflight=False)
+    spec = shim.HarborSpec(suite, environment_type="local", preflight=False, env_allow=["HARBOR_TEST_SECRET"])
+    assert len(spec.train_dataset) == 1
+    spec.close()
+    with pytest.raises(EvalConfigError, match="HARBOR_TEST_SECRET"):
+        evaluate_sync(["m"], str(suite), base_url="http://127.0.0.1:9/v1", jobs_dir=tmp_path / "jobs")
+    assert not (tmp_path / "jobs").exists()
