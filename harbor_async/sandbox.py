@@ -10,7 +10,9 @@ Harbor object is created, used and closed there.
 from __future__ import annotations
 
 import math
+import os
 import shutil
+import stat
 import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -293,14 +295,17 @@ class Sandbox:
         folder = self._trial_paths().verifier_dir
         parts = []
         for name in ("test-stdout.txt", "test-stderr.txt"):
-            try:
-                with open(folder / name, "rb") as fh:
-                    fh.seek(0, 2)
-                    size = fh.tell()
-                    fh.seek(max(0, size - VERIFIER_OUTPUT_LIMIT))
-                    text = fh.read().decode(errors="replace")
+            try:  # what the sandbox wrote: never through a symlink (a host file), never a FIFO, only the tail
+                fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             except OSError:
                 continue
+            with os.fdopen(fd, "rb") as fh:
+                info = os.fstat(fd)
+                if not stat.S_ISREG(info.st_mode):
+                    continue
+                size = info.st_size
+                fh.seek(max(0, size - VERIFIER_OUTPUT_LIMIT))
+                text = fh.read(VERIFIER_OUTPUT_LIMIT).decode(errors="replace")
             if text:
                 parts.append(text if size <= VERIFIER_OUTPUT_LIMIT else "[...]\n" + text)
         return "\n".join(parts) if parts else None

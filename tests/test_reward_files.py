@@ -94,3 +94,22 @@ async def test_a_hostile_reward_file_is_the_verifiers_failure(tmp_path: Path):
         records = await run_suite(engine, tasks, "local", agent="none", concurrency=3)
     outcomes = {r.task_path.rsplit("/", 1)[-1]: (r.error_class, r.reward, r.rerun) for r in records}
     assert outcomes == {name: ("verifier", 0.0, False) for name in HOSTILE}, [r.error for r in records]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=pytest.mark.docker)])
+async def test_a_verifier_output_swapped_for_a_symlink_reads_nothing_of_the_host(tmp_path: Path, backend: str):
+    """The sandbox points its test-stdout.txt at a host file: the record keeps none of that file."""
+    secret = tmp_path / "host-secret.txt"
+    secret.write_text("HOST-ONLY-CONTENT\n")
+    task = tmp_path / "swap"
+    shutil.copytree(example_suite_path() / "tasks" / "count-log-files", task)
+    (task / "tests" / "test.sh").write_text(
+        "#!/bin/sh\nmkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\n"
+        f"rm -f /logs/verifier/test-stdout.txt; ln -s {secret} /logs/verifier/test-stdout.txt\n"
+    )
+    async with Engine() as engine:
+        (record,) = await run_suite(engine, [load_task(task)], backend, agent="none")
+    assert record.reward == 1.0
+    assert "HOST-ONLY-CONTENT" not in (record.verifier_output or "")
