@@ -292,3 +292,28 @@ def test_reap_after_kill_9_in_the_middle_of_a_docker_batch():
     assert int(re.search(r"reaped (\d+)", reaped.stdout)[1]) >= len(entries)
     assert docker_leftovers(label) == {}
     assert reaper.list_sandboxes(run_label=label) == []
+
+
+@pytest.mark.anyio
+async def test_a_docker_sandbox_is_confined_as_the_local_one(example_tasks, tmp_path):
+    """The task's memory and cpus (Harbor applies them), and the overlay's pids limit and no-new-privileges."""
+    import shutil as _shutil
+
+    from harbor_async.backends.docker.overlay import PIDS_LIMIT
+    from harbor_async.tasks import load_task
+
+    task = tmp_path / "limited"
+    _shutil.copytree(example_tasks[0].paths.task_dir, task)
+    toml = task / "task.toml"
+    toml.write_text(toml.read_text().replace("[environment]\n", "[environment]\nmemory_mb = 256\ncpus = 1\n", 1))
+    async with Engine() as engine:
+        sandbox = engine.launch(load_task(task), "docker")
+        await sandbox.wait_started()
+        probe = await sandbox.exec(
+            "cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/memory.max 2>/dev/null | head -1; "
+            "cat /sys/fs/cgroup/pids/pids.max /sys/fs/cgroup/pids.max 2>/dev/null | head -1; "
+            "grep NoNewPrivs /proc/self/status"
+        )
+        await sandbox.stop()
+    memory, pids, nnp = probe.output.strip().splitlines()
+    assert int(memory) == 256 * 1024 * 1024 and int(pids) == PIDS_LIMIT and nnp.split() == ["NoNewPrivs:", "1"]

@@ -8,7 +8,11 @@ service, before the create call:
   namespace), which :mod:`harbor_async.reaper` reads;
 - ``init: true``: Docker's init as PID 1 forwards SIGTERM and reaps zombies.
   Harbor's container otherwise runs ``sleep infinity`` as PID 1, which ignores
-  SIGTERM, so every ``compose down`` waited out Docker's 10 s grace period.
+  SIGTERM, so every ``compose down`` waited out Docker's 10 s grace period;
+- the local backend's confinement where Harbor gives none: a pids limit
+  (:data:`PIDS_LIMIT`, a fork bomb stays inside) and ``no-new-privileges`` (a
+  setuid binary the sandbox planted gains nothing). The task's ``cpus`` and
+  ``memory_mb`` Harbor applies itself.
 
 Harbor hands a task's ``[environment].env`` to Compose instead of to each exec
 once any overlay is present, so tasks that set it run without the overlay (the
@@ -25,6 +29,9 @@ from typing import Any
 
 from harbor_async.naming import LABEL_OWNER_PID, LABEL_PID_NS, LABEL_RUN, LABEL_SANDBOX
 
+#: Processes a docker sandbox may have at once (the local backend's default too).
+PIDS_LIMIT = 1024
+
 
 def write_overlay(folder: Path, run_label: str, sandbox_id: str) -> Path:
     """Write the overlay into ``folder`` (the sandbox's trial folder) and return its path."""
@@ -39,7 +46,8 @@ def write_overlay(folder: Path, run_label: str, sandbox_id: str) -> Path:
         LABEL_PID_NS: pid_ns,
     }
     path = folder / "harbor-async-compose.json"
-    path.write_text(json.dumps({"services": {"main": {"init": True, "labels": labels}}}, indent=2))
+    main = {"init": True, "labels": labels, "pids_limit": PIDS_LIMIT, "security_opt": ["no-new-privileges:true"]}
+    path.write_text(json.dumps({"services": {"main": main}}, indent=2))
     return path
 
 
