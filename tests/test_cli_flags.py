@@ -209,3 +209,18 @@ def test_indices_pick_tasks_by_position_and_a_repeat_is_another_attempt(tmp_path
     _, found, summary = run_job(tmp_path, "-e", "simulated", "--indices", "0,0", "-k", "2")
     assert sorted((r["task"], r["attempt"]) for r in found) == [("count-log-files", a) for a in range(4)]
     assert summary["tasks"] == 1 and summary["episodes"] == 4
+
+
+def test_renamed_flags_still_work_and_say_their_new_name(tmp_path):
+    """--max-live is now --cluster-max-live (the shim's cluster_max_live); the old spelling works for a release."""
+    from harbor_async.cli.common import warn_renamed_flags
+    from harbor_async.cli.cluster import RENAMED_FLAGS
+
+    assert warn_renamed_flags(RENAMED_FLAGS, ["run", "--max-live", "3", "--creates-per-second=2"]) == [
+        "--max-live", "--creates-per-second",
+    ]  # fmt: skip
+    assert warn_renamed_flags(RENAMED_FLAGS, ["run", "--cluster-max-live", "3"]) == []
+    result = harbor_async("run", "-e", "simulated", "-l", "1", "--max-live", "3", "-o", str(tmp_path))
+    assert result.returncode == 2  # a cluster cap without --budget ray: refused, in the new name
+    assert "deprecated: --max-live is now --cluster-max-live" in result.stderr
+    assert "--cluster-max-live, --cluster-creates-per-second and --ray-address are cluster caps" in result.stderr

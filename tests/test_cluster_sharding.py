@@ -125,7 +125,7 @@ def test_the_run_command_shards_over_the_cluster_and_leases_from_its_budget(ray_
     command = [
         sys.executable, "-m", "harbor_async", "run", "-e", "simulated", "-l", "4", "-k", "2", "-o", str(tmp_path),
         "--job-name", "sharded", "--ray", "--ray-address", ray_cluster.address,
-        "--budget", "ray", "--max-live", "3",
+        "--budget", "ray", "--cluster-max-live", "3",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO, env=child_env())
     assert done.returncode == 0, done.stderr[-3000:]

@@ -16,7 +16,10 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from harbor_async.cli.common import err, fail, out
+from harbor_async.cli.common import err, fail, out, warn_renamed_flags
+
+#: Flags renamed to the shim's names of the same settings (cluster_max_live, cluster_creates_per_second).
+RENAMED_FLAGS = {"--max-live": "--cluster-max-live", "--creates-per-second": "--cluster-creates-per-second"}
 
 BudgetOpt = Annotated[
     str,
@@ -32,12 +35,15 @@ RayAddressOpt = Annotated[
 ]
 MaxLiveOpt = Annotated[
     int | None,
-    typer.Option("--max-live", min=1, help="Live sandboxes across the whole cluster (--budget ray)."),
+    typer.Option(
+        "--cluster-max-live", "--max-live", min=1, help="Live sandboxes across the whole cluster (--budget ray)."
+    ),
 ]
 CreatesOpt = Annotated[
     float | None,
     typer.Option(
-        "--creates-per-second", min=0.001, help="Sandbox creations per second across the cluster (--budget ray)."
+        "--cluster-creates-per-second", "--creates-per-second", min=0.001,
+        help="Sandbox creations per second across the cluster (--budget ray).",
     ),
 ]
 PerRankOpt = Annotated[
@@ -60,11 +66,14 @@ def budget_from_options(
 
     Raises ``typer.Exit(2)`` on a bad combination, and when Ray is not installed.
     """
+    warn_renamed_flags(RENAMED_FLAGS)
     if budget not in ("local", "ray"):
         raise fail(f"--budget must be 'local' or 'ray', got {budget!r}")
     if budget == "local":
         if max_live is not None or creates_per_second is not None or ray_address is not None:
-            raise fail("--max-live, --creates-per-second and --ray-address are cluster caps: add --budget ray")
+            raise fail(
+                "--cluster-max-live, --cluster-creates-per-second and --ray-address are cluster caps: add --budget ray"
+            )
         return None
     require_ray()
     from harbor_async.cluster.ray_budget import factory

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 import typer
@@ -41,6 +42,18 @@ __all__ = [
 def say(label: str, message: object, style: str = "yellow", *, console: Console | None = None) -> None:
     """Print ``label`` in ``style`` then ``message`` verbatim (no markup read in it)."""
     (console or err).print(Text.assemble((label, style), " ", escape_controls(str(message), keep_newlines=True)))
+
+
+def warn_renamed_flags(renamed: dict[str, str], argv: list[str] | None = None) -> list[str]:
+    """Say (once per flag, on stderr) which old spellings on the command line have new names; return them.
+
+    Both spellings work for one release; click does not tell which one was typed, so the command line is read.
+    """
+    words = sys.argv[1:] if argv is None else argv
+    used = [old for old in renamed if any(w == old or w.startswith(old + "=") for w in words)]
+    for old in used:
+        say("deprecated:", f"{old} is now {renamed[old]}; the old name goes in the next release")
+    return used
 
 
 def fail(message: object, code: int = 2) -> typer.Exit:
