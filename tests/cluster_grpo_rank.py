@@ -29,7 +29,7 @@ import shim
 from harbor_async.suites import example_suite_path
 from tests.test_shim_grpo import TASKS, ScriptedGeneration, _grpo_args, _instructions
 
-CLUSTER_CAP = 3  # below the two ranks' demand (2 x RANK_BATCH): the cap, not the demand, bounds them
+CLUSTER_CAP = 4  # the two ranks' batches together: ranks of one world cannot take turns (see WorldExceedsCapError)
 RANK_BATCH = 2  # per_device_train_batch_size: the rollouts one rank has in flight
 
 
@@ -71,6 +71,14 @@ def main(address: str, model_dir: str, out: Path) -> None:
         "rewards": rewards,
         "failure_frequency": [e.get("harbor/failure_frequency") for e in trainer.state.log_history if "reward" in e],
     }
+    # What the cluster's budget actor granted: with a process-local budget it would have granted nothing.
+    import ray
+
+    from harbor_async.cluster.connect import DEFAULT_ACTOR_NAME, DEFAULT_NAMESPACE
+
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=DEFAULT_NAMESPACE, logging_level="ERROR")
+    result["budget"] = ray.get(ray.get_actor(DEFAULT_ACTOR_NAME, namespace=DEFAULT_NAMESPACE).stats.remote())
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(result))
 
 

@@ -5,10 +5,14 @@ Speed itself is measured by the benchmarks, not asserted here.
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
 
 REPO = Path(__file__).resolve().parents[1]
 

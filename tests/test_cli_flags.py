@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from harbor_async.scoring import pass_at_k
 from tests.cli_helpers import REPO, harbor_async, make_suite, records
 
@@ -87,6 +89,7 @@ def test_ek_drives_the_simulated_backend(tmp_path):
     assert config["environment_kwargs"] == {"start_latency": 0.4, "reward": 0.25}
 
 
+@pytest.mark.slow
 def test_timeout_multipliers_scale_the_phase_budgets(tmp_path):
     # The verifier budget is 600 s; x 0.001 is 0.6 s, under the simulated verifier's 2 s.
     _, found, _ = run_job(
@@ -182,6 +185,7 @@ def test_sandboxes_speak_the_dialect():
     assert "--env" in harbor_async("sandboxes", "reap", "--help", env={"COLUMNS": "300"}).stdout
 
 
+@pytest.mark.slow
 def test_bench_is_imported_only_by_its_commands_and_promises_only_what_it_writes(tmp_path):
     probe = subprocess.run(
         [sys.executable, "-c", "import sys, harbor_async.cli; print(sorted({m.split('.')[0] for m in sys.modules} & {'benchmarks', 'shim', 'trl', 'matplotlib'}))"],

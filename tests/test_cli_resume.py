@@ -6,6 +6,8 @@ import json
 import shutil
 import signal
 
+import pytest
+
 from tests.cli_helpers import (
     harbor_async,
     interrupt,
@@ -19,6 +21,7 @@ from tests.cli_helpers import (
 FAST, SLOW = ["fast-a", "fast-b", "fast-c"], ["slow-a", "slow-b"]
 
 
+@pytest.mark.slow
 def test_resume_after_an_interruption_reproduces_an_uninterrupted_run(tmp_path):
     suite = make_suite(tmp_path / "suite", FAST, SLOW)
     jobs = tmp_path / "jobs"

@@ -47,6 +47,7 @@ def test_a_signal_mid_batch_keeps_the_finished_records_and_stops_every_sandbox(t
     assert not leak_probe.bwrap_pids() and not leak_probe.sandbox_dirs()
 
 
+@pytest.mark.slow
 def test_a_second_signal_does_not_abort_the_cleanup(tmp_path):
     # Simulated sandboxes whose stop takes 2 s: the second SIGTERM comes while they stop.
     job = tmp_path / "jobs" / "j"
@@ -65,6 +66,7 @@ def test_a_second_signal_does_not_abort_the_cleanup(tmp_path):
     assert all(any(p["phase"] == "stop" and p["end"] - p["start"] >= 1.9 for p in r["phases"]) for r in found)
 
 
+@pytest.mark.slow
 def test_a_third_signal_forces_the_exit_and_names_what_is_left(tmp_path, leak_probe):
     job = tmp_path / "jobs" / "j"
     proc = spawn(

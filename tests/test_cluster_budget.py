@@ -24,6 +24,8 @@ from harbor_async.policy import Limits
 from tests.cluster_backend import observed_peak
 from tests.cluster_helpers import REPO, child_env, ray_cluster  # noqa: F401 - the fixture
 
+pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
+
 # Sized for 2 busy cores: a heartbeat every second, a lease lost after 6 s of silence.
 LEASE_TIMEOUT = 6.0
 

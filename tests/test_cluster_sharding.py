@@ -18,7 +18,7 @@ from harbor_async.suites import example_suite_path
 from tests.cluster_episodes import items, simulated_episode
 from tests.cluster_helpers import ray_cluster  # noqa: F401 - the fixture
 
-pytestmark = pytest.mark.range
+pytestmark = [pytest.mark.slow, pytest.mark.range]
 
 TASKS = sorted(str(p.parent) for p in (example_suite_path() / "tasks").glob("*/task.toml"))
 

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: Prefix of every sandbox (compose project) this pytest process creates.
 OUR_PREFIX = f"ha{os.getpid()}x"
 
-pytestmark = [pytest.mark.docker, pytest.mark.range, pytest.mark.usefixtures("docker_daemon")]
+pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.range, pytest.mark.usefixtures("docker_daemon")]
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from harbor_async.backends.docker.fast_start import PROFILES, FastStartDockerEnv
 from harbor_async.engine import Engine
 from tests.test_docker import OUR_PREFIX, docker_leftovers
 
-pytestmark = [pytest.mark.docker, pytest.mark.range, pytest.mark.usefixtures("docker_daemon")]
+pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.range, pytest.mark.usefixtures("docker_daemon")]
 
 
 @pytest.fixture

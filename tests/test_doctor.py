@@ -148,6 +148,7 @@ def test_reports_a_missing_docker_daemon(tmp_path: Path):
     assert rc == 0 and not checks(report, "docker")["docker daemon"]["ok"]
 
 
+@pytest.mark.slow
 def test_reports_a_missing_extra_in_a_core_only_install(tmp_path: Path):
     venv = wheel_env()
     rc, report, _ = doctor("-b", "local", "-f", "trl", "-f", "ray", "--only", python=str(venv.python), cwd=tmp_path, env=venv.env())

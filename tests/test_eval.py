@@ -108,6 +108,7 @@ def test_context_overflow_ends_the_episode_and_it_is_scored(server, tmp_path) ->
     assert record.reward == 1.0  # the solution ran before the overflow
 
 
+@pytest.mark.slow
 def test_limits_end_the_loop(server, tmp_path) -> None:
     turns = _eval(server, tmp_path / "a", ["misbehave"], n_tasks=1, limits={"max_turns": 1}).records[0]
     assert turns.finish_reason == "max_turns" and turns.reward == 0.0 and turns.error_class is None
@@ -151,6 +152,7 @@ def test_a_harness_from_a_file_and_a_seed_per_attempt(server, tmp_path) -> None:
     assert server.seeds == {7, 8}
 
 
+@pytest.mark.slow
 def test_attempts_running_at_once_keep_their_own_seed(server, tmp_path) -> None:
     # "slow" holds every reply 2 s, so both attempts' conversations are open at once on one shared agent.
     result = _eval(server, tmp_path / "jobs", ["slow"], n_tasks=1, n_attempts=2, sampling={"seed": 7})

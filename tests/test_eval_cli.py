@@ -7,6 +7,8 @@ a real ``transformers serve`` of the tiny test model started through ``--serve-c
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import signal
@@ -21,6 +23,8 @@ import psutil
 from harbor_async.jobs import JobFolder
 from harbor_async.serve import free_port
 from tests.scripted_server import ScriptedServer
+
+pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTED = REPO / "tests" / "scripted_server.py"

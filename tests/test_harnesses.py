@@ -171,6 +171,7 @@ def test_python_exceptions_do_not_kill_the_kernel(python_env: HarborPythonEnv) -
     assert python_env.python("kept") == "'still here'\n"
 
 
+@pytest.mark.slow
 def test_python_hung_cell_times_out_and_state_survives(python_env: HarborPythonEnv) -> None:
     python_env.python("before = 'defined before'")
     for hung in ("import time\nprint('started')\ntime.sleep(600)", "while True:\n    pass"):

@@ -730,6 +730,7 @@ async def test_harbor_verifier_rejects_a_wrong_answer(tmp_path: Path) -> None:
     assert await run_oracle_and_verify(tmp_path, wrong, "wrong") == 0.0
 
 
+@pytest.mark.slow
 def test_harbor_cli_runs_the_oracle(tmp_path: Path) -> None:
     suite = tmp_path / "suite"
     make_task(suite, "hello")

@@ -263,6 +263,7 @@ async def test_task_entries_symlinked_out_of_the_task_are_refused(tmp_path: Path
 # -- limits: processes, memory, storage, output ------------------------------------------
 
 
+@pytest.mark.slow
 @needs_root
 @pytest.mark.anyio
 async def test_fork_bomb_stops_at_the_process_limit(env: LocalEnvironment, neighbour, tmp_path: Path) -> None:
@@ -326,6 +327,7 @@ async def test_disk_past_storage_mb_is_enospc_and_neighbours_verify(tmp_path: Pa
         await env.stop(delete=True)
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_printing_at_full_speed_keeps_the_callers_memory_flat(env: LocalEnvironment) -> None:
     me = psutil.Process()

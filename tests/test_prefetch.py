@@ -98,6 +98,7 @@ def test_task_key_reads_the_column_or_says_there_is_none() -> None:
     assert task_key([{"task_dir": "/z"}])(0) == "/z"
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_pool_claims_started_sandboxes_stops_unclaimed_and_renews_the_deadline(example_tasks) -> None:
     simulated = resolve_backend("simulated")
@@ -126,6 +127,7 @@ async def test_pool_claims_started_sandboxes_stops_unclaimed_and_renews_the_dead
             await claimed.exec("echo late")
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_a_claim_renews_a_wait_for_a_live_slot_still_in_progress(example_tasks) -> None:
     simulated = resolve_backend("simulated")
@@ -144,6 +146,7 @@ async def test_a_claim_renews_a_wait_for_a_live_slot_still_in_progress(example_t
         assert (await claimed.exec("echo ok")).exit_code == 0
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_a_claim_renews_a_start_in_progress(example_tasks) -> None:
     simulated = resolve_backend("simulated")

@@ -269,6 +269,7 @@ def test_an_owner_of_another_pid_namespace_is_unknown_and_needs_an_age_or_force(
     assert not folder.exists()
 
 
+@pytest.mark.slow
 @needs_bwrap
 def test_reap_after_kill_9_in_the_middle_of_a_local_batch():
     child = kill_mid_batch("--backend", "local", "--count", "6", "--ready", "4", "--exec", "sleep 600", timeout=120)

@@ -174,6 +174,7 @@ def test_report_of_a_job_with_no_episodes_yet(tmp_path: Path) -> None:
     assert "No phase timings" in page
 
 
+@pytest.mark.slow
 def test_cli_report_of_a_real_run(tmp_path: Path, suite_root: Path) -> None:
     """A real `harbor-async run` on the bundled suite (local backend), then `harbor-async report` of its job folder."""
     job = tmp_path / "jobs" / "run-job"

@@ -22,6 +22,8 @@ from harbor_async.report import write_report
 from harbor_async.report.server import ReportServer
 from tests.test_report_jobs import EVIL, LONG_LINES, make_big_job, make_job
 
+pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
+
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = os.environ.get("HARBOR_ASYNC_CHROMIUM", "/usr/bin/chromium")

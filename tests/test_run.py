@@ -51,6 +51,7 @@ async def test_wrong_or_missing_answers_score_zero(example_tasks):
     assert all(r.reward == 0.0 for r in found), found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.anyio
 async def test_failures_are_classified_and_blamed_on_their_first_phase(example_tasks, tmp_path):
@@ -105,6 +106,7 @@ def test_cli_run_fails_on_infrastructure_errors(tmp_path):
     assert "- over the 0 completed" in result.stdout  # never a mean of nothing dressed as a score
 
 
+@pytest.mark.slow
 def test_cli_json_logs_carry_phase_events_and_info_one_line_per_episode(tmp_path):
     result = harbor_async("run", "-l", "2", "--log-level", "debug", "--log-format", "json", "-o", str(tmp_path))
     assert result.returncode == 0, result.stderr
@@ -197,6 +199,7 @@ async def test_a_failed_stop_is_the_infrastructures_but_keeps_the_verdict(exampl
     assert record.reward == 1.0 and record.rerun  # judged, and the leak still reruns it
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_an_interruption_after_a_scored_failure_leaves_the_episode_unjudged(example_tasks):

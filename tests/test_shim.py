@@ -564,6 +564,7 @@ def test_envs_share_one_engine_per_option_set_and_its_limits():
             env.close()
 
 
+@pytest.mark.slow
 def test_close_is_idempotent_and_env_is_reusable(leak_probe):
     dirs_before = leak_probe.sandbox_dirs()
     env = shim.HarborBashEnv("local")
@@ -615,6 +616,7 @@ ROLLOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.trl_api
 def test_same_rollouts_give_trls_prompts_outputs_and_rewards():
     import importlib.metadata

@@ -40,7 +40,7 @@ from benchmarks.tiny_model import build_tiny_qwen3, encode_exact
 
 from tests.conftest import needs_trl_get_reward  # noqa: E402
 
-pytestmark = pytest.mark.range
+pytestmark = [pytest.mark.slow, pytest.mark.range]
 
 
 def _trainer_envs(trainer) -> list:

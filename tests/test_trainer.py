@@ -38,6 +38,8 @@ from shim.trainer import FAILED_KEY, HarborGRPOTrainer, UnsupportedTRLVersionErr
 from tests.test_shim_grpo import _grpo_args
 from benchmarks.tiny_model import build_tiny_qwen3, encode_exact
 
+pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
+
 INDICES = [1, 3]  # csv-column-sum, csv-max-price: tasks with a gold answer
 MARKER = re.compile(r"\[r(\d)\]")
 

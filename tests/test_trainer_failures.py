@@ -33,6 +33,8 @@ from tests.test_trainer import grpo_args
 from benchmarks.tiny_model import build_tiny_qwen3, encode_exact
 from tests.trainer_backend import OneFailedStart
 
+pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
+
 MARKER = re.compile(r"\[r(\d)\]")
 
 

@@ -29,6 +29,8 @@ from shim.trainer import HarborGRPOTrainer
 from tests.test_trainer import grpo_args
 from benchmarks.tiny_model import build_tiny_qwen3, encode_exact
 
+pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
+
 HARNESS = str(Path(__file__).with_name("trl_style_harness.py")) + ":NotesHarness"
 INDICES = [1, 3, 4, 9]  # tasks with a gold answer
 MARKER = re.compile(r"\[r(\d)\]")

@@ -38,6 +38,8 @@ from tests.test_shim_grpo import _grpo_args
 from tests.test_trainer_failures import Scripted, _turns
 from benchmarks.tiny_model import build_tiny_qwen3
 
+pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
+
 STEPS = 3
 
 

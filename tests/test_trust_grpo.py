@@ -30,6 +30,8 @@ from shim import engines
 from tests.test_shim_grpo import TASKS, ScriptedGeneration, _grpo_args, _instructions
 from benchmarks.tiny_model import build_tiny_qwen3
 
+pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
+
 FAILING_TASK = "csv-max-price"
 
 
