@@ -343,7 +343,7 @@ async def test_background_processes_survive_between_execs(env: LocalEnvironment)
         "sh -c 'while :; do echo tick-1803; sleep 0.02; done' &"  # writes to stdout for ever
         "echo started"
     )
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 30  # returned: it did not wait for processes that never end
     pid, *lines = first.stdout.splitlines()
     assert "started" in lines and set(lines) <= {"started", "tick-1803"}  # the writer's first ticks
     await anyio.sleep(0.5)  # the writer keeps writing after its exec returned
@@ -500,7 +500,7 @@ async def test_killed_execs_leave_no_zombie_and_stop_is_prompt(tmp_path: Path, t
         assert (await env.exec("echo alive")).stdout == "alive\n"
         started = time.monotonic()
         await env.stop(delete=True)
-        assert time.monotonic() - started < 2
+        assert time.monotonic() - started < 30  # it did not wait for the sleeps (1861 s and on)
         assert zombie_children() == []
         assert not Path(f"/proc/{marker['keeper_init_pid']}").exists()
         assert host_processes("sleep 186[1-5]") == []

@@ -63,7 +63,7 @@ def test_a_limit_below_the_batch_is_refused_at_once():
         began = time.monotonic()
         with pytest.raises(SandboxLimitError) as info:
             envs[2].reset(task_dir=CSV_SUM)
-        assert time.monotonic() - began < 1.0
+        assert time.monotonic() - began < 30  # refused, not left to wait for a slot (600 s)
         message = str(info.value)
         assert "max_live_sandboxes=2" in message and "3 rollouts" in message and "max_live_sandboxes >= 3" in message
         # Once the batch is scored, the next batch fits again.
@@ -346,7 +346,7 @@ async def test_no_start_retry_past_the_deadline(example_tasks):
         with pytest.raises(SandboxError) as info:  # the last attempt's error, or the deadline's
             await sandbox.wait_started()
         assert info.value.phase is Phase.START
-        assert anyio.current_time() - began < 1.5
+        assert anyio.current_time() - began < 5  # the deadline (1 s), not the 50 attempts' 10 s of waits
         assert 1 < sandbox.start_attempts < 50  # retried while time was left, never past the deadline
         await sandbox.stop()
 
