@@ -289,9 +289,10 @@ async def evaluate(
         if not kept:
             raise EvalConfigError(f"no task of {loaded.root} matches the -i/-x globs")
         loaded.tasks = kept[: config.n_tasks] if config.n_tasks is not None else kept
+    timeouts = config.timeouts()
     for task in loaded.tasks:  # checked before any server or sandbox: every budget finite, every ${VAR} allowed
         try:
-            config.timeouts().for_task(task)
+            timeouts.for_task(task)
         except SettingError as exc:
             raise EvalConfigError(f"task {task.name}: {exc}") from None
         if missing := missing_variables(task, config.env_allow):

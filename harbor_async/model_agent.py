@@ -60,7 +60,7 @@ class ModelAgent:
         """Run the loop until the model stops, a limit or the deadline; record what happened."""
         harness, record = self._bound, episode.record
         assert harness is not None and episode.sandbox is not None
-        budget = self.timeout if self.timeout is not None else episode.agent_budget
+        budget = episode.agent_budget  # the task's or the engine's, or our own timeout (set up in setup)
         left = episode.sandbox.deadline_left
         by_deadline = left is not None and (budget is None or left < budget)
         sampling: Sampling = self.agent.sampling

@@ -155,12 +155,20 @@ class ErrorRule:
 
 _INFRA_RETRY = ErrorRule(FailureClass.INFRASTRUCTURE, retry=True)
 _INFRA = ErrorRule(FailureClass.INFRASTRUCTURE, retry=False)
+#: A start failing with one of these fails the same way again: the task, image, configuration or
+#: host is wrong, or the code has a bug.
+_PERMANENT: tuple[type[BaseException], ...] = (
+    BackendError, SandboxBuildFailedError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError,
+    ValueError, TypeError, NotImplementedError, MemoryError, LookupError, AttributeError, NameError,
+    AssertionError, RecursionError, SyntaxError,
+)  # fmt: skip
 
 #: The one error-policy table: the first row whose type (and phase, for sandbox
-#: errors; ``None`` matches any) fits the error decides (a subclass's row comes before its base's). Types only: a backend
-#: whose library raises an untyped error turns it into a typed one in its own
-#: adapter (:meth:`harbor_async.backends.BackendSpec.typed_error`), never here.
-ERROR_POLICY: tuple[tuple[type[BaseException], Phase | None, ErrorRule], ...] = (
+#: errors; ``None`` matches any) fits the error decides (a subclass's row comes
+#: before its base's). Types only: a backend whose library raises an untyped
+#: error turns it into a typed one in its own adapter
+#: (:meth:`harbor_async.backends.BackendSpec.typed_error`), never here.
+ERROR_POLICY: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], Phase | None, ErrorRule], ...] = (
     # Not errors of the episode: an interruption, an exit, a superseded start.
     (SandboxCancelledError, None, ErrorRule(FailureClass.CANCELLED, retry=False)),
     # The model's episode.
@@ -174,22 +182,7 @@ ERROR_POLICY: tuple[tuple[type[BaseException], Phase | None, ErrorRule], ...] = 
     # Raised by a backend while starting: permanent when the task, image,
     # configuration or host is wrong, or the code has a bug.
     (BackendStartError, None, _INFRA),  # its own ``transient`` decides, see rule_for
-    (BackendError, None, _INFRA),
-    (SandboxBuildFailedError, None, _INFRA),
-    (FileNotFoundError, None, _INFRA),
-    (NotADirectoryError, None, _INFRA),
-    (PermissionError, None, _INFRA),
-    (ImportError, None, _INFRA),
-    (ValueError, None, _INFRA),
-    (TypeError, None, _INFRA),
-    (NotImplementedError, None, _INFRA),
-    (MemoryError, None, _INFRA),
-    (LookupError, None, _INFRA),  # KeyError, IndexError
-    (AttributeError, None, _INFRA),
-    (NameError, None, _INFRA),
-    (AssertionError, None, _INFRA),
-    (RecursionError, None, _INFRA),
-    (SyntaxError, None, _INFRA),
+    (_PERMANENT, None, _INFRA),
     # Anything else from a backend: a network blip, a daemon hiccup, a slow provider.
     (Exception, None, _INFRA_RETRY),
     # Not an Exception: KeyboardInterrupt, SystemExit, a cancellation.

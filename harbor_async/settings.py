@@ -176,6 +176,3 @@ class JobSettings:
             "env_allow": list(self.env_allow),
         }
 
-
-#: The name of earlier releases.
-EvalSettings = JobSettings

@@ -290,9 +290,6 @@ AGENTS: dict[str, type[HarborEnv]] = {"bash": HarborBashEnv}
 
 # ── helpers ─────────────────────────────────────────────────────────────
 
-_await_loop = await_loop  # the name the trainer integration imports
-
-
 def _close_budget(options: EngineOptions) -> float | None:
     # A stop may first cancel a start, whose cleanup has its own stop budget.
     return None if options.stop_timeout is None else 2 * options.stop_timeout + 10

@@ -31,7 +31,6 @@ from harbor_async.errors import (
     SandboxClosedError,
     SandboxError,
 )
-from harbor_async.harnesses.base import BASE_SETUP_COMMAND
 from harbor_async.logs import get_logger
 from harbor_async.policy import failure_class
 from shim import engines, prefetch
@@ -52,9 +51,7 @@ T = TypeVar("T")
 #: trainer has already called ``reset()`` again (context variables are per task).
 PREPARING: contextvars.ContextVar[Episode | None] = contextvars.ContextVar("shim_preparing", default=None)
 
-describe_unavailable = core.describe_unavailable
-
-__all__ = ["BASE_SETUP_COMMAND", "PREPARING", "Episode", "await_loop", "describe_unavailable"]
+__all__ = ["PREPARING", "Episode", "await_loop"]
 
 
 class Episode(core.Episode):
@@ -228,8 +225,6 @@ class Episode(core.Episode):
         if PREPARING.get() is not self:
             await self.wait_ready()
         return await super().exec_text(command, timeout)
-
-    exec = exec_text
 
     async def verify(self) -> float | None:
         """The verifier's reward, computed once; the sandbox is stopped in the background right after.

@@ -65,7 +65,8 @@ async def eval_item(engine: Engine, item: EvalItem) -> EpisodeRecord:
     import openai
 
     from harbor_async.agent import Agent, AgentLimits, Sampling
-    from harbor_async.model_agent import api_key, model_episode_agent, resolve_harness
+    from harbor_async.harnesses import harness_factory
+    from harbor_async.model_agent import api_key, model_episode_agent
     from harbor_async.runner import run_episode
     from harbor_async.tasks import load_task
 
@@ -76,7 +77,9 @@ async def eval_item(engine: Engine, item: EvalItem) -> EpisodeRecord:
         timeout=settings.request_timeout,
     ) as client:  # fmt: skip
         agent = Agent(client, item.model, sampling=Sampling(**settings.sampling), limits=AgentLimits(**settings.limits))
-        actor = model_episode_agent(settings, agent, resolve_harness(settings.agent, settings.environment_type), item.attempt)
+        # The driver checked the harness (it loads, its tools have schemas): here it is only built.
+        harness = harness_factory(settings.agent, settings.environment_type)
+        actor = model_episode_agent(settings, agent, harness, item.attempt)
         return await run_episode(
             engine, task, settings.environment_type, actor, attempt=item.attempt, task_path=suite_task_path(task, item.root),
             model=item.model, checkpoint=item.checkpoint,
