@@ -81,11 +81,11 @@ def test_three_processes_never_exceed_the_cluster_cap(ray_cluster, live_dir: Pat
     results = [_result(p, timeout=240) for p in procs]
     assert [r["errors"] for r in results] == [[], [], []]
     assert [r["started"] for r in results] == [5, 5, 5]
-    # 15 sandboxes held 1 s each under a cap of 4: the backend saw exactly 4 at once, never more.
-    assert observed_peak(live_dir) == 4
+    # 15 sandboxes held 1 s each, demand 12 at once under a cap of 4: the backend never saw more than 4.
+    assert 1 < observed_peak(live_dir) <= 4
     ray, actor = _actor()
     stats = ray.get(actor.stats.remote())
-    assert stats["live_used"] == 0 and stats["live_peak"] == 4
+    assert stats["live_used"] == 0 and stats["live_peak"] <= 4
     assert ray.get(actor.ledger.remote())["sandboxes"] == []
 
 
@@ -149,7 +149,7 @@ def test_batches_are_leased_all_or_nothing_so_ranks_take_turns(
     procs = [_child(ray_cluster, live_dir, tmp_path, 4, 3, 1.0, LEASE_TIMEOUT, 3, barrier=True) for _ in range(2)]
     results = [_result(p, timeout=240) for p in procs]
     assert results == [{"started": 3, "errors": []}] * 2
-    assert observed_peak(live_dir) == 3  # one batch at a time: 3 + 3 > 4
+    assert observed_peak(live_dir) <= 3  # one batch at a time: 3 + 3 > 4, and a split batch would reach 4
     ray, actor = _actor()
     assert ray.get(actor.stats.remote())["live_used"] == 0
 
@@ -205,7 +205,7 @@ async def test_an_engine_under_either_loop_keeps_the_cap_and_a_cancelled_wait_le
         async with anyio.create_task_group() as tg:
             for i in range(6):
                 tg.start_soon(one, i)
-        assert SimulatedEnvironment.peak_live == 2  # counted by the backend
+        assert 1 <= SimulatedEnvironment.peak_live <= 2  # counted by the backend: six wanted, two allowed
 
         ray, actor = _actor()
         async with engine.episode(example_tasks[0], "simulated"), engine.episode(example_tasks[1], "simulated"):
@@ -218,6 +218,9 @@ async def test_an_engine_under_either_loop_keeps_the_cap_and_a_cancelled_wait_le
                     break
                 await anyio.sleep(0.1)
             assert stats["live_used"] == 2 and stats["live_waiting"] == 0  # the withdrawn wait is gone
-        await anyio.sleep(0.5)  # releases are sent without waiting for the reply
-        stats = ray.get(actor.stats.remote())
+        for _ in range(100):  # releases are sent without waiting for the reply
+            stats = ray.get(actor.stats.remote())
+            if stats["live_used"] == 0 and stats["leases"] == 0:
+                break
+            await anyio.sleep(0.1)
         assert stats["live_used"] == 0 and stats["leases"] == 0

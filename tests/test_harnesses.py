@@ -177,7 +177,7 @@ def test_python_hung_cell_times_out_and_state_survives(python_env: HarborPythonE
     for hung in ("import time\nprint('started')\ntime.sleep(600)", "while True:\n    pass"):
         started = time.monotonic()
         output = python_env.python(hung)
-        assert time.monotonic() - started < CELL_TIMEOUT + 5
+        assert time.monotonic() - started < 60  # a cell that is never interrupted would take 600 s or forever
         assert "ran past its 2 s limit and was interrupted" in output, output
     assert python_env.python("before") == "'defined before'\n"
     assert len(own_processes(KERNEL_PROCESS)) == 1  # the same kernel, not a restarted one
