@@ -437,7 +437,6 @@ def _core() -> list[Check]:
 def _local() -> list[Check]:
     return [
         check_program("bwrap", "bubblewrap"),
-        check_program("nsenter", "util-linux"),
         check_program("setpriv", "util-linux"),
         check_user_namespaces(),
     ]

@@ -31,6 +31,24 @@ class LoopThreadError(HarborAsyncError, RuntimeError):
     """A blocking call was made from the loop thread itself (it would deadlock)."""
 
 
+class TransferLimitError(HarborAsyncError, OSError):
+    """A file transfer from a sandbox went past its bound (bytes, entries or depth); the host kept nothing past it.
+
+    Attributes:
+        path: the sandbox path being transferred.
+        limit: the byte limit.
+    """
+
+    def __init__(self, path: str, limit: int, detail: str | None = None) -> None:
+        what = detail or f"more than {limit / 2**20:g} MiB (apparent size: sparse files count in full)"
+        super().__init__(f"transfer of {path!r} refused: {what}; raise the backend's transfer_limit_mb to allow it")
+        self.path = path
+        self.limit = limit
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.limit))
+
+
 class BackendError(HarborAsyncError, ValueError):
     """The backend name or import path cannot be resolved to a Harbor environment."""
 

@@ -51,7 +51,7 @@ def test_passes_on_this_machine_for_the_local_backend_and_every_extra():
     assert rc == 0, report
     assert report["ok"] and report["requested"] == ["core", "local", "trl", "eval", "ray"]
     local = checks(report, "local")
-    assert set(local) == {"bwrap", "nsenter", "setpriv", "namespaces", "local environment"}
+    assert set(local) == {"bwrap", "setpriv", "namespaces", "local environment"}
     assert all(c["ok"] for c in local.values())
     assert local["local environment"]["found"].startswith("LocalEnvironment built")
     assert "sandbox starts" in local["namespaces"]["found"]
@@ -105,7 +105,7 @@ def test_reports_a_missing_bubblewrap(tmp_path: Path):
     # A PATH with the util-linux tools but no bwrap.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name in ("nsenter", "setpriv"):
+    for name in ("setpriv",):
         os.symlink(shutil.which(name), bin_dir / name)
     rc, report, text = doctor("-b", "local", "--only", env={**os.environ, "PATH": str(bin_dir)})
     assert rc == 1
@@ -117,7 +117,7 @@ def test_reports_a_missing_bubblewrap(tmp_path: Path):
         "found": "not on PATH",
         "fix": "install the 'bubblewrap' package (as root: apt-get install bubblewrap)",
     }
-    assert local["nsenter"]["ok"] and local["setpriv"]["ok"]
+    assert local["setpriv"]["ok"]
     assert not local["namespaces"]["ok"]
     # The human-readable form says the same.
     done = subprocess.run(

@@ -247,8 +247,8 @@ async def test_start_writes_a_marker(tmp_path: Path, task_dir: Path) -> None:
                 while not seen:
                     await anyio.sleep(0.05)
                     seen = json.loads((env.root / ".harbor-async.json").read_text())["pids"]
-            # the recorded pid is the nsenter that joined that exec to the sandbox
-            assert Path(f"/proc/{seen[0]}/comm").read_text().strip() == "nsenter"
+            # the recorded pid is the enter.py helper that joined that exec to the sandbox
+            assert "helpers/enter.py" in Path(f"/proc/{seen[0]}/cmdline").read_text()
         assert json.loads((env.root / ".harbor-async.json").read_text())["pids"] == []
     finally:
         await env.stop(delete=True)
@@ -329,9 +329,18 @@ async def test_cancelled_exec_kills_the_process_tree(env: LocalEnvironment) -> N
 # -- a persistent sandbox: background processes live between execs -----------------
 
 
-def joined_execs() -> list[str]:
-    """Host nsenter processes of this test process's sandboxes (they name our namespace files)."""
-    return host_processes(f"/proc/{os.getpid()}/fd/")
+def joined_execs() -> list[int]:
+    """This test process's enter.py helpers (each joins one exec to a sandbox)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.name() == "ha-enter":
+                found.append(child.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return found
 
 
 @pytest.mark.anyio
@@ -419,7 +428,7 @@ async def test_timeout_kills_only_the_execs_own_tree(env: LocalEnvironment) -> N
     survivors = await env.exec("ps -eo args | grep '^sleep 181' | sort")
     # a double fork leaves the tree at once (as in Docker): a daemon survives
     assert survivors.stdout.splitlines() == ["sleep 1811", "sleep 1814"]
-    assert joined_execs() == []  # no nsenter left behind
+    assert joined_execs() == []  # no join helper left behind
 
 
 @pytest.mark.anyio
@@ -457,7 +466,7 @@ async def test_stop_kills_background_processes(tmp_path: Path, task_dir: Path) -
         with anyio.fail_after(5):
             await env.stop(delete=True)
     assert running[0].return_code == 137
-    # nothing left: no process of the sandbox, no bwrap, no nsenter, no folder
+    # nothing left: no process of the sandbox, no bwrap, no join helper, no folder
     assert host_processes("sleep 182[1-5]|tick-1824") == []
     assert host_processes(str(root)) == []
     assert joined_execs() == []
@@ -513,7 +522,7 @@ async def test_start_fails_clearly_without_util_linux(tmp_path: Path, task_dir: 
     real_which = shutil.which
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "setpriv" else real_which(name, *a, **k))
     env = make_env(tmp_path, task_dir, session="no-setpriv")
-    with pytest.raises(SandboxBuildFailedError, match="nsenter and setpriv from util-linux.*setpriv"):
+    with pytest.raises(SandboxBuildFailedError, match="setpriv and prlimit from util-linux.*setpriv"):
         await env.start(force_build=False)
     await env.stop(delete=True)  # what the engine does after a failed start
     assert not env.root.exists()

@@ -21,11 +21,13 @@ at all, only ``lo``), Docker's default capability set inside the user
 namespace, and a tiny init as the namespace's PID 1 (a shell loop that waits
 forever and reaps every orphan). Each ``exec`` *joins* the keeper's
 namespaces, as ``docker exec`` joins a container (``sandboxing.join_argv``):
-into the cgroups, to the sandbox's uid, ``nsenter`` into the namespaces,
-``setpriv`` to the keeper's capabilities and no-new-privs, ``env`` to a clean
-environment and the working folder, then ``bash -c`` runs the command. File
-transfers run inside the sandbox the same way (``transfers``), so no path the
-sandbox controls is ever opened on the host. So processes started
+``helpers/enter.py``, loaded from the host, joins the cgroups, takes the
+sandbox's uid, enters the namespaces, sets no-new-privs and the keeper's
+capabilities, and only then runs ``bash -c`` with a clean environment in the
+working folder: nothing the sandbox wrote runs before it is confined. File
+transfers run nothing in the sandbox: the host reads and writes the sandbox's
+root through ``openat2`` confined beneath it with no symlink followed
+(``transfers``, ``hostfs``), bounded in size. So processes started
 in the background (``cmd &``, ``nohup``, ``setsid``) outlive their exec and are
 visible to later ones (``ps``, ``kill``, ``/proc``); the sandbox still has its
 own PID namespace. An exec that times out or is cancelled loses its whole
@@ -48,7 +50,7 @@ cgroups), ``sandboxing`` (command lines), ``keeper`` (the keeper process),
 ``cleanup`` (what a reaper finds and removes), ``errors``; ``helpers/`` holds the
 shell helpers they run.
 
-Needs ``bwrap`` (``apt-get install bubblewrap``) and ``nsenter``, ``setpriv``,
+Needs ``bwrap`` (``apt-get install bubblewrap``) and ``setpriv``,
 ``prlimit`` from util-linux (essential on Debian and Ubuntu, so present; elsewhere
 ``apt-get install util-linux`` or your distribution's equivalent). ``start()``
 fails with a clear error without them.

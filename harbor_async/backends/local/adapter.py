@@ -76,9 +76,7 @@ from harbor_async.backends.local.rootfs import (
     remove_sandbox_folder,
 )
 from harbor_async.backends.local.sandboxing import Confinement, join_argv, keeper_argv
-from harbor_async.backends.local.transfers import (
-    SandboxTransfers,
-)
+from harbor_async.backends.local.transfers import DEFAULT_TRANSFER_LIMIT_MB, SandboxTransfers
 from harbor_async.naming import (
     DEFAULT_LOCAL_ROOT,
     LOCAL_ROOT_ENV,
@@ -102,6 +100,9 @@ class LocalEnvironment(SandboxTransfers, BaseEnvironment):
       (4096 MB, no CPU quota, 2048 MB); ``pids_limit``: processes (1024).
     - ``output_limit``: bytes of each exec stream kept, head and tail halves
       (1 MiB; what falls between is counted and dropped).
+    - ``transfer_limit_mb``: the most one download may bring to the host,
+      counting apparent sizes (512 MiB; past it the download fails with
+      ``TransferLimitError``).
     """
 
     #: written with anyio only: safe to drive from trio as well as asyncio.
@@ -123,6 +124,7 @@ class LocalEnvironment(SandboxTransfers, BaseEnvironment):
         storage_mb: int | str | None = DEFAULT_STORAGE_MB,
         pids_limit: int | str | None = DEFAULT_PIDS,
         output_limit: int | str | None = DEFAULT_OUTPUT_LIMIT,
+        transfer_limit_mb: int | str | None = DEFAULT_TRANSFER_LIMIT_MB,
         **kwargs: Any,
     ) -> None:
         base = Path(sandbox_root or os.environ.get(LOCAL_ROOT_ENV) or DEFAULT_LOCAL_ROOT)
@@ -146,6 +148,10 @@ class LocalEnvironment(SandboxTransfers, BaseEnvironment):
             cpus=parse_limit(cpus, float), storage_mb=parse_limit(storage_mb, int),
         )  # fmt: skip
         self._output_limit = parse_limit(output_limit, int)
+        limit_mb = parse_limit(transfer_limit_mb, int)
+        self._transfer_limit = None if limit_mb is None else limit_mb * 2**20
+        self._root_fd: int | None = None  # the sandbox's root, for transfers (hostfs)
+        self._verifier_root: tuple[str, int] | None = None
         self._confinement: Confinement | None = None
         self._uid_lease: UidLease | None = None
         self._mount: Path | None = None  # the sandbox's tmpfs (as root), fs/ links to it
@@ -397,6 +403,11 @@ class LocalEnvironment(SandboxTransfers, BaseEnvironment):
             apply_copy(self._fs, self.environment_dir, step, "/")
         if confinement.uid is not None:  # the sandbox's root owns its whole tree
             chown_tree(self._fs, confinement.uid, confinement.uid)
+        self._root_fd = os.open(self._mount or self._fs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def _sandbox_uid(self) -> int | None:
+        """The host uid files made for the sandbox belong to (None: the caller's, root inside already)."""
+        return self._confinement.uid if self._confinement is not None else None
 
     def _stale_mount(self) -> Path | None:
         from harbor_async.backends.local.cleanup import read_marker
@@ -406,6 +417,9 @@ class LocalEnvironment(SandboxTransfers, BaseEnvironment):
 
     def _teardown(self, delete: bool) -> None:
         """Remove the cgroups, unmount and (``delete``) remove the folder, release the uid (no process left)."""
+        if self._root_fd is not None:  # an open fd would keep the tmpfs busy
+            os.close(self._root_fd)
+            self._root_fd = None
         confinement, self._confinement = self._confinement, None
         if confinement is not None and confinement.cgroups is not None:
             left = confinement.cgroups.remove()
@@ -538,7 +552,7 @@ class LocalEnvironment(SandboxTransfers, BaseEnvironment):
     def _join(self, env: dict[str, str], cwd: str, command: list[str]) -> tuple[list[str], tuple[int, ...]]:
         """The argv (and fds to pass) that runs ``command`` inside the sandbox."""
         assert self._keeper is not None and self._tools is not None and self._confinement is not None
-        return join_argv(self._tools, self._keeper, self._confinement, env, cwd, command)
+        return join_argv(self._keeper, self._confinement, env, cwd, command)
 
     async def run_healthcheck(self, healthcheck: HealthcheckConfig | None = None) -> None:
         """Harbor's healthcheck loop, with anyio sleeps so that it also runs under trio."""

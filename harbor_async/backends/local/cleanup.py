@@ -95,7 +95,7 @@ def scan(roots: Sequence[Path]) -> dict[str, SandboxInfo]:
             if isinstance(marker.get("mount"), str):
                 roots_bound.add(marker["mount"])
             pids = {bpid for bpid, argv in bwraps if roots_bound & set(argv)}
-            # The marker's pids (bwrap, or nsenter joining the sandbox): only if
+            # The marker's pids (bwrap, or enter.py joining the sandbox): only if
             # they still run that program and started after the sandbox (not a reused pid).
             recorded = [marker.get("keeper_pid"), *(marker.get("pids") or [])]
             for mpid in recorded:
@@ -103,7 +103,7 @@ def scan(roots: Sequence[Path]) -> dict[str, SandboxInfo]:
                 if (
                     started is not None
                     and isinstance(mpid, int)
-                    and comm(mpid) in ("bwrap", "nsenter")
+                    and (comm(mpid) in ("bwrap", "ha-enter") or _is_join_helper(mpid))
                     and (created is None or started >= created - timedelta(seconds=2))
                 ):
                     pids.add(mpid)
@@ -158,3 +158,11 @@ def abandon(keeper: Any, confinement: Any, mount: Path | None, lease: Any) -> No
         pass  # a finalizer must not raise; the reaper finishes the job
     if lease is not None:
         lease.release()
+
+
+def _is_join_helper(pid: int) -> bool:
+    """Whether ``pid`` is an enter.py helper that has not named itself yet (the first milliseconds)."""
+    try:
+        return b"helpers/enter.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

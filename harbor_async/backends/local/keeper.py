@@ -28,34 +28,32 @@ from harbor_async.backends.local.proctree import pidfd_signal, stat_fields
 
 @dataclass(frozen=True)
 class Tools:
-    """Host programs the backend runs (the last three inside the sandbox, from the host's /usr)."""
+    """Host programs the keeper's start runs (``sh`` also inside the sandbox, its PID 1, from the host's /usr)."""
 
     bwrap: str
-    nsenter: str
     setpriv: str
-    env: str
     sh: str
     prlimit: str
 
 
 def find_tools() -> Tools:
-    """Locate bwrap, nsenter, setpriv, env and sh, or say clearly what is missing.
+    """Locate bwrap, setpriv, prlimit and sh, or say clearly what is missing.
 
     Raises:
         SandboxBuildFailedError: a program is missing, or one that must run
             inside the sandbox is not under a host folder the sandbox sees.
     """
-    found = {name: shutil.which(name) for name in ("bwrap", "nsenter", "setpriv", "env", "sh", "prlimit")}
+    found = {name: shutil.which(name) for name in ("bwrap", "setpriv", "sh", "prlimit")}
     if found["bwrap"] is None:
         raise SandboxBuildFailedError("bubblewrap is not installed (apt-get install bubblewrap)")
-    missing = [name for name in ("nsenter", "setpriv", "prlimit") if found[name] is None]
+    missing = [name for name in ("setpriv", "prlimit") if found[name] is None]
     if missing:
         raise SandboxBuildFailedError(
-            f"the local backend needs nsenter and setpriv from util-linux (and prlimit), not found: "
+            f"the local backend needs setpriv and prlimit from util-linux, not found: "
             f"{', '.join(missing)} (util-linux is essential on Debian and Ubuntu; "
             "elsewhere: apt-get install util-linux, or your distribution's util-linux package)"
         )
-    for name in ("setpriv", "env", "sh"):  # these run inside the sandbox
+    for name in ("sh",):  # the sandbox's PID 1
         path = found[name]
         if path is None or not under(os.path.realpath(path), SYSTEM_DIRS):
             raise SandboxBuildFailedError(

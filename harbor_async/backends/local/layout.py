@@ -39,6 +39,17 @@ SANDBOX_CAPS = (
     "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
     "CAP_SYS_CHROOT", "CAP_AUDIT_WRITE",
 )  # fmt: skip
+# Numbers of the capabilities above (linux/capability.h), for the join helper.
+CAP_NUMBERS = {
+    "CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_FSETID": 4, "CAP_KILL": 5,
+    "CAP_SETGID": 6, "CAP_SETUID": 7, "CAP_SETPCAP": 8, "CAP_NET_BIND_SERVICE": 10,
+    "CAP_SYS_CHROOT": 18, "CAP_SYS_PTRACE": 19, "CAP_AUDIT_WRITE": 29,
+}  # fmt: skip
+# The verifier's processes have one capability more than the agent's: the
+# kernel lets a process reach another's /proc/PID/root, cwd, fd and memory only
+# when its capabilities are a superset of the other's, so no process the agent
+# started can reach into the verifier's (private) mount namespace.
+VERIFIER_EXTRA_CAPS = ("CAP_SYS_PTRACE",)
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "HOME": "/root",

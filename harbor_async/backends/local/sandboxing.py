@@ -1,22 +1,27 @@
 """How a sandbox is confined: the keeper's bwrap command line and the prefix every process of the sandbox starts with.
 
-Every process of a sandbox (the keeper and each exec or transfer) starts on
-the host as::
+The keeper starts on the host as::
 
     sh enter-cgroups.sh <cgroup.procs>... --      # into the sandbox's cgroups (root)
     setpriv --reuid U --regid U --clear-groups    # the sandbox's own host uid (root)
     prlimit --nproc=N --core=0 --                 # per-uid process limit (root, no cgroups)
-    bwrap ... / nsenter ...                       # build / join the namespaces
+    bwrap ...                                     # build the namespaces
 
-so nothing of the sandbox ever runs as host root: bwrap makes a user
-namespace in which uid 0 is ``U`` (``--unshare-user --uid 0 --gid 0``), and
-an exec enters that namespace as ``U``, the namespace's owner. Without root
-the first three steps are skipped: the caller's uid is root inside.
+and every exec as ``python -I -S helpers/enter.py SPEC``, which does the same
+three steps, joins the namespaces and confines itself before the sandbox's
+command is loaded (see that file: a program started inside the sandbox's mount
+namespace with the namespace's capabilities would run the sandbox's
+``/etc/ld.so.preload``). So nothing of the sandbox ever runs as host root:
+bwrap makes a user namespace in which uid 0 is ``U`` (``--unshare-user --uid 0
+--gid 0``), and an exec enters that namespace as ``U``, the namespace's owner.
+Without root the uid and limit steps are skipped: the caller's uid is root inside.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -24,6 +29,7 @@ from pathlib import Path
 from harbor_async.backends.local.keeper import Keeper, Tools, sandbox_caps
 from harbor_async.backends.local.layout import (
     BASE_ENV,
+    CAP_NUMBERS,
     KEEPER_INIT,
     MASKED_PATHS,
     READONLY_PATHS,
@@ -102,26 +108,43 @@ def keeper_argv(tools: Tools, fs: Path, info_fd: int, confinement: Confinement, 
 
 
 def join_argv(
-    tools: Tools, keeper: Keeper, confinement: Confinement, env: dict[str, str], cwd: str, command: list[str]
+    keeper: Keeper,
+    confinement: Confinement,
+    env: dict[str, str],
+    cwd: str,
+    command: list[str],
+    *,
+    mnt: int | None = None,
+    extra_caps: tuple[str, ...] = (),
+    hold: str | None = None,
 ) -> tuple[list[str], tuple[int, ...]]:
     """The argv that runs ``command`` inside the keeper's namespaces, and the fds it must inherit.
 
-    nsenter enters the namespaces through ``/proc/self/fd/N`` (the namespace
-    files this process holds open, passed down), so a recycled pid can never
-    send it elsewhere; it keeps the sandbox's host uid (``--preserve-credentials``:
-    the namespace's owner, root inside). setpriv then drops the capabilities
-    to the keeper's set and sets no-new-privs; env clears the environment.
+    The helper enters the namespaces through the namespace files this process
+    holds open (passed down), so a recycled pid can never send it elsewhere; it
+    keeps the sandbox's host uid (the namespace's owner, root inside), then
+    sets no-new-privs and the keeper's capabilities (plus ``extra_caps``)
+    before it runs ``command`` with exactly ``env``. ``mnt`` joins another
+    mount namespace of the sandbox's (the verifier's) instead of the keeper's;
+    ``hold`` makes the verifier's instead of running a command (see ``enter.py``).
     """
-    argv = [*confinement.host_prefix(tools), tools.nsenter, "--preserve-credentials"]
-    fds = []
-    for name, fd in keeper.namespaces.items():
-        # Entering the mount namespace also makes its root (the sandbox's) ours.
-        argv.append(f"--{'mount' if name == 'mnt' else name}=/proc/self/fd/{fd}")
-        fds.append(fd)
-    caps = ",".join(["-all", *(f"+{c.removeprefix('CAP_').lower()}" for c in sandbox_caps())])
-    argv += [
-        "--", tools.setpriv, f"--inh-caps={caps}", f"--ambient-caps={caps}",
-        f"--bounding-set={caps}", "--no-new-privs",
-        "--", tools.env, "-i", "-C", cwd, "--", *(f"{key}={value}" for key, value in env.items()),
-    ]  # fmt: skip
-    return [*argv, *command], tuple(fds)
+    namespaces = dict(keeper.namespaces)
+    if mnt is not None:
+        namespaces["mnt"] = mnt
+    if hold is not None:  # only the user and mount namespaces: it stays out of the sandbox's PID namespace
+        namespaces = {name: fd for name, fd in namespaces.items() if name in ("user", "mnt")}
+    limits = confinement.limits
+    spec = {
+        "procs": [str(f) for f in confinement.cgroups.procs_files] if confinement.cgroups is not None else [],
+        "uid": confinement.uid,
+        "nproc": limits.pids if confinement.uid is not None and confinement.cgroups is None else None,
+        "ns": namespaces,
+        "caps": sorted(CAP_NUMBERS[c] for c in (*sandbox_caps(), *extra_caps)),
+        "cwd": cwd,
+        "env": env,
+        "argv": command,
+        "hold": hold,
+        "hold_mb": limits.storage_mb or 256,
+    }
+    argv = [sys.executable, "-I", "-S", "-B", helper("enter.py"), json.dumps(spec)]
+    return argv, tuple(namespaces.values())

@@ -1,0 +1,158 @@
+"""enter.py SPEC: run a command inside a local sandbox, confined before any sandbox file is loaded.
+
+Started on the host (``python -I -S -B enter.py SPEC``, as root or as the
+caller), it does what ``nsenter`` + ``setpriv`` + ``env`` did, in one process
+whose code was all loaded from the host before it joined anything. A program
+started after joining the sandbox's mount namespace is loaded by the
+sandbox's dynamic loader, which reads the sandbox's own ``/etc/ld.so.preload``
+and ``/etc/ld.so.cache``: code the sandbox planted would run there with every
+capability of its user namespace and before no-new-privs. Here nothing of the
+sandbox runs until the final ``execve``, after no-new-privs is set and the
+capabilities are the sandbox's own.
+
+SPEC is JSON: ``procs`` (cgroup.procs files to join), ``uid`` (the sandbox's
+host uid, or null), ``nproc`` (RLIMIT_NPROC, or null), ``ns`` (namespace name
+to the number of an inherited namespace file: user first), ``caps`` (the
+capability numbers kept), ``cwd``, ``env``, ``argv``; and for a verifier:
+``hold`` (mount a fresh tmpfs at that path in a new mount namespace, say
+``ready``, and wait for stdin to close; no command is run).
+
+Exit codes (as ``env`` and ``nsenter``): 125 could not enter or confine,
+126 not executable, 127 not found; else the command's (128 + N for signal N).
+"""
+
+import ctypes
+import json
+import os
+import resource
+import sys
+
+_NAMESPACE_FLAGS = {
+    "user": os.CLONE_NEWUSER, "mnt": os.CLONE_NEWNS, "uts": os.CLONE_NEWUTS, "ipc": os.CLONE_NEWIPC,
+    "net": os.CLONE_NEWNET, "pid": os.CLONE_NEWPID, "cgroup": os.CLONE_NEWCGROUP,
+}  # fmt: skip
+PR_SET_NAME, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE = 15, 24, 38, 47, 2
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
+_CAPABILITY_VERSION_3 = 0x20080522
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def fail(message: str, code: int = 125) -> None:
+    os.write(2, f"harbor-async enter: {message}\n".encode(errors="replace"))
+    os._exit(code)
+
+
+def check(result: int, what: str) -> None:
+    if result != 0:
+        fail(f"{what}: {os.strerror(ctypes.get_errno())}")
+
+
+def confine(caps: list[int], last: int) -> None:
+    """No-new-privs, then only ``caps`` in every set (bounding, permitted, effective, inheritable, ambient)."""
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no-new-privs")
+    for cap in range(last + 1):
+        if cap not in caps:
+            check(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"dropping capability {cap}")
+    mask = sum(1 << cap for cap in caps)
+    data = (_CapData * 2)()
+    for i in range(2):
+        part = (mask >> (32 * i)) & 0xFFFFFFFF
+        data[i].effective = data[i].permitted = data[i].inheritable = part
+    check(libc.capset(ctypes.byref(_CapHeader(_CAPABILITY_VERSION_3, 0)), data), "capset")
+    for cap in caps:
+        check(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0), f"ambient capability {cap}")
+
+
+def hold(path: str, size_mb: int) -> None:
+    """A mount namespace of the sandbox's whose ``path`` is a fresh tmpfs; lives until stdin closes."""
+    os.unshare(os.CLONE_NEWNS)
+    check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "making mounts private")
+    check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, f"mode=0755,size={size_mb}m".encode()), "mount")
+    os.write(1, b"ready\n")
+    while os.read(0, 4096):
+        pass
+    os._exit(0)
+
+
+def execute(argv: list[str], env: dict[str, str]) -> None:
+    """``execvpe`` without its lazy imports: search the sandbox's PATH, exit 127 (none) or 126 (not runnable)."""
+    name = argv[0]
+    folders = [""] if "/" in name else env.get("PATH", "/usr/bin:/bin").split(":")
+    missing = True
+    for folder in folders:
+        try:
+            os.execve(f"{folder or '.'}/{name}" if folder or "/" not in name else name, argv, env)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as exc:
+            missing = False
+            reason = exc.strerror
+    if missing:
+        fail(f"{name!r}: not found", 127)
+    fail(f"{name!r}: {reason}", 126)
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    libc.prctl(PR_SET_NAME, b"ha-enter", 0, 0, 0)  # what ps and a reaper see
+    for procs in spec.get("procs") or []:  # host root, before anything else: every child inherits them
+        try:
+            with open(procs, "w") as file:
+                file.write(str(os.getpid()))
+        except OSError as exc:
+            fail(f"cannot join {procs}: {exc}")
+    caps = [int(cap) for cap in spec["caps"]]
+    with open("/proc/sys/kernel/cap_last_cap") as file:  # the host's, before joining anything
+        last = int(file.read())
+    uid = spec.get("uid")
+    if uid is not None:  # the sandbox's own host uid (from root; all host capabilities go with it)
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    if spec.get("nproc"):
+        resource.setrlimit(resource.RLIMIT_NPROC, (spec["nproc"], spec["nproc"]))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    namespaces = spec["ns"]
+    order = sorted(namespaces, key=lambda name: name != "user")
+    # Past this point paths resolve in the sandbox: an import would load a module the
+    # sandbox planted at our stdlib's path. Everything is imported; no import may happen.
+    sys.meta_path.clear()
+    sys.path_hooks.clear()
+    sys.path_importer_cache.clear()
+    for name in order:  # as the namespace's owner: every capability inside it, none outside
+        try:
+            os.setns(int(namespaces[name]), _NAMESPACE_FLAGS[name])
+        except OSError as exc:
+            fail(f"cannot join the sandbox's {name} namespace: {exc}")
+        os.close(int(namespaces[name]))
+    if spec.get("hold"):
+        hold(spec["hold"], int(spec.get("hold_mb") or 64))
+    child = os.fork()  # a joined PID namespace takes children only
+    if child == 0:
+        confine(caps, last)
+        try:
+            os.chdir(spec["cwd"])
+        except OSError as exc:
+            fail(f"cannot change to {spec['cwd']!r}: {exc.strerror}")
+        os.closerange(3, 1 << 16)
+        execute(spec["argv"], spec["env"])
+    _, status = os.waitpid(child, 0)
+    if os.WIFSIGNALED(status):
+        os._exit(128 + os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException as exc:  # noqa: BLE001 - no traceback: printing one reads (sandbox) source files
+        fail(f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,325 @@
+"""Sandbox files read and written from the host, never outside the sandbox's root, with bounds.
+
+Every path is resolved by the kernel with ``openat2`` beneath a directory fd
+(the sandbox's root, or the verifier's output folder): ``RESOLVE_IN_ROOT``
+scopes ``..`` and absolute symlinks to that root, ``RESOLVE_NO_MAGICLINKS``
+refuses ``/proc/PID/fd``-style links, ``RESOLVE_NO_XDEV`` keeps it on the
+sandbox's own file system. The resolution is atomic, so a sandbox process that
+swaps a path for a symlink mid-transfer can only send it to another sandbox
+file. Files are opened non-blocking and must be regular (a FIFO never blocks a
+transfer), sizes are apparent sizes (a sparse file counts in full), and a
+transfer stops at its byte limit. Nothing in the sandbox is executed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import posixpath
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+from harbor_async.errors import TransferLimitError
+
+RESOLVE_NO_XDEV = 0x01
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
+RESOLVE_IN_ROOT = 0x10
+#: Paths the caller names: symlinks followed, but only within the root.
+IN_ROOT = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV
+#: One entry of a folder being walked: no symlink at all.
+ENTRY = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV
+_SYS_OPENAT2 = 437  # the same number on every Linux architecture (the generic syscall table)
+_CHUNK = 1 << 20
+#: A walked folder deeper than this, or with more entries, is refused (a tar bomb of the sandbox's).
+MAX_DEPTH = 64
+MAX_ENTRIES = 100_000
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = IN_ROOT) -> int:
+    """``openat2(2)``: open ``path`` beneath ``dirfd`` as ``resolve`` allows (close-on-exec).
+
+    Raises:
+        OSError: the kernel's error (``ELOOP`` for a symlink refused, ``EXDEV`` for a mount crossed).
+    """
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, resolve)
+    fd = _libc.syscall(_SYS_OPENAT2, dirfd, os.fsencode(path or "."), ctypes.byref(how), ctypes.sizeof(how))
+    if fd < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), path)
+    return int(fd)
+
+
+def openat2_available() -> bool:
+    """Whether this kernel has ``openat2`` (Linux 5.6 and later)."""
+    try:
+        os.close(openat2(os.open("/", os.O_PATH | os.O_CLOEXEC), ".", os.O_PATH))
+    except OSError as exc:
+        return exc.errno != errno.ENOSYS
+    return True
+
+
+class Budget:
+    """Bytes a transfer may still move, and a check called between chunks (cancellation)."""
+
+    def __init__(self, limit: int | None, shown: str, checkpoint: Callable[[], None] = lambda: None) -> None:
+        self.limit, self.left, self.shown, self.checkpoint = limit, limit, shown, checkpoint
+        self.entries = 0
+
+    def take(self, size: int) -> None:
+        """Reserve ``size`` bytes (an apparent size, before any is copied).
+
+        Raises:
+            TransferLimitError: past the limit.
+        """
+        if self.left is not None:
+            if size > self.left:
+                raise TransferLimitError(self.shown, self.limit or 0)
+            self.left -= size
+
+    def entry(self) -> None:
+        self.entries += 1
+        if self.entries > MAX_ENTRIES:
+            raise TransferLimitError(self.shown, self.limit or 0, f"more than {MAX_ENTRIES} entries")
+        self.checkpoint()
+
+
+def _copy(source: int, target: int, size: int, budget: Budget) -> None:
+    """Copy at most ``size`` bytes (already taken from ``budget``): a file growing meanwhile is cut there."""
+    left = size
+    while left > 0:
+        budget.checkpoint()
+        chunk = os.read(source, min(_CHUNK, left))
+        if not chunk:
+            break
+        left -= len(chunk)
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(target, view) :]
+
+
+def _open_regular(dirfd: int, path: str, resolve: int) -> tuple[int, os.stat_result]:
+    """A regular file opened for reading without blocking (a FIFO or device is "not found").
+
+    Raises:
+        FileNotFoundError: nothing there, or not a regular file.
+    """
+    try:
+        fd = openat2(dirfd, path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY, resolve=resolve)
+    except OSError as exc:
+        raise FileNotFoundError(errno.ENOENT, f"no regular file there ({exc.strerror})", path) from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise FileNotFoundError(errno.ENOENT, "not a regular file", path)
+    return fd, info
+
+
+def _host_file(target: Path) -> int:
+    return os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+
+
+def read_file(root: int, path: str, target: Path, budget: Budget) -> None:
+    """Copy the sandbox's regular file ``path`` (relative to ``root``) to the host file ``target``.
+
+    Raises:
+        FileNotFoundError: no regular file there (a symlink is followed only within the root).
+        TransferLimitError: larger than the budget (nothing is written).
+    """
+    source, info = _open_regular(root, path, IN_ROOT)
+    try:
+        budget.take(info.st_size)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        out = _host_file(target)
+        try:
+            _copy(source, out, info.st_size, budget)
+        finally:
+            os.close(out)
+    finally:
+        os.close(source)
+
+
+def read_tree(root: int, path: str, target: Path, budget: Budget) -> None:
+    """Copy the sandbox folder ``path``'s regular files and folders to ``target`` (symlinks are skipped).
+
+    Raises:
+        FileNotFoundError: no folder there.
+        TransferLimitError: the files' apparent sizes add up past the budget, or the tree is too big.
+    """
+    try:
+        top = openat2(root, path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise FileNotFoundError(errno.ENOENT, f"no folder there ({exc.strerror})", path) from None
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        _read_folder(top, target, budget, 0)
+    finally:
+        os.close(top)
+
+
+def _read_folder(folder: int, target: Path, budget: Budget, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise TransferLimitError(budget.shown, budget.limit or 0, f"folders deeper than {MAX_DEPTH}")
+    for name in os.listdir(folder):
+        budget.entry()
+        try:
+            info = os.stat(name, dir_fd=folder, follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        if stat.S_ISDIR(info.st_mode):
+            try:
+                child = openat2(folder, name, os.O_RDONLY | os.O_DIRECTORY, resolve=ENTRY)
+            except OSError:
+                continue  # swapped for something else meanwhile
+            try:
+                (target / name).mkdir(exist_ok=True)
+                _read_folder(child, target / name, budget, depth + 1)
+            finally:
+                os.close(child)
+        elif stat.S_ISREG(info.st_mode):
+            try:
+                source, info = _open_regular(folder, name, ENTRY)
+            except FileNotFoundError:
+                continue
+            try:
+                budget.take(info.st_size)
+                out = _host_file(target / name)
+                try:
+                    _copy(source, out, info.st_size, budget)
+                finally:
+                    os.close(out)
+            finally:
+                os.close(source)
+
+
+def _owned(uid: int | None, dirfd: int, name: str) -> None:
+    if uid is not None:
+        os.chown(name, uid, uid, dir_fd=dirfd, follow_symlinks=False)
+
+
+def make_folders(root: int, path: str, uid: int | None) -> int:
+    """Open the sandbox folder ``path``, making it and its parents as needed (owned by ``uid``).
+
+    Raises:
+        NotADirectoryError: a component exists and is not a folder.
+    """
+    parts = [part for part in path.split("/") if part]
+    current = os.dup(root)
+    try:
+        for part in parts:
+            try:
+                child = openat2(current, part, os.O_PATH | os.O_DIRECTORY, resolve=IN_ROOT)
+            except FileNotFoundError:
+                os.mkdir(part, 0o755, dir_fd=current)
+                _owned(uid, current, part)
+                child = openat2(current, part, os.O_PATH | os.O_DIRECTORY, resolve=ENTRY)
+            except OSError as exc:
+                if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+                    raise NotADirectoryError(errno.ENOTDIR, "not a folder", path) from None
+                raise
+            os.close(current)
+            current = child
+        return current
+    except BaseException:
+        os.close(current)
+        raise
+
+
+def write_file(root: int, path: str, source: Path, uid: int | None, mode: int, budget: Budget) -> None:
+    """Write the host file ``source`` to the sandbox path ``path`` (into it when it is a folder).
+
+    A symlink at ``path`` is followed within the root, as ``cp`` inside the sandbox would.
+    """
+    full = path.rstrip("/") or "/"
+    try:
+        os.close(openat2(root, full, os.O_PATH | os.O_DIRECTORY))
+        full = f"{full.rstrip('/')}/{source.name}"
+    except OSError:
+        pass
+    parent, _, name = full.rpartition("/")
+    folder = make_folders(root, parent, uid)
+    try:
+        link = os.readlink(name, dir_fd=folder)  # a dangling link's folders are made, as before
+    except OSError:
+        link = None
+    finally:
+        os.close(folder)
+    if link is not None:
+        os.close(make_folders(root, posixpath.dirname(posixpath.join(parent or "/", link)), uid))
+    with open(source, "rb") as host:
+        size = os.fstat(host.fileno()).st_size
+        budget.take(size)
+        out = openat2(root, full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, 0o644)
+        try:
+            if not stat.S_ISREG(os.fstat(out).st_mode):
+                raise IsADirectoryError(errno.EISDIR, "not a regular file", path)
+            if uid is not None:
+                os.fchown(out, uid, uid)
+            os.fchmod(out, mode)
+            _copy(host.fileno(), out, size, budget)
+        finally:
+            os.close(out)
+
+
+def write_tree(root: int, path: str, source: Path, uid: int | None, budget: Budget) -> None:
+    """Copy the host folder ``source``'s contents into the sandbox folder ``path`` (symlinks kept as links)."""
+    folder = make_folders(root, path, uid)
+    try:
+        _write_folder(folder, source, uid, budget)
+    finally:
+        os.close(folder)
+
+
+def _write_folder(folder: int, source: Path, uid: int | None, budget: Budget) -> None:
+    for entry in sorted(os.scandir(source), key=lambda e: e.name):
+        budget.entry()
+        name = entry.name
+        try:
+            there = os.stat(name, dir_fd=folder, follow_symlinks=False)
+        except FileNotFoundError:
+            there = None
+        if entry.is_symlink():
+            if there is not None and not stat.S_ISDIR(there.st_mode):
+                os.unlink(name, dir_fd=folder)
+            os.symlink(os.readlink(entry.path), name, dir_fd=folder)
+            _owned(uid, folder, name)
+        elif entry.is_dir():
+            if there is None:
+                os.mkdir(name, entry.stat().st_mode & 0o7777, dir_fd=folder)
+                _owned(uid, folder, name)
+            elif not stat.S_ISDIR(there.st_mode):
+                os.unlink(name, dir_fd=folder)
+                os.mkdir(name, entry.stat().st_mode & 0o7777, dir_fd=folder)
+                _owned(uid, folder, name)
+            child = openat2(folder, name, os.O_PATH | os.O_DIRECTORY, resolve=ENTRY)
+            try:
+                _write_folder(child, Path(entry.path), uid, budget)
+            finally:
+                os.close(child)
+        elif entry.is_file():
+            if there is not None and not stat.S_ISREG(there.st_mode) and not stat.S_ISDIR(there.st_mode):
+                os.unlink(name, dir_fd=folder)  # a link or FIFO the sandbox put there: replaced, not followed
+            with open(entry.path, "rb") as host:
+                info = os.fstat(host.fileno())
+                budget.take(info.st_size)
+                out = openat2(
+                    folder, name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_NOFOLLOW, 0o644,
+                    resolve=ENTRY,
+                )  # fmt: skip
+                try:
+                    if uid is not None:
+                        os.fchown(out, uid, uid)
+                    os.fchmod(out, info.st_mode & 0o7777)
+                    _copy(host.fileno(), out, info.st_size, budget)
+                finally:
+                    os.close(out)

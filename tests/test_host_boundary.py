@@ -1,0 +1,159 @@
+"""The host side of the local sandbox boundary, attacked as a sandbox would (issue 23, items 4 to 6).
+
+Transfers must run nothing of the sandbox's and hand it no host descriptor;
+exec joins must confine before anything the sandbox wrote is loaded; every
+download must be bounded in bytes and time whatever the sandbox put there
+(FIFOs, sparse files, deep trees).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import anyio
+import pytest
+
+from harbor_async.backends.local import LocalEnvironment
+from harbor_async.backends.local.layout import CAP_NUMBERS, SANDBOX_CAPS
+from harbor_async.errors import TransferLimitError
+from tests.test_local_backend import make_env
+from tests.test_local_escape import make_task
+
+ATTACKS = Path(__file__).parent / "attacks"
+SANDBOX_CAP_MASK = sum(1 << CAP_NUMBERS[name] for name in SANDBOX_CAPS)
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def env(tmp_path: Path):
+    environment = make_env(tmp_path, make_task(tmp_path / "suite"), "boundary", transfer_limit_mb=8)
+    await environment.start(force_build=False)
+    yield environment
+    await environment.stop(delete=True)
+
+
+@pytest.fixture(scope="module")
+def preload_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The planted library, compiled now (gcc is installed by .ci/setup)."""
+    out = tmp_path_factory.mktemp("attack") / "planted.so"
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-O1", "-o", str(out), str(ATTACKS / "preload.c")], check=True, timeout=120
+    )
+    return out
+
+
+@pytest.mark.anyio
+async def test_a_planted_preload_never_runs_before_confinement_nor_in_a_transfer(
+    env: LocalEnvironment, preload_library: Path, tmp_path: Path
+) -> None:
+    await env.upload_file(preload_library, "/opt/planted.so")
+    await env.exec("echo /opt/planted.so > /etc/ld.so.preload && echo content > /tmp/data.txt && : > /tmp/preload.log")
+    # Every kind of transfer, then one exec of a dynamically linked program.
+    await env.download_file("/tmp/data.txt", tmp_path / "data.txt")
+    await env.download_dir("/tmp", tmp_path / "tmp-copy")
+    source = tmp_path / "up.txt"
+    source.write_text("up")
+    await env.upload_file(source, "/tmp/up.txt")
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "a.txt").write_text("a")
+    await env.upload_dir(tmp_path / "tree", "/tmp/tree")
+    transfers_log = (await env.exec("cat /tmp/preload.log")).stdout
+    ran = await env.exec("id -u; cat /tmp/preload.log")
+    # A transfer hands the sandbox nothing: the host file holds the sandbox file's bytes only.
+    assert (tmp_path / "data.txt").read_text() == "content\n"
+    assert (tmp_path / "tmp-copy" / "data.txt").read_text() == "content\n"
+    # The only programs that loaded the library are the commands themselves (cat, id, bash),
+    # with the sandbox's capabilities and no-new-privs: no join step ran it with more.
+    assert "PLANTED" not in transfers_log and all("/cat " in line or "bash" in line for line in transfers_log.splitlines())
+    lines = [line for line in ran.stdout.splitlines()[1:] if line]
+    assert lines, ran
+    for line in lines:
+        program, caps, nnp = line.rsplit(" ", 2)
+        assert nnp == "nnp=1", line
+        assert int(caps.removeprefix("caps="), 16) == SANDBOX_CAP_MASK, line
+        assert os.path.basename(program) in ("bash", "cat", "id", "dash", "sh"), line
+
+
+@pytest.mark.anyio
+async def test_a_fifo_never_blocks_a_download(env: LocalEnvironment, tmp_path: Path) -> None:
+    await env.exec("mkfifo /logs/agent/pipe && echo ok > /logs/agent/real.txt && mkfifo /tmp/lone")
+    with anyio.fail_after(30):  # a transfer that opened the FIFO would wait for ever
+        await env.download_dir("/logs/agent", tmp_path / "agent")
+        with pytest.raises(FileNotFoundError):
+            await env.download_file("/tmp/lone", tmp_path / "lone")
+    assert sorted(p.name for p in (tmp_path / "agent").iterdir()) == ["real.txt"]
+    assert not (tmp_path / "lone").exists()
+
+
+@pytest.mark.anyio
+async def test_a_sparse_file_past_the_limit_is_refused_and_not_copied(env: LocalEnvironment, tmp_path: Path) -> None:
+    # 1 GiB apparent, nothing on the sandbox's disk: the limit counts the apparent size.
+    await env.exec("truncate -s 1G /logs/agent/huge && echo small > /logs/agent/small.txt")
+    with pytest.raises(TransferLimitError) as info:
+        await env.download_file("/logs/agent/huge", tmp_path / "huge")
+    assert info.value.limit == 8 * 2**20 and "transfer_limit_mb" in str(info.value)
+    assert not (tmp_path / "huge").exists()
+    with pytest.raises(TransferLimitError):
+        await env.download_dir("/logs/agent", tmp_path / "agent")
+    copied = sum(p.stat().st_size for p in (tmp_path / "agent").rglob("*") if p.is_file())
+    assert copied <= 8 * 2**20  # nothing past the cap reached the host
+
+
+@pytest.mark.anyio
+async def test_a_deep_or_wide_tree_is_bounded(env: LocalEnvironment, tmp_path: Path) -> None:
+    await env.exec("cd /logs/agent && for i in $(seq 80); do mkdir d && cd d; done; echo x > leaf")
+    with pytest.raises(TransferLimitError, match="deeper than"):
+        await env.download_dir("/logs/agent", tmp_path / "deep")
+
+
+@pytest.mark.anyio
+async def test_symlinks_resolve_inside_the_sandbox_only(env: LocalEnvironment, tmp_path: Path) -> None:
+    secret = tmp_path / "host-secret.txt"
+    secret.write_text("host only")
+    await env.exec(
+        f"mkdir -p {secret.parent} && echo sandbox > {secret} && echo sandbox > /etc/hostname"
+        f" && ln -s {secret} /logs/agent/abs"
+        " && ln -s ../../../../../../../../etc/hostname /logs/agent/up && ln -s /proc/1/root /logs/agent/magic"
+    )
+    await env.download_dir("/logs/agent", tmp_path / "agent")
+    assert list((tmp_path / "agent").iterdir()) == []  # links are not copied
+    await env.download_file("/logs/agent/abs", tmp_path / "abs.txt")
+    assert (tmp_path / "abs.txt").read_text() == "sandbox\n"  # the sandbox's file of that name
+    await env.download_file("/logs/agent/up", tmp_path / "up.txt")
+    assert (tmp_path / "up.txt").read_text() == "sandbox\n"  # .. stops at the sandbox's root
+    with pytest.raises(FileNotFoundError):
+        await env.download_file("/logs/agent/magic/etc/hostname", tmp_path / "magic.txt")
+    assert secret.read_text() == "host only"
+
+
+def test_a_transfer_checks_for_cancellation_between_chunks(tmp_path: Path) -> None:
+    from harbor_async.backends.local import hostfs
+
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "blob").write_bytes(os.urandom(5 * 2**20))
+    calls = []
+
+    class Cancelled(Exception):
+        pass
+
+    def cancelled() -> None:  # as anyio.from_thread.check_cancelled does once the caller is cancelled
+        calls.append(1)
+        if len(calls) > 1:
+            raise Cancelled
+
+    root = os.open(tmp_path / "root", os.O_PATH | os.O_DIRECTORY)
+    try:
+        with pytest.raises(Cancelled):
+            hostfs.read_file(root, "blob", tmp_path / "copy", hostfs.Budget(None, "blob", cancelled))
+    finally:
+        os.close(root)
+    assert (tmp_path / "copy").stat().st_size == 2**20  # one chunk, then it stopped
