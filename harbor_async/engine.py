@@ -49,6 +49,9 @@ class Engine:
             (default: :class:`~harbor_async.budget.LocalBudget`, this process's limits).
         env_allow: host variables a task's ``${VAR}`` may read (default none;
             see :mod:`harbor_async.task_env`).
+        strict_verify: kill every process the agent left running before the
+            verifier starts (default off: services the agent started stay up
+            for the tests, as in Harbor); see :mod:`harbor_async.verifier_isolation`.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class Engine:
         docker_overlay: bool = True,
         budget: Callable[[Limits], Budget] | None = None,
         env_allow: Collection[str] = (),
+        strict_verify: bool = False,
     ) -> None:
         self.limits = limits or Limits()
         self.timeouts = timeouts or Timeouts()
@@ -76,6 +80,7 @@ class Engine:
         self.reap_stale = reap_stale
         self.docker_overlay = docker_overlay
         self.env_allow = frozenset(env_allow)
+        self.strict_verify = strict_verify
         self._budget_factory = budget
         self._ledger: dict[str, Sandbox] = {}
         self._stats = StatsRecorder()
@@ -105,6 +110,7 @@ class Engine:
             stats=self._stats,
             on_done=self._forget,
             start_options={"docker_overlay": self.docker_overlay},
+            strict_verify=self.strict_verify,
         )
         if self.reap_stale:
             from harbor_async.reaper import reap_stale

@@ -34,6 +34,7 @@ from harbor_async.errors import (
     SandboxClosedError,
     SandboxError,
     SandboxTimeout,
+    TransferLimitError,
     VerifierFailure,
 )
 from harbor_async.logs import get_logger
@@ -67,6 +68,8 @@ class SandboxContext:
         start_options: backend start options (e.g. ``docker_overlay``), see
             :meth:`BackendSpec.start_extras`.
         trial_names: the run's Harbor trial-folder names.
+        strict_verify: kill every agent process before the verifier runs
+            (:mod:`harbor_async.verifier_isolation`).
     """
 
     run_label: str
@@ -79,6 +82,7 @@ class SandboxContext:
     on_done: Callable[[Sandbox], None]
     start_options: Mapping[str, Any] = field(default_factory=dict)
     trial_names: TrialDirNames | None = None
+    strict_verify: bool = False
 
     def __post_init__(self) -> None:
         if self.trial_names is None:
@@ -249,12 +253,14 @@ class Sandbox:
         """
         from harbor.models.trial.paths import EnvironmentPaths
         from harbor.verifier.verifier import (
+            DownloadVerifierDirError,
             RewardFileEmptyError,
             RewardFileNotFoundError,
             VerifierOutputParseError,
         )
 
         from harbor_async.reward_files import BoundedVerifier
+        from harbor_async.verifier_isolation import AgentProcessesSurvivedError, end_agent_processes, verifier_scope
 
         await self.wait_started()
         environment = self.environment
@@ -263,6 +269,11 @@ class Sandbox:
                 self.context.budget.exec_slot(),
                 self._phase(Phase.VERIFY, budget=self.timeouts.verify) as seconds,
             ):
+                if self.context.strict_verify:
+                    try:
+                        await end_agent_processes(environment)
+                    except AgentProcessesSurvivedError as exc:  # what the agent left outran the kill: its episode
+                        raise VerifierFailure(Phase.VERIFY, self.task_name, self.id, str(exc)) from exc
                 # test.sh redirects into the verifier dir; the shell cannot create its parent.
                 env_paths = EnvironmentPaths.for_os(environment.os)
                 await environment.empty_dirs([env_paths.verifier_dir], chmod=True)
@@ -273,10 +284,18 @@ class Sandbox:
                     override_env=self.task.config.verifier.env or None,
                 )
                 try:
-                    result = await verifier.verify()
+                    async with verifier_scope(environment):  # its own folders where the backend can
+                        result = await verifier.verify()
                 except (RewardFileNotFoundError, RewardFileEmptyError, VerifierOutputParseError) as exc:
                     raise VerifierFailure(
                         Phase.VERIFY, self.task_name, self.id, f"{type(exc).__name__}: {exc}",
+                        output=self._verifier_output(),
+                    ) from exc  # fmt: skip
+                except DownloadVerifierDirError as exc:
+                    if not isinstance(exc.__cause__, (TransferLimitError, FileNotFoundError)):
+                        raise
+                    raise VerifierFailure(  # what the sandbox left there, not the infrastructure
+                        Phase.VERIFY, self.task_name, self.id, f"{type(exc.__cause__).__name__}: {exc.__cause__}",
                         output=self._verifier_output(),
                     ) from exc  # fmt: skip
         except SandboxTimeout as exc:

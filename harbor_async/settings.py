@@ -61,6 +61,7 @@ class JobSettings:
     environment_type: str = "local"
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
     env_allow: list[str] = field(default_factory=list)
+    strict_verify: bool = False
     n_attempts: int = 1
     n_concurrent: int = 8
     n_tasks: int | None = None
@@ -174,5 +175,6 @@ class JobSettings:
             "backend_kwargs": dict(self.environment_kwargs),
             "budget": budget if budget is not None else self.budget_factory(),
             "env_allow": list(self.env_allow),
+            "strict_verify": self.strict_verify,
         }
 

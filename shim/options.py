@@ -94,6 +94,9 @@ class EngineOptions:
         cluster_creates_per_second: sandbox creations per second across the cluster.
         env_allow: host variables a task's ``${VAR}`` may read (names; default none:
             see :mod:`harbor_async.task_env`).
+        strict_verify: kill every process the agent left running before the
+            verifier starts (default off, as in Harbor; see
+            :mod:`harbor_async.verifier_isolation`).
     """
 
     max_live_sandboxes: int | None = None
@@ -118,6 +121,7 @@ class EngineOptions:
     cluster_max_live: int | None = None
     cluster_creates_per_second: float | None = None
     env_allow: tuple[str, ...] = ()
+    strict_verify: bool = False
 
     def __post_init__(self) -> None:
         names = (self.env_allow,) if isinstance(self.env_allow, str) else tuple(self.env_allow)
@@ -209,6 +213,7 @@ class EngineOptions:
             )
         return {
             **kwargs, "limits": limits, "timeouts": self.timeouts(), "retry": self.retry(), "env_allow": self.env_allow,
+            "strict_verify": self.strict_verify,
         }  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
@@ -255,3 +260,4 @@ class EngineOptionsKwargs(TypedDict, total=False):
     cluster_max_live: int | None
     cluster_creates_per_second: float | None
     env_allow: tuple[str, ...]
+    strict_verify: bool

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -129,3 +129,14 @@ def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
         configure_logging(level, fmt, force=True)
     except LogSettingError as exc:
         raise fail(exc) from None
+
+
+#: ``--strict-verify``, shared by ``run`` and ``eval``.
+StrictVerifyOpt = Annotated[
+    bool,
+    typer.Option(
+        "--strict-verify",
+        help="Kill every process the agent left running before the verifier starts "
+        "(default: they keep running, as in Harbor, so tests can check services).",
+    ),
+]

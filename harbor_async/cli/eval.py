@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from harbor_async.cli import cluster as cluster_opts
-from harbor_async.cli.common import checked_backend, err, fail, out, parse_kwargs
+from harbor_async.cli.common import StrictVerifyOpt, checked_backend, err, fail, out, parse_kwargs
 
 
 def eval_command(
@@ -85,6 +85,7 @@ def eval_command(
     env_allow: Annotated[
         list[str] | None, typer.Option("--env-allow", help="A host variable a task's ${VAR} may read (repeatable; default none).")
     ] = None,
+    strict_verify: StrictVerifyOpt = False,
     backend_kwarg: Annotated[
         list[str] | None, typer.Option("--ek", help="Backend constructor argument KEY=VALUE (repeatable).")
     ] = None,
@@ -122,6 +123,7 @@ def eval_command(
     settings: dict[str, Any] = dict(
         environment_kwargs=backend_kwargs,
         env_allow=list(env_allow or []),
+        strict_verify=strict_verify,
         agent=agent,
         environment_type=env,
         n_attempts=attempts,

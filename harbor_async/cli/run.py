@@ -28,6 +28,7 @@ from rich.text import Text
 
 from harbor_async.cli import cluster as cluster_opts
 from harbor_async.cli.common import (
+    StrictVerifyOpt,
     checked_backend,
     err,
     fail,
@@ -101,6 +102,7 @@ def run(
     exclude: ExcludeOpt = None,
     indices: IndicesOpt = None,
     env_allow: Annotated[list[str] | None, typer.Option("--env-allow", help="A host variable a task's ${VAR} may read (repeatable; default none).")] = None,
+    strict_verify: StrictVerifyOpt = False,
     ek: Annotated[list[str] | None, typer.Option("--ek", "--environment-kwarg", help="Backend keyword argument key=value (repeatable); values are read as JSON when they parse.")] = None,
     timeout_multiplier: Annotated[float, typer.Option("--timeout-multiplier", help="Multiplies the start, exec, agent and verifier budgets.")] = 1.0,
     agent_timeout_multiplier: Annotated[float | None, typer.Option("--agent-timeout-multiplier", help="Multiplies the agent budget (overrides --timeout-multiplier).")] = None,
@@ -148,6 +150,7 @@ def run(
             environment_build_timeout_multiplier, episode_timeout, start_timeout,
         )  # fmt: skip
         settings.env_allow = list(env_allow or [])
+        settings.strict_verify = strict_verify
         loaded = load_tasks(
             settings.suite, n_tasks=n_tasks or num_tasks, indices=parse_indices(indices), include=include, exclude=exclude
         )
@@ -188,13 +191,11 @@ def run(
     new: list[EpisodeRecord] = []
     with interrupts:
         try:
+            engine_kwargs = settings.engine_kwargs(budget_factory)  # the one Engine of run, eval and the cluster
             if on_ray:
-                _on_cluster(todo, settings, concurrency, timeouts, budget_factory, ray_address, job, new, root)
+                _on_cluster(todo, settings, concurrency, engine_kwargs, ray_address, job, new, root)
             else:
-                anyio.run(
-                    _batch, todo, spec, settings.agent, concurrency, timeouts, settings.environment_kwargs, job, new, interrupts,
-                    budget_factory, root, settings.env_allow,
-                )  # fmt: skip
+                anyio.run(_batch, todo, spec, settings.agent, concurrency, engine_kwargs, job, new, interrupts, root)
         finally:
             job.close()
     latest = job.latest(root)
@@ -263,26 +264,20 @@ def _open_export(path: Path | None) -> IO[str] | None:
         raise fail(f"cannot write --json {path}: {exc.strerror or exc}") from None
 
 
-def _on_cluster(todo, settings, concurrency, timeouts, budget_factory, address, job, new: list[EpisodeRecord], root: str) -> None:
+def _on_cluster(todo, settings, concurrency, engine_kwargs, address, job, new: list[EpisodeRecord], root: str) -> None:
     """Shard the episodes over the Ray cluster: one engine per node, records appended here as they arrive."""
     from harbor_async.cluster.episodes import run_item, run_items
     from harbor_async.cluster.sharding import run_on_cluster
-    from harbor_async.policy import Limits
 
-    engine_kwargs = {
-        "limits": Limits(live_sandboxes=None), "timeouts": timeouts, "backend_kwargs": settings.environment_kwargs,
-        "budget": budget_factory, "env_allow": settings.env_allow,
-    }  # fmt: skip
     run_on_cluster(
         run_item, run_items(todo, settings.environment_type, settings.agent, root), job=job, address=address,
         concurrency=concurrency, engine_kwargs=engine_kwargs, on_record=new.append,
     )  # fmt: skip
 
 
-async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, timeouts, ek, job, new: list[EpisodeRecord], interrupts: Interrupts, budget_factory=None, root: str = "", env_allow: list[str] | None = None) -> None:
+async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, engine_kwargs: dict[str, Any], job, new: list[EpisodeRecord], interrupts: Interrupts, root: str = "") -> None:
     """Run the episodes into the job folder; a signal cancels the batch (records of cancelled episodes kept)."""
     from harbor_async.engine import Engine
-    from harbor_async.policy import Limits
     from harbor_async.runner import run_suite
     from harbor_async.tasks import suite_task_path
 
@@ -304,10 +299,7 @@ async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, timeouts,
             progress.update(bar, advance=1, score=score)
 
         # run_suite's limiter is the batch's one concurrency limit (the engine gets none).
-        async with Engine(
-            limits=Limits(live_sandboxes=None), timeouts=timeouts, backend_kwargs=ek, budget=budget_factory,
-            env_allow=env_allow or (),
-        ) as engine:  # fmt: skip
+        async with Engine(**engine_kwargs) as engine:
             interrupts.leftovers = lambda: [s.id for s in engine.live_sandboxes()]
             with anyio.CancelScope() as batch:
                 interrupts.arm(batch.cancel)

@@ -52,6 +52,7 @@ from harbor_async.backends.local.layout import (
     RUN_LABEL_ENV,
     SPECIAL_DIRS,
     SYSTEM_DIRS,
+    VERIFIER_EXTRA_CAPS,
     under,
 )
 from harbor_async.backends.local.limits import (
@@ -77,6 +78,7 @@ from harbor_async.backends.local.rootfs import (
 )
 from harbor_async.backends.local.sandboxing import Confinement, join_argv, keeper_argv
 from harbor_async.backends.local.transfers import DEFAULT_TRANSFER_LIMIT_MB, SandboxTransfers
+from harbor_async.backends.local.verifier_ns import VerifierNamespace
 from harbor_async.naming import (
     DEFAULT_LOCAL_ROOT,
     LOCAL_ROOT_ENV,
@@ -85,7 +87,7 @@ from harbor_async.naming import (
 )
 
 
-class LocalEnvironment(SandboxTransfers, BaseEnvironment):
+class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
     """A Harbor environment on bubblewrap: one long-lived sandbox, commands join it.
 
     Constructor keywords, besides Harbor's own (all optional; from Harbor's CLI
@@ -151,7 +153,8 @@ class LocalEnvironment(SandboxTransfers, BaseEnvironment):
         limit_mb = parse_limit(transfer_limit_mb, int)
         self._transfer_limit = None if limit_mb is None else limit_mb * 2**20
         self._root_fd: int | None = None  # the sandbox's root, for transfers (hostfs)
-        self._verifier_root: tuple[str, int] | None = None
+        self._private_dirs: dict[str, int] = {}  # the verifier's own folders (verifier_ns)
+        self._verifier_mnt: int | None = None  # the verifier's mount namespace, while it runs
         self._confinement: Confinement | None = None
         self._uid_lease: UidLease | None = None
         self._mount: Path | None = None  # the sandbox's tmpfs (as root), fs/ links to it
@@ -552,6 +555,11 @@ class LocalEnvironment(SandboxTransfers, BaseEnvironment):
     def _join(self, env: dict[str, str], cwd: str, command: list[str]) -> tuple[list[str], tuple[int, ...]]:
         """The argv (and fds to pass) that runs ``command`` inside the sandbox."""
         assert self._keeper is not None and self._tools is not None and self._confinement is not None
+        if self._verifier_mnt is not None:  # the verifier's: its own namespace, one capability more
+            return join_argv(
+                self._keeper, self._confinement, env, cwd, command,
+                mnt=self._verifier_mnt, extra_caps=VERIFIER_EXTRA_CAPS,
+            )  # fmt: skip
         return join_argv(self._keeper, self._confinement, env, cwd, command)
 
     async def run_healthcheck(self, healthcheck: HealthcheckConfig | None = None) -> None:

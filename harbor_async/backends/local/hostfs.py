@@ -13,13 +13,15 @@ transfer stops at its byte limit. Nothing in the sandbox is executed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import posixpath
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from harbor_async.errors import TransferLimitError
 
@@ -67,6 +69,25 @@ def openat2_available() -> bool:
     except OSError as exc:
         return exc.errno != errno.ENOSYS
     return True
+
+
+@contextlib.contextmanager
+def as_fsuid(uid: int | None) -> Iterator[None]:
+    """This thread's file-system uid and gid set to ``uid`` for the body (Linux's fsuid is per thread).
+
+    A tmpfs mounted inside the sandbox's user namespace (the verifier's own
+    folders) refuses files made by a uid it does not map, host root included
+    (``EOVERFLOW``): the host writes there as the sandbox's root.
+    """
+    if uid is None:
+        yield
+        return
+    before_uid, before_gid = _libc.setfsuid(uid), _libc.setfsgid(uid)
+    try:
+        yield
+    finally:
+        _libc.setfsgid(before_gid)
+        _libc.setfsuid(before_uid)
 
 
 class Budget:
@@ -235,28 +256,31 @@ def make_folders(root: int, path: str, uid: int | None) -> int:
         raise
 
 
-def write_file(root: int, path: str, source: Path, uid: int | None, mode: int, budget: Budget) -> None:
+def write_file(
+    root: int, path: str, source: Path, uid: int | None, mode: int, budget: Budget, fsuid: int | None = None
+) -> None:
     """Write the host file ``source`` to the sandbox path ``path`` (into it when it is a folder).
 
     A symlink at ``path`` is followed within the root, as ``cp`` inside the sandbox would.
+    ``fsuid``: make the sandbox's files as this uid (see :func:`as_fsuid`).
     """
-    full = path.rstrip("/") or "/"
-    try:
-        os.close(openat2(root, full, os.O_PATH | os.O_DIRECTORY))
-        full = f"{full.rstrip('/')}/{source.name}"
-    except OSError:
-        pass
-    parent, _, name = full.rpartition("/")
-    folder = make_folders(root, parent, uid)
-    try:
-        link = os.readlink(name, dir_fd=folder)  # a dangling link's folders are made, as before
-    except OSError:
-        link = None
-    finally:
-        os.close(folder)
-    if link is not None:
-        os.close(make_folders(root, posixpath.dirname(posixpath.join(parent or "/", link)), uid))
-    with open(source, "rb") as host:
+    with open(source, "rb") as host, as_fsuid(fsuid):  # the host file as ourselves, the sandbox's as fsuid
+        full = path.rstrip("/") or "/"
+        try:
+            os.close(openat2(root, full, os.O_PATH | os.O_DIRECTORY))
+            full = f"{full.rstrip('/')}/{source.name}"
+        except OSError:
+            pass
+        parent, _, name = full.rpartition("/")
+        folder = make_folders(root, parent, uid)
+        try:
+            link = os.readlink(name, dir_fd=folder)  # a dangling link's folders are made, as before
+        except OSError:
+            link = None
+        finally:
+            os.close(folder)
+        if link is not None:
+            os.close(make_folders(root, posixpath.dirname(posixpath.join(parent or "/", link)), uid))
         size = os.fstat(host.fileno()).st_size
         budget.take(size)
         out = openat2(root, full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, 0o644)
@@ -271,55 +295,77 @@ def write_file(root: int, path: str, source: Path, uid: int | None, mode: int, b
             os.close(out)
 
 
-def write_tree(root: int, path: str, source: Path, uid: int | None, budget: Budget) -> None:
+def write_tree(root: int, path: str, source: Path, uid: int | None, budget: Budget, fsuid: int | None = None) -> None:
     """Copy the host folder ``source``'s contents into the sandbox folder ``path`` (symlinks kept as links)."""
-    folder = make_folders(root, path, uid)
+    with as_fsuid(fsuid):
+        folder = make_folders(root, path, uid)
     try:
-        _write_folder(folder, source, uid, budget)
+        _write_folder(folder, source, uid, budget, fsuid)
     finally:
         os.close(folder)
 
 
-def _write_folder(folder: int, source: Path, uid: int | None, budget: Budget) -> None:
-    for entry in sorted(os.scandir(source), key=lambda e: e.name):
+def _write_folder(folder: int, source: Path, uid: int | None, budget: Budget, fsuid: int | None) -> None:
+    for entry in sorted(os.scandir(source), key=lambda e: e.name):  # the host's side as ourselves
         budget.entry()
         name = entry.name
-        try:
-            there = os.stat(name, dir_fd=folder, follow_symlinks=False)
-        except FileNotFoundError:
-            there = None
-        if entry.is_symlink():
-            if there is not None and not stat.S_ISDIR(there.st_mode):
-                os.unlink(name, dir_fd=folder)
-            os.symlink(os.readlink(entry.path), name, dir_fd=folder)
-            _owned(uid, folder, name)
-        elif entry.is_dir():
-            if there is None:
-                os.mkdir(name, entry.stat().st_mode & 0o7777, dir_fd=folder)
-                _owned(uid, folder, name)
-            elif not stat.S_ISDIR(there.st_mode):
-                os.unlink(name, dir_fd=folder)
-                os.mkdir(name, entry.stat().st_mode & 0o7777, dir_fd=folder)
-                _owned(uid, folder, name)
-            child = openat2(folder, name, os.O_PATH | os.O_DIRECTORY, resolve=ENTRY)
+        if entry.is_dir(follow_symlinks=False):
+            with as_fsuid(fsuid):
+                child = _sandbox_folder(folder, name, entry.stat().st_mode & 0o7777, uid)
             try:
-                _write_folder(child, Path(entry.path), uid, budget)
+                _write_folder(child, Path(entry.path), uid, budget, fsuid)
             finally:
                 os.close(child)
-        elif entry.is_file():
-            if there is not None and not stat.S_ISREG(there.st_mode) and not stat.S_ISDIR(there.st_mode):
-                os.unlink(name, dir_fd=folder)  # a link or FIFO the sandbox put there: replaced, not followed
-            with open(entry.path, "rb") as host:
-                info = os.fstat(host.fileno())
-                budget.take(info.st_size)
-                out = openat2(
-                    folder, name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_NOFOLLOW, 0o644,
-                    resolve=ENTRY,
-                )  # fmt: skip
-                try:
-                    if uid is not None:
-                        os.fchown(out, uid, uid)
-                    os.fchmod(out, info.st_mode & 0o7777)
-                    _copy(host.fileno(), out, info.st_size, budget)
-                finally:
-                    os.close(out)
+            continue
+        link = os.readlink(entry.path) if entry.is_symlink() else None
+        host = open(entry.path, "rb") if link is None and entry.is_file() else None  # noqa: SIM115
+        try:
+            with as_fsuid(fsuid):
+                _write_entry(folder, name, link, host, uid, budget)
+        finally:
+            if host is not None:
+                host.close()
+
+
+def _sandbox_folder(folder: int, name: str, mode: int, uid: int | None) -> int:
+    """The sandbox folder ``name`` in ``folder`` (made, or put in place of a non-folder), opened."""
+    try:
+        there = os.stat(name, dir_fd=folder, follow_symlinks=False)
+    except FileNotFoundError:
+        there = None
+    if there is None or not stat.S_ISDIR(there.st_mode):
+        if there is not None:
+            os.unlink(name, dir_fd=folder)
+        os.mkdir(name, mode, dir_fd=folder)
+        _owned(uid, folder, name)
+    return openat2(folder, name, os.O_PATH | os.O_DIRECTORY, resolve=ENTRY)
+
+
+def _write_entry(folder: int, name: str, link: str | None, host: Any, uid: int | None, budget: Budget) -> None:
+    """One link (``link``) or file (``host``, open) of an upload, replacing what the sandbox put there."""
+    try:
+        there = os.stat(name, dir_fd=folder, follow_symlinks=False)
+    except FileNotFoundError:
+        there = None
+    if link is not None:
+        if there is not None and not stat.S_ISDIR(there.st_mode):
+            os.unlink(name, dir_fd=folder)
+        os.symlink(link, name, dir_fd=folder)
+        _owned(uid, folder, name)
+        return
+    if host is None:
+        return  # neither file, folder nor link (a socket in the task folder): not copied
+    if there is not None and not stat.S_ISREG(there.st_mode) and not stat.S_ISDIR(there.st_mode):
+        os.unlink(name, dir_fd=folder)  # a link or FIFO the sandbox put there: replaced, not followed
+    info = os.fstat(host.fileno())
+    budget.take(info.st_size)
+    out = openat2(
+        folder, name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_NOFOLLOW, 0o644, resolve=ENTRY
+    )
+    try:
+        if uid is not None:
+            os.fchown(out, uid, uid)
+        os.fchmod(out, info.st_mode & 0o7777)
+        _copy(host.fileno(), out, info.st_size, budget)
+    finally:
+        os.close(out)

@@ -116,7 +116,7 @@ def join_argv(
     *,
     mnt: int | None = None,
     extra_caps: tuple[str, ...] = (),
-    hold: str | None = None,
+    hold: tuple[str, ...] = (),
 ) -> tuple[list[str], tuple[int, ...]]:
     """The argv that runs ``command`` inside the keeper's namespaces, and the fds it must inherit.
 
@@ -131,7 +131,7 @@ def join_argv(
     namespaces = dict(keeper.namespaces)
     if mnt is not None:
         namespaces["mnt"] = mnt
-    if hold is not None:  # only the user and mount namespaces: it stays out of the sandbox's PID namespace
+    if hold:  # only the user and mount namespaces: it stays out of the sandbox's PID namespace
         namespaces = {name: fd for name, fd in namespaces.items() if name in ("user", "mnt")}
     limits = confinement.limits
     spec = {
@@ -143,7 +143,7 @@ def join_argv(
         "cwd": cwd,
         "env": env,
         "argv": command,
-        "hold": hold,
+        "hold": list(hold),
         "hold_mb": limits.storage_mb or 256,
     }
     argv = [sys.executable, "-I", "-S", "-B", helper("enter.py"), json.dumps(spec)]

@@ -37,7 +37,7 @@ class SandboxTransfers:
     _started: bool
     _root_fd: int | None
     _transfer_limit: int | None
-    _verifier_root: tuple[str, int] | None  # (sandbox path, fd of the verifier's own folder)
+    _private_dirs: dict[str, int]  # the verifier's own folders while it runs: sandbox path -> fd
 
     def _sandbox_uid(self) -> int | None:
         raise NotImplementedError
@@ -115,8 +115,7 @@ class SandboxTransfers:
         """The directory fd a sandbox path resolves beneath, and the path relative to it."""
         if not self._started or self._root_fd is None:
             raise RuntimeError(f"local sandbox {self.session_id} is not started")
-        if self._verifier_root is not None:
-            folder, fd = self._verifier_root
+        for folder, fd in self._private_dirs.items():
             if path == folder or path.startswith(folder + "/"):
                 return fd, path[len(folder) :] or "."
         return self._root_fd, path
@@ -126,7 +125,10 @@ class SandboxTransfers:
         budget = hostfs.Budget(
             self._transfer_limit if limited else None, shown, anyio.from_thread.check_cancelled
         )
-        await anyio.to_thread.run_sync(functools.partial(function, *args, budget))
+        extra: dict[str, Any] = {}
+        if args[0] in self._private_dirs.values() and function in (hostfs.write_file, hostfs.write_tree):
+            extra["fsuid"] = self._sandbox_uid()  # a tmpfs of the sandbox's user namespace: as its root
+        await anyio.to_thread.run_sync(functools.partial(function, *args, budget, **extra))
 
 
 def sandbox_path(workdir: str, path: str, *, writable: bool) -> str:

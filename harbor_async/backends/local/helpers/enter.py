@@ -14,8 +14,8 @@ SPEC is JSON: ``procs`` (cgroup.procs files to join), ``uid`` (the sandbox's
 host uid, or null), ``nproc`` (RLIMIT_NPROC, or null), ``ns`` (namespace name
 to the number of an inherited namespace file: user first), ``caps`` (the
 capability numbers kept), ``cwd``, ``env``, ``argv``; and for a verifier:
-``hold`` (mount a fresh tmpfs at that path in a new mount namespace, say
-``ready``, and wait for stdin to close; no command is run).
+``hold`` (mount a fresh tmpfs of ``hold_mb`` at each of those paths in a new
+mount namespace, say ``ready``, and wait for stdin to close; no command is run).
 
 Exit codes (as ``env`` and ``nsenter``): 125 could not enter or confine,
 126 not executable, 127 not found; else the command's (128 + N for signal N).
@@ -72,11 +72,14 @@ def confine(caps: list[int], last: int) -> None:
         check(libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0), f"ambient capability {cap}")
 
 
-def hold(path: str, size_mb: int) -> None:
-    """A mount namespace of the sandbox's whose ``path`` is a fresh tmpfs; lives until stdin closes."""
+def hold(paths: list[str], size_mb: int) -> None:
+    """A mount namespace of the sandbox's where each of ``paths`` is a fresh tmpfs; lives until stdin closes."""
     os.unshare(os.CLONE_NEWNS)
     check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "making mounts private")
-    check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, f"mode=0755,size={size_mb}m".encode()), "mount")
+    options = f"mode=0755,size={size_mb}m".encode()
+    for path in paths:
+        os.makedirs(path, exist_ok=True)
+        check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options), f"mounting {path}")
     os.write(1, b"ready\n")
     while os.read(0, 4096):
         pass

@@ -1,0 +1,49 @@
+"""What the verify phase does before the verifier runs, on every backend: isolate it from the agent.
+
+Harbor runs the verifier in the agent's sandbox while the agent's background
+processes keep running (tasks test services an agent left behind). A backend
+that can give the verifier folders of its own does so through
+``environment.verifier_scope()`` (the local backend: a private mount
+namespace, see :mod:`harbor_async.backends.local.verifier_ns`); others run the
+verifier as Harbor does. ``strict_verify`` goes further on every backend: it
+kills every process in the sandbox but its init before the verifier starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from importlib import resources
+from typing import Any
+
+from harbor_async.errors import HarborAsyncError
+
+_SCRIPT = resources.files("harbor_async") / "helpers" / "end_agent_processes.sh"
+
+
+class AgentProcessesSurvivedError(HarborAsyncError, RuntimeError):
+    """``strict_verify``: the agent's processes could not be ended before verification."""
+
+
+async def end_agent_processes(environment: Any, timeout_sec: int = 30) -> None:
+    """Kill every process of the sandbox but its init and main command (``strict_verify``), as its root.
+
+    Raises:
+        AgentProcessesSurvivedError: some survived (a fork bomb outpacing 20 rounds), or the script failed.
+    """
+    result = await environment.exec(_SCRIPT.read_text(), timeout_sec=timeout_sec, user="root")
+    if result.return_code not in (0, None):
+        raise AgentProcessesSurvivedError(
+            f"ending the agent's processes failed (exit {result.return_code}): {(result.stderr or '').strip()[-500:]}"
+        )
+
+
+@contextlib.asynccontextmanager
+async def verifier_scope(environment: Any) -> AsyncIterator[bool]:
+    """The verifier's own view of the sandbox where the backend has one; yields whether it has."""
+    scope = getattr(environment, "verifier_scope", None)
+    if scope is None:
+        yield False
+        return
+    async with scope():
+        yield True

@@ -1,0 +1,137 @@
+"""Only the verifier writes the reward (issue 23, item 1), through ``harbor-async run`` as a user runs it.
+
+The attacks are oracle solutions a model could write: a background process
+that keeps rewriting ``/logs/verifier/reward.*`` after the tests wrote 0, one
+that swaps ``/tests/test.sh``, one that reaches into the verifier's processes
+through ``/proc/PID/root``; beside them a verifier that writes junk, and a task
+whose test checks a service the agent left running (which must still pass,
+as in Harbor, unless ``--strict-verify``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.cli_helpers import harbor_async, records
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+
+TOML = """schema_version = "1.4"
+
+[verifier]
+timeout_sec = 60.0
+
+[agent]
+timeout_sec = 60.0
+
+[environment]
+build_timeout_sec = 60.0
+"""
+
+# The tests write 0 unless the agent's file says "solved", which it never does.
+HONEST_TEST = """#!/bin/bash
+if grep -q solved /app/answer.txt 2>/dev/null; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+sleep 1  # time for a rewriter to act after the tests wrote
+"""
+
+REWRITER = """#!/bin/bash
+mkdir -p /app && echo wrong > /app/answer.txt
+nohup sh -c 'while :; do
+  echo 1 > /logs/verifier/reward.txt; echo "{\\"reward\\": 1}" > /logs/verifier/reward.json
+  printf "#!/bin/bash\\necho 1 > /logs/verifier/reward.txt\\n" > /tests/test.sh 2>/dev/null
+  for p in /proc/[0-9]*; do
+    echo 1 > $p/root/logs/verifier/reward.txt 2>/dev/null
+    printf "#!/bin/bash\\necho 1 > /logs/verifier/reward.txt\\n" > $p/root/tests/test.sh 2>/dev/null
+  done
+  sleep 0.01
+done' > /dev/null 2>&1 &
+"""
+
+SERVICE = """#!/bin/bash
+nohup sh -c 'while :; do date +%s%N > /tmp/heartbeat; sleep 0.1; done' > /dev/null 2>&1 &
+"""
+SERVICE_TEST = """#!/bin/bash
+before=$(cat /tmp/heartbeat); sleep 0.5; after=$(cat /tmp/heartbeat)
+if [ -n "$after" ] && [ "$before" != "$after" ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+
+JUNK_TEST = """#!/bin/bash
+head -c 100000 /dev/zero | tr '\\0' '[' > /logs/verifier/reward.json  # 100,000 levels deep
+"""
+
+
+def make_task(tasks: Path, name: str, solve: str, test: str) -> None:
+    task = tasks / name
+    for folder in ("environment", "solution", "tests"):
+        (task / folder).mkdir(parents=True)
+    (task / "task.toml").write_text(TOML)
+    (task / "instruction.md").write_text("Write the answer to /app/answer.txt.\n")
+    (task / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim\nWORKDIR /app\n")
+    (task / "solution" / "solve.sh").write_text(textwrap.dedent(solve))
+    (task / "tests" / "test.sh").write_text(test)
+
+
+@pytest.fixture
+def suite(tmp_path: Path) -> Path:
+    tasks = tmp_path / "suite" / "tasks"
+    make_task(tasks, "rewriter", REWRITER, HONEST_TEST)
+    make_task(tasks, "junk-reward", "#!/bin/bash\ntrue\n", JUNK_TEST)
+    make_task(tasks, "service", SERVICE, SERVICE_TEST)
+    return tmp_path / "suite"
+
+
+def by_task(job_records: list[dict]) -> dict[str, dict]:
+    return {r["task"]: r for r in job_records}
+
+
+def run_job(suite: Path, out: Path, *flags: str) -> dict[str, dict]:
+    result = harbor_async("run", "-p", str(suite), "-o", str(out), "--job-name", "job", "-n", "3", *flags, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]  # nothing is an infrastructure failure
+    return by_task(records(out / "job"))
+
+
+def test_the_agent_cannot_write_its_reward_and_services_stay_up(suite: Path, tmp_path: Path) -> None:
+    found = run_job(suite, tmp_path / "jobs")
+    assert found["rewriter"]["reward"] == 0.0 and found["rewriter"]["error_class"] is None, found["rewriter"]
+    junk = found["junk-reward"]
+    assert junk["reward"] == 0.0 and junk["error_class"] == "verifier", junk
+    assert found["service"]["reward"] == 1.0, found["service"]  # the agent's service ran during the tests
+
+
+def test_strict_verify_ends_the_agents_processes_first(suite: Path, tmp_path: Path) -> None:
+    found = run_job(suite, tmp_path / "jobs", "--strict-verify")
+    assert found["rewriter"]["reward"] == 0.0
+    assert found["service"]["reward"] == 0.0, found["service"]  # its heartbeat was killed before the tests
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.usefixtures("docker_daemon")
+def test_on_docker_strict_verify_leaves_the_reward_to_the_verifier(suite: Path, tmp_path: Path) -> None:
+    # Docker gives the verifier no folders of its own (docs/backends.md): strict mode is the defence there.
+    found = run_job(suite, tmp_path / "jobs", "-e", "docker", "--strict-verify")
+    assert found["rewriter"]["reward"] == 0.0 and found["rewriter"]["error_class"] is None, found["rewriter"]
+    assert found["junk-reward"]["reward"] == 0.0 and found["junk-reward"]["error_class"] == "verifier"
+    assert found["service"]["reward"] == 0.0  # the kill reached the agent's processes
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_the_shims_rollouts_are_verified_the_same_way(suite: Path, strict: bool) -> None:
+    import shim
+
+    spec = shim.HarborSpec(suite, environment_type="local", strict_verify=strict, preflight=False)
+    rows = list(spec.train_dataset)
+    envs = [spec.environment_factory() for _ in rows]
+    try:
+        for env, row in zip(envs, rows, strict=True):
+            env.reset(**row)  # the model's tool call runs what the oracle solution would
+            env.bash((Path(row["task_dir"]) / "solution" / "solve.sh").read_text())
+        rewards = spec.reward_funcs(environments=envs, prompts=[None] * len(envs), completions=[None] * len(envs))
+    finally:
+        spec.close()
+    found = {Path(row["task_dir"]).name: reward for row, reward in zip(rows, rewards, strict=True)}
+    assert found == {"rewriter": 0.0, "junk-reward": 0.0, "service": 0.0 if strict else 1.0}
