@@ -38,7 +38,8 @@ from harbor_async.errors import (
 from harbor_async.logs import get_logger
 from harbor_async.policy import failure_class
 from harbor_async.records import EpisodeRecord, PhaseSpan
-from harbor_async.sandbox import VERIFIER_OUTPUT_LIMIT, SandboxState
+from harbor_async.reward_files import VERIFIER_OUTPUT_LIMIT
+from harbor_async.sandbox import SandboxState
 
 if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment
@@ -320,8 +321,13 @@ class Episode:
             self.record.reward = 0.0  # the model's episode, with no reward: it scores 0
 
     async def _verifier_output(self) -> str | None:
-        """The end of the test script's stdout read from the sandbox, or ``None`` when there is none."""
+        """The end of the test script's stdout read from the sandbox, or ``None`` when there is none.
+
+        Not where the verifier had folders of its own: the sandbox's are the agent's.
+        """
         assert self.sandbox is not None
+        if getattr(self.sandbox.environment, "verifier_scope", None) is not None:
+            return None
         try:
             with anyio.fail_after(VERIFIER_OUTPUT_TIMEOUT):
                 found = await self.sandbox.exec(

@@ -142,3 +142,31 @@ class BoundedVerifier(Verifier):
 
     def _parse_reward_json(self) -> dict[str, float | int]:
         return parse_reward_json(read_bounded(self.trial_paths.reward_json_path))
+
+
+#: Characters of verifier output kept (the end of each stream: where test failures are).
+VERIFIER_OUTPUT_LIMIT = 20_000
+
+
+def verifier_output(folder: Path) -> str | None:
+    """The tails of ``test-stdout.txt`` and ``test-stderr.txt`` in a trial's verifier folder, read with bounds.
+
+    What the sandbox wrote: never through a symlink (a host file), never a FIFO, only the last
+    :data:`VERIFIER_OUTPUT_LIMIT` bytes of each.
+    """
+    parts = []
+    for name in ("test-stdout.txt", "test-stderr.txt"):
+        try:
+            fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        with os.fdopen(fd, "rb") as fh:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                continue
+            size = info.st_size
+            fh.seek(max(0, size - VERIFIER_OUTPUT_LIMIT))
+            text = fh.read(VERIFIER_OUTPUT_LIMIT).decode(errors="replace")
+        if text:
+            parts.append(text if size <= VERIFIER_OUTPUT_LIMIT else "[...]\n" + text)
+    return "\n".join(parts) if parts else None

@@ -10,9 +10,7 @@ Harbor object is created, used and closed there.
 from __future__ import annotations
 
 import math
-import os
 import shutil
-import stat
 import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -40,6 +38,7 @@ from harbor_async.errors import (
 from harbor_async.logs import get_logger
 from harbor_async.naming import TRIAL_MARKER_NAME, TrialDirNames, new_sandbox_id
 from harbor_async.policy import RetryPolicy, Timeouts
+from harbor_async.reward_files import verifier_output
 from harbor_async.results import ExecOutput, PhaseTimes, VerifyResult, scalar_reward, truncate_output
 from harbor_async.stats import StatsRecorder
 
@@ -47,8 +46,6 @@ if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment
     from harbor.models.task.task import Task
 
-#: Characters of verifier output kept (the end of each stream: where test failures are).
-VERIFIER_OUTPUT_LIMIT = 20_000
 
 
 @dataclass(frozen=True)
@@ -309,25 +306,7 @@ class Sandbox:
 
     def _verifier_output(self) -> str | None:
         """The verifier's stdout and stderr as Harbor saved them in the trial folder (the tail of each)."""
-        if self._trial_dir is None:
-            return None
-        folder = self._trial_paths().verifier_dir
-        parts = []
-        for name in ("test-stdout.txt", "test-stderr.txt"):
-            try:  # what the sandbox wrote: never through a symlink (a host file), never a FIFO, only the tail
-                fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-            except OSError:
-                continue
-            with os.fdopen(fd, "rb") as fh:
-                info = os.fstat(fd)
-                if not stat.S_ISREG(info.st_mode):
-                    continue
-                size = info.st_size
-                fh.seek(max(0, size - VERIFIER_OUTPUT_LIMIT))
-                text = fh.read(VERIFIER_OUTPUT_LIMIT).decode(errors="replace")
-            if text:
-                parts.append(text if size <= VERIFIER_OUTPUT_LIMIT else "[...]\n" + text)
-        return "\n".join(parts) if parts else None
+        return None if self._trial_dir is None else verifier_output(self._trial_paths().verifier_dir)
 
     async def run_agent(self, agent: str = "oracle") -> None:
         """Run one of Harbor's agents that needs no model (``oracle`` or ``nop``)."""

@@ -55,7 +55,7 @@ SERVICE = """#!/bin/bash
 nohup sh -c 'while :; do date +%s%N > /tmp/heartbeat; sleep 0.1; done' > /dev/null 2>&1 &
 """
 SERVICE_TEST = """#!/bin/bash
-before=$(cat /tmp/heartbeat); sleep 0.5; after=$(cat /tmp/heartbeat)
+before=$(cat /tmp/heartbeat); sleep 1.5; after=$(cat /tmp/heartbeat)
 if [ -n "$after" ] && [ "$before" != "$after" ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
 """
 

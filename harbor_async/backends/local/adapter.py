@@ -9,7 +9,6 @@ import os
 import posixpath
 import shutil
 import subprocess
-import time
 import weakref
 import zlib
 from datetime import UTC, datetime
@@ -21,7 +20,6 @@ from anyio.abc import Process
 from harbor.environments.base import (
     BaseEnvironment,
     ExecResult,
-    HealthcheckError,
     SandboxBuildFailedError,
 )
 from harbor.environments.capabilities import (
@@ -36,6 +34,7 @@ from harbor_async.backends.local.dockerfile import DockerfileSpec, parse_dockerf
 from harbor_async.backends.local.errors import ExecTimeoutError
 from harbor_async.printing import escape_controls
 from harbor_async.backends.local.images import image_mismatch
+from harbor_async.backends.local.healthcheck import run_healthcheck
 from harbor_async.backends.local.keeper import (
     Keeper,
     Tools,
@@ -564,25 +563,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
 
     async def run_healthcheck(self, healthcheck: HealthcheckConfig | None = None) -> None:
         """Harbor's healthcheck loop, with anyio sleeps so that it also runs under trio."""
-        check = healthcheck if healthcheck is not None else self.task_env_config.healthcheck
-        if check is None:
-            return
-        start_period_end = time.monotonic() + check.start_period_sec
-        failures = 0
-        while True:
-            in_start_period = time.monotonic() < start_period_end
-            result = await self.exec(check.command, timeout_sec=int(check.timeout_sec))
-            if result.return_code == 0:
-                return
-            if in_start_period:
-                await anyio.sleep(check.start_interval_sec)
-                continue
-            failures += 1
-            if failures >= check.retries:
-                raise HealthcheckError(
-                    f"Healthcheck failed after {check.retries} consecutive retries: {check.command}"
-                )
-            await anyio.sleep(check.interval_sec)
+        await run_healthcheck(self, healthcheck if healthcheck is not None else self.task_env_config.healthcheck)
 
     # -- bookkeeping ------------------------------------------------------------
 
