@@ -137,6 +137,7 @@ async def test_symlinks_resolve_inside_the_sandbox_only(env: LocalEnvironment, t
 
 def test_a_transfer_checks_for_cancellation_between_chunks(tmp_path: Path) -> None:
     from harbor_async.backends.local import hostfs
+    from harbor_async.transfer_budget import Budget
 
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / "blob").write_bytes(os.urandom(5 * 2**20))
@@ -153,7 +154,58 @@ def test_a_transfer_checks_for_cancellation_between_chunks(tmp_path: Path) -> No
     root = os.open(tmp_path / "root", os.O_PATH | os.O_DIRECTORY)
     try:
         with pytest.raises(Cancelled):
-            hostfs.read_file(root, "blob", tmp_path / "copy", hostfs.Budget(None, "blob", cancelled))
+            hostfs.read_file(root, "blob", tmp_path / "copy", Budget(None, "blob", cancelled))
     finally:
         os.close(root)
     assert (tmp_path / "copy").stat().st_size == 2**20  # one chunk, then it stopped
+
+
+# -- docker: the same bounds on Harbor's docker environment (ConfinedDockerEnvironment) ----------
+
+
+@pytest.fixture
+async def docker_env(tmp_path: Path, docker_daemon):
+    from harbor.models.task.task import Task
+
+    from harbor_async.engine import Engine
+
+    async with Engine(backend_kwargs={"transfer_limit_mb": 8, "output_limit": 65536}) as engine:
+        async with engine.episode(Task(make_task(tmp_path / "suite")), "docker") as sandbox:
+            yield sandbox.environment
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.anyio
+async def test_docker_downloads_take_no_links_no_fifos_and_stop_at_the_limit(docker_env, tmp_path: Path) -> None:
+    from harbor_async.backends.docker.confined import ConfinedDockerEnvironment
+
+    assert isinstance(docker_env, ConfinedDockerEnvironment)  # `-e docker` runs the bounded class
+    secret = tmp_path / "host-secret.txt"
+    secret.write_text("host only")
+    await docker_env.exec(
+        f"mkdir -p /logs/verifier && ln -s {secret} /logs/verifier/test-stdout.txt && mkfifo /logs/verifier/pipe"
+        " && echo 1 > /logs/verifier/reward.txt && truncate -s 1G /logs/agent/huge && echo ok > /logs/agent/small"
+    )
+    with anyio.fail_after(60):
+        await docker_env.download_dir("/logs/verifier", tmp_path / "verifier")
+    assert sorted(p.name for p in (tmp_path / "verifier").iterdir()) == ["reward.txt"]  # no link, no FIFO
+    with pytest.raises(FileNotFoundError):
+        await docker_env.download_file("/logs/verifier/test-stdout.txt", tmp_path / "stdout.txt")
+    assert not (tmp_path / "stdout.txt").exists()
+    with pytest.raises(TransferLimitError):
+        await docker_env.download_file("/logs/agent/huge", tmp_path / "huge")
+    assert not (tmp_path / "huge").exists()
+    with pytest.raises(TransferLimitError):
+        await docker_env.download_dir("/logs/agent", tmp_path / "agent")
+    assert sum(p.stat().st_size for p in (tmp_path / "agent").rglob("*") if p.is_file()) <= 8 * 2**20
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.anyio
+async def test_docker_exec_output_is_bounded(docker_env) -> None:
+    result = await docker_env.exec("head -c 50000000 /dev/zero | tr '\\0' x; echo; echo the-end")
+    assert len(result.stdout) < 70_000  # 50 MB printed, 64 KiB kept
+    assert result.stdout.startswith("xxxx") and result.stdout.rstrip().endswith("the-end")
+    assert "bytes of output dropped" in result.stdout

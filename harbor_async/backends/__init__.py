@@ -23,11 +23,15 @@ SHORT_NAMES: dict[str, str] = {
     "simulated": "harbor_async.backends.simulated:SimulatedEnvironment",
     "docker-fast": "harbor_async.backends.docker.fast_start:FastStartDockerEnvironment",
 }
+#: Harbor types run with this project's subclass of Harbor's class (the type stays the same).
+CONFINED_TYPES: dict[str, str] = {
+    "docker": "harbor_async.backends.docker.confined:ConfinedDockerEnvironment",
+}
 
 
 @dataclass(frozen=True)
 class BackendSpec:
-    """A resolved backend: exactly one of a Harbor environment type or an import path."""
+    """A resolved backend: a Harbor environment type, an import path, or both (a type run with our subclass)."""
 
     name: str
     type: str | None = None
@@ -182,10 +186,12 @@ def resolve_backend(name: str) -> BackendSpec:
             raise BackendError(f"backend import path {name!r} must look like 'package.module:Class'")
         return BackendSpec(name=name, import_path=name)
     try:
-        return BackendSpec(name=name, type=EnvironmentType(name).value)
+        kind = EnvironmentType(name).value
     except ValueError:
         known = sorted([*SHORT_NAMES, *(t.value for t in EnvironmentType)])
         raise BackendError(
             f"unknown backend {name!r}; use one of {', '.join(known)} "
             "or an import path 'package.module:Class'"
         ) from None
+    # Harbor's docker with its host side bounded (see harbor_async.backends.docker.confined).
+    return BackendSpec(name=name, type=kind, import_path=CONFINED_TYPES.get(kind))

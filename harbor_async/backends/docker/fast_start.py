@@ -47,7 +47,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from harbor.environments.base import ExecResult
-from harbor.environments.docker.docker import DockerEnvironment, _sanitize_docker_compose_project_name
+from harbor.environments.docker.docker import _sanitize_docker_compose_project_name
+
+from harbor_async.backends.docker.confined import ConfinedDockerEnvironment
 
 #: ``docker compose exec`` flags that take a value, as Harbor passes them (``_compose_exec``).
 _EXEC_FLAGS = ("-w", "-e", "-u")
@@ -68,8 +70,8 @@ class CallTiming:
 PROFILES: list[CallTiming] = []
 
 
-class FastStartDockerEnvironment(DockerEnvironment):
-    """Harbor's docker environment with the start's redundant calls removed (see the module doc)."""
+class FastStartDockerEnvironment(ConfinedDockerEnvironment):
+    """Harbor's docker environment with the start's redundant calls removed (see the module doc), bounded as ``docker``."""
 
     #: Images built (or found built) by this process: one build per image per run.
     _built_images: ClassVar[set[str]] = set()

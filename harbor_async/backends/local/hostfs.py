@@ -19,11 +19,12 @@ import errno
 import os
 import posixpath
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from harbor_async.errors import TransferLimitError
+from harbor_async.transfer_budget import MAX_DEPTH, Budget
 
 RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -36,9 +37,6 @@ IN_ROOT = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV
 ENTRY = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV
 _SYS_OPENAT2 = 437  # the same number on every Linux architecture (the generic syscall table)
 _CHUNK = 1 << 20
-#: A walked folder deeper than this, or with more entries, is refused (a tar bomb of the sandbox's).
-MAX_DEPTH = 64
-MAX_ENTRIES = 100_000
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -88,31 +86,6 @@ def as_fsuid(uid: int | None) -> Iterator[None]:
     finally:
         _libc.setfsgid(before_gid)
         _libc.setfsuid(before_uid)
-
-
-class Budget:
-    """Bytes a transfer may still move, and a check called between chunks (cancellation)."""
-
-    def __init__(self, limit: int | None, shown: str, checkpoint: Callable[[], None] = lambda: None) -> None:
-        self.limit, self.left, self.shown, self.checkpoint = limit, limit, shown, checkpoint
-        self.entries = 0
-
-    def take(self, size: int) -> None:
-        """Reserve ``size`` bytes (an apparent size, before any is copied).
-
-        Raises:
-            TransferLimitError: past the limit.
-        """
-        if self.left is not None:
-            if size > self.left:
-                raise TransferLimitError(self.shown, self.limit or 0)
-            self.left -= size
-
-    def entry(self) -> None:
-        self.entries += 1
-        if self.entries > MAX_ENTRIES:
-            raise TransferLimitError(self.shown, self.limit or 0, f"more than {MAX_ENTRIES} entries")
-        self.checkpoint()
 
 
 def _copy(source: int, target: int, size: int, budget: Budget) -> None:

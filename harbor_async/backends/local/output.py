@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import os
 import select
 import threading
@@ -11,27 +10,30 @@ import time
 import anyio
 
 from harbor_async.backends.local.layout import OUTPUT_SETTLE_SEC
+from harbor_async.bounded_output import HeadTail
 
 
 class OutputPipe:
     """One output pipe of an exec, read without blocking the loop, kept within ``limit`` bytes.
 
-    The first ``limit // 2`` bytes are kept as they come (the head) and the
-    last ``limit // 2`` in a sliding tail; what falls between is counted in
-    :attr:`dropped` and never held, so the caller's memory stays flat however
-    much a command prints. ``limit=None`` keeps everything.
+    The head and tail of what it carries are kept (:class:`~harbor_async.bounded_output.HeadTail`),
+    so the caller's memory stays flat however much a command prints. ``limit=None`` keeps everything.
     """
 
     def __init__(self, limit: int | None = None) -> None:
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.read_fd, False)
-        self.chunks: list[bytes] = []  # the head (everything when unlimited)
-        self._head_left = limit // 2 if limit is not None else None
-        self._tail_limit = limit - limit // 2 if limit is not None else 0
-        self._tail: collections.deque[bytes] = collections.deque()
-        self._tail_size = 0
-        self.dropped = 0  # bytes neither in the head nor in the tail
+        self.kept = HeadTail(limit)
         self.eof = False
+
+    @property
+    def chunks(self) -> list[bytes]:
+        """The head kept so far (everything, when unlimited)."""
+        return self.kept.head
+
+    @property
+    def dropped(self) -> int:
+        return self.kept.dropped
 
     async def pump(self) -> None:
         while not self.eof:
@@ -45,34 +47,10 @@ class OutputPipe:
         except BlockingIOError:
             return False
         if data:
-            self._keep(data)
+            self.kept.keep(data)
         else:
             self.eof = True
         return True
-
-    def _keep(self, data: bytes) -> None:
-        if self._head_left is None:
-            self.chunks.append(data)
-            return
-        if self._head_left > 0:
-            head, data = data[: self._head_left], data[self._head_left :]
-            self.chunks.append(head)
-            self._head_left -= len(head)
-        if not data:
-            return
-        self._tail.append(data)
-        self._tail_size += len(data)
-        while self._tail_size > self._tail_limit:  # slide: forget the oldest bytes
-            excess = self._tail_size - self._tail_limit
-            oldest = self._tail[0]
-            if len(oldest) <= excess:
-                self._tail.popleft()
-                self._tail_size -= len(oldest)
-                self.dropped += len(oldest)
-            else:
-                self._tail[0] = oldest[excess:]
-                self._tail_size -= excess
-                self.dropped += excess
 
     def settle(self) -> None:
         """Read what is already in the pipe (all the ended shell wrote), briefly."""
@@ -82,11 +60,10 @@ class OutputPipe:
 
     def data(self) -> bytes:
         """Head, a note of what was dropped (if anything), tail."""
-        middle = f"\n[... {self.dropped} bytes of output dropped ...]\n".encode() if self.dropped else b""
-        return b"".join(self.chunks) + middle + b"".join(self._tail)
+        return self.kept.data()
 
     def text(self) -> str | None:
-        return self.data().decode(errors="replace") or None
+        return self.kept.text()
 
     def close_write_end(self) -> None:
         if self.write_fd >= 0:

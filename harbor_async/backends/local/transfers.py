@@ -23,6 +23,7 @@ import anyio.from_thread
 from harbor_async.backends.local import hostfs
 from harbor_async.backends.local.errors import SandboxPathError, TaskPathEscapeError
 from harbor_async.backends.local.rootfs import check_sandbox_path
+from harbor_async.transfer_budget import Budget
 
 #: Default bound of one download (``transfer_limit_mb``), apparent size.
 DEFAULT_TRANSFER_LIMIT_MB = 512
@@ -122,7 +123,7 @@ class SandboxTransfers:
 
     async def _run(self, function: Callable[..., None], *args: Any, shown: str, limited: bool = False) -> None:
         """Run one transfer in a worker thread; cancelling the caller stops it at the next chunk."""
-        budget = hostfs.Budget(
+        budget = Budget(
             self._transfer_limit if limited else None, shown, anyio.from_thread.check_cancelled
         )
         extra: dict[str, Any] = {}

@@ -1,0 +1,215 @@
+"""Harbor's docker environment with its host side bounded, as the local backend's is.
+
+Harbor buffers a ``docker exec``'s whole output in the host process (512 MiB
+printed in a sandbox cost 1.1 GiB of host memory) and copies files out with
+``docker compose cp``, which brings a 1 GiB sparse file to the host disk at
+full size and copies a symlink the sandbox planted as a link, which the host
+then follows to a host file. Here:
+
+- each exec stream keeps its head and tail within ``output_limit`` bytes
+  (:class:`~harbor_async.bounded_output.HeadTail`), as on the local backend;
+- downloads stream ``docker cp CONTAINER:PATH -`` (the daemon reads the
+  container's files; nothing runs inside it) through a tar reader that takes
+  regular files and folders only (links, devices and FIFOs are skipped, no
+  name leaves the target), counts apparent sizes against
+  ``transfer_limit_mb`` before writing, stops at 64 levels or 100,000 entries,
+  and checks for cancellation between chunks.
+
+The engine uses this class for the ``docker`` type and ``docker-fast``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import posixpath
+import subprocess
+import tarfile
+from pathlib import Path
+from typing import IO, Any
+
+import anyio
+import anyio.from_thread
+from harbor.environments.base import ExecResult
+from harbor.environments.docker.docker import DockerEnvironment, _sanitize_docker_compose_project_name
+
+from harbor_async.bounded_output import HeadTail
+from harbor_async.errors import TransferLimitError
+from harbor_async.transfer_budget import MAX_DEPTH, Budget
+
+#: Defaults of the bounds (the local backend's).
+DEFAULT_TRANSFER_LIMIT_MB = 512
+DEFAULT_OUTPUT_LIMIT = 1024 * 1024
+_CHUNK = 1 << 20
+
+
+class ConfinedDockerEnvironment(DockerEnvironment):
+    """Harbor's ``docker`` environment with bounded exec output and bounded, link-free downloads.
+
+    Keyword arguments besides Harbor's:
+
+    - ``transfer_limit_mb``: the most one download may bring to the host,
+      counting apparent sizes (512; past it ``TransferLimitError``);
+    - ``output_limit``: bytes of each exec stream kept, head and tail halves (1 MiB).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        transfer_limit_mb: int | None = DEFAULT_TRANSFER_LIMIT_MB,
+        output_limit: int | None = DEFAULT_OUTPUT_LIMIT,
+        **kwargs: Any,
+    ) -> None:
+        self._transfer_limit = None if transfer_limit_mb is None else int(transfer_limit_mb) * 2**20
+        self._output_limit = None if output_limit is None else int(output_limit)
+        self._main_container: str | None = None
+        super().__init__(*args, **kwargs)
+
+    # -- exec output --------------------------------------------------------------
+
+    async def _collect_buffered_output(
+        self, process: asyncio.subprocess.Process, *, timeout_sec: int | None, stdin_data: bytes | None = None
+    ) -> ExecResult:
+        """Harbor's buffered collection, each stream kept within ``output_limit``."""
+        out, err = HeadTail(self._output_limit), HeadTail(self._output_limit)
+
+        async def pump(stream: asyncio.StreamReader | None, into: HeadTail) -> None:
+            if stream is not None:
+                while chunk := await stream.read(65536):
+                    into.keep(chunk)
+
+        async def run() -> None:
+            if stdin_data is not None and process.stdin is not None:
+                process.stdin.write(stdin_data)
+                await process.stdin.drain()
+                process.stdin.close()
+            await asyncio.gather(pump(process.stdout, out), pump(process.stderr, err))
+            await process.wait()
+
+        try:
+            await asyncio.wait_for(run(), timeout=timeout_sec or None)
+        except asyncio.TimeoutError:
+            await DockerEnvironment._terminate_process(process)
+            raise RuntimeError(f"Command timed out after {timeout_sec} seconds") from None
+        return ExecResult(stdout=out.text(), stderr=err.text(), return_code=process.returncode or 0)
+
+    # -- downloads ----------------------------------------------------------------
+
+    async def download_file(self, source_path: str, target_path: Path | str) -> None:
+        """Copy a regular file of the container to ``target_path`` (a symlink is not followed).
+
+        Raises:
+            FileNotFoundError: no regular file there.
+            TransferLimitError: larger than ``transfer_limit_mb``; nothing is kept.
+        """
+        target = Path(target_path)
+        try:
+            await self._copy_out(source_path, target, single=True)
+        except BaseException:
+            target.unlink(missing_ok=True)
+            raise
+
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        """Copy a container folder's regular files and folders into ``target_dir`` (links, FIFOs skipped).
+
+        Raises:
+            FileNotFoundError: no folder there.
+            TransferLimitError: the files add up past ``transfer_limit_mb``; what was copied stays.
+        """
+        await self._copy_out(source_dir.rstrip("/") + "/.", Path(target_dir), single=False)
+
+    async def _copy_out(self, source: str, target: Path, *, single: bool) -> None:
+        container = await self._find_main_container()
+        if container is None:
+            raise FileNotFoundError(errno.ENOENT, "the sandbox's main container is not running", source)
+        budget = Budget(self._transfer_limit, source, anyio.from_thread.check_cancelled)
+        argv = ["docker", "cp", f"{container}:{source}", "-"]
+        await anyio.to_thread.run_sync(_copy_stream, argv, target, single, budget)
+
+    async def _find_main_container(self) -> str | None:
+        """The id of this project's main container (looked up once, by Compose's labels)."""
+        if self._main_container is None:
+            project = _sanitize_docker_compose_project_name(self.session_id)
+            process = await asyncio.create_subprocess_exec(
+                "docker", "ps", "-q", "--no-trunc",
+                "--filter", f"label=com.docker.compose.project={project}",
+                "--filter", "label=com.docker.compose.service=main",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+            )  # fmt: skip
+            stdout, _ = await process.communicate()
+            ids = stdout.decode().split()
+            if process.returncode != 0 or len(ids) != 1:
+                return None  # not exactly one: not ours to guess
+            self._main_container = ids[0]
+        return self._main_container
+
+
+def _copy_stream(argv: list[str], target: Path, single: bool, budget: Budget) -> None:
+    """Run ``docker cp ... -`` and take its tar stream (blocking: a worker thread)."""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        assert process.stdout is not None and process.stderr is not None
+        try:
+            _read_tar(process.stdout, target, single, budget)
+            while process.stdout.read(_CHUNK):  # what a skipped member left
+                budget.checkpoint()
+        except BaseException:
+            process.kill()
+            raise
+        finally:
+            process.wait()
+        if process.returncode != 0:
+            detail = process.stderr.read(4096).decode(errors="replace").strip()
+            if "Could not find" in detail or "No such" in detail or "not found" in detail.lower():
+                raise FileNotFoundError(errno.ENOENT, detail, argv[2])
+            raise OSError(f"docker cp failed (exit {process.returncode}): {detail}")
+
+
+def _read_tar(stream: IO[bytes], target: Path, single: bool, budget: Budget) -> None:
+    with tarfile.open(fileobj=stream, mode="r|") as tar:
+        first = True
+        for member in tar:
+            budget.entry()
+            if single:
+                if not first:
+                    break
+                first = False
+                if not member.isreg():
+                    raise FileNotFoundError(errno.ENOENT, "not a regular file", member.name)
+                budget.take(member.size)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _write(tar, member, target, budget)
+                continue
+            parts = [p for p in posixpath.normpath(member.name).split("/") if p not in ("", ".")]
+            if not parts or ".." in parts or member.name.startswith("/"):
+                continue
+            if len(parts) > MAX_DEPTH:
+                raise TransferLimitError(budget.shown, budget.limit or 0, f"folders deeper than {MAX_DEPTH}")
+            path = target.joinpath(*parts)
+            if member.isdir():
+                _make_folder(target, parts)
+            elif member.isreg():
+                budget.take(member.size)
+                _make_folder(target, parts[:-1])
+                _write(tar, member, path, budget)
+
+
+def _make_folder(target: Path, parts: list[str]) -> None:
+    """``target/parts...`` as real folders (a symlink on the way, ours or not, is refused)."""
+    current = target
+    current.mkdir(parents=True, exist_ok=True)
+    for part in parts:
+        current = current / part
+        if current.is_symlink() or (current.exists() and not current.is_dir()):
+            raise FileExistsError(errno.EEXIST, "not a folder", str(current))
+        current.mkdir(exist_ok=True)
+
+
+def _write(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path, budget: Budget) -> None:
+    source = tar.extractfile(member)
+    assert source is not None
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as out:
+        while chunk := source.read(_CHUNK):
+            budget.checkpoint()
+            out.write(chunk)
