@@ -70,7 +70,7 @@ def test_passes_for_docker_when_the_daemon_runs(docker_daemon):
     docker = checks(report, "docker")
     assert docker["docker daemon"]["ok"] and docker["docker compose"]["ok"]
     # Proven, not assumed: the environment a run builds, and a container from the suite's base image.
-    assert docker["docker environment"]["found"].startswith("DockerEnvironment built")
+    assert docker["docker environment"]["found"].startswith("ConfinedDockerEnvironment built")
     assert docker[f"container from {DOCKER_BASE_IMAGE}"] == {
         "name": f"container from {DOCKER_BASE_IMAGE}", "ok": True, "found": "a container started and stopped", "fix": "",
     }  # fmt: skip
