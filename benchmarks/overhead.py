@@ -6,7 +6,8 @@
   engine code: the machine's floor for any hand-off, measured in the same run).
 - Capacity: the largest number of live simulated sandboxes one loop thread
   holds, each with an agent issuing about one exec per second, while a probe
-  call through the portal still costs under 1 ms (p50).
+  call through the portal still costs under the bound (1 ms by default, p50;
+  the p99 is recorded beside it).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class CapacityStep:
     sandboxes: int
     probe_p50_us: float
     probe_p99_us: float
-    under_1ms: bool
+    under_bound: bool
 
 
 @dataclass
@@ -57,7 +58,8 @@ class OverheadResult:
 
     round_trip: RoundTrip
     capacity: list[CapacityStep] = field(default_factory=list)
-    max_sandboxes_under_1ms: int = 0
+    bound_us: float = 1000.0
+    max_sandboxes_under_bound: int = 0
 
     def to_dict(self) -> dict:
         """Plain-JSON form."""
@@ -138,9 +140,9 @@ def measure_round_trip(loop: LoopThread, probe: Sandbox, calls: int) -> RoundTri
 
 
 def measure_capacity(
-    loop: LoopThread, probe: Sandbox, tasks, sizes: list[int], probe_calls: int = 300
+    loop: LoopThread, probe: Sandbox, tasks, sizes: list[int], probe_calls: int = 300, bound_us: float = 1000.0
 ) -> list[CapacityStep]:
-    """For each size, hold that many live sandboxes under agent-like load and probe the portal."""
+    """For each size, hold that many live sandboxes under agent-like load and probe the portal; stop at the first miss."""
     steps = []
     for size in sizes:
         engine = loop.open_engine(
@@ -178,23 +180,25 @@ def measure_capacity(
         loop.call(handle[0].set)
         future.result(60)
         loop.close_engine(engine)
-        step = CapacityStep(size, _us(times, 50), _us(times, 99), percentile(times, 50) < 1e-3)
+        step = CapacityStep(size, _us(times, 50), _us(times, 99), _us(times, 50) < bound_us)
         steps.append(step)
-        if not step.under_1ms:
+        if not step.under_bound:
             break
     return steps
 
 
-def run_overhead(calls: int = 2000, sizes: list[int] | None = None, suite: str | None = None) -> OverheadResult:
-    """Measure the portal round trip and the loop thread's capacity."""
+def run_overhead(
+    calls: int = 2000, sizes: list[int] | None = None, suite: str | None = None, bound_us: float = 1000.0
+) -> OverheadResult:
+    """Measure the portal round trip and the loop thread's capacity under a probe bound of ``bound_us`` (p50)."""
     sizes = sizes or [250, 500, 1000, 2000, 4000, 8000]
     tasks = load_suite(suite).tasks
     loop = LoopThread(name="bench-loop")
     try:
         probe = _start_probe(loop, tasks[0])
         round_trip = measure_round_trip(loop, probe, calls)
-        capacity = measure_capacity(loop, probe, tasks, sizes)
+        capacity = measure_capacity(loop, probe, tasks, sizes, bound_us=bound_us)
     finally:
         loop.close()
-    held = [s.sandboxes for s in capacity if s.under_1ms]
-    return OverheadResult(round_trip, capacity, max(held, default=0))
+    held = [s.sandboxes for s in capacity if s.under_bound]
+    return OverheadResult(round_trip, capacity, bound_us, max(held, default=0))

@@ -54,7 +54,7 @@ def overhead_table(result: OverheadResult) -> Table:
     table.add_row("portal overhead", f"{rt.overhead_p50_us:.1f}", f"{rt.overhead_p99_us:.1f}")
     table.add_row("asyncio's bare hand-off, no engine (this machine's floor)", f"{rt.floor_p50_us:.1f}", f"{rt.floor_p99_us:.1f}")
     for step in result.capacity:
-        mark = "" if step.under_1ms else "  (over 1 ms)"
+        mark = "" if step.under_bound else f"  (over {result.bound_us:g} µs)"
         table.add_row(f"probe with {step.sandboxes} live sandboxes{mark}", f"{step.probe_p50_us:.1f}", f"{step.probe_p99_us:.1f}")
     return table
 

@@ -121,7 +121,9 @@ async def test_permanent_start_failure_fails_fast(example_tasks):
 
 async def test_hung_exec_times_out_and_sandbox_is_still_stopped(example_tasks):
     async with engine(backend_kwargs=dict(exec_hang_rate=1.0)) as eng:
-        with pytest.raises(SandboxTimeout) as info:
+        # The guard is a deadline on the test's own clock (MockClock under trio jumps to it):
+        # an exec that never times out fails here instead of hanging the suite.
+        with anyio.fail_after(30), pytest.raises(SandboxTimeout) as info:
             async with eng.episode(example_tasks[0], "simulated") as sandbox:
                 assert SimulatedEnvironment.live_now == 1
                 await sandbox.exec("sleep forever", timeout=0.2)

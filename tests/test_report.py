@@ -43,13 +43,16 @@ def _data(page: str) -> dict:
 
 
 def test_analysis_agrees_with_scoring(tmp_path: Path) -> None:
-    job = make_job(tmp_path, tasks=10, attempts=4)
+    job = make_job(tmp_path, tasks=10, attempts=4, seed=3)  # a seed whose job has infrastructure failures
     records = list(JobFolder(job).latest().values())
     a = analyze(records)
     # The summary's headline numbers, computed here from the records themselves.
     scores = [r.score for r in records]
     assert a.summary["episodes"] == 40 and a.summary["mean_reward"] == pytest.approx(float(np.mean(scores)))
     assert a.summary["completed"] == sum(not r.rerun for r in records)
+    judged = [r.reward for r in records if not r.rerun]  # the infrastructure's failures are not judged
+    assert len(judged) < len(records)  # the job has some, or the next line could not tell the two means apart
+    assert a.summary["mean_reward_completed"] == pytest.approx(float(np.mean(judged)))
     assert a.summary["failures"] == dict(sorted(Counter(r.error_class for r in records if r.error_class).items()))
     assert not a.sweep and len(a.groups) == 1
     assert sum(a.outcomes.values()) == len(records) == 40

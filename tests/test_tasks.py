@@ -152,9 +152,11 @@ def test_bundled_task_content_follows_the_suite_rules(name):
 @pytest.mark.parametrize("name", EXAMPLE_NAMES)
 async def test_bundled_task_solution_scores_one(name, tmp_path):
     async with local_sandbox(name, tmp_path) as sandbox:
+        where = await sandbox.exec("pwd")  # commands run in the Dockerfile's WORKDIR, as the agent's would
         await sandbox.run_agent("oracle")  # Harbor's oracle: the task's solution/solve.sh
         rewards = await _verify(sandbox)
         answer = await sandbox.exec("cat /workdir/answer.txt 2>/dev/null")
+    assert where.output.strip() == "/workdir"
     assert rewards["reward"] == 1.0
     assert all(value == 1.0 for value in rewards.values()), rewards
     gold = _metadata(name).get("gold_answer")

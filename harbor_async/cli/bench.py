@@ -103,6 +103,7 @@ def throughput(
 def overhead(
     calls: Annotated[int, typer.Option(min=10)] = 2000,
     sizes: Annotated[str, typer.Option(help="Live sandbox counts to try, comma-separated.")] = "250,500,1000,2000,4000,8000",
+    bound_us: Annotated[float, typer.Option("--bound-us", min=0.0, help="The probe's p50 bound, in µs: the ramp stops at the first size above it.")] = 1000.0,
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file.")] = DEFAULT_OUT,
     log_level: LogOpt = None,
 ) -> None:
@@ -110,7 +111,7 @@ def overhead(
     _setup(log_level)
     from benchmarks.cli import overhead as run_it
 
-    run_it(calls, _ints(sizes, "--sizes"), out)
+    run_it(calls, _ints(sizes, "--sizes"), out, bound_us)
 
 
 @bench_app.command("grpo-step")
