@@ -176,5 +176,6 @@ class JobSettings:
             "budget": budget if budget is not None else self.budget_factory(),
             "env_allow": list(self.env_allow),
             "strict_verify": self.strict_verify,
+            "reap_stale": True,  # what killed runs left on this machine goes first (dead owners only)
         }
 

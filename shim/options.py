@@ -97,6 +97,9 @@ class EngineOptions:
         strict_verify: kill every process the agent left running before the
             verifier starts (default off, as in Harbor; see
             :mod:`harbor_async.verifier_isolation`).
+        reap_stale: when the engine opens, remove what killed runs left on this
+            machine (sandboxes, mounts, cgroups, containers of dead owners only;
+            logged). Default on.
     """
 
     max_live_sandboxes: int | None = None
@@ -122,6 +125,7 @@ class EngineOptions:
     cluster_creates_per_second: float | None = None
     env_allow: tuple[str, ...] = ()
     strict_verify: bool = False
+    reap_stale: bool = True
 
     def __post_init__(self) -> None:
         names = (self.env_allow,) if isinstance(self.env_allow, str) else tuple(self.env_allow)
@@ -213,7 +217,7 @@ class EngineOptions:
             )
         return {
             **kwargs, "limits": limits, "timeouts": self.timeouts(), "retry": self.retry(), "env_allow": self.env_allow,
-            "strict_verify": self.strict_verify,
+            "strict_verify": self.strict_verify, "reap_stale": self.reap_stale,
         }  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
@@ -261,3 +265,4 @@ class EngineOptionsKwargs(TypedDict, total=False):
     cluster_creates_per_second: float | None
     env_allow: tuple[str, ...]
     strict_verify: bool
+    reap_stale: bool

@@ -316,6 +316,22 @@ async def test_engine_reap_stale_removes_what_a_killed_run_left(tmp_path, monkey
     assert list(Path(tempfile.gettempdir()).glob(f"harbor-async-{label}-*")) == []
 
 
+@needs_bwrap
+def test_the_next_run_removes_what_a_killed_run_left_and_says_so(tmp_path):
+    env = {**os.environ, naming.LOCAL_ROOT_ENV: str(tmp_path / "sandboxes")}
+    label = kill_mid_batch("--backend", "local", "--count", "2", "--ready", "2", "--exec", "sleep 600", timeout=120, env=env).label
+    left = list((tmp_path / "sandboxes").glob(f"harbor-async-{label}-*"))
+    assert len(left) == 2
+    suite = tmp_path / "suite" / "tasks"
+    shutil.copytree(Path(__file__).parent.parent / "harbor_async" / "suites" / "example" / "tasks" / "csv-column-sum", suite / "one")
+    ran = _harbor_async("run", "-p", str(suite.parent), "-o", str(tmp_path / "jobs"), env=env)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "reaped sandboxes left by dead runs" in ran.stderr and label in ran.stderr  # it says what it removed
+    assert not any(folder.exists() for folder in left)
+    assert list(Path(tempfile.gettempdir()).glob(f"harbor-async-{label}-*")) == []  # its trial folders too
+    assert _live_processes_mentioning(f"harbor-async-{label}-") == []
+
+
 def test_cli_rejects_bad_options():
     bad_backend = _harbor_async("sandboxes", "reap", "--backend", "podman")
     assert bad_backend.returncode == 2 and "--env" in bad_backend.stderr
