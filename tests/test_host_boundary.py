@@ -209,3 +209,23 @@ async def test_docker_exec_output_is_bounded(docker_env) -> None:
     assert len(result.stdout) < 70_000  # 50 MB printed, 64 KiB kept
     assert result.stdout.startswith("xxxx") and result.stdout.rstrip().endswith("the-end")
     assert "bytes of output dropped" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.anyio
+async def test_docker_runs_a_task_asking_for_more_cpus_than_the_host_with_the_hosts(tmp_path: Path, docker_daemon) -> None:
+    from harbor.models.task.task import Task
+
+    from harbor_async.engine import Engine
+    from harbor_async.host_resources import host_cpus
+
+    task = Task(make_task(tmp_path / "suite", toml_env="cpus = 1000\nmemory_mb = 10000000\n"))
+    async with Engine() as engine:  # Docker itself refuses 1,000 CPUs on a 2-CPU host
+        async with engine.episode(task, "docker") as sandbox:
+            assert (await sandbox.exec("echo up")).output.strip() == "up"
+            container = await sandbox.environment._find_main_container()
+            inspected = subprocess.run(
+                ["docker", "inspect", "-f", "{{.HostConfig.NanoCpus}}", container], capture_output=True, text=True
+            )
+            assert int(inspected.stdout) == host_cpus() * 10**9

@@ -394,6 +394,43 @@ async def test_cgroups_carry_the_tasks_limits(tmp_path: Path) -> None:
     assert not any(folder.exists() for folder in cgroups.folders)
 
 
+@needs_root
+@pytest.mark.anyio
+async def test_resources_above_the_hosts_are_lowered_to_it(tmp_path: Path) -> None:
+    from harbor_async.host_resources import host_cpus, host_memory_mb
+
+    huge = "cpus = 100000\nmemory_mb = 10000000\nstorage_mb = 10000000\n"  # 100k CPUs, 10 TB
+    env = make_env(tmp_path, make_task(tmp_path / "s", toml_env=huge), "huge")
+    assert (env.limits.cpus, env.limits.memory_mb, env.limits.storage_mb) == (host_cpus(), host_memory_mb(), host_memory_mb())
+    await env.start(force_build=False)
+    try:
+        cgroups = env._confinement.cgroups
+        memory = next(p for f in cgroups.folders for p in f.iterdir() if p.name in ("memory.max", "memory.limit_in_bytes"))
+        assert int(memory.read_text()) == host_memory_mb() * 2**20  # a limit, the host's, not 10 TB
+        assert (await env.exec("echo up")).stdout == "up\n"
+    finally:
+        await env.stop(delete=True)
+
+
+@needs_root
+@pytest.mark.anyio
+async def test_a_sandbox_whose_limits_cannot_apply_does_not_start(tmp_path: Path, monkeypatch) -> None:
+    from harbor_async.backends.local import adapter
+    from harbor_async.backends.local.errors import LimitUnavailableError
+
+    monkeypatch.setattr(adapter, "cgroup_version", lambda: None)  # a read-only cgroupfs, as in a container
+    refused = make_env(tmp_path, make_task(tmp_path / "a"), "nolimits")
+    with pytest.raises(LimitUnavailableError, match="require_limits=false"):
+        await refused.start(force_build=False)
+    assert not refused.root.exists()  # nothing left of it
+    allowed = make_env(tmp_path, make_task(tmp_path / "b"), "besteffort", require_limits="false")
+    await allowed.start(force_build=False)
+    try:
+        assert allowed._confinement.cgroups is None and (await allowed.exec("echo up")).stdout == "up\n"
+    finally:
+        await allowed.stop(delete=True)
+
+
 def test_image_warning_names_images_that_are_not_the_host_userland() -> None:
     from harbor_async.backends.local.images import host_os_release, image_mismatch
 

@@ -34,8 +34,10 @@ import anyio.from_thread
 from harbor.environments.base import ExecResult
 from harbor.environments.docker.docker import DockerEnvironment, _sanitize_docker_compose_project_name
 
+from harbor_async.backends.docker.cleanup import docker_is_local
 from harbor_async.bounded_output import HeadTail
 from harbor_async.errors import TransferLimitError
+from harbor_async.host_resources import capped_environment_config
 from harbor_async.transfer_budget import MAX_DEPTH, Budget
 
 #: Defaults of the bounds (the local backend's).
@@ -52,6 +54,9 @@ class ConfinedDockerEnvironment(DockerEnvironment):
     - ``transfer_limit_mb``: the most one download may bring to the host,
       counting apparent sizes (512; past it ``TransferLimitError``);
     - ``output_limit``: bytes of each exec stream kept, head and tail halves (1 MiB).
+
+    A task's ``cpus``, ``memory_mb`` and ``storage_mb`` are lowered to this host's
+    when the daemon is local (Docker refuses more CPUs than it has).
     """
 
     def __init__(
@@ -64,6 +69,10 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         self._transfer_limit = None if transfer_limit_mb is None else int(transfer_limit_mb) * 2**20
         self._output_limit = None if output_limit is None else int(output_limit)
         self._main_container: str | None = None
+        if kwargs.get("task_env_config") is not None and docker_is_local():  # this host's daemon: its CPUs and memory
+            kwargs["task_env_config"] = capped_environment_config(
+                kwargs["task_env_config"], str(kwargs.get("environment_name", "?"))
+            )
         super().__init__(*args, **kwargs)
 
     # -- exec output --------------------------------------------------------------

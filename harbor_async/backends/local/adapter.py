@@ -31,10 +31,11 @@ from harbor.models.trial.paths import TrialPaths
 
 from harbor_async.backends.local.cleanup import abandon
 from harbor_async.backends.local.dockerfile import DockerfileSpec, parse_dockerfile
-from harbor_async.backends.local.errors import ExecTimeoutError
+from harbor_async.backends.local.errors import ExecTimeoutError, LimitUnavailableError
 from harbor_async.printing import escape_controls
 from harbor_async.backends.local.images import image_mismatch
 from harbor_async.backends.local.healthcheck import run_healthcheck
+from harbor_async.host_resources import cap, host_cpus, host_memory_mb
 from harbor_async.backends.local.keeper import (
     Keeper,
     Tools,
@@ -101,6 +102,10 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
       (4096 MB, no CPU quota, 2048 MB); ``pids_limit``: processes (1024).
     - ``output_limit``: bytes of each exec stream kept, head and tail halves
       (1 MiB; what falls between is counted and dropped).
+    - ``require_limits``: as root, a sandbox whose cgroups (memory, CPU,
+      processes) cannot be made fails to start (``LimitUnavailableError``)
+      instead of running unlimited (default true; false: warn and run with
+      rlimits only).
     - ``transfer_limit_mb``: the most one download may bring to the host,
       counting apparent sizes (512 MiB; past it the download fails with
       ``TransferLimitError``).
@@ -126,6 +131,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         pids_limit: int | str | None = DEFAULT_PIDS,
         output_limit: int | str | None = DEFAULT_OUTPUT_LIMIT,
         transfer_limit_mb: int | str | None = DEFAULT_TRANSFER_LIMIT_MB,
+        require_limits: bool | str = True,
         **kwargs: Any,
     ) -> None:
         base = Path(sandbox_root or os.environ.get(LOCAL_ROOT_ENV) or DEFAULT_LOCAL_ROOT)
@@ -151,6 +157,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         self._output_limit = parse_limit(output_limit, int)
         limit_mb = parse_limit(transfer_limit_mb, int)
         self._transfer_limit = None if limit_mb is None else limit_mb * 2**20
+        self._require_limits = require_limits not in (False, "false", "False", "0", 0)
         self._root_fd: int | None = None  # the sandbox's root, for transfers (hostfs)
         self._private_dirs: dict[str, int] = {}  # the verifier's own folders (verifier_ns)
         self._verifier_mnt: int | None = None  # the verifier's mount namespace, while it runs
@@ -183,12 +190,13 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
     @property
     def limits(self) -> ResourceLimits:
         """This sandbox's limits: ``task.toml``'s ``[environment]`` values, else the backend's defaults."""
-        config = self.task_env_config
+        config, task = self.task_env_config, self.environment_name
+        memory = host_memory_mb()  # no more than this host has (the task may ask for 1e8 MB)
         return ResourceLimits(
             pids=self._defaults.pids,
-            memory_mb=config.memory_mb or self._defaults.memory_mb,
-            cpus=config.cpus or self._defaults.cpus,
-            storage_mb=config.storage_mb or self._defaults.storage_mb,
+            memory_mb=cap("memory_mb", config.memory_mb or self._defaults.memory_mb, memory, task),
+            cpus=cap("cpus", config.cpus or self._defaults.cpus, host_cpus(), task),
+            storage_mb=cap("storage_mb", config.storage_mb or self._defaults.storage_mb, memory, task),
         )
 
     @property
@@ -373,13 +381,16 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             self._uid_lease = UidLease.acquire(zlib.crc32(self._root.name.encode()))
             confinement.uid = self._uid_lease.uid
             version = cgroup_version()
-            if version is not None:
+            try:
+                if version is None:
+                    raise LimitError("no writable cgroup hierarchy with memory, pids and cpu")
                 cgroups = Cgroups(self._root.name, version)
-                try:
-                    cgroups.create(limits)
-                    confinement.cgroups = cgroups
-                except LimitError as exc:  # read-only cgroupfs (a container): rlimits are left
-                    self.logger.warning("local sandbox %s without cgroups: %s", self.session_id, exc)
+                cgroups.create(limits)
+                confinement.cgroups = cgroups
+            except LimitError as exc:  # read-only cgroupfs (a container): only rlimits would be left
+                if self._require_limits:
+                    raise LimitUnavailableError(self.session_id, str(exc)) from exc
+                self.logger.warning("local sandbox %s without cgroups: %s", self.session_id, exc)
         if not self._base.exists():
             # o+x only: the sandbox's uid must reach its folder, nobody may list them.
             self._base.mkdir(mode=0o711, parents=True, exist_ok=True)

@@ -31,3 +31,17 @@ class TaskPathEscapeError(HarborAsyncError, SandboxBuildFailedError):
         super().__init__(f"{path} leads out of the task folder (to {target}); refusing to follow it")
         self.path = path
         self.target = target
+
+
+class LimitUnavailableError(HarborAsyncError, SandboxBuildFailedError):
+    """As root, the sandbox's cgroups (its memory, CPU and process limits) could not be made.
+
+    Refused rather than run unlimited; ``--ek require_limits=false`` runs it with rlimits only.
+    """
+
+    def __init__(self, session_id: str, reason: str) -> None:
+        super().__init__(
+            f"local sandbox {session_id}: its memory, CPU and process limits cannot be applied ({reason}); "
+            "refusing to run it unlimited (--ek require_limits=false runs it with rlimits only)"
+        )
+        self.reason = reason
