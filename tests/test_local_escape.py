@@ -431,6 +431,19 @@ async def test_a_sandbox_whose_limits_cannot_apply_does_not_start(tmp_path: Path
         await allowed.stop(delete=True)
 
 
+@needs_root
+@pytest.mark.anyio
+async def test_other_host_users_cannot_read_a_sandbox(env: LocalEnvironment) -> None:
+    await env.exec("echo private > /tmp/note && chmod 644 /tmp/note")  # world-readable inside
+    fs = env.root / "fs"
+    assert os.stat(fs).st_mode & 0o077 == 0
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    for command in (["ls", str(fs)], ["cat", str(fs / "tmp" / "note")]):
+        denied = subprocess.run([*nobody, *command], capture_output=True, text=True)
+        assert denied.returncode != 0 and "Permission denied" in denied.stderr, denied
+    assert (await env.exec("ls -ld / | cut -c1-10; cat /tmp/note")).stdout.splitlines() == ["drwx------", "private"]
+
+
 def test_image_warning_names_images_that_are_not_the_host_userland() -> None:
     from harbor_async.backends.local.images import host_os_release, image_mismatch
 

@@ -409,7 +409,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             mount_tmpfs(mount, limits.storage_mb, confinement.uid, confinement.uid)
             self._fs.symlink_to(mount)
         else:
-            self._fs.mkdir()
+            self._fs.mkdir(mode=0o700)  # no other host user may read it
         build_tree(self._fs)
         host_path(self._fs, "/", self._workdir, writable=True).mkdir(parents=True, exist_ok=True)
         for step in self._spec.copies:

@@ -95,7 +95,7 @@ def mount_tmpfs(target: Path, size_mb: int | None, uid: int, gid: int) -> None:
         OSError: the mount failed.
     """
     size = f"size={size_mb}m,nr_inodes={max(16_384, size_mb * 256)}," if size_mb else ""
-    options = f"{size}mode=0755,uid={uid},gid={gid}".encode()
+    options = f"{size}mode=0700,uid={uid},gid={gid}".encode()  # no other host user may read it
     if _libc.mount(b"harbor-async", os.fsencode(target), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
         code = ctypes.get_errno()
         raise OSError(code, f"mount tmpfs on {target}: {os.strerror(code)}")
