@@ -444,6 +444,16 @@ async def test_other_host_users_cannot_read_a_sandbox(env: LocalEnvironment) -> 
     assert (await env.exec("ls -ld / | cut -c1-10; cat /tmp/note")).stdout.splitlines() == ["drwx------", "private"]
 
 
+@pytest.mark.anyio
+async def test_a_sandbox_sees_no_other_cgroup_than_its_own(env: LocalEnvironment, neighbour) -> None:
+    seen = (await env.exec("find /sys/fs/cgroup -maxdepth 3 2>/dev/null; cat /proc/self/cgroup")).stdout
+    assert "harbor-async" not in seen and neighbour.root.name not in seen and env.root.name not in seen
+    cgroups = env._confinement.cgroups if env._confinement is not None else None
+    if cgroups is not None and cgroups.version == "v2":  # its own limits, as a container reads them
+        limit = (await env.exec("cat /sys/fs/cgroup/memory.max")).stdout.strip()
+        assert limit == (cgroups.folders[0] / "memory.max").read_text().strip()
+
+
 def test_image_warning_names_images_that_are_not_the_host_userland() -> None:
     from harbor_async.backends.local.images import host_os_release, image_mismatch
 

@@ -90,6 +90,13 @@ def keeper_argv(tools: Tools, fs: Path, info_fd: int, confinement: Confinement, 
             argv += ["--ro-bind", name, name]
     argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_SIZE), "--tmpfs", "/dev/shm"]
     argv += ["--ro-bind", "/sys", "/sys"]
+    # The host's cgroup tree would show every sandbox's name and usage: a sandbox sees its own
+    # cgroup (v2: one folder, read-only, as a container does), or nothing.
+    own = confinement.cgroups.folders[0] if confinement.cgroups is not None and confinement.cgroups.version == "v2" else None
+    if own is not None:
+        argv += ["--ro-bind", str(own), "/sys/fs/cgroup"]
+    elif os.path.isdir("/sys/fs/cgroup"):
+        argv += ["--tmpfs", "/sys/fs/cgroup", "--remount-ro", "/sys/fs/cgroup"]
     for path in READONLY_PATHS:  # the host's own file, read-only (bwrap binds host paths)
         if os.path.exists(path):
             argv += ["--ro-bind", path, path]
