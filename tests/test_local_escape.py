@@ -454,6 +454,20 @@ async def test_a_sandbox_sees_no_other_cgroup_than_its_own(env: LocalEnvironment
         assert limit == (cgroups.folders[0] / "memory.max").read_text().strip()
 
 
+@pytest.mark.anyio
+async def test_background_writers_of_many_execs_hold_a_bounded_number_of_host_descriptors(env: LocalEnvironment) -> None:
+    from harbor_async.backends.local.output import MAX_ADOPTED
+
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(80):  # each leaves a process holding its exec's stdout and stderr
+        await env.exec(f"sh -c 'while :; do echo tick-{i}; sleep 0.2; done' &")
+    await anyio.sleep(0.5)
+    grown = len(os.listdir("/proc/self/fd")) - before
+    assert grown <= MAX_ADOPTED + 8, grown  # not 2 per exec (160)
+    alive = (await env.exec("ps -eo args | grep -c '[t]ick-'")).stdout.strip()
+    assert int(alive) >= MAX_ADOPTED // 2  # the newest writers run on, read and discarded
+
+
 def test_image_warning_names_images_that_are_not_the_host_userland() -> None:
     from harbor_async.backends.local.images import host_os_release, image_mismatch
 

@@ -36,8 +36,10 @@ background processes of earlier execs; ``stop()`` kills the keeper, which ends
 the PID namespace and every process in it, then removes the folder.
 
 What a background process writes to its exec's stdout/stderr after the exec
-returned is read and discarded (it neither blocks nor dies of SIGPIPE);
-redirect it to a file to keep it.
+returned is read and discarded (it neither blocks nor dies of SIGPIPE), for the
+pipes of a sandbox's last 32 such streams: older ones are closed, so the host's
+descriptors stay bounded (a writer on those gets SIGPIPE). Redirect to a file
+to keep the output, or to be safe from that.
 
 Each exec stream keeps its first and last halves of ``output_limit`` bytes
 (``output``); what falls between is counted, never held.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -64,7 +65,7 @@ from harbor_async.backends.local.limits import (
     parse_limit,
     pool_uids_mapped,
 )
-from harbor_async.backends.local.output import OUTPUT_SINK, OutputPipe, read_available
+from harbor_async.backends.local.output import MAX_ADOPTED, OUTPUT_SINK, OutputPipe, read_available
 from harbor_async.backends.local.proctree import end_exec
 from harbor_async.backends.local.rootfs import (
     apply_copy,
@@ -141,7 +142,8 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         self._fs = self._root / "fs"
         self._spec = DockerfileSpec()
         self._workdir = "/"
-        self._running: dict[int, Process] = {}  # exec nsenter pid -> process
+        self._running: dict[int, Process] = {}  # exec helper pid -> process
+        self._adopted: collections.deque[tuple[int, object]] = collections.deque()  # pipes of returned execs
         self._launching = 0  # processes being spawned, not yet in _running / _keeper
         self._keeper: Keeper | None = None
         self._keeper_finalizer: weakref.finalize[Any, Any] | None = None
@@ -550,7 +552,9 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             self._running.pop(process.pid, None)
             for pipe in (out, err):
                 pipe.settle()
-            OUTPUT_SINK.adopt([pipe.read_fd for pipe in (out, err) if not pipe.eof])
+            self._adopted.extend(OUTPUT_SINK.adopt([pipe.read_fd for pipe in (out, err) if not pipe.eof]))
+            if len(self._adopted) > MAX_ADOPTED:  # host descriptors stay bounded: the oldest go
+                OUTPUT_SINK.drop([self._adopted.popleft() for _ in range(len(self._adopted) - MAX_ADOPTED)])
             for pipe in (out, err):
                 if pipe.eof:
                     pipe.close()

@@ -84,38 +84,57 @@ class OutputSink:
     write; not reading them would block it once 64 KiB are buffered. One
     daemon thread serves every sandbox and exits when it has no pipe left; a
     pipe is closed at its EOF, when its last writer ends (at the latest when
-    its sandbox stops and the PID namespace dies).
+    its sandbox stops and the PID namespace dies), or when its sandbox drops
+    it (each sandbox keeps at most :data:`MAX_ADOPTED` such pipes open).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: list[int] = []
+        self._pending: list[tuple[int, object]] = []
+        self._dropped: list[tuple[int, object]] = []
+        self._owner: dict[int, object] = {}  # watched fd -> the token adopt() gave for it
         self._thread: threading.Thread | None = None
         self._wake_read = self._wake_write = -1
 
-    def adopt(self, fds: list[int]) -> None:
-        if not fds:
-            return
+    def adopt(self, fds: list[int]) -> list[tuple[int, object]]:
+        """Take over ``fds``; returns a handle for each, for :meth:`drop`."""
+        handles = [(fd, object()) for fd in fds]
+        if not handles:
+            return handles
         with self._lock:
-            self._pending.extend(fds)
+            self._pending.extend(handles)
             if self._thread is None:
                 self._wake_read, self._wake_write = os.pipe()
                 self._thread = threading.Thread(target=self._run, name="harbor-async-output-sink", daemon=True)
                 self._thread.start()
             else:
                 os.write(self._wake_write, b"\0")
+        return handles
+
+    def drop(self, handles: list[tuple[int, object]]) -> None:
+        """Close these pipes now if still open (a writer then gets SIGPIPE); a reused fd number is never closed."""
+        with self._lock:
+            if self._thread is None:
+                return
+            self._dropped.extend(handles)
+            os.write(self._wake_write, b"\0")
 
     def _run(self) -> None:
         poller = select.poll()
         poller.register(self._wake_read, select.POLLIN)
-        watched: set[int] = set()
         while True:
             with self._lock:
-                for fd in self._pending:
+                for fd, token in self._pending:
                     poller.register(fd, select.POLLIN)
-                    watched.add(fd)
+                    self._owner[fd] = token
                 self._pending.clear()
-                if not watched:  # nothing left: end (adopt() starts a new thread)
+                for fd, token in self._dropped:
+                    if self._owner.get(fd) is token:
+                        poller.unregister(fd)
+                        del self._owner[fd]
+                        os.close(fd)
+                self._dropped.clear()
+                if not self._owner:  # nothing left: end (adopt() starts a new thread)
                     os.close(self._wake_read)
                     os.close(self._wake_write)
                     self._thread = None
@@ -124,6 +143,8 @@ class OutputSink:
                 if fd == self._wake_read:
                     os.read(fd, 4096)
                     continue
+                if fd not in self._owner:
+                    continue
                 try:
                     data = os.read(fd, 65536)
                 except BlockingIOError:
@@ -131,11 +152,14 @@ class OutputSink:
                 except OSError:
                     data = b""
                 if not data:
-                    poller.unregister(fd)
-                    watched.discard(fd)
-                    os.close(fd)
+                    with self._lock:
+                        poller.unregister(fd)
+                        del self._owner[fd]
+                        os.close(fd)
 
 
+#: Pipes of returned execs one sandbox may keep open (its background writers); older ones are closed.
+MAX_ADOPTED = 32
 OUTPUT_SINK = OutputSink()
 
 
