@@ -307,6 +307,30 @@ def check_docker_daemon() -> Check:
     )
 
 
+def check_docker_root() -> Check:
+    """Whether root in a container is host root: the daemon's user-namespace remapping or rootless mode.
+
+    harbor-async does not reconfigure the daemon; this says which it is (see docs/backends.md).
+    """
+    ok, text = _docker(["info", "--format", "{{json .SecurityOptions}}"])
+    if not ok:
+        return Check("container root", False, text, "start the Docker daemon")
+    try:
+        options = [str(o) for o in json.loads(text) or []]
+    except ValueError:
+        options = []
+    if any("name=rootless" in o for o in options):
+        return Check("container root", True, "rootless daemon: root in a container is your own user on the host")
+    if any("name=userns" in o for o in options):
+        return Check("container root", True, "user-namespace remapping: root in a container is an unprivileged host uid")
+    return Check(
+        "container root",
+        True,
+        "root in a container is host root (no userns-remap, not rootless): a container escape is a host root; "
+        "dockerd --userns-remap=default or rootless Docker makes it an unprivileged uid",
+    )
+
+
 def check_docker_compose() -> Check:
     """The Compose plugin (Harbor's docker backend runs ``docker compose``)."""
     ok, text = _docker(["compose", "version", "--short"])
@@ -443,7 +467,7 @@ def _local() -> list[Check]:
 
 
 def _docker_checks() -> list[Check]:
-    return [check_program("docker", "docker.io"), check_docker_daemon(), check_docker_compose()]
+    return [check_program("docker", "docker.io"), check_docker_daemon(), check_docker_root(), check_docker_compose()]
 
 
 #: Backends whose environment ``diagnose`` builds when asked for (a docker one also starts a container).

@@ -69,6 +69,10 @@ def test_passes_for_docker_when_the_daemon_runs(docker_daemon):
     assert rc == 0, report
     docker = checks(report, "docker")
     assert docker["docker daemon"]["ok"] and docker["docker compose"]["ok"]
+    # Which root a container's root is, read off the daemon (this machine's has no remapping).
+    security = subprocess.run(["docker", "info", "--format", "{{json .SecurityOptions}}"], capture_output=True, text=True)
+    remapped = "name=userns" in security.stdout or "name=rootless" in security.stdout
+    assert ("is host root" in docker["container root"]["found"]) is not remapped
     # Proven, not assumed: the environment a run builds, and a container from the suite's base image.
     assert docker["docker environment"]["found"].startswith("ConfinedDockerEnvironment built")
     assert docker[f"container from {DOCKER_BASE_IMAGE}"] == {
