@@ -261,7 +261,7 @@ class Agent:
                 raise _ContextOverflow from exc
             status = getattr(exc, "status_code", None)
             what = f"HTTP {status}" if status else type(exc).__name__
-            raise ModelServerError(f"model {self.model!r}: {what}: {exc}") from exc
+            raise ModelServerError(f"model {self.model!r}: {what}: {exc}", status=status) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _call_tool(self, toolset: Toolset, name: str, arguments: str | None) -> tuple[str, bool]:

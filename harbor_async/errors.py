@@ -64,6 +64,18 @@ class BackendStartError(HarborAsyncError, RuntimeError):
     transient: bool = True
 
 
+class BackendNotInstalledError(BackendError):
+    """The backend's client package (a Harbor extra) is not installed: found before any sandbox starts.
+
+    Attributes:
+        install: the command that installs it.
+    """
+
+    def __init__(self, backend: str, package: str, install: str) -> None:
+        super().__init__(f"backend {backend!r} needs the {package!r} package, which is not installed: {install}")
+        self.install = install
+
+
 class BackendOptionsError(BackendError):
     """Options (``--ek``, ``backend_kwargs``) the backend does not take, refused before any sandbox starts.
 
@@ -352,7 +364,37 @@ class HarnessError(HarborAsyncError, ValueError):
 
 
 class ModelServerError(HarborAsyncError):
-    """The policy's model server failed (unreachable, errors after retries, died): not the model's episode."""
+    """The policy's model server failed (unreachable, errors after retries, died): not the model's episode.
+
+    Attributes:
+        status: the HTTP status of the failed request, if it got one.
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.status))
+
+
+class ModelServerDownError(HarborAsyncError, RuntimeError):
+    """The model server failed ``failures`` episodes in a row: the evaluation stopped instead of scoring them.
+
+    Attributes:
+        url: the server's base URL.
+        failures: episodes in a row that failed for it.
+        cause: the last episode's error text (its first line names the status and the server's error).
+        job_dir: the job folder, to resume once the server works.
+    """
+
+    def __init__(self, url: str, failures: int, cause: str, job_dir: Path) -> None:
+        first = (cause or "no detail").strip().splitlines()[0][:300]
+        super().__init__(f"model server {url} failed {failures} episodes in a row: {first}")
+        self.url, self.failures, self.cause, self.job_dir = url, failures, cause, job_dir
+
+    def __reduce__(self):
+        return (type(self), (self.url, self.failures, self.cause, self.job_dir))
 
 
 class InfrastructureBudgetError(HarborAsyncError, RuntimeError):

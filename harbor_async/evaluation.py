@@ -29,7 +29,7 @@ from harbor_async import serve as _serve
 from harbor_async.agent import Agent, AgentLimits, Sampling
 from harbor_async.backends import BackendSpec, resolve_backend
 from harbor_async.checkpoints import ModelSpec, ServerGroup, resolve_models, server_groups
-from harbor_async.errors import EvalConfigError, FailureClass, HarborAsyncError, SettingError
+from harbor_async.errors import BackendError, EvalConfigError, FailureClass, HarborAsyncError, ModelServerDownError, SettingError
 from harbor_async.interrupts import Interrupts
 from harbor_async.jobs import JobFolder
 from harbor_async.logs import get_logger
@@ -91,6 +91,7 @@ class _Run:
         self.fatal: BaseException | None = None
         self.interrupted: int | None = None
         self.ran = 0
+        self.server_failures_in_a_row = 0  # model-server failures since the last episode the server served
 
     def api_key(self) -> str:
         return api_key(self.settings.api_key_name)
@@ -183,6 +184,16 @@ class _Run:
         self.ran += 1
         if self.on_record is not None:
             self.on_record(record)
+        if record.failure is FailureClass.MODEL_SERVER:
+            self.server_failures_in_a_row += 1
+            budget = self.settings.max_model_server_failures
+            if budget and self.server_failures_in_a_row >= budget and self.fatal is None:
+                # A broken server is not a bad model: stop, say why, keep what ran for --resume.
+                url = server.base_url if server is not None else str(self.settings.base_url)
+                self.fatal = ModelServerDownError(url, self.server_failures_in_a_row, record.error or "", self.job.path)
+                scope.cancel()
+        elif not record.rerun:
+            self.server_failures_in_a_row = 0
 
 
 def _keys(models: Sequence[ModelSpec], tasks: Sequence[Any], root: Path, attempts: int) -> list[str]:
@@ -301,7 +312,12 @@ async def evaluate(
             )
     groups = server_groups(specs, base_url=config.base_url, serve_cmd=config.serve_cmd, vllm_args=config.vllm_args)
     resolve_harness(config.agent, config.environment_type)
-    resolve_backend(config.environment_type).check_options(config.environment_kwargs)  # before any server or job folder
+    backend = resolve_backend(config.environment_type)
+    backend.check_options(config.environment_kwargs)  # before any server or job folder
+    try:
+        backend.check_installed(loaded.tasks[0], config.environment_kwargs)
+    except BackendError as exc:
+        raise EvalConfigError(str(exc)) from exc
     api_key(config.api_key_name)  # a missing key is bad input: fail before the job folder
     if resume is None:
         job = JobFolder.create(jobs_dir, job_name, config.to_dict())
@@ -329,6 +345,12 @@ async def evaluate(
     finally:
         job.close()
         summary, latest = _summaries(config, specs, job, all_keys)
+        summary["planned_episodes"] = len(all_keys)
+        summary["complete"] = len(latest) == len(all_keys) and not any(r.rerun for r in latest)
+        if run.interrupted is not None:
+            summary["interrupted_by"] = signal.Signals(run.interrupted).name
+        if isinstance(error, ModelServerDownError):
+            summary["stopped_by"] = f"the model server failed {error.failures} episodes in a row"
         job.write_summary(summary)
         if "sweep" in summary:
             _write_sweep(job, summary["sweep"])

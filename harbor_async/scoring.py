@@ -68,24 +68,34 @@ def summarize(
 ) -> dict[str, Any]:
     """The summary of a job's (latest) records.
 
-    ``mean_reward`` counts every episode, an unjudged one as 0;
-    ``mean_reward_completed`` only those the model was judged on. pass@k is
-    given for each k from 1 to ``k`` (default: the fewest attempts of any task)
-    over tasks, each with a bootstrap interval over tasks.
+    Every score is over the episodes the model was **judged** on: an episode
+    that failed for an infrastructure, model-server or cancelled reason says
+    nothing about the model, so it is never a 0 here; it is counted in
+    ``not_judged`` (by class) and a resume reruns it. An agent or verifier
+    failure is judged (its reward, or 0). ``mean_reward`` is the mean over
+    judged episodes (``mean_reward_completed``, the name of earlier releases,
+    is the same number); pass@k is given for each k from 1 to ``k`` (default:
+    the fewest judged attempts of any task) over the tasks with judged
+    attempts, each with a bootstrap interval over tasks.
     """
     records = list(records)
-    tasks = by_task(records)
+    all_tasks = by_task(records)
+    tasks = {key: judged for key, rs in all_tasks.items() if (judged := [r for r in rs if not r.rerun])}
     judged = [r for r in records if not r.rerun]
     failures = Counter(r.error_class for r in records if r.error_class)
+    not_judged = Counter(r.error_class or "unknown" for r in records if r.rerun)
     task_means = [float(np.mean([r.score for r in rs])) for rs in tasks.values()]
+    mean = _mean([r.score for r in judged])
     summary: dict[str, Any] = {
         "episodes": len(records),
-        "tasks": len(tasks),
+        "tasks": len(all_tasks),
         "completed": len(judged),
+        "not_judged": sum(not_judged.values()),
+        "not_judged_by_class": dict(sorted(not_judged.items())),
         "failures": dict(sorted(failures.items())),
-        "mean_reward": _mean([r.score for r in records]),
+        "mean_reward": mean,
         "mean_reward_ci": bootstrap_interval(task_means),
-        "mean_reward_completed": _mean([r.score for r in judged]),
+        "mean_reward_completed": mean,
         "success_threshold": success_threshold,
     }
     fewest = min((len(rs) for rs in tasks.values()), default=0)
@@ -97,17 +107,18 @@ def summarize(
         ]
         pass_k[str(kk)] = {"value": _mean(per_task), "ci": bootstrap_interval(per_task)}
     summary["pass_at_k"] = pass_k
-    summary["per_task"] = [
-        {
+    summary["per_task"] = []
+    for rs in all_tasks.values():
+        scored = [r for r in rs if not r.rerun]
+        summary["per_task"].append({
             "task": rs[0].task,
             "task_path": rs[0].task_path,
             "episodes": len(rs),
-            "mean_reward": _mean([r.score for r in rs]),
-            "solved": sum(r.score >= success_threshold for r in rs),
+            "judged": len(scored),
+            "mean_reward": _mean([r.score for r in scored]),
+            "solved": sum(r.score >= success_threshold for r in scored),
             "failures": dict(Counter(r.error_class for r in rs if r.error_class)),
-        }
-        for rs in tasks.values()
-    ]
+        })  # fmt: skip
     return summary
 
 
@@ -122,14 +133,14 @@ def paired_difference(
     samples: int = BOOTSTRAP_SAMPLES,
     seed: int = BOOTSTRAP_SEED,
 ) -> dict[str, Any]:
-    """The mean reward of ``other`` minus ``base`` over the tasks both ran, with a paired bootstrap interval.
+    """The mean reward of ``other`` minus ``base`` over the tasks both were judged on, with a paired bootstrap interval.
 
     Tasks are shared between checkpoints, so the tasks are resampled together
     (one index draw for both), which removes the task-difficulty variance an
     unpaired interval would carry. Also returns each task's difference.
     """
-    a = {key: float(np.mean([r.score for r in rs])) for key, rs in by_task(base).items()}
-    b = {key: float(np.mean([r.score for r in rs])) for key, rs in by_task(other).items()}
+    a = {key: float(np.mean([r.score for r in rs])) for key, rs in by_task(r for r in base if not r.rerun).items()}
+    b = {key: float(np.mean([r.score for r in rs])) for key, rs in by_task(r for r in other if not r.rerun).items()}
     shared = [key for key in a if key in b]
     diffs = np.asarray([b[key] - a[key] for key in shared], dtype=float)
     result: dict[str, Any] = {
@@ -163,6 +174,7 @@ def sweep_summary(
                 "model": model,
                 "step": step,
                 "episodes": summary["episodes"],
+                "not_judged": summary["not_judged"],
                 "mean_reward": summary["mean_reward"],
                 "mean_reward_ci": summary["mean_reward_ci"],
                 "pass_at_k": summary["pass_at_k"],

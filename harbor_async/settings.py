@@ -87,6 +87,7 @@ class JobSettings:
     sampling: dict[str, Any] = field(default_factory=dict)
     limits: dict[str, Any] = field(default_factory=dict)
     max_concurrent_requests: int = 32
+    max_model_server_failures: int = 5
     request_timeout: float = 600.0
     success_threshold: float = DEFAULT_SUCCESS_THRESHOLD
     ready_timeout: float = DEFAULT_READY_TIMEOUT

@@ -18,7 +18,8 @@ The model name chooses the behaviour (each is listed by ``/v1/models``):
 - ``slow``: solves, waiting ``slow_seconds`` before every reply.
 - ``context``: solves, then refuses the next request as longer than the context.
 
-Any other model name gets a 404, as vLLM answers. ``GET /stats`` returns the
+Any other model name gets a 404, as vLLM answers. With ``api_key``, a chat
+request with another key gets a 401 (as OpenAI's API answers). ``GET /stats`` returns the
 requests seen per model. Run as a program for a managed-server test::
 
     python tests/scripted_server.py --port 8000 [--die-after N] [--suite PATH]
@@ -60,8 +61,10 @@ class ScriptedServer:
         port: int = 0,
         slow_seconds: float = 1.0,
         die_after: int | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.solutions = load_solutions(Path(suite))
+        self.api_key = api_key  # chat requests with another key get a 401 (the model list answers anyway)
         self.slow_seconds = slow_seconds
         self.die_after = die_after
         self.requests: Counter[str] = Counter()
@@ -216,6 +219,10 @@ def _handler(server: ScriptedServer) -> type[BaseHTTPRequestHandler]:
                 self._send(404, _error("not found", "NotFound", 404))
                 return
             server.auth.add(self.headers.get("Authorization"))
+            if server.api_key is not None and self.headers.get("Authorization") != f"Bearer {server.api_key}":
+                server.requests[body.get("model", "?")] += 1
+                self._send(401, _error("Incorrect API key provided", "invalid_request_error", 401))
+                return
             code, payload = server.chat(body)
             self._send(code, payload)
 

@@ -43,7 +43,9 @@ def test_a_signal_mid_batch_keeps_the_finished_records_and_stops_every_sandbox(t
     assert f"interrupted by {sig.name}" in err and f"--resume {job}" in err
     summary = json.loads((job / "summary.json").read_text())
     assert summary["complete"] is False and summary["interrupted_by"] == sig.name
-    assert summary["completed"] == 3 and summary["mean_reward_completed"] == 1.0 and summary["mean_reward"] == 0.6
+    # The cancelled episodes are not judged: never a 0 in the mean, counted apart and rerun by a resume.
+    assert summary["completed"] == 3 and summary["mean_reward"] == 1.0
+    assert summary["not_judged"] == 2 and summary["not_judged_by_class"] == {"cancelled": 2}
     assert not leak_probe.bwrap_pids() and not leak_probe.sandbox_dirs()
 
 

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -139,6 +140,69 @@ def test_sweep_of_two_models_writes_table_paired_interval_and_plot(tmp_path: Pat
     assert (job / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "paired differences" in result.stdout and "-0.500" in result.stdout
     assert {r.model for r in JobFolder(job).records()} == {"solver", "half"}
+
+
+def test_a_wrong_api_key_stops_the_eval_in_one_line_and_scores_nothing(tmp_path: Path) -> None:
+    with ScriptedServer(api_key="right-key", slow_seconds=0) as server:
+        result = _cli(
+            "-m", "solver", "--base-url", server.base_url, "-l", "10", "-n", "2", "--model-retries", "0",
+            "--max-model-server-failures", "3", "-o", str(tmp_path), "--job-name", "j",
+            env={"OPENAI_API_KEY": "wrong-key"},
+        )  # fmt: skip
+        chats = server.requests["solver"]
+    assert result.returncode == 3, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "HTTP 401" in lines[0] and server.base_url in lines[0], result.stderr
+    assert "Incorrect API key" in lines[0] and f"harbor-async eval --resume {tmp_path / 'j'}" in lines[0]
+    assert chats < 10  # it stopped: not every episode knocked on the door
+    summary = json.loads((tmp_path / "j" / "summary.json").read_text())
+    assert summary["complete"] is False and summary["planned_episodes"] == 10
+    assert summary["mean_reward"] is None and summary["completed"] == 0  # nothing judged: no 0.000 headline
+    assert summary["not_judged_by_class"]["model_server"] >= 3
+
+
+def test_a_killed_server_stops_the_eval_and_keeps_the_judged_episodes(tmp_path: Path) -> None:
+    port = free_port()  # a server process of its own, killed as a crashed server would be
+    server = subprocess.Popen([sys.executable, str(SCRIPTED), "--port", str(port), "--slow-seconds", "1"], cwd=REPO)
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "the scripted server did not come up"
+            time.sleep(0.1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harbor_async", "eval", "-m", "slow", "--base-url", url, "-l", "10", "-n", "1",
+         "--model-retries", "0", "-o", str(tmp_path), "--job-name", "j"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    job = tmp_path / "j"
+    deadline = time.monotonic() + 120
+    while not (job / "episodes.jsonl").is_file() or not (job / "episodes.jsonl").read_text().strip():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "no episode"
+        time.sleep(0.1)
+    server.kill()  # mid-eval: every later request is refused
+    server.wait()
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 3, err
+    assert "failed 5 episodes in a row" in err and f"--resume {job}" in err
+    summary = json.loads((job / "summary.json").read_text())
+    judged = [r for r in JobFolder(job).records() if not r.rerun]
+    assert judged and all(r.reward == 1.0 for r in judged)  # what ran before the kill
+    assert summary["mean_reward"] == 1.0  # the server's failures are not zeros
+    assert summary["not_judged_by_class"].get("model_server", 0) >= 5 and summary["complete"] is False
+
+
+def test_a_backend_whose_package_is_missing_is_one_line_before_the_server(tmp_path: Path) -> None:
+    with ScriptedServer() as server:
+        result = _cli("-m", "solver", "--base-url", server.base_url, "-e", "e2b", "-l", "2", "-o", str(tmp_path / "jobs"))
+        assert server.requests == {}
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and "pip install 'harbor[e2b]'" in errors[0], result.stderr
+    assert not (tmp_path / "jobs").exists()
 
 
 def test_unreachable_server_is_a_clear_error(tmp_path: Path) -> None:

@@ -89,7 +89,7 @@ def test_cli_run_scores_the_bundled_suite_ten_of_ten(tmp_path):
     assert [json.loads(line) for line in out.read_text().splitlines()] == sorted(found, key=lambda r: r["task"])
     summary = json.loads((job / "summary.json").read_text())
     assert summary["mean_reward"] == summary["mean_reward_completed"] == 1.0 and summary["complete"]
-    assert "10 episodes: mean reward 1.000 over all (failures count 0), 1.000 over the 10 completed" in result.stdout
+    assert "10 episodes: mean reward 1.000 over the 10 judged; failures: none" in result.stdout
     assert "csv-column-sum" in result.stdout
 
 
@@ -215,3 +215,13 @@ async def test_an_interruption_after_a_scored_failure_leaves_the_episode_unjudge
     (record,) = done
     assert record.error_class == "cancelled" and record.reward is None and record.rerun
     assert [p.phase for p in record.phases] == ["start", "agent", "verify", "stop"]
+
+
+def test_a_backend_whose_package_is_missing_is_one_line_before_anything_starts(tmp_path: Path) -> None:
+    import importlib.util
+
+    assert importlib.util.find_spec("e2b") is None  # harbor[e2b] is not part of this project's environment
+    result = harbor_async("run", "-e", "e2b", "-o", str(tmp_path / "jobs"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["error: backend 'e2b' needs the 'e2b' package, which is not installed: pip install 'harbor[e2b]'"]
+    assert not (tmp_path / "jobs").exists()  # no job folder, no episode

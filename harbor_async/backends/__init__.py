@@ -93,6 +93,36 @@ class BackendSpec:
             task_env_config=task.config.environment,
         )
 
+    def check_installed(self, task: Task, backend_kwargs: Mapping[str, Any]) -> None:
+        """Build one environment (nothing started) to find a missing client package before any sandbox.
+
+        Harbor's cloud environments say they lack their SDK only when constructed;
+        a run would otherwise fail every episode with the same install hint.
+
+        Raises:
+            BackendNotInstalledError: the backend's package is missing (with the install command).
+        """
+        import tempfile
+
+        from harbor.models.trial.paths import TrialPaths
+
+        from harbor_async.errors import BackendNotInstalledError
+
+        with tempfile.TemporaryDirectory(prefix="harbor-async-check-") as folder:
+            paths = TrialPaths(trial_dir=Path(folder))
+            paths.mkdir()
+            try:
+                self.create_environment(
+                    task, paths, session_id="install-check", run_label="check", backend_kwargs=backend_kwargs, options={}
+                )
+            except ImportError as exc:  # Harbor's MissingExtraError is one
+                package = getattr(exc, "package", None) or getattr(exc, "name", None) or "its client"
+                extra = getattr(exc, "extra", None)
+                install = f"pip install 'harbor[{extra}]'" if extra else f"pip install {package}"
+                raise BackendNotInstalledError(self.name, str(package), install) from exc
+            except Exception:  # noqa: BLE001 - anything else is the start's to report, with its own type
+                return
+
     def start_extras(
         self,
         *,

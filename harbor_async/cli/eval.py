@@ -6,9 +6,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.text import Text
 
 from harbor_async.cli import cluster as cluster_opts
 from harbor_async.cli.common import StrictVerifyOpt, checked_backend, err, fail, out, parse_kwargs
+from harbor_async.printing import escape_controls
+
+#: Exit code of an eval the model server stopped (1: infrastructure failures, 2: bad input).
+MODEL_SERVER_DOWN_EXIT = 3
 
 
 def eval_command(
@@ -86,6 +91,13 @@ def eval_command(
         list[str] | None, typer.Option("--env-allow", help="A host variable a task's ${VAR} may read (repeatable; default none).")
     ] = None,
     strict_verify: StrictVerifyOpt = False,
+    max_model_server_failures: Annotated[
+        int,
+        typer.Option(
+            "--max-model-server-failures", min=0,
+            help="Stop the eval (exit 3) after this many episodes in a row failed for the model server (0: never).",
+        ),
+    ] = 5,
     backend_kwarg: Annotated[
         list[str] | None, typer.Option("--ek", help="Backend constructor argument KEY=VALUE (repeatable).")
     ] = None,
@@ -98,10 +110,11 @@ def eval_command(
 ) -> None:
     """Evaluate models (checkpoints) on a suite with the same harness, tools and prompt as training.
 
-    Writes the job folder (config.json, episodes.jsonl, summary.json; for
+    Writes the job folder (harbor-async.json, episodes.jsonl, summary.json; for
     several models sweep.csv and sweep.png; a managed server's log). Exits 1
     when an episode failed for an infrastructure or model-server reason, 2 on
-    bad input.
+    bad input, 3 when the model server failed --max-model-server-failures
+    episodes in a row (the eval stopped; resume it), 130/143/129 on a signal.
     """
     import anyio
 
@@ -151,6 +164,7 @@ def eval_command(
             "retries": model_retries,
         },
         max_concurrent_requests=max_concurrent_requests,
+        max_model_server_failures=max_model_server_failures,
         request_timeout=request_timeout,
         success_threshold=success_threshold,
         episode_timeout=episode_timeout,
@@ -172,12 +186,19 @@ def eval_command(
                 )
             )
     except HarborAsyncError as exc:
+        from harbor_async.errors import ModelServerDownError
         from harbor_async.evaluation import EvalInterrupted
         from harbor_async.serve import ServerDiedError
 
         if isinstance(exc, EvalInterrupted):
             err.print(f"[yellow]{exc}[/]")
             raise typer.Exit(128 + exc.signum) from None
+        if isinstance(exc, ModelServerDownError):  # one line: the cause, then how to go on
+            err.print(Text(escape_controls(
+                f"error: {exc}; the eval stopped (records kept). Fix the server, then: "
+                f"harbor-async eval --resume {exc.job_dir}"
+            )))  # fmt: skip
+            raise typer.Exit(MODEL_SERVER_DOWN_EXIT) from None
         raise fail(f"{type(exc).__name__}: {exc}", code=1 if isinstance(exc, ServerDiedError) else 2) from None
     _print_summary(result.summary)
     err.print(f"job folder: {result.job_dir}")

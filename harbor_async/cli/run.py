@@ -40,7 +40,7 @@ from harbor_async.cli.common import (
     setup_logging,
 )
 from harbor_async.interrupts import Interrupts
-from harbor_async.errors import SettingError
+from harbor_async.errors import BackendError, SettingError
 from harbor_async.printing import escape_controls
 from harbor_async.task_env import missing_variables
 from harbor_async.cli.selection import (
@@ -166,6 +166,11 @@ def run(
             raise fail(f"task {episode.task.name}: {exc}") from None
         if missing := missing_variables(episode.task, settings.env_allow):
             raise fail(f"task {episode.task.name}: {'; '.join(missing)}: not an allowed host variable (--env-allow NAME) and no default")
+    if episodes:  # a missing client package is one line, before any sandbox or job folder
+        try:
+            spec.check_installed(episodes[0].task, settings.environment_kwargs)
+        except BackendError as exc:
+            raise fail(exc) from None
     budget_factory = cluster_opts.budget_from_options(budget, ray_address, max_live, creates_per_second)
     if on_ray:
         cluster_opts.require_ray()
@@ -363,10 +368,11 @@ def _print_summary(summary: dict[str, Any], records: list[EpisodeRecord]) -> Non
         return "-" if value is None else f"{value:.3f}"
 
     failures = ", ".join(f"{n} {cls}" for cls, n in summary["failures"].items()) or "none"
+    unjudged = ", ".join(f"{n} {cls}" for cls, n in summary["not_judged_by_class"].items())
     out.print(Text(
-        f"{summary['episodes']} episodes: mean reward {fmt(summary['mean_reward'])} over all "
-        f"(failures count 0), {fmt(summary['mean_reward_completed'])} over the {summary['completed']} completed; "
-        f"failures: {failures}"
+        f"{summary['episodes']} episodes: mean reward {fmt(summary['mean_reward'])} over the {summary['completed']} judged"
+        + (f", {summary['not_judged']} not judged ({unjudged}: rerun by --resume)" if summary["not_judged"] else "")
+        + f"; failures: {failures}"
     ))  # fmt: skip
     if summary["pass_at_k"]:
         out.print(Text("  ".join(f"pass@{k} {fmt(v['value'])}" for k, v in summary["pass_at_k"].items())))

@@ -24,6 +24,8 @@ PHASE_ORDER = ("start", "agent", "exec", "verify", "stop")
 
 SOLVED = "solved"
 UNSOLVED = "unsolved"
+#: Outcomes of episodes the model was not judged on (rerun by a resume, never scored).
+NOT_JUDGED = frozenset({"infrastructure", "model_server", "cancelled"})
 
 
 @dataclass
@@ -69,14 +71,24 @@ class JobAnalysis:
         return sorted(rows.values(), key=lambda r: (r["diffs"][-1] is None, r["diffs"][-1] or 0.0, natural_key(r["task"])))
 
 
-def analyze(records: list[EpisodeRecord], *, success_threshold: float | None = None) -> JobAnalysis:
-    """Summaries, outcomes, phase percentiles, the episode index and per-task rows of ``records``."""
+def analyze(
+    records: list[EpisodeRecord], *, success_threshold: float | None = None, model_order: list[str] | None = None
+) -> JobAnalysis:
+    """Summaries, outcomes, phase percentiles, the episode index and per-task rows of ``records``.
+
+    ``model_order``: the job's models as its command line gave them (``-m A -m B``): groups, and
+    so the sweep's base (the first), follow it, as the CLI's table, ``sweep.csv`` and
+    ``sweep.png`` do; without it, checkpoints by step, then names.
+    """
     threshold = DEFAULT_SUCCESS_THRESHOLD if success_threshold is None else success_threshold
     labels = group_labels(records)
     grouped: dict[str, list[EpisodeRecord]] = {}
+    first_model: dict[str, str | None] = {}
     for record, label in zip(records, labels, strict=True):
         grouped.setdefault(label, []).append(record)
-    order = sorted(grouped, key=natural_key)
+        first_model.setdefault(label, record.model)
+    position = {name: i for i, name in enumerate(model_order or [])}
+    order = sorted(grouped, key=lambda g: (position.get(first_model[g] or "", len(position)), natural_key(g)))
     groups = [GroupSummary(g, grouped[g], summarize(grouped[g], success_threshold=threshold)) for g in order]
     episodes = [_episode_row(i, r, label, threshold) for i, (r, label) in enumerate(zip(records, labels, strict=True))]
     analysis = JobAnalysis(
@@ -191,11 +203,13 @@ def _task_rows(episodes: list[dict[str, Any]], groups: list[str]) -> list[dict[s
             {"task": e["t"], "path": e["p"], "group": e["g"], "episodes": [], "rewards": [], "errors": Counter(), "secs": []},
         )
         row["episodes"].append(e["i"])
-        row["rewards"].append(0.0 if e["r"] is None else float(e["r"]))
+        if e["o"] not in NOT_JUDGED:  # an infrastructure, model-server or cancelled failure is never a 0
+            row["rewards"].append(0.0 if e["r"] is None else float(e["r"]))
         row["secs"].append(e["d"])
         if e["o"] != SOLVED:
             row["errors"][e["e"] or UNSOLVED] += 1
     rank = {g: i for i, g in enumerate(groups)}
+    attempts = {e["i"]: e["a"] for e in episodes}
     out = []
     for row in sorted(rows.values(), key=lambda r: (rank[r["group"]], natural_key(r["task"]))):
         solved = len(row["episodes"]) - sum(row["errors"].values())
@@ -204,12 +218,12 @@ def _task_rows(episodes: list[dict[str, Any]], groups: list[str]) -> list[dict[s
             "path": row["path"],
             "group": row["group"],
             "n": len(row["episodes"]),
-            "mean": float(np.mean(row["rewards"])),
+            "mean": float(np.mean(row["rewards"])) if row["rewards"] else None,
             "solved": solved,
             "failed": len(row["episodes"]) - solved,
             "errors": dict(row["errors"]),
             "secs": float(np.mean(row["secs"])),
-            "episodes": row["episodes"],
+            "episodes": sorted(row["episodes"], key=lambda i: attempts[i]),  # #0 #1 #2, whatever finished first
         })  # fmt: skip
     return out
 

@@ -90,7 +90,8 @@ def render(source: Source | str | Path, *, success_threshold: float | None = Non
     if isinstance(source, BenchmarkSource):
         sections = [benchmark_section(r) for r in source.results]
         return _environment().get_template("benchmarks.html.j2").render(kind="benchmarks", sections=sections, **common)
-    analysis = analyze(source.records, success_threshold=success_threshold)
+    models = source.config.get("models") if isinstance(source.config.get("models"), list) else None
+    analysis = analyze(source.records, success_threshold=success_threshold, model_order=models)
     return _environment().get_template("job.html.j2").render(
         kind=_kind(source, analysis),
         job=source,

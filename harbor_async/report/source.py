@@ -30,6 +30,18 @@ class JobSource:
     config: dict[str, Any] = field(default_factory=dict)
     finished: bool = False
     episodes_path: Path | None = None
+    summary: dict[str, Any] = field(default_factory=dict)  # summary.json, when written
+
+    @property
+    def incomplete(self) -> bool:
+        """Ended without running every planned episode (interrupted, or stopped by a failing model server)."""
+        return self.finished and self.summary.get("complete") is False
+
+    @property
+    def planned(self) -> int | None:
+        """Episodes the job planned, when its summary says."""
+        planned = self.summary.get("planned_episodes")
+        return planned if isinstance(planned, int) else None
 
     @property
     def watched(self) -> list[Path]:
@@ -110,9 +122,17 @@ def _job(name: str, folder: Path, episodes: Path) -> JobSource:
     # run's records of earlier releases named tasks by absolute path; today's by their path in the suite
     root = config.get("suite") or (config.get("settings") or {}).get("source") if config.get("command") == "run" else None
     records = list(latest_records(read_records(episodes), root).values())
+    summary: dict[str, Any] = {}
+    if (folder / SUMMARY_NAME).is_file():
+        try:
+            loaded = json.loads((folder / SUMMARY_NAME).read_text(encoding="utf-8"))
+            summary = loaded if isinstance(loaded, dict) else {}
+        except (OSError, ValueError):
+            summary = {}  # being written: the records are what the report stands on
     return JobSource(
-        name, folder, records, config if isinstance(config, dict) else {}, (folder / SUMMARY_NAME).is_file(), episodes
-    )
+        name, folder, records, config if isinstance(config, dict) else {}, (folder / SUMMARY_NAME).is_file(), episodes,
+        summary,
+    )  # fmt: skip
 
 
 def _benchmark(path: Path) -> BenchmarkResult | None:
