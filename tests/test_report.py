@@ -300,3 +300,36 @@ def test_a_resumed_job_of_the_previous_release_counts_each_episode_once(tmp_path
     (job / EPISODES_NAME).write_text("".join(json.dumps(r.to_dict()) + "\n" for r in [*old, rerun]))
     source = load_source(job)
     assert sorted((r.task_path, r.reward) for r in source.records) == [("t1", 1.0), ("t2", 1.0)]
+
+
+def test_a_sweep_follows_the_command_lines_order_and_its_base(tmp_path: Path) -> None:
+    # `-m weak-model -m good-model`: weak-model is the base, in the CLI's table, the CSV, the plot and here.
+    job = make_job(tmp_path, tasks=6, attempts=2, models=[("weak-model", None), ("good-model", None)])
+    settings = JobFolder(job).path / "harbor-async.json"
+    config = json.loads(settings.read_text()) if settings.is_file() else {}
+    config["models"] = ["weak-model", "good-model"]
+    settings.write_text(json.dumps(config))
+    (JobFolder(job).path / "config.json").unlink(missing_ok=True)
+    page = render(job)
+    groups = re.findall(r'<tr><td>([a-z-]+)</td><td>\d+</td>', page)
+    assert groups[:2] == ["weak-model", "good-model"]  # not alphabetical (good < weak)
+    assert "paired difference from weak-model (tasks run by both" in page  # the base is the first given
+    assert _data(page)["groups"] == ["weak-model", "good-model"]
+
+
+def test_an_incomplete_job_says_so_and_never_shows_an_unjudged_episode_as_zero(tmp_path: Path) -> None:
+    job = make_job(tmp_path, tasks=10, attempts=4, seed=3)  # some infrastructure failures
+    records = list(JobFolder(job).latest().values())
+    summary = {"complete": False, "planned_episodes": 50, "interrupted_by": "SIGINT"}
+    (job / "summary.json").write_text(json.dumps(summary))
+    page = render(job)
+    header = re.search(r'<span class="badge incomplete"[^>]*>(.*?)</span>', page)
+    assert header and header.group(1) == f"incomplete: {len(records)} of 50 episodes, {50 - len(records)} missing (interrupted by SIGINT)"
+    assert "finished</span>" not in page
+    data = _data(page)
+    unjudged = {e["i"] for e in data["episodes"] if e["o"] in ("infrastructure", "model_server", "cancelled")}
+    assert unjudged  # the test means something only with some
+    assert all(e["r"] is None for e in data["episodes"] if e["i"] in unjudged)  # no reward, so no 0 to draw
+    for task in data["tasks"]:  # a task's mean is over its judged episodes only
+        scored = [data["episodes"][i]["r"] or 0.0 for i in task["episodes"] if i not in unjudged]
+        assert task["mean"] == (pytest.approx(sum(scored) / len(scored)) if scored else None)

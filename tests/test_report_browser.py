@@ -202,6 +202,34 @@ def test_script_in_a_transcript_shows_as_text_and_runs_nothing(tab: Page, eval_r
     assert tab.errors == []
 
 
+def test_an_incomplete_sweep_names_its_state_its_base_and_never_shows_an_unjudged_zero(tab: Page, tmp_path: Path) -> None:
+    import json
+
+    job = make_job(tmp_path, "sweep", tasks=8, attempts=3, models=[("weak-model", None), ("good-model", None)], seed=3)
+    (job / "harbor-async.json").write_text(json.dumps({"command": "eval", "models": ["weak-model", "good-model"]}))
+    records = list(JobFolder(job).latest().values())
+    (job / "summary.json").write_text(json.dumps({"complete": False, "planned_episodes": 60, "interrupted_by": "SIGINT"}))
+    report = write_report(job, job / "report.html")
+    tab.page.goto(report.as_uri())
+    tab.page.wait_for_selector("#task-table tbody tr")
+    header = tab.page.inner_text("#incomplete")
+    assert header == f"incomplete: {len(records)} of 60 episodes, {60 - len(records)} missing (interrupted by SIGINT)"
+    assert "paired difference from weak-model" in tab.page.inner_text("#differences caption")  # the CLI's base
+    unjudged = [r for r in records if r.rerun]
+    assert unjudged  # the fixture has some
+    tab.page.evaluate("document.querySelectorAll('#task-table button.o-more').forEach(b => b.click())")
+    for cls in {r.error_class for r in unjudged}:  # each such episode's button says it has no reward
+        titles = tab.page.eval_on_selector_all(f"#task-table button.ep.o-{cls}", "bs => bs.map(b => b.title)")
+        assert titles and all(t.endswith("reward -") for t in titles), titles
+    # A task whose episodes were all unjudged shows no mean, not 0.000.
+    for task in {r.task for r in records}:
+        rs = [r for r in records if r.task == task]
+        if all(r.rerun for r in rs):
+            row = tab.page.locator(f'#task-table tr[data-task="{rs[0].task_path}"]').first
+            assert "0.000" not in row.inner_text()
+    assert tab.errors == []
+
+
 def test_sweep_and_benchmark_reports_load(tab: Page, tmp_path: Path) -> None:
     job = make_job(tmp_path, "sweep", tasks=10, attempts=3, models=SWEEP, seed=4)
     report = write_report(job, job / "report.html")
