@@ -333,3 +333,16 @@ def test_an_incomplete_job_says_so_and_never_shows_an_unjudged_episode_as_zero(t
     for task in data["tasks"]:  # a task's mean is over its judged episodes only
         scored = [data["episodes"][i]["r"] or 0.0 for i in task["episodes"] if i not in unjudged]
         assert task["mean"] == (pytest.approx(sum(scored) / len(scored)) if scored else None)
+
+
+def test_a_timeline_without_spans_lays_out_the_lifecycle_and_never_a_total() -> None:
+    from harbor_async.report.analysis import episode_phases
+
+    # An eval record of an earlier release: no spans, and parts and sums among the seconds.
+    old = EpisodeRecord(task="t", seconds={"start": 0.5, "exec": 0.2, "verify": 0.3, "stop": 0.1, "model": 1.0, "tools": 0.4, "total": 2.3})
+    spans = episode_phases(old)
+    assert [s["phase"] for s in spans] == ["start", "agent", "verify", "stop"]  # the model call before verify
+    assert spans[1]["end"] - spans[1]["start"] == pytest.approx(1.4) and spans[-1]["end"] == pytest.approx(2.3)
+    assert all(s["phase"] != "total" for s in spans)
+    a = analyze([old])
+    assert [row["phase"] for row in a.phases] == ["start", "agent", "verify", "stop"]

@@ -21,6 +21,8 @@ from harbor_async.scoring import DEFAULT_SUCCESS_THRESHOLD, paired_difference, s
 PERCENTILES = (50, 90, 95, 99)
 #: Phases in the order an episode goes through them; others follow by name.
 PHASE_ORDER = ("start", "agent", "exec", "verify", "stop")
+#: An episode's phases, in the order they run (what a timeline lays out).
+LIFECYCLE = ("start", "agent", "verify", "stop")
 
 SOLVED = "solved"
 UNSOLVED = "unsolved"
@@ -137,14 +139,23 @@ def outcome(record: EpisodeRecord, threshold: float) -> str:
 
 
 def episode_phases(record: EpisodeRecord) -> list[dict[str, Any]]:
-    """The episode's phases as ``{phase, start, end}``: its spans, else its ``seconds`` laid end to end."""
+    """The episode's phases as ``{phase, start, end}``: its spans, else its lifecycle ``seconds`` end to end.
+
+    Records of earlier releases (eval's had no spans) carry ``seconds`` with
+    parts and sums beside the phases (``model`` and ``tools`` are the agent
+    phase's parts, ``exec`` its commands, ``total`` their sum): only the
+    lifecycle phases are laid out, in their order, and ``total`` never is one.
+    """
     if record.phases:
         return [{"phase": p.phase, "start": p.start, "end": p.end} for p in record.phases]
+    seconds = {k: float(v) for k, v in record.seconds.items()}
+    if "agent" not in seconds and ("model" in seconds or "tools" in seconds):
+        seconds["agent"] = seconds.get("model", 0.0) + seconds.get("tools", 0.0)
     spans, at = [], 0.0
-    for phase in sorted(record.seconds, key=_phase_rank):
-        seconds = float(record.seconds[phase])
-        spans.append({"phase": phase, "start": at, "end": at + seconds})
-        at += seconds
+    for phase in LIFECYCLE:
+        if phase in seconds:
+            spans.append({"phase": phase, "start": at, "end": at + seconds[phase]})
+            at += seconds[phase]
     return spans
 
 
