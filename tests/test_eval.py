@@ -49,6 +49,9 @@ def test_solver_scores_one_and_records_everything(server, tmp_path) -> None:
     assert record.transcript[2]["tool_call_id"] == call["id"]
     assert record.usage["requests"] == 2 and record.usage["total_tokens"] > 0 and record.usage["tool_calls"] == 1
     assert {"start", "verify", "model", "tools", "total"} <= set(record.seconds)
+    # Real phase spans, in the order they ran (what the report's timeline draws); "total" is no phase.
+    assert [p.phase for p in record.phases] == ["start", "agent", "verify", "stop"]
+    assert all(a.end <= b.start + 1e-3 for a, b in zip(record.phases, record.phases[1:]))
     assert record.rewards == {"reward": 1.0}
     # the job folder: config, flushed records, summary
     job = JobFolder.open(result.job_dir)
@@ -100,6 +103,7 @@ def test_a_server_that_keeps_failing_is_a_model_server_failure(server, tmp_path)
     assert record.reward is None and "HTTP 500" in record.error
     assert record.usage["requests"] == 3
     assert result.summary["failures"] == {"model_server": 1}
+    assert result.summary["mean_reward"] is None and result.summary["not_judged"] == 1  # not a 0.000
 
 
 def test_context_overflow_ends_the_episode_and_it_is_scored(server, tmp_path) -> None:
