@@ -334,3 +334,28 @@ def test_sigterm_stops_the_managed_server_and_the_sandboxes(tmp_path: Path) -> N
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM
     assert _processes_with(marker) == []  # and the leak check finds no sandbox
+
+
+def test_ctrl_c_to_the_process_group_ends_a_managed_server_eval_at_once(tmp_path: Path) -> None:
+    # What a terminal does: SIGINT to the whole group, the managed server included.
+    marker = f"ctrl-c-{uuid.uuid4().hex}"
+    serve = f"{sys.executable} {SCRIPTED} --port {{port}} --slow-seconds 3 --tag {marker}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harbor_async", "eval", "-m", "slow", "-l", "4", "-n", "4", "--serve-cmd", serve,
+         "-o", str(tmp_path), "--job-name", "j"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while "scripted server on" not in ((tmp_path / "j" / "server.log").read_text() if (tmp_path / "j" / "server.log").exists() else ""):
+        assert time.monotonic() < deadline and proc.poll() is None, "the managed server did not come up"
+        time.sleep(0.1)
+    time.sleep(2)  # the episodes are mid-conversation
+    sent = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    took = time.monotonic() - sent
+    assert proc.returncode == 130, err
+    assert f"--resume {tmp_path / 'j'}" in err and (tmp_path / "j" / "summary.json").is_file()
+    assert json.loads((tmp_path / "j" / "summary.json").read_text())["interrupted_by"] == "SIGINT"
+    assert took < 4.5, f"{took:.1f} s: a stop that waited out its 5 s grace"  # measured 1.0-1.2 s here
+    assert _processes_with(marker) == []
