@@ -451,6 +451,18 @@ def check_model_server(base_url: str, api_key_env: str = "OPENAI_API_KEY") -> Ch
     return Check("model server", True, f"{url}: {len(models)} model(s): {', '.join(models[:5])}")
 
 
+def check_model_chat(base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY") -> Check:
+    """A one-token chat request for ``model``: what ``eval`` asks of a model the list does not name."""
+    import anyio
+
+    from harbor_async.serve import chat_answers
+
+    refused = anyio.run(lambda: chat_answers(base_url, model, api_key=os.environ.get(api_key_env)))
+    if refused is None:
+        return Check(f"model {model}", True, "answers a chat request")
+    return Check(f"model {model}", False, f"a chat request: {refused}", "check the model name (-m) and the key")
+
+
 # ── features ───────────────────────────────────────────────────────────────
 
 
@@ -503,6 +515,7 @@ def diagnose(
     everything: bool = True,
     backend_kwargs: Mapping[str, Any] | None = None,
     suite: Path | None = None,
+    models: Sequence[str] = (),
 ) -> Diagnosis:
     """Run the checks of every feature (or only the requested ones) and say which were asked for.
 
@@ -540,5 +553,5 @@ def diagnose(
                 proof += [check_docker_container(image) for image in base_images(tasks)]
             diagnosis.results[name] = [*diagnosis.results[name], *proof]
     if base_url:
-        diagnosis.results["model-server"] = [check_model_server(base_url)]
+        diagnosis.results["model-server"] = [check_model_server(base_url), *(check_model_chat(base_url, m) for m in models)]
     return diagnosis

@@ -75,11 +75,16 @@ class _Run:
     """The state of one evaluation run (one job folder)."""
 
     def __init__(
-        self, settings: JobSettings, job: JobFolder, on_record: Callable[[EpisodeRecord], None] | None
+        self,
+        settings: JobSettings,
+        job: JobFolder,
+        on_record: Callable[[EpisodeRecord], None] | None,
+        on_status: Callable[[str], None] | None = None,
     ) -> None:
         self.settings = settings
         self.job = job
         self.on_record = on_record
+        self.on_status = on_status
         self.harness = resolve_harness(settings.agent, settings.environment_type)
         self.backend: BackendSpec = resolve_backend(settings.environment_type)
         self.engine: Engine | None = None
@@ -106,8 +111,9 @@ class _Run:
         port = _serve.free_port()
         log_name = "server.log" if total == 1 else f"server-{index}.log"
         server = _serve.ManagedServer(
-            group.command(port), port, self.job.path / log_name, ready_timeout=self.settings.ready_timeout
-        )
+            group.command(port), port, self.job.path / log_name, ready_timeout=self.settings.ready_timeout,
+            error_timeout=self.settings.ready_error_timeout, on_status=self.on_status,
+        )  # fmt: skip
         async with server:
             await self._with_server(group, tasks, root, pending, server.base_url, server)
 
@@ -116,7 +122,7 @@ class _Run:
 
         if group.check_names:
             listed = await _serve.served_models(base_url, api_key=self.api_key())
-            _serve.check_models([s.name for s in group.models], listed, base_url)
+            await _serve.check_models([s.name for s in group.models], listed, base_url, api_key=self.api_key())
         if self.settings.ray:
             await self._on_cluster(group, tasks, root, pending, base_url)
             return
@@ -196,6 +202,16 @@ class _Run:
             self.server_failures_in_a_row = 0
 
 
+def _discard_empty_job(folder: Path) -> None:
+    """Remove a new job folder that holds nothing (no episode ran; no server log beyond its command line)."""
+    import shutil
+
+    for log_file in folder.glob("server*.log"):
+        if len(log_file.read_text(errors="replace").splitlines()) > 1:
+            return  # the server said something: the error names this log
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def _keys(models: Sequence[ModelSpec], tasks: Sequence[Any], root: Path, attempts: int) -> list[str]:
     return [episode_key(suite_task_path(t, root), a, m.name) for m in models for t in tasks for a in range(attempts)]
 
@@ -245,6 +261,7 @@ async def evaluate(
     job_name: str | None = None,
     on_record: Callable[[EpisodeRecord], None] | None = None,
     on_plan: Callable[[int, int], None] | None = None,
+    on_status: Callable[[str], None] | None = None,
     **settings: Any,
 ) -> EvalResult:
     """Evaluate ``models`` on ``suite`` with a training harness; write and return the job.
@@ -259,6 +276,7 @@ async def evaluate(
         jobs_dir, job_name: where a new job folder goes (``jobs_dir/job_name``).
         on_record: called with each record as it is written (the CLI's progress bar).
         on_plan: called once with (episodes to run now, episodes of the job).
+        on_status: called with what a managed server answers while it is awaited (the CLI's progress line).
         **settings: the fields of :class:`~harbor_async.settings.JobSettings` (``agent``,
             ``environment_type``, ``environment_kwargs``, ``n_attempts``, ``n_concurrent``,
             ``base_url``, ``serve_cmd``, ``api_key_name``, ``sampling``, ``limits``, ...);
@@ -321,7 +339,7 @@ async def evaluate(
     api_key(config.api_key_name)  # a missing key is bad input: fail before the job folder
     if resume is None:
         job = JobFolder.create(jobs_dir, job_name, config.to_dict())
-    run = _Run(config, job, on_record)
+    run = _Run(config, job, on_record, on_status)
     tasks, root = list(loaded.tasks), Path(loaded.root)
     all_keys = _keys(specs, tasks, root, config.n_attempts)
     if on_plan is not None:
@@ -355,6 +373,8 @@ async def evaluate(
         if "sweep" in summary:
             _write_sweep(job, summary["sweep"])
     if error is not None:
+        if resume is None and not latest:
+            _discard_empty_job(job.path)
         raise error
     if run.interrupted is not None:
         raise EvalInterrupted(run.interrupted, job.path)

@@ -20,7 +20,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Self
 
@@ -28,11 +28,16 @@ import anyio
 import httpx
 
 from harbor_async.errors import HarborAsyncError
+from harbor_async.logs import get_logger
+
+log = get_logger(__name__)
 
 #: Seconds a server gets to answer ``/health`` and ``/v1/models`` (a big model loads slowly).
 DEFAULT_READY_TIMEOUT = 900.0
 #: Seconds between SIGTERM and SIGKILL of the server's process group.
 STOP_GRACE = 10.0
+#: Seconds of server errors (HTTP 5xx) while waiting for readiness before giving up (a broken server, not a slow one).
+DEFAULT_ERROR_TIMEOUT = 60.0
 
 
 class ServeError(HarborAsyncError):
@@ -53,6 +58,10 @@ class ServerDiedError(ServeError):
 
 class ServerUnreachableError(ServeError):
     """Nothing answers at the server's base URL."""
+
+
+class ServerAuthError(ServeError):
+    """The server refused the API key (HTTP 401 or 403)."""
 
 
 class ModelNotServedError(ServeError, LookupError):
@@ -161,24 +170,78 @@ async def served_models(base_url: str, *, api_key: str | None = None, timeout: f
             response = await client.get(base_url.rstrip("/") + "/models", headers=headers)
     except httpx.HTTPError as exc:
         raise ServerUnreachableError(f"model server at {base_url} unreachable: {type(exc).__name__}: {exc}") from exc
+    if response.status_code in (401, 403):
+        raise ServerAuthError(
+            f"GET {base_url}/models answered HTTP {response.status_code} ({first_line(response.text)}): "
+            "the server refused the API key; set it in OPENAI_API_KEY or name its variable with --api-key-name"
+        )
     if response.status_code != 200:
-        raise ServerUnreachableError(f"GET {base_url}/models answered HTTP {response.status_code}")
+        raise ServerUnreachableError(
+            f"GET {base_url}/models answered HTTP {response.status_code}: {first_line(response.text)}"
+        )
     try:
         return [str(m["id"]) for m in response.json().get("data", [])]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ServerUnreachableError(f"GET {base_url}/models did not return a model list") from exc
 
 
-def check_models(wanted: Sequence[str], listed: Sequence[str], base_url: str) -> None:
-    """Raise :class:`ModelNotServedError` naming what is missing and what is served."""
-    missing = [m for m in wanted if m not in listed]
-    if missing:
-        raise ModelNotServedError(
-            f"model {', '.join(map(repr, missing))} not served at {base_url}; it serves: {', '.join(listed) or 'nothing'}"
-        )
+def first_line(text: str, limit: int = 200) -> str:
+    """The first non-empty line of a server's answer, cut to ``limit`` characters."""
+    for line in (text or "").splitlines():
+        if line.strip():
+            return line.strip()[:limit]
+    return "(empty body)"
+
+
+async def chat_answers(base_url: str, model: str, *, api_key: str | None = None, timeout: float = 60.0) -> str | None:
+    """``None`` when a one-token chat request for ``model`` succeeds, else why not (status and first line)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    try:
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            response = await client.post(base_url.rstrip("/") + "/chat/completions", json=body, headers=headers)
+    except httpx.HTTPError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if response.status_code == 200:
+        return None
+    return f"HTTP {response.status_code}: {first_line(response.text)}"
+
+
+async def check_models(
+    wanted: Sequence[str], listed: Sequence[str], base_url: str, *, api_key: str | None = None
+) -> list[str]:
+    """Models of ``wanted`` the server does not list but that answer a chat request (a warning each).
+
+    Some servers list nothing or other names (``transformers serve`` of a local
+    folder lists nothing): a one-token chat request decides.
+
+    Raises:
+        ModelNotServedError: a model neither listed nor answering, with what is listed and the chat's error.
+    """
+    unlisted = []
+    for model in wanted:
+        if model in listed:
+            continue
+        refused = await chat_answers(base_url, model, api_key=api_key)
+        if refused is not None:
+            raise ModelNotServedError(
+                f"model {model!r} not served at {base_url}; it serves: {', '.join(listed) or 'nothing'} "
+                f"(a chat request for it: {refused})"
+            )
+        log.warning("model not listed by the server, but it answers a chat request", model=model, url=base_url)
+        unlisted.append(model)
+    return unlisted
 
 
 # ── the process ──────────────────────────────────────────────────────────
+
+
+def _hub_cache() -> Path:
+    """Hugging Face's hub cache folder (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
 
 _LIVE: set[subprocess.Popen] = set()
 
@@ -220,12 +283,22 @@ class ManagedServer:
     """
 
     def __init__(
-        self, command: Sequence[str], port: int, log_path: str | Path, *, ready_timeout: float = DEFAULT_READY_TIMEOUT
+        self,
+        command: Sequence[str],
+        port: int,
+        log_path: str | Path,
+        *,
+        ready_timeout: float = DEFAULT_READY_TIMEOUT,
+        error_timeout: float = DEFAULT_ERROR_TIMEOUT,
+        on_status: Callable[[str], None] | None = None,
     ) -> None:
         self.command = list(command)
         self.port = port
         self.log_path = Path(log_path)
         self.ready_timeout = ready_timeout
+        self.error_timeout = error_timeout
+        self.on_status = on_status
+        self.last_answer = "nothing yet"
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -249,6 +322,7 @@ class ManagedServer:
     def start(self) -> None:
         """Launch the process in its own session (so its whole group can be stopped)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        _hub_cache().mkdir(parents=True, exist_ok=True)  # transformers serve answers 500 without it
         with open(self.log_path, "ab") as log:
             log.write(f"$ {shlex.join(self.command)}\n".encode())
             log.flush()
@@ -257,13 +331,27 @@ class ManagedServer:
                     self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
                 )
             except OSError as exc:
-                raise ServerExitedError(f"cannot start the model server {self.command[0]!r}: {exc}") from exc
+                hint = ""
+                if isinstance(exc, FileNotFoundError) and Path(self.command[0]).name == "vllm":
+                    hint = (
+                        "; vLLM is not installed here (it needs a GPU: install it in its own environment), "
+                        "or, on a CPU-only machine, serve with --serve-cmd "
+                        "\"transformers serve {model} --host 127.0.0.1 --port {port}\", or pass --base-url"
+                    )
+                raise ServerExitedError(f"cannot start the model server {self.command[0]!r}: {exc}{hint}") from exc
         _LIVE.add(self.proc)
 
     async def wait_ready(self) -> None:
-        """Poll ``/health`` then ``/v1/models`` until both answer 200; bounded by ``ready_timeout``."""
+        """Poll ``/health`` then ``/v1/models`` until both answer 200.
+
+        Bounded by ``ready_timeout``, and by ``error_timeout`` of server errors
+        (HTTP 5xx) in a row: a server that keeps failing is broken, not loading.
+        Each answer goes to ``on_status`` (the progress line); every failure
+        names the last answer and ends with the log's last lines.
+        """
         root = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + self.ready_timeout
+        failing_since: float | None = None
         async with httpx.AsyncClient(timeout=5.0) as client:
             while True:
                 if self.proc is not None and self.proc.poll() is not None:
@@ -272,17 +360,37 @@ class ManagedServer:
                         f"see its log {self.log_path}:\n{self.log_tail()}"
                     )
                 try:
-                    health = await client.get(root + "/health")
-                    if health.status_code == 200 and (await client.get(root + "/v1/models")).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() >= deadline:
+                    answer = await client.get(root + "/health")
+                    if answer.status_code == 200:
+                        answer = await client.get(root + "/v1/models")
+                        if answer.status_code == 200:
+                            return
+                    path = answer.request.url.path
+                    self._answered(f"GET {path}: HTTP {answer.status_code}: {first_line(answer.text)}")
+                    if answer.status_code >= 500:
+                        failing_since = failing_since if failing_since is not None else time.monotonic()
+                    else:
+                        failing_since = None
+                except httpx.HTTPError as exc:
+                    self._answered(f"no answer yet ({type(exc).__name__})")
+                    failing_since = None
+                now = time.monotonic()
+                if failing_since is not None and now - failing_since >= self.error_timeout:
                     raise ServerNotReadyError(
-                        f"the model server did not become ready on port {self.port} within {self.ready_timeout:g} s; "
-                        f"see its log {self.log_path}"
+                        f"the model server kept failing for {self.error_timeout:g} s: {self.last_answer}; "
+                        f"see its log {self.log_path}:\n{self.log_tail()}"
+                    )
+                if now >= deadline:
+                    raise ServerNotReadyError(
+                        f"the model server did not become ready on port {self.port} within {self.ready_timeout:g} s "
+                        f"(last answer: {self.last_answer}); see its log {self.log_path}:\n{self.log_tail()}"
                     )
                 await anyio.sleep(0.5)
+
+    def _answered(self, text: str) -> None:
+        self.last_answer = text
+        if self.on_status is not None:
+            self.on_status(f"waiting for the model server: {text}")
 
     def log_tail(self, lines: int = 20) -> str:
         """The last lines of the server's log."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from harbor_async.policy import Limits, Timeouts
 from harbor_async.scoring import DEFAULT_SUCCESS_THRESHOLD
-from harbor_async.serve import DEFAULT_READY_TIMEOUT
+from harbor_async.serve import DEFAULT_ERROR_TIMEOUT, DEFAULT_READY_TIMEOUT
 
 #: Names of earlier releases, read (with a DeprecationWarning where a user passes them) as today's.
 RENAMED = {
@@ -91,6 +91,7 @@ class JobSettings:
     request_timeout: float = 600.0
     success_threshold: float = DEFAULT_SUCCESS_THRESHOLD
     ready_timeout: float = DEFAULT_READY_TIMEOUT
+    ready_error_timeout: float = DEFAULT_ERROR_TIMEOUT
     vllm_args: list[str] = field(default_factory=list)
     # run
     episodes: list[dict[str, Any]] = field(default_factory=list)

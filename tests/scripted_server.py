@@ -62,9 +62,13 @@ class ScriptedServer:
         slow_seconds: float = 1.0,
         die_after: int | None = None,
         api_key: str | None = None,
+        models: str = "listed",
     ) -> None:
         self.solutions = load_solutions(Path(suite))
         self.api_key = api_key  # chat requests with another key get a 401 (the model list answers anyway)
+        #: ``/v1/models``: "listed" (every model), "empty" (none, as transformers serve of a local folder),
+        #: "500" (an error, as transformers serve without its hub cache), "401" (the key is checked there too).
+        self.models = models
         self.slow_seconds = slow_seconds
         self.die_after = die_after
         self.requests: Counter[str] = Counter()
@@ -206,7 +210,13 @@ def _handler(server: ScriptedServer) -> type[BaseHTTPRequestHandler]:
             if self.path == "/health":
                 self._send(200, {"status": "ok"})
             elif self.path == "/v1/models":
-                self._send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in MODELS]})
+                if server.models == "500":
+                    self._send(500, _error("Traceback (most recent call last): hub cache not found", "InternalError", 500))
+                elif server.models == "401" and self.headers.get("Authorization") != f"Bearer {server.api_key}":
+                    self._send(401, _error("Incorrect API key provided", "invalid_request_error", 401))
+                else:
+                    listed = [] if server.models == "empty" else MODELS
+                    self._send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in listed]})
             elif self.path == "/stats":
                 self._send(200, dict(server.requests))
             else:
@@ -236,8 +246,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--die-after", type=int, default=None, help="exit after this many chat requests")
     parser.add_argument("--slow-seconds", type=float, default=1.0)
     parser.add_argument("--tag", default="", help="ignored: lets a test find this process by its command line")
+    parser.add_argument("--models", default="listed", choices=["listed", "empty", "500", "401"])
     args = parser.parse_args(argv)
-    server = ScriptedServer(args.suite, port=args.port, slow_seconds=args.slow_seconds, die_after=args.die_after)
+    server = ScriptedServer(
+        args.suite, port=args.port, slow_seconds=args.slow_seconds, die_after=args.die_after, models=args.models
+    )
     print(f"scripted server on {server.base_url}", flush=True)
     try:
         server.httpd.serve_forever()

@@ -232,3 +232,16 @@ def test_require_supported_names_the_tested_range():
     with pytest.raises(UnsupportedVersionError) as caught:
         require_supported("no-such-dist-anywhere", "a feature", "trl")
     assert caught.value.supported == SUPPORTED["trl"] and caught.value.version == "not installed"
+
+
+def test_a_model_is_checked_with_a_chat_request_when_named():
+    from tests.scripted_server import ScriptedServer
+
+    with ScriptedServer(models="empty") as server:  # lists nothing, serves "solver"
+        rc, report, _ = doctor("-b", "local", "--only", "--base-url", server.base_url, "-m", "solver")
+        assert rc == 0, report
+        assert checks(report, "model-server")["model solver"] == {
+            "name": "model solver", "ok": True, "found": "answers a chat request", "fix": "",
+        }  # fmt: skip
+        rc, report, _ = doctor("-b", "local", "--only", "--base-url", server.base_url, "-m", "no-such-model")
+        assert rc == 1 and "HTTP 404" in checks(report, "model-server")["model no-such-model"]["found"]

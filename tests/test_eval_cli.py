@@ -205,6 +205,46 @@ def test_a_backend_whose_package_is_missing_is_one_line_before_the_server(tmp_pa
     assert not (tmp_path / "jobs").exists()
 
 
+def test_a_server_listing_no_model_is_used_when_the_model_answers_a_chat(tmp_path: Path) -> None:
+    # transformers serve of a local folder lists nothing at /v1/models, yet serves it.
+    with ScriptedServer(models="empty", slow_seconds=0) as server:
+        result = _cli("-m", "solver", "--base-url", server.base_url, "-l", "1", "-o", str(tmp_path), "--job-name", "j")
+    assert result.returncode == 0, result.stderr
+    assert "model not listed by the server, but it answers a chat request" in result.stderr
+    assert [r.reward for r in JobFolder(tmp_path / "j").records()] == [1.0]
+
+
+def test_a_401_on_the_model_list_says_the_key_was_refused(tmp_path: Path) -> None:
+    with ScriptedServer(models="401", api_key="right") as server:
+        result = _cli("-m", "solver", "--base-url", server.base_url, "-l", "1", "-o", str(tmp_path), env={"OPENAI_API_KEY": "wrong"})
+    assert result.returncode == 2
+    assert "ServerAuthError" in result.stderr and "HTTP 401" in result.stderr and "--api-key-name" in result.stderr
+    assert "ServerUnreachableError" not in result.stderr
+
+
+def test_a_managed_server_answering_500_fails_fast_with_its_error_and_log(tmp_path: Path) -> None:
+    serve = f"{sys.executable} {SCRIPTED} --port {{port}} --models 500"
+    result = _cli(
+        "-m", "solver", "--serve-cmd", serve, "--ready-error-timeout", "3", "-l", "1", "-o", str(tmp_path),
+        "--job-name", "j", timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "ServerNotReadyError" in result.stderr and "kept failing for 3 s" in result.stderr
+    assert "GET /v1/models: HTTP 500" in result.stderr and "hub cache not found" in result.stderr
+    assert "scripted server on" in result.stderr  # the log's tail
+    assert "scripted server on" in (tmp_path / "j" / "server.log").read_text()  # kept: the server said something
+
+
+def test_without_vllm_the_error_names_the_cpu_way(tmp_path: Path) -> None:
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    result = _cli("-m", str(model), "-l", "1", "-o", str(tmp_path / "jobs"), env={"PATH": "/usr/bin:/bin"})
+    assert result.returncode == 2
+    assert "cannot start the model server 'vllm'" in result.stderr and "transformers serve" in result.stderr
+    assert not (tmp_path / "jobs").exists() or list((tmp_path / "jobs").iterdir()) == []  # no empty job folder
+
+
 def test_unreachable_server_is_a_clear_error(tmp_path: Path) -> None:
     result = _cli("-m", "solver", "--base-url", f"http://127.0.0.1:{free_port()}/v1", "-l", "1", "-o", str(tmp_path))
     assert result.returncode == 2
@@ -216,7 +256,8 @@ def test_wrong_model_name_is_a_clear_error(tmp_path: Path) -> None:
         result = _cli("-m", "no-such-model", "--base-url", server.base_url, "-l", "1", "-o", str(tmp_path))
     assert result.returncode == 2
     assert "ModelNotServedError" in result.stderr and "'no-such-model' not served" in result.stderr
-    assert server.requests == {}  # refused before any episode
+    assert "a chat request for it: HTTP 404" in result.stderr  # asked, as a server listing nothing would be
+    assert server.requests.get("solver", 0) == 0  # refused before any episode
 
 
 def test_empty_suite_is_a_clear_error(tmp_path: Path) -> None:

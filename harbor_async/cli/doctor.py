@@ -24,6 +24,10 @@ def doctor(
         str | None,
         typer.Option("--base-url", help="An OpenAI-compatible model server to reach (GET {url}/models; key from OPENAI_API_KEY)."),
     ] = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option("--model", "-m", help="With --base-url: a model that must answer a one-token chat request (repeatable)."),
+    ] = None,
     ek: Annotated[
         list[str] | None,
         typer.Option("--ek", "--environment-kwarg", help="A backend option the run will pass, key=value (repeatable; checked, and used to build the backend's environment)."),
@@ -50,8 +54,9 @@ def doctor(
         raise fail(f"unknown backend or feature {', '.join(unknown)}; known: {', '.join(FEATURES)}")
     try:
         diagnosis = diagnose(
-            requested, base_url=base_url, everything=not only, backend_kwargs=parse_kwargs(ek), suite=path
-        )
+            requested, base_url=base_url, everything=not only, backend_kwargs=parse_kwargs(ek), suite=path,
+            models=model or (),
+        )  # fmt: skip
     except HarborAsyncError as exc:  # the suite cannot be loaded
         raise fail(exc) from None
     if as_json:

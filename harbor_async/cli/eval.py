@@ -84,6 +84,9 @@ def eval_command(
         int, typer.Option(min=0, help="Retries of a failed model request (429, 5xx, timeouts).")
     ] = 5,
     ready_timeout: Annotated[float, typer.Option(help="Seconds a managed server gets to become ready.")] = 900.0,
+    ready_error_timeout: Annotated[
+        float, typer.Option(help="Seconds of server errors (HTTP 5xx) while waiting for readiness before giving up.")
+    ] = 60.0,
     success_threshold: Annotated[
         float, typer.Option(help="Reward at or above which an episode counts as solved.")
     ] = 1.0,
@@ -169,6 +172,7 @@ def eval_command(
         success_threshold=success_threshold,
         episode_timeout=episode_timeout,
         ready_timeout=ready_timeout,
+        ready_error_timeout=ready_error_timeout,
     )
     progress = _Progress()
     try:
@@ -182,6 +186,7 @@ def eval_command(
                     job_name=job_name,
                     on_record=progress.record,
                     on_plan=progress.plan,
+                    on_status=progress.status,
                     **settings,
                 )
             )
@@ -234,6 +239,11 @@ class _Progress:
 
     def plan(self, pending: int, total: int) -> None:
         self.task = self.bar.add_task("episodes", total=pending, mean="-", errors="")
+
+    def status(self, text: str) -> None:
+        """What the model server answers while it is awaited, on the progress line."""
+        if self.task is not None:
+            self.bar.update(self.task, errors=escape_controls(text)[:160])
 
     def record(self, record) -> None:
         self.done += 1
