@@ -8,6 +8,7 @@ run `.ci/browser-setup` as root. Screenshots are kept under test-artifacts/.
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import shutil
 import time
@@ -181,8 +182,16 @@ def test_clicking_an_episode_shows_its_transcript(tab: Page, eval_report, tmp_pa
     long.locator(".fold summary").click()
     assert full.is_visible() and f"line {LONG_LINES} of a long output" in full.inner_text()
     assert not long.locator("pre.head").is_visible()
+    # A call's arguments read as the command itself, not as escaped JSON.
+    command = json.loads(calls[0]["function"]["arguments"])["command"]
+    shown = tab.page.locator("#transcript .toolcall").first.inner_text()
+    assert f"command: {command}" in shown or f"command:\n{command}" in shown, shown
     _artifact(tmp_path, tab, "report-eval-episode.png")
     tab.page.click("#ep-close")
+    assert tab.page.locator("#episode").is_hidden()
+    row.locator("button.ep", has_text=f"#{target.attempt}").click()  # Escape closes it too
+    tab.page.wait_for_selector("#transcript .msg")
+    tab.page.keyboard.press("Escape")
     assert tab.page.locator("#episode").is_hidden()
     assert tab.errors == []
 

@@ -24,6 +24,7 @@ from harbor.models.task.task import Task
 
 import harbor_async
 from harbor_async.backends.local.dockerfile import parse_dockerfile
+from harbor_async.harnesses.bash import PROMPT_SUFFIX
 from harbor_async.engine import Engine
 from harbor_async.sandbox import Sandbox
 from harbor_async.suites import example_suite_path
@@ -137,6 +138,10 @@ def test_bundled_task_content_follows_the_suite_rules(name):
     for step in dockerfile.copies:
         for src in step.sources:  # data stays inside environment/ (the build context)
             assert (task_dir / "environment" / src).resolve().is_relative_to(task_dir / "environment")
+    # The data is also where the training prompt (TRL's bash harness text) says it is.
+    work = sorted((tuple(s.sources), s.dest.replace("/workdir", "", 1)) for s in dockerfile.copies if s.dest.startswith("/workdir"))
+    prompt = sorted((tuple(s.sources), s.dest.replace("/home/user/input", "", 1)) for s in dockerfile.copies if s.dest.startswith("/home/user/input"))
+    assert "/home/user/input/" in PROMPT_SUFFIX and work == prompt
 
     for script in (task_dir / "solution" / "solve.sh", task_dir / "tests" / "test.sh"):
         text = script.read_text()

@@ -295,9 +295,19 @@
     return folded(JSON.stringify(content, null, 2));
   }
 
+  // A tool call's arguments as a reader wants them: each string argument as its own text (a
+  // command's newlines as lines, not "\n"), anything else as indented JSON.
   function prettyArguments(args) {
-    if (typeof args !== "string") return JSON.stringify(args, null, 2);
-    try { return JSON.stringify(JSON.parse(args), null, 2); } catch (err) { return args; }
+    let value = args;
+    if (typeof args === "string") {
+      try { value = JSON.parse(args); } catch (err) { return args; }
+    }
+    if (value && typeof value === "object" && !Array.isArray(value)) {
+      return Object.entries(value)
+        .map(([k, v]) => (typeof v === "string" ? (v.includes("\n") ? `${k}:\n${v}` : `${k}: ${v}`) : `${k}: ${JSON.stringify(v, null, 2)}`))
+        .join("\n");
+    }
+    return JSON.stringify(value, null, 2);
   }
 
   function messageNode(m, n) {
@@ -414,6 +424,9 @@
   }
 
   document.getElementById("ep-close").addEventListener("click", closeEpisode);
+  document.addEventListener("keydown", (event) => {
+    if (event.key === "Escape" && !panel.hidden) closeEpisode();
+  });
   document.getElementById("ep-prev").addEventListener("click", () => step(-1));
   document.getElementById("ep-next").addEventListener("click", () => step(1));
   window.addEventListener("hashchange", () => {
