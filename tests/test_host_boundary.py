@@ -229,3 +229,26 @@ async def test_docker_runs_a_task_asking_for_more_cpus_than_the_host_with_the_ho
                 ["docker", "inspect", "-f", "{{.HostConfig.NanoCpus}}", container], capture_output=True, text=True
             )
             assert int(inspected.stdout) == host_cpus() * 10**9
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.anyio
+async def test_docker_tasks_with_an_environment_env_keep_the_overlay_and_their_variables(tmp_path: Path, docker_daemon) -> None:
+    from harbor.models.task.task import Task
+
+    from harbor_async.engine import Engine
+    from harbor_async.naming import LABEL_RUN
+
+    env = '\n[environment.env]\nGREETING = "hello world"\nPLAIN = "plain"\n'
+    task = Task(make_task(tmp_path / "suite", toml_env=env))
+    async with Engine() as engine:
+        async with engine.episode(task, "docker") as sandbox:
+            seen = await sandbox.exec('printf "%s|%s" "$GREETING" "$PLAIN"')
+            container = await sandbox.environment._find_main_container()
+            inspected = subprocess.run(
+                ["docker", "inspect", "-f", '{{.HostConfig.Init}} {{.HostConfig.PidsLimit}} {{index .Config.Labels "' + LABEL_RUN + '"}}', container],
+                capture_output=True, text=True,
+            ).stdout.split()
+    assert seen.stdout == "hello world|plain"  # every command sees the task's variables
+    assert inspected == ["true", "1024", engine.run_label]  # the init (fast stop), the pids limit, the run's label

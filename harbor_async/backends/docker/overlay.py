@@ -14,9 +14,9 @@ service, before the create call:
   setuid binary the sandbox planted gains nothing). The task's ``cpus`` and
   ``memory_mb`` Harbor applies itself.
 
-Harbor hands a task's ``[environment].env`` to Compose instead of to each exec
-once any overlay is present, so tasks that set it run without the overlay (the
-compose project name still carries the run label).
+A task's ``[environment].env`` goes to the container through Harbor's own
+environment override once Compose is used (as it is with the overlay), so
+tasks that set it keep the overlay: the fast stop, the labels and the limits.
 """
 
 from __future__ import annotations
@@ -46,14 +46,16 @@ def write_overlay(folder: Path, run_label: str, sandbox_id: str) -> Path:
         LABEL_PID_NS: pid_ns,
     }
     path = folder / "harbor-async-compose.json"
-    main = {"init": True, "labels": labels, "pids_limit": PIDS_LIMIT, "security_opt": ["no-new-privileges:true"]}
+    main: dict[str, Any] = {
+        "init": True, "labels": labels, "pids_limit": PIDS_LIMIT, "security_opt": ["no-new-privileges:true"],
+    }  # fmt: skip
     path.write_text(json.dumps({"services": {"main": main}}, indent=2))
     return path
 
 
-def wants_overlay(backend_type: str | None, task_env: dict[str, str] | None, backend_kwargs: dict) -> bool:
-    """Whether a sandbox gets the overlay: docker, no task env, no overlay of the caller's own."""
-    return backend_type == "docker" and not task_env and not backend_kwargs.get("extra_docker_compose")
+def wants_overlay(backend_type: str | None, backend_kwargs: dict) -> bool:
+    """Whether a sandbox gets the overlay: docker, and no overlay of the caller's own."""
+    return backend_type == "docker" and not backend_kwargs.get("extra_docker_compose")
 
 
 def overlay_extras(
@@ -64,6 +66,6 @@ def overlay_extras(
     backend_kwargs: Mapping[str, Any],
 ) -> dict[str, Any]:
     """The trial-config fields that give one sandbox the overlay (none when it must not have one)."""
-    if not wants_overlay("docker", dict(task_env or {}), dict(backend_kwargs)):
+    if not wants_overlay("docker", dict(backend_kwargs)):
         return {}
     return {"extra_docker_compose": [write_overlay(trial_dir, run_label, sandbox_id)]}
