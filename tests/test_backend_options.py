@@ -34,7 +34,10 @@ def test_local_refuses_a_misspelled_option_and_names_the_right_one():
     error = caught.value
     assert error.backend == "local" and error.unknown == ["memroy_mb"]
     assert error.suggestions == {"memroy_mb": "memory_mb"}
-    own = ["cpus", "memory_mb", "output_limit", "pids_limit", "run_label", "sandbox_root", "storage_mb"]
+    own = [
+        "cpus", "memory_mb", "output_limit", "pids_limit", "require_limits", "run_label", "sandbox_root", "storage_mb",
+        "transfer_limit_mb",
+    ]  # fmt: skip
     assert error.valid[: len(own)] == own  # the backend's own options first, then Harbor's common ones
     assert "did you mean 'memory_mb'?" in str(error) and "\n" not in str(error)
     spec.check_options({"memory_mb": 64, "sandbox_root": "/tmp/x", "pids_limit": 50})  # the real names pass

@@ -61,19 +61,22 @@ class ConfinedDockerEnvironment(DockerEnvironment):
 
     def __init__(
         self,
+        environment_dir: Path,
+        environment_name: str,
+        session_id: str,
+        trial_paths: Any,
+        task_env_config: Any,
         *args: Any,
         transfer_limit_mb: int | None = DEFAULT_TRANSFER_LIMIT_MB,
         output_limit: int | None = DEFAULT_OUTPUT_LIMIT,
-        **kwargs: Any,
+        **options: Any,
     ) -> None:
         self._transfer_limit = None if transfer_limit_mb is None else int(transfer_limit_mb) * 2**20
         self._output_limit = None if output_limit is None else int(output_limit)
         self._main_container: str | None = None
-        if kwargs.get("task_env_config") is not None and docker_is_local():  # this host's daemon: its CPUs and memory
-            kwargs["task_env_config"] = capped_environment_config(
-                kwargs["task_env_config"], str(kwargs.get("environment_name", "?"))
-            )
-        super().__init__(*args, **kwargs)
+        if task_env_config is not None and docker_is_local():  # this host's daemon: its CPUs and memory
+            task_env_config = capped_environment_config(task_env_config, environment_name)
+        super().__init__(environment_dir, environment_name, session_id, trial_paths, task_env_config, *args, **options)
 
     # -- exec output --------------------------------------------------------------
 
