@@ -373,7 +373,7 @@ async def evaluate(
         if "sweep" in summary:
             _write_sweep(job, summary["sweep"])
     if error is not None:
-        if resume is None and not latest:
+        if resume is None and not latest and str(job.path) not in str(error):  # an error naming a file keeps it
             _discard_empty_job(job.path)
         raise error
     if run.interrupted is not None:

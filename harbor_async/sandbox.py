@@ -257,7 +257,12 @@ class Sandbox:
         )
 
         from harbor_async.reward_files import BoundedVerifier
-        from harbor_async.verifier_isolation import AgentProcessesSurvivedError, end_agent_processes, verifier_scope
+        from harbor_async.verifier_isolation import (
+            AgentProcessesSurvivedError,
+            end_agent_processes,
+            save_verifier_output,
+            verifier_scope,
+        )
 
         await self.wait_started()
         environment = self.environment
@@ -282,7 +287,12 @@ class Sandbox:
                 )
                 try:
                     async with verifier_scope(environment):  # its own folders where the backend can
-                        result = await verifier.verify()
+                        try:
+                            result = await verifier.verify()
+                        except BaseException:  # a test that hung or failed: keep what it printed, bounded
+                            if self._trial_dir is not None:
+                                await save_verifier_output(environment, env_paths, self._trial_paths())
+                            raise
                 except (RewardFileNotFoundError, RewardFileEmptyError, VerifierOutputParseError) as exc:
                     raise VerifierFailure(
                         Phase.VERIFY, self.task_name, self.id, f"{type(exc).__name__}: {exc}",

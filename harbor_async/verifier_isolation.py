@@ -19,6 +19,8 @@ from typing import Any
 from harbor_async.errors import HarborAsyncError
 
 _SCRIPT = resources.files("harbor_async") / "helpers" / "end_agent_processes.sh"
+#: Seconds a failed verify may spend saving what the tests printed.
+SAVE_OUTPUT_SEC = 10.0
 
 
 class AgentProcessesSurvivedError(HarborAsyncError, RuntimeError):
@@ -36,6 +38,21 @@ async def end_agent_processes(environment: Any, timeout_sec: int = 30) -> None:
         raise AgentProcessesSurvivedError(
             f"ending the agent's processes failed (exit {result.return_code}): {(result.stderr or '').strip()[-500:]}"
         )
+
+
+async def save_verifier_output(environment: Any, env_paths: Any, trial_paths: Any) -> None:
+    """Copy the verifier's folder into the trial folder after a failed verify (Harbor copies it only on success).
+
+    Inside the verifier's scope (its own folder, on local), bounded in time and
+    size, shielded from the cancellation being raised; best effort.
+    """
+    import anyio
+
+    with anyio.CancelScope(shield=True), anyio.move_on_after(SAVE_OUTPUT_SEC):
+        try:
+            await environment.download_dir(str(env_paths.verifier_dir), trial_paths.verifier_dir)
+        except Exception:  # noqa: BLE001 - the failure being raised is what counts
+            return
 
 
 @contextlib.asynccontextmanager

@@ -415,10 +415,10 @@ async def test_resources_above_the_hosts_are_lowered_to_it(tmp_path: Path) -> No
 @needs_root
 @pytest.mark.anyio
 async def test_a_sandbox_whose_limits_cannot_apply_does_not_start(tmp_path: Path, monkeypatch) -> None:
-    from harbor_async.backends.local import adapter
+    from harbor_async.backends.local import limits
     from harbor_async.backends.local.errors import LimitUnavailableError
 
-    monkeypatch.setattr(adapter, "cgroup_version", lambda: None)  # a read-only cgroupfs, as in a container
+    monkeypatch.setattr(limits, "cgroup_version", lambda: None)  # a read-only cgroupfs, as in a container
     refused = make_env(tmp_path, make_task(tmp_path / "a"), "nolimits")
     with pytest.raises(LimitUnavailableError, match="require_limits=false"):
         await refused.start(force_build=False)

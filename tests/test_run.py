@@ -103,7 +103,7 @@ def test_cli_run_fails_on_infrastructure_errors(tmp_path):
     assert len(found) == 2
     assert all(r["error_class"] == "infrastructure" and r["error_phase"] == "start" for r in found)
     assert all("disk full" in r["error"] and r["reward"] is None for r in found)
-    assert "- over the 0 completed" in result.stdout  # never a mean of nothing dressed as a score
+    assert "mean reward - over the 0 judged, 2 not judged (2 infrastructure: rerun by --resume)" in result.stdout  # never a mean of nothing dressed as a score
 
 
 @pytest.mark.slow
@@ -217,7 +217,7 @@ async def test_an_interruption_after_a_scored_failure_leaves_the_episode_unjudge
     assert [p.phase for p in record.phases] == ["start", "agent", "verify", "stop"]
 
 
-def test_a_backend_whose_package_is_missing_is_one_line_before_anything_starts(tmp_path: Path) -> None:
+def test_a_backend_whose_package_is_missing_is_one_line_before_anything_starts(tmp_path) -> None:
     import importlib.util
 
     assert importlib.util.find_spec("e2b") is None  # harbor[e2b] is not part of this project's environment

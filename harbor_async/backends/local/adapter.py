@@ -30,7 +30,7 @@ from harbor.environments.capabilities import (
 from harbor.models.task.config import EnvironmentConfig, HealthcheckConfig
 from harbor.models.trial.paths import TrialPaths
 
-from harbor_async.backends.local.cleanup import abandon
+from harbor_async.backends.local.cleanup import abandon, stale_mount
 from harbor_async.backends.local.dockerfile import DockerfileSpec, parse_dockerfile
 from harbor_async.backends.local.errors import ExecTimeoutError, LimitUnavailableError
 from harbor_async.printing import escape_controls
@@ -57,13 +57,13 @@ from harbor_async.backends.local.layout import (
     under,
 )
 from harbor_async.backends.local.limits import (
-    Cgroups,
     LimitError,
     ResourceLimits,
     UidLease,
     cgroup_version,
     parse_limit,
     pool_uids_mapped,
+    sandbox_cgroups,
 )
 from harbor_async.backends.local.output import MAX_ADOPTED, OUTPUT_SINK, OutputPipe, read_available
 from harbor_async.backends.local.proctree import end_exec
@@ -373,7 +373,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         """The sandbox folder, its limits, its sized root filesystem, its tree and COPY (no process yet)."""
         if self._root.exists():  # left by a killed run with the same label and session
             self.logger.warning("removing stale local sandbox %s", self._root)
-            remove_sandbox_folder(self._root, self._stale_mount())
+            remove_sandbox_folder(self._root, stale_mount(self._root))
         limits = self.limits
         confinement = self._confinement = Confinement(limits)
         # Root of the whole machine (not of a container's user namespace, which
@@ -382,13 +382,8 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         if root:
             self._uid_lease = UidLease.acquire(zlib.crc32(self._root.name.encode()))
             confinement.uid = self._uid_lease.uid
-            version = cgroup_version()
             try:
-                if version is None:
-                    raise LimitError("no writable cgroup hierarchy with memory, pids and cpu")
-                cgroups = Cgroups(self._root.name, version)
-                cgroups.create(limits)
-                confinement.cgroups = cgroups
+                confinement.cgroups = sandbox_cgroups(self._root.name, limits)
             except LimitError as exc:  # read-only cgroupfs (a container): only rlimits would be left
                 if self._require_limits:
                     raise LimitUnavailableError(self.session_id, str(exc)) from exc
@@ -423,12 +418,6 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
     def _sandbox_uid(self) -> int | None:
         """The host uid files made for the sandbox belong to (None: the caller's, root inside already)."""
         return self._confinement.uid if self._confinement is not None else None
-
-    def _stale_mount(self) -> Path | None:
-        from harbor_async.backends.local.cleanup import read_marker
-
-        mount = read_marker(self._root).get("mount")
-        return Path(mount) if isinstance(mount, str) else None
 
     def _teardown(self, delete: bool) -> None:
         """Remove the cgroups, unmount and (``delete``) remove the folder, release the uid (no process left)."""

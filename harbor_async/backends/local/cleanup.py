@@ -166,3 +166,9 @@ def _is_join_helper(pid: int) -> bool:
         return b"helpers/enter.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+
+
+def stale_mount(folder: Path) -> Path | None:
+    """The tmpfs a sandbox folder's marker names (a killed run's, found at the next start of the same name)."""
+    mount = read_marker(folder).get("mount")
+    return Path(mount) if isinstance(mount, str) else None

@@ -255,3 +255,17 @@ def parse_limit(value: int | float | str | None, kind: type) -> Any:
     number = kind(value)
     return number if number > 0 else None
 
+
+def sandbox_cgroups(name: str, limits: ResourceLimits) -> Cgroups:
+    """The cgroups of sandbox ``name``, made with its limits.
+
+    Raises:
+        LimitError: no writable hierarchy has memory, pids and cpu (not root, a
+            read-only cgroupfs), or a cgroup or limit could not be written.
+    """
+    version = cgroup_version()
+    if version is None:
+        raise LimitError("no writable cgroup hierarchy with memory, pids and cpu")
+    cgroups = Cgroups(name, version)
+    cgroups.create(limits)
+    return cgroups
