@@ -113,9 +113,9 @@ class Engine:
             strict_verify=self.strict_verify,
         )
         if self.reap_stale:
-            from harbor_async.reaper import reap_stale
+            from harbor_async.reaper import reap_stale_once
 
-            await anyio.to_thread.run_sync(lambda: reap_stale(backend_kwargs=self.backend_kwargs))
+            await anyio.to_thread.run_sync(lambda: reap_stale_once(backend_kwargs=self.backend_kwargs))
         self._stack = AsyncExitStack()
         self._tg = await self._stack.enter_async_context(anyio.create_task_group())
         return self

@@ -45,6 +45,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -336,6 +337,22 @@ def reap_stale(roots: Iterable[str | Path] = (), *, backend_kwargs: dict[str, An
     for problem in report.unscanned:
         log.info("stale sandboxes not scanned", problem=problem)
     return report
+
+
+_REAPED: set[str | None] = set()  # sandbox roots this process has reaped at an engine's start
+_REAPED_LOCK = threading.Lock()
+
+
+def reap_stale_once(*, backend_kwargs: dict[str, Any] | None = None) -> ReapReport | None:
+    """:func:`reap_stale`, once per process and sandbox root: what dead owners left goes before the
+    first engine opens; the shim's engines, one per option set, do not each scan the machine again."""
+    root = (backend_kwargs or {}).get("sandbox_root")
+    key = str(root) if root else None
+    with _REAPED_LOCK:
+        if key in _REAPED:
+            return None
+        _REAPED.add(key)
+    return reap_stale(backend_kwargs=backend_kwargs)
 
 
 def parse_duration(text: str) -> timedelta:
