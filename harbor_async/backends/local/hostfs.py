@@ -132,15 +132,20 @@ def read_file(root: int, path: str, target: Path, budget: Budget) -> None:
     """
     source, info = _open_regular(root, path, IN_ROOT)
     try:
-        budget.take(info.st_size)
         target.parent.mkdir(parents=True, exist_ok=True)
-        out = _host_file(target)
-        try:
-            _copy(source, out, info.st_size, budget)
-        finally:
-            os.close(out)
+        _copy_to_host(source, info.st_size, target, budget)
     finally:
         os.close(source)
+
+
+def _copy_to_host(source: int, size: int, target: Path, budget: Budget) -> None:
+    """Take ``size`` from the budget, then copy the open sandbox file into the host file ``target``."""
+    budget.take(size)
+    out = _host_file(target)
+    try:
+        _copy(source, out, size, budget)
+    finally:
+        os.close(out)
 
 
 def read_tree(root: int, path: str, target: Path, budget: Budget) -> None:
@@ -186,12 +191,7 @@ def _read_folder(folder: int, target: Path, budget: Budget, depth: int) -> None:
             except FileNotFoundError:
                 continue
             try:
-                budget.take(info.st_size)
-                out = _host_file(target / name)
-                try:
-                    _copy(source, out, info.st_size, budget)
-                finally:
-                    os.close(out)
+                _copy_to_host(source, info.st_size, target / name, budget)
             finally:
                 os.close(source)
 
