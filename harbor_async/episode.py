@@ -43,6 +43,7 @@ from harbor_async.sandbox import SandboxState
 
 if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment
+    from harbor.models.task.config import StepConfig
     from harbor.models.task.task import Task
 
     from harbor_async.backends import BackendSpec
@@ -119,6 +120,7 @@ class Episode:
         self.exec_errors: list[SandboxError] = []
         self.tool_seconds = 0.0
         self.agent_budget: float | None = engine.timeouts.for_task(task).agent
+        self.step: StepConfig | None = None  # the step in progress of a multi-step task (harbor_async.steps)
         self._begin: float | None = None
         self._token: anyio.lowlevel.EventLoopToken | None = None
         self._open: tuple[Phase, float] | None = None
@@ -219,8 +221,15 @@ class Episode:
             log.warning("harness setup failed", task=self.task.name, error=repr(exc))
         if self.error is None:
             self.enter(Phase.AGENT)
+            self.sandbox.environment.default_user = self.task.config.agent.user  # [agent] user, as Harbor runs it
             return True
         return False
+
+    @property
+    def instruction(self) -> str:
+        """What the agent is told: the task's instruction, or the step's in a multi-step task."""
+        step = self.step
+        return self.task.instruction if step is None else self.task.step_instruction(step.name)
 
     def _started(self, error: SandboxError | None) -> None:
         """Called once the sandbox's start is known to have worked (``None``) or failed."""
@@ -310,10 +319,11 @@ class Episode:
                 failure = self.record.failure
                 if failure is None or failure.scored:
                     self.record.reward, self.record.rewards = result.reward, dict(result.rewards)
-        self._settle()
+        self.settle()
         return self.record.reward
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
+        """Make the reward agree with the failure: none when not judged, 0 for the model's failure without one."""
         failure = self.record.failure
         if failure is not None and failure.rerun:
             self.record.reward, self.record.rewards = None, {}

@@ -38,7 +38,7 @@ from harbor_async.records import EpisodeRecord, episode_key
 from harbor_async.runner import run_episode
 from harbor_async.scoring import summarize, sweep_summary
 from harbor_async.settings import JobSettings
-from harbor_async.task_env import missing_variables
+from harbor_async.task_support import EVAL, check_tasks
 from harbor_async.tasks import matches_names, suite_task_path
 
 if TYPE_CHECKING:
@@ -319,19 +319,17 @@ async def evaluate(
             raise EvalConfigError(f"no task of {loaded.root} matches the -i/-x globs")
         loaded.tasks = kept[: config.n_tasks] if config.n_tasks is not None else kept
     timeouts = config.timeouts()
-    for task in loaded.tasks:  # checked before any server or sandbox: every budget finite, every ${VAR} allowed
+    for task in loaded.tasks:  # checked before any server or sandbox: every budget finite
         try:
             timeouts.for_task(task)
         except SettingError as exc:
             raise EvalConfigError(f"task {task.name}: {exc}") from None
-        if missing := missing_variables(task, config.env_allow):
-            raise EvalConfigError(
-                f"task {task.name}: {'; '.join(missing)}: not an allowed host variable (--env-allow NAME) and no default"
-            )
     groups = server_groups(specs, base_url=config.base_url, serve_cmd=config.serve_cmd, vllm_args=config.vllm_args)
     resolve_harness(config.agent, config.environment_type)
     backend = resolve_backend(config.environment_type)
     backend.check_options(config.environment_kwargs)  # before any server or job folder
+    # every ${VAR} allowed, every feature of every task honoured: else a table (exit 2)
+    check_tasks(loaded.tasks, backend, driver=EVAL, env_allow=config.env_allow, backend_kwargs=config.environment_kwargs)
     try:
         backend.check_installed(loaded.tasks[0], config.environment_kwargs)
     except BackendError as exc:

@@ -60,6 +60,7 @@ class ModelAgent:
         """Run the loop until the model stops, a limit or the deadline; record what happened."""
         harness, record = self._bound, episode.record
         assert harness is not None and episode.sandbox is not None
+        harness._bind(episode)  # again for each step of a multi-step task
         budget = episode.agent_budget  # the task's or the engine's, or our own timeout (set up in setup)
         left = episode.sandbox.deadline_left
         by_deadline = left is not None and (budget is None or left < budget)
@@ -67,15 +68,19 @@ class ModelAgent:
         if sampling.seed is not None:
             sampling = replace(sampling, seed=sampling.seed + self.attempt)
         try:
-            result = await self.agent.run(
-                harness, harness._prompt(episode.task), timeout=left if by_deadline else budget, sampling=sampling
-            )
+            prompt = harness._prompt(episode.task) if episode.step is None else episode.instruction + harness.PROMPT_SUFFIX
+            result = await self.agent.run(harness, prompt, timeout=left if by_deadline else budget, sampling=sampling)
         finally:
             harness._bind(None)
         if result.finish_reason == "agent_timeout" and by_deadline:
             result.finish_reason = "episode_deadline"
-        record.transcript = result.messages
-        record.usage = {**result.usage, "tool_calls": result.tool_calls, "tool_failures": result.tool_failures}
+        usage = {**result.usage, "tool_calls": result.tool_calls, "tool_failures": result.tool_failures}
+        if episode.step is not None and record.transcript:  # a later step of a multi-step task: one conversation each
+            record.transcript = [*record.transcript, *result.messages]
+            usage = {k: usage.get(k, 0) + record.usage.get(k, 0) for k in {*usage, *record.usage}}
+        else:
+            record.transcript = result.messages
+        record.usage = usage
         record.finish_reason = result.finish_reason
         record.seconds.update(model=round(result.model_seconds, 4), tools=round(result.tool_seconds, 4))
         if result.error is not None:

@@ -6,8 +6,9 @@ import errno
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+from typing import Any
 
 import anyio
 from tenacity import (
@@ -99,6 +100,21 @@ class Timeouts:
             verifier_timeout_multiplier=None,
             environment_build_timeout_multiplier=None,
         )
+
+
+    def for_step(self, task: Any, step: Any | None) -> Timeouts:
+        """The budgets of one step of a multi-step task (:meth:`for_task` with the step's own timeouts).
+
+        A step's ``[steps.agent]``/``[steps.verifier]`` ``timeout_sec`` replaces the
+        task's where the step sets it; ``None`` is the whole task.
+        """
+        if step is None:
+            return self.for_task(task)
+        config = task.config
+        agent = step.agent if step.agent.timeout_sec is not None else config.agent
+        verifier = step.verifier if "timeout_sec" in step.verifier.model_fields_set else config.verifier
+        view = SimpleNamespace(agent=agent, verifier=verifier, environment=config.environment)
+        return self.for_task(SimpleNamespace(config=view))
 
 
 def _check_positive(name: str, value: Any, requirement: str) -> None:

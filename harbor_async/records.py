@@ -67,6 +67,7 @@ class EpisodeRecord:
     transcript: list[dict[str, Any]] | None = None
     usage: dict[str, int] = field(default_factory=dict)
     finish_reason: str | None = None
+    steps: list[dict[str, Any]] = field(default_factory=list)  # a multi-step task's: name, reward, rewards, error
     version: int = RECORD_VERSION
 
     @property

@@ -26,6 +26,7 @@ from harbor_async.errors import FailureClass, SandboxError
 from harbor_async.policy import failure_class
 from harbor_async.logs import get_logger
 from harbor_async.records import EpisodeRecord
+from harbor_async.steps import run_steps
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
@@ -71,7 +72,7 @@ class HarborAgent:
             return
         assert episode.sandbox is not None
         try:
-            await episode.sandbox.run_agent(self.name)
+            await episode.sandbox.run_agent(self.name, step=episode.step)
         except SandboxError as exc:
             episode.fail(failure_class(exc), exc)
 
@@ -109,9 +110,14 @@ async def run_episode(
     )
     try:
         episode.launch()
-        if await episode.start(lambda: actor.setup(episode)):
-            await actor.act(episode)
-        await episode.verify()
+        if task.has_steps:  # each step's instruction, agent and verifier in turn (harbor_async.steps)
+            if await episode.start(lambda: actor.setup(episode)):
+                await run_steps(episode, actor)
+            episode.settle()
+        else:
+            if await episode.start(lambda: actor.setup(episode)):
+                await actor.act(episode)
+            await episode.verify()
     except anyio.get_cancelled_exc_class():
         episode.interrupted()
         raise

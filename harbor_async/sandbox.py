@@ -44,8 +44,8 @@ from harbor_async.stats import StatsRecorder
 
 if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment
+    from harbor.models.task.config import StepConfig
     from harbor.models.task.task import Task
-
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,7 @@ class Sandbox:
         self._deadline = math.inf
         self.renew_deadline()
         self._env: BaseEnvironment | None = None
+        self._oracle: Any = None  # Harbor's oracle agent, once run
         self._trial_dir: Path | None = None
         self._started = anyio.Event()
         self._stopped = anyio.Event()
@@ -240,8 +241,8 @@ class Sandbox:
             else:
                 await self.environment.download_file(source, target)
 
-    async def verify(self) -> VerifyResult:
-        """Run the task's verifier with Harbor's own verifier; return the reward.
+    async def verify(self, step: StepConfig | None = None) -> VerifyResult:
+        """Run the task's verifier (a step's: its tests and the shared ones) with Harbor's own; return the reward.
 
         Raises :class:`~harbor_async.errors.VerifierFailure` when the verifier ran
         but gave no valid reward (a missing, empty or malformed reward file) or
@@ -269,7 +270,7 @@ class Sandbox:
         try:
             async with (
                 self.context.budget.exec_slot(),
-                self._phase(Phase.VERIFY, budget=self.timeouts.verify) as seconds,
+                self._phase(Phase.VERIFY, budget=self.context.timeouts.for_step(self.task, step).verify) as seconds,
             ):
                 if self.context.strict_verify:
                     try:
@@ -280,19 +281,20 @@ class Sandbox:
                 env_paths = EnvironmentPaths.for_os(environment.os)
                 await environment.empty_dirs([env_paths.verifier_dir], chmod=True)
                 verifier = BoundedVerifier(  # Harbor's verifier, reading the reward files with bounds
-                    task=self.task,
-                    trial_paths=self._trial_paths(),
-                    environment=environment,
+                    task=self.task, trial_paths=self._trial_paths(), environment=environment,
                     override_env=self.task.config.verifier.env or None,
-                )
+                    verifier_env=step.verifier.env or None if step else None, step_name=step and step.name,
+                )  # fmt: skip
+                user = step.verifier.user if step and step.verifier.user is not None else self.task.config.verifier.user
                 try:
-                    async with verifier_scope(environment):  # its own folders where the backend can
-                        try:
-                            result = await verifier.verify()
-                        except BaseException:  # a test that hung or failed: keep what it printed, bounded
-                            if self._trial_dir is not None:
-                                await save_verifier_output(environment, env_paths, self._trial_paths())
-                            raise
+                    with environment.with_default_user(user):  # [verifier] user, as Harbor runs it
+                        async with verifier_scope(environment):  # its own folders where the backend can
+                            try:
+                                result = await verifier.verify()
+                            except BaseException:  # a test that hung or failed: keep what it printed, bounded
+                                if self._trial_dir is not None:
+                                    await save_verifier_output(environment, env_paths, self._trial_paths())
+                                raise
                 except (RewardFileNotFoundError, RewardFileEmptyError, VerifierOutputParseError) as exc:
                     raise VerifierFailure(
                         Phase.VERIFY, self.task_name, self.id, f"{type(exc).__name__}: {exc}",
@@ -318,28 +320,26 @@ class Sandbox:
         """The verifier's stdout and stderr as Harbor saved them in the trial folder (the tail of each)."""
         return None if self._trial_dir is None else verifier_output(self._trial_paths().verifier_dir)
 
-    async def run_agent(self, agent: str = "oracle") -> None:
-        """Run one of Harbor's agents that needs no model (``oracle`` or ``nop``)."""
+    async def run_agent(self, agent: str = "oracle", *, step: StepConfig | None = None) -> None:
+        """Run one of Harbor's agents that needs no model (``oracle`` or ``nop``); for a step, that step's part."""
         from harbor.agents.nop import NopAgent
         from harbor.agents.oracle import OracleAgent
         from harbor.models.agent.context import AgentContext
 
         await self.wait_started()
-        environment = self.environment
-        paths = self._trial_paths()
-        if agent == "oracle":
-            runner = OracleAgent(
-                logs_dir=paths.agent_dir,
-                task_dir=self.task.paths.task_dir,
-                trial_paths=paths,
-                agent_timeout_sec=self.timeouts.agent,
+        paths, budget = self._trial_paths(), self.context.timeouts.for_step(self.task, step).agent
+        if agent == "oracle":  # one per sandbox: Harbor's oracle counts the steps it solved
+            self._oracle = self._oracle or OracleAgent(
+                logs_dir=paths.agent_dir, task_dir=self.task.paths.task_dir, trial_paths=paths, agent_timeout_sec=budget
             )
+            runner: Any = self._oracle
         elif agent in ("nop", "none"):
             runner = NopAgent(logs_dir=paths.agent_dir)
         else:
             raise ValueError(f"unknown agent {agent!r}; use 'oracle' or 'none'")
-        async with self.context.budget.exec_slot(), self._phase(Phase.AGENT, budget=self.timeouts.agent):
-            await runner.run(self.task.instruction, environment, AgentContext())
+        instruction = self.task.step_instruction(step.name) if step is not None else self.task.instruction
+        async with self.context.budget.exec_slot(), self._phase(Phase.AGENT, budget=budget):
+            await runner.run(instruction, self.environment, AgentContext())
 
     async def stop(self) -> None:
         """Stop the sandbox and remove its trial directory; idempotent.

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar, Unpack
 from harbor_async.backends import resolve_backend
 from harbor_async.harnesses.base import BACKENDS_DROPPING_COPY, Harness
 from harbor_async.harnesses.bash import BashHarness
+from harbor_async.task_support import TRL, UnsupportedTaskError, driver_refusals
 from shim import engines
 from shim.episode import PREPARING, Episode, await_loop, retire_episodes, stop_episodes
 from shim.options import EngineOptions, EngineOptionsKwargs, renamed_kwargs
@@ -154,6 +155,8 @@ class HarborEnv(Harness):
         try:
             guard.check()  # too many infrastructure failures: stop the trainer, do not train on zeros
             task = load_task_cached(task_dir)
+            if refusals := driver_refusals(task, TRL):  # a task from outside HarborSpec's checked suite
+                raise UnsupportedTaskError(refusals, self._backend.name)
             engine = engines.engine_for(self._options)
             episode = Episode(task, engine, self._backend, self._backend_kwargs, guard, agent=self._name())
             if not self._owns_reward():

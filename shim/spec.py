@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Self, Unpack
 from harbor_async.backends import resolve_backend
 from harbor_async.doctor import require_supported
 from harbor_async.harnesses import load_harness_file as _load_agent_file
-from harbor_async.task_env import TaskEnvError, missing_variables
+from harbor_async.task_support import TRL, check_tasks
 from harbor_async.tasks import load_suite
 from shim import engines
 from shim.env import AGENTS, HarborEnv, _close_budget
@@ -230,11 +230,11 @@ class HarborSpec:
         position in the suite. Task folders are absolute.
         """
         suite = load_suite(self._dataset, num_tasks=self._num_tasks, indices=self._indices)
-        for task in suite.tasks:  # refused now, not at a reset mid-training
-            if missing := missing_variables(task, self._options.env_allow):
-                raise TaskEnvError(
-                    task.task_dir, f"{'; '.join(missing)}: not an allowed host variable (env_allow=) and no default"
-                )
+        # refused now, not at a reset mid-training: a ${VAR} not allowed, a feature TRL's loop cannot honour
+        check_tasks(
+            suite.tasks, resolve_backend(self._environment_type), driver=TRL, env_allow=self._options.env_allow,
+            backend_kwargs=self._backend_kwargs, allow_flag="env_allow=[NAME]",
+        )  # fmt: skip
         self._metadata = [dict(task.config.metadata) for task in suite.tasks]
         return list(zip(suite.positions, (task.task_dir for task in suite.tasks), strict=True))
 

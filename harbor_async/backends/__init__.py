@@ -84,6 +84,9 @@ class BackendSpec:
             backend_kwargs=kwargs,
             options=options,
         )
+        from harbor_async.task_support import network_policies
+
+        baseline, phases = network_policies(task)  # Harbor's class enforces them, or refuses the task
         return EnvironmentFactory.create_environment_from_config(
             config=TrialEnvironmentConfig(type=self.type, import_path=self.import_path, kwargs=kwargs, **extras),
             environment_dir=task.paths.environment_dir,
@@ -91,6 +94,8 @@ class BackendSpec:
             session_id=session_id,
             trial_paths=trial_paths,
             task_env_config=task.config.environment,
+            network_policy=baseline,
+            phase_network_policies=phases,
         )
 
     def check_installed(self, task: Task, backend_kwargs: Mapping[str, Any]) -> None:

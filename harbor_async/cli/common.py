@@ -58,7 +58,10 @@ def warn_renamed_flags(renamed: dict[str, str], argv: list[str] | None = None) -
 
 def fail(message: object, code: int = 2) -> typer.Exit:
     """Print ``message`` as a one-line error and return the exit to raise (2: bad input)."""
-    text = " ".join(str(message).split()) if code == 2 else str(message)
+    from harbor_async.task_support import MissingVariablesError, UnsupportedTaskError
+
+    tabled = isinstance(message, (MissingVariablesError, UnsupportedTaskError))  # one line per task
+    text = " ".join(str(message).split()) if code == 2 and not tabled else str(message)
     say("error:", text, "bold red")
     return typer.Exit(code)
 

@@ -204,6 +204,10 @@ def eval_command(
                 f"harbor-async eval --resume {exc.job_dir}"
             )))  # fmt: skip
             raise typer.Exit(MODEL_SERVER_DOWN_EXIT) from None
+        from harbor_async.task_support import MissingVariablesError, UnsupportedTaskError
+
+        if isinstance(exc, (MissingVariablesError, UnsupportedTaskError)):
+            raise fail(exc) from None
         raise fail(f"{type(exc).__name__}: {exc}", code=1 if isinstance(exc, ServerDiedError) else 2) from None
     _print_summary(result.summary)
     err.print(f"job folder: {result.job_dir}")

@@ -42,7 +42,7 @@ from harbor_async.cli.common import (
 from harbor_async.interrupts import Interrupts
 from harbor_async.errors import BackendError, SettingError
 from harbor_async.printing import escape_controls
-from harbor_async.task_env import missing_variables
+from harbor_async.task_support import RUN, MissingVariablesError, UnsupportedTaskError, check_tasks
 from harbor_async.cli.selection import (
     describe_episodes,
     load_tasks,
@@ -159,13 +159,15 @@ def run(
         settings.cluster_max_live, settings.cluster_creates_per_second = max_live, creates_per_second
         episodes = plan_episodes(loaded.tasks, n_attempts)
     spec, timeouts = _resolve(settings)
-    for episode in episodes:  # checked before any sandbox starts: every budget finite, every ${VAR} allowed
+    for episode in episodes:  # checked before any sandbox starts: every budget finite
         try:
             timeouts.for_task(episode.task)
         except SettingError as exc:
             raise fail(f"task {episode.task.name}: {exc}") from None
-        if missing := missing_variables(episode.task, settings.env_allow):
-            raise fail(f"task {episode.task.name}: {'; '.join(missing)}: not an allowed host variable (--env-allow NAME) and no default")
+    try:  # every ${VAR} allowed, every feature of every task honoured (else a table, exit 2)
+        check_tasks([e.task for e in episodes], spec, driver=RUN, env_allow=settings.env_allow, backend_kwargs=settings.environment_kwargs)
+    except (MissingVariablesError, UnsupportedTaskError) as exc:
+        raise fail(exc) from None
     if episodes:  # a missing client package is one line, before any sandbox or job folder
         try:
             spec.check_installed(episodes[0].task, settings.environment_kwargs)

@@ -13,7 +13,10 @@ then follows to a host file. Here:
   regular files and folders only (links, devices and FIFOs are skipped, no
   name leaves the target), counts apparent sizes against
   ``transfer_limit_mb`` before writing, stops at 64 levels or 100,000 entries,
-  and checks for cancellation between chunks.
+  and checks for cancellation between chunks;
+- a task whose every phase is ``no-network`` runs with Compose's
+  ``network_mode: none`` where Harbor's egress-control sidecar is not
+  available (its images come from Docker Hub): the policy is honoured, not refused.
 
 The engine uses this class for the ``docker`` type and ``docker-fast``.
 """
@@ -32,7 +35,10 @@ from typing import IO, Any
 import anyio
 import anyio.from_thread
 from harbor.environments.base import ExecResult
+from harbor.environments.capabilities import EnvironmentCapabilities
+from harbor.environments.docker import COMPOSE_NO_NETWORK_PATH
 from harbor.environments.docker.docker import DockerEnvironment, _sanitize_docker_compose_project_name
+from harbor.models.task.config import NetworkMode
 
 from harbor_async.backends.docker.cleanup import docker_is_local
 from harbor_async.bounded_output import HeadTail
@@ -76,7 +82,28 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         self._main_container: str | None = None
         if task_env_config is not None and docker_is_local():  # this host's daemon: its CPUs and memory
             task_env_config = capped_environment_config(task_env_config, environment_name)
+        policies = [options.get("network_policy"), *(options.get("phase_network_policies") or ())]
+        self._offline = all(getattr(p, "network_mode", None) == NetworkMode.NO_NETWORK for p in policies) and not (
+            Path(environment_dir) / "docker-compose.yaml"
+        ).exists()  # one container: no service to reach
         super().__init__(environment_dir, environment_name, session_id, trial_paths, task_env_config, *args, **options)
+
+    # -- a static no-network policy without the egress sidecar -------------------
+
+    @property
+    def capabilities(self) -> EnvironmentCapabilities:
+        """Harbor's, plus ``disable_internet`` for a task that is offline in every phase."""
+        found = super().capabilities
+        if self._offline and not found.disable_internet:
+            found = found.model_copy(update={"disable_internet": True})
+        return found
+
+    @property
+    def _docker_compose_paths(self) -> list[Path]:
+        paths = super()._docker_compose_paths
+        if self._offline and not self._enable_egress_control:
+            paths.append(COMPOSE_NO_NETWORK_PATH)
+        return paths
 
     # -- exec output --------------------------------------------------------------
 

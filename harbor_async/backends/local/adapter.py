@@ -80,12 +80,7 @@ from harbor_async.backends.local.rootfs import (
 from harbor_async.backends.local.sandboxing import Confinement, join_argv, keeper_argv
 from harbor_async.backends.local.transfers import DEFAULT_TRANSFER_LIMIT_MB, SandboxTransfers
 from harbor_async.backends.local.verifier_ns import VerifierNamespace
-from harbor_async.naming import (
-    DEFAULT_LOCAL_ROOT,
-    LOCAL_ROOT_ENV,
-    MARKER_NAME,
-    local_folder_name,
-)
+from harbor_async.naming import DEFAULT_LOCAL_ROOT, LOCAL_ROOT_ENV, MARKER_NAME, local_folder_name
 
 
 class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
@@ -110,6 +105,8 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
     - ``transfer_limit_mb``: the most one download may bring to the host,
       counting apparent sizes (512 MiB; past it the download fails with
       ``TransferLimitError``).
+    - ``allow_offline``: run tasks whose ``network_mode`` is ``"public"`` without
+      network (a sandbox has none; by default such a task is refused).
     """
 
     #: written with anyio only: safe to drive from trio as well as asyncio.
@@ -133,6 +130,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         output_limit: int | str | None = DEFAULT_OUTPUT_LIMIT,
         transfer_limit_mb: int | str | None = DEFAULT_TRANSFER_LIMIT_MB,
         require_limits: bool | str = True,
+        allow_offline: bool | str = False,  # read by the run's task check (harbor_async.task_support)
         **kwargs: Any,
     ) -> None:
         base = Path(sandbox_root or os.environ.get(LOCAL_ROOT_ENV) or DEFAULT_LOCAL_ROOT)

@@ -1,9 +1,12 @@
 """The subset of a Dockerfile the local backend honours without building an image.
 
-``WORKDIR``, ``ENV`` and ``COPY``/``ADD`` of build-context files are applied;
+``WORKDIR``, ``ENV``, ``COPY``/``ADD`` of build-context files and ``COPY <<EOF``
+heredoc files are applied;
 ``FROM``, ``ARG``, ``LABEL`` and ``MAINTAINER`` are accepted silently; every
 other instruction is collected in :attr:`DockerfileSpec.ignored` so that the
 backend can name it in one warning. Only the final build stage counts.
+``COPY --from`` (another stage's or image's files) cannot be honoured without a
+build: :func:`unsupported_instructions` names it, and the run refuses the task.
 """
 
 from __future__ import annotations
@@ -13,18 +16,20 @@ import posixpath
 import re
 import shlex
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from harbor.environments.base import SandboxBuildFailedError
 
 
 @dataclass(frozen=True)
 class CopyStep:
-    """One COPY/ADD line: build-context sources (globs allowed) into ``dest``."""
+    """One COPY/ADD line: build-context sources (globs allowed) into ``dest``, or a heredoc's text."""
 
     line: int
     sources: tuple[str, ...]
     dest: str  # absolute sandbox path
     dest_is_dir: bool  # trailing "/" or several sources: copy *into* dest
+    content: str | None = None  # COPY <<EOF /dest: the file's text (sources is empty)
 
 
 @dataclass
@@ -36,6 +41,7 @@ class DockerfileSpec:
     env: dict[str, str] = field(default_factory=dict)
     copies: list[CopyStep] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)  # "line N: INSTRUCTION ..."
+    unsupported: list[str] = field(default_factory=list)  # "line N: COPY --from=..." (refused)
 
 
 _SILENT = {"FROM", "ARG", "LABEL", "MAINTAINER"}
@@ -60,10 +66,10 @@ def _expand(value: str, variables: dict[str, str]) -> str:
     return _VAR.sub(substitute, value)
 
 
-def _logical_lines(text: str) -> list[tuple[int, str]]:
-    """(first line number, instruction) pairs: continuations joined, comments and heredoc bodies dropped."""
+def _logical_lines(text: str) -> list[tuple[int, str, dict[str, str]]]:
+    """(first line number, instruction, heredoc bodies by name): continuations joined, comments dropped."""
     raw = text.splitlines()
-    result: list[tuple[int, str]] = []
+    result: list[tuple[int, str, dict[str, str]]] = []
     parts: list[str] = []
     start = 0
     index = 0
@@ -81,15 +87,19 @@ def _logical_lines(text: str) -> list[tuple[int, str]]:
         parts.append(line)
         instruction = " ".join(p for p in parts if p)
         parts = []
-        result.append((start, instruction))
+        bodies: dict[str, str] = {}
         # A heredoc body (RUN <<EOF ... EOF) is data, not instructions.
         heredocs = _HEREDOC.finditer(instruction) if re.match(r"(?i)(RUN|COPY|ADD)\s", instruction) else ()
         for match in heredocs:
+            body = []
             while index < len(raw) and raw[index].strip() != match.group(2):
+                body.append(raw[index].lstrip("\t") if match.group(0).startswith("<<-") else raw[index])
                 index += 1
             index += 1
+            bodies[match.group(2)] = "".join(f"{b}\n" for b in body)
+        result.append((start, instruction, bodies))
     if parts:
-        result.append((start, " ".join(p for p in parts if p)))
+        result.append((start, " ".join(p for p in parts if p), {}))
     return result
 
 
@@ -114,7 +124,7 @@ def parse_dockerfile(text: str, base_env: dict[str, str] | None = None) -> Docke
     args: dict[str, str] = {}
     stages: dict[str, str | None] = {}  # stage name -> its image
     outer: dict[str, str] | None = None  # ARGs declared before the first FROM
-    for number, line in _logical_lines(text):
+    for number, line, bodies in _logical_lines(text):
         keyword, rest = (re.split(r"\s+", line, maxsplit=1) + [""])[:2]
         keyword = keyword.upper()
         variables = {**(base_env or {}), **args, **spec.env}
@@ -140,8 +150,10 @@ def parse_dockerfile(text: str, base_env: dict[str, str] | None = None) -> Docke
                 path = _expand(rest, variables)
                 spec.workdir = posixpath.normpath(posixpath.join(spec.workdir or "/", path))
             elif keyword in ("COPY", "ADD"):
-                step = _copy_step(number, keyword, rest, variables, spec.workdir or "/")
-                if step is None:
+                step = _copy_step(number, keyword, rest, variables, spec.workdir or "/", bodies)
+                if re.search(r"(^|\s)--from[=\s]", rest):
+                    spec.unsupported.append(f"line {number}: {_short(line)}")
+                elif step is None:
                     spec.ignored.append(f"line {number}: {_short(line)}")
                 else:
                     spec.copies.append(step)
@@ -153,14 +165,24 @@ def parse_dockerfile(text: str, base_env: dict[str, str] | None = None) -> Docke
 
 
 def _copy_step(
-    number: int, keyword: str, rest: str, variables: dict[str, str], workdir: str
+    number: int, keyword: str, rest: str, variables: dict[str, str], workdir: str, bodies: dict[str, str]
 ) -> CopyStep | None:
-    """Parse a COPY/ADD line; None when it cannot be honoured (--from, URLs, archives, heredocs)."""
+    """Parse a COPY/ADD line; None when it cannot be honoured (--from, URLs, archives)."""
     flags = re.match(r"((?:--\S+\s+)*)(.*)", rest, re.S)
     assert flags is not None  # the pattern matches every string
-    if "--from" in flags.group(1) or "<<" in rest:
+    if "--from" in flags.group(1):
         return None
     body = flags.group(2).strip()
+    heredoc = _HEREDOC.match(body)
+    if heredoc is not None:  # COPY <<EOF /dest: a file written from the Dockerfile's own text
+        if keyword != "COPY" or heredoc.group(2) not in bodies:
+            return None
+        dest = _expand(body[heredoc.end() :].strip(), variables)
+        if not dest or len(shlex.split(dest)) != 1:
+            return None
+        text = bodies[heredoc.group(2)]
+        content = text if heredoc.group(1) else _expand(text, variables)  # a quoted delimiter: no expansion
+        return CopyStep(number, (), posixpath.normpath(posixpath.join(workdir, dest)), dest.endswith("/"), content)
     tokens = json.loads(body) if body.startswith("[") else shlex.split(body)
     tokens = [_expand(token, variables) for token in tokens]
     if len(tokens) < 2:
@@ -171,6 +193,22 @@ def _copy_step(
     is_dir = dest.endswith("/") or len(sources) > 1
     dest = posixpath.normpath(posixpath.join(workdir, dest))
     return CopyStep(number, tuple(sources), dest, is_dir)
+
+
+def unsupported_instructions(dockerfile: Path) -> list[str]:
+    """What in the task's environment the local backend cannot honour without a build (empty: nothing).
+
+    ``COPY --from`` lines, and a ``docker-compose.yaml`` beside the Dockerfile
+    (its other services). An unreadable Dockerfile is the start's to report.
+    """
+    found = []
+    if (dockerfile.parent / "docker-compose.yaml").exists():
+        found.append("docker-compose.yaml (services besides the main one)")
+    try:
+        found += parse_dockerfile(dockerfile.read_text(encoding="utf-8")).unsupported
+    except (OSError, UnicodeDecodeError, SandboxBuildFailedError):
+        pass
+    return found
 
 
 def _short(line: str, limit: int = 70) -> str:

@@ -200,7 +200,7 @@ def check_task_paths(task_dir: Path) -> None:
 
 
 def apply_copy(fs: Path, context: Path, step: CopyStep, workdir: str) -> None:
-    """Copy one COPY/ADD line's build-context sources into the (not yet started) sandbox.
+    """Copy one COPY/ADD line's build-context sources (or heredoc text) into the (not yet started) sandbox.
 
     Done on the host before any sandbox process exists, so no process can swap
     a path meanwhile. Symlinks inside a copied folder are kept as links (they
@@ -210,6 +210,11 @@ def apply_copy(fs: Path, context: Path, step: CopyStep, workdir: str) -> None:
         TaskPathEscapeError: a source (or a symlink it is) leads out of the context.
         SandboxBuildFailedError: a source does not exist, or is outside the context by ``..``.
     """
+    if step.content is not None:  # COPY <<EOF /dest
+        host = host_path(fs, workdir, step.dest, writable=True)
+        host.parent.mkdir(parents=True, exist_ok=True)
+        host.write_text(step.content, encoding="utf-8")
+        return
     context = context.resolve()
     for pattern in step.sources:
         relative = posixpath.normpath(pattern.lstrip("/"))

@@ -1,0 +1,242 @@
+"""Harbor's task model beyond one instruction: multi-step tasks, users, network policies, heredocs, refusals.
+
+Multi-step tasks run through ``harbor-async run`` and through Harbor's own
+``harbor run`` (with this project's local backend as its environment) on the
+same tasks: the rewards of each step and of the task agree. Tasks that ask for
+what a backend or a driver cannot honour are refused before any sandbox starts,
+one line per feature; missing host variables come back as one table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from harbor_async.backends import resolve_backend
+from harbor_async.backends.local.dockerfile import parse_dockerfile, unsupported_instructions
+from harbor_async.task_support import (
+    EVAL,
+    RUN,
+    TRL,
+    MissingVariablesError,
+    UnsupportedTaskError,
+    check_tasks,
+)
+from harbor_async.tasks import load_task
+from tests.cli_helpers import REPO, harbor_async, records
+
+pytestmark = pytest.mark.range
+
+SHARED_TEST = """#!/bin/bash
+# the task's shared test: /app/out.txt must hold $EXPECTED, and the heredoc file must exist
+if [ "$(cat /app/out.txt)" = "$EXPECTED" ] && [ "$(cat /app/notes.txt)" = "built by a heredoc" ]; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
+"""
+
+
+def write(path: Path, text: str, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    path.chmod(mode)
+
+
+def make_multi_step(
+    suite: Path, name: str, *, first_right: bool = True, strategy: str = "mean", min_reward: bool = True
+) -> Path:
+    """Two steps: 'write' (its input comes from its workdir/, a setup.sh runs) and 'append' (its own tests/).
+
+    The shared tests/test.sh checks ``$EXPECTED``, which each step's
+    ``[verifier.env]`` sets; the Dockerfile writes a file with a COPY heredoc.
+    """
+    task = suite / name
+    gate = "min_reward = 1.0\n" if min_reward else ""
+    write(task / "task.toml", f"""\
+        schema_version = "1.4"
+        multi_step_reward_strategy = "{strategy}"
+
+        [[steps]]
+        name = "write"
+        {gate}
+        [steps.agent]
+        timeout_sec = 30
+        [steps.verifier]
+        env = {{ EXPECTED = "one" }}
+
+        [[steps]]
+        name = "append"
+        [steps.verifier]
+        env = {{ EXPECTED = "one two" }}
+        """)  # fmt: skip
+    write(task / "environment" / "Dockerfile", """\
+        FROM debian:bookworm-slim
+        WORKDIR /app
+        COPY <<EOF /app/notes.txt
+        built by a heredoc
+        EOF
+        """)  # fmt: skip
+    write(task / "tests" / "test.sh", SHARED_TEST, 0o755)
+    write(task / "steps" / "append" / "tests" / "test.sh", SHARED_TEST.replace("shared", "step 'append'"), 0o755)
+    write(task / "steps" / "write" / "instruction.md", "Copy seed.txt to /app/out.txt.\n")
+    write(task / "steps" / "append" / "instruction.md", "Append ' two' to the line in /app/out.txt.\n")
+    seed = "cat /app/seed.txt > /app/out.txt" if first_right else "echo wrong > /app/out.txt"
+    write(task / "steps" / "write" / "solution" / "solve.sh", f"#!/bin/bash\ntest -f /app/setup-ran && {seed}\n", 0o755)
+    write(task / "steps" / "write" / "workdir" / "seed.txt", "one\n")
+    write(task / "steps" / "write" / "workdir" / "setup.sh", "touch /app/setup-ran\n")
+    write(task / "steps" / "append" / "solution" / "solve.sh", '#!/bin/bash\necho "one two" > /app/out.txt\n', 0o755)
+    return task
+
+
+def harbor_cli_rewards(suite: Path, tmp_path: Path) -> dict[str, tuple[float | None, list]]:
+    """Harbor's own ``harbor run`` with the oracle, on this project's local backend: task -> (reward, step rewards)."""
+    harbor = Path(sys.executable).with_name("harbor")
+    command = [
+        str(harbor), "run", "-p", str(suite), "-e", "harbor_async.backends.local:LocalEnvironment", "-a", "oracle",
+        "-o", str(tmp_path / "harbor-jobs"), "-y", "--ek", f"sandbox_root={tmp_path / 'harbor-sandboxes'}",
+    ]  # fmt: skip
+    environment = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = {}
+    for path in (tmp_path / "harbor-jobs").glob("*/*__*/result.json"):
+        trial = json.loads(path.read_text())
+        reward = (trial["verifier_result"] or {}).get("rewards", {}).get("reward")
+        steps = [(s["step_name"], (s["verifier_result"] or {}).get("rewards", {}).get("reward")) for s in trial["step_results"]]
+        found[trial["task_name"]] = (reward, steps)
+    return found
+
+
+# ── multi-step tasks ─────────────────────────────────────────────────────────
+
+
+@pytest.mark.slow
+def test_multi_step_tasks_score_as_harbor_scores_them(tmp_path: Path) -> None:
+    """Per-step instructions, solutions, tests, env, workdir uploads, setup.sh; min_reward; mean and final."""
+    suite = tmp_path / "suite"
+    make_multi_step(suite, "both-right")
+    make_multi_step(suite, "gate-stops", first_right=False)  # step 1 under min_reward: step 2 never runs
+    make_multi_step(suite, "final-only", first_right=False, strategy="final", min_reward=False)
+    make_multi_step(suite, "mean-half", first_right=False, min_reward=False)
+
+    done = harbor_async("run", "-p", str(suite), "-a", "oracle", "-o", str(tmp_path / "jobs"), "--ek", f"sandbox_root={tmp_path / 'sb'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours = {r["task"]: r for r in records(next((tmp_path / "jobs").iterdir()))}
+    assert {name: r["reward"] for name, r in ours.items()} == {
+        "both-right": 1.0, "gate-stops": 0.0, "final-only": 1.0, "mean-half": 0.5,
+    }  # fmt: skip
+    assert [s["name"] for s in ours["gate-stops"]["steps"]] == ["write"]
+    assert "below min_reward" in ours["gate-stops"]["steps"][0]["error"]
+    assert [(s["name"], s["reward"]) for s in ours["mean-half"]["steps"]] == [("write", 0.0), ("append", 1.0)]
+    assert all(r["error_class"] is None for r in ours.values())
+
+    theirs = harbor_cli_rewards(suite, tmp_path)
+    assert {name: (r["reward"], [(s["name"], s["reward"]) for s in r["steps"]]) for name, r in ours.items()} == theirs
+
+
+def test_trl_refuses_a_multi_step_task_before_training(tmp_path: Path) -> None:
+    """One reset, one reward: TRL's environment_factory cannot give a task several instructions."""
+    from shim import HarborSpec
+
+    make_multi_step(tmp_path / "suite", "multi")
+    with pytest.raises(UnsupportedTaskError, match=r"task multi: \[\[steps\]\] \(2 steps\): TRL's environment_factory"):
+        HarborSpec(dataset=str(tmp_path / "suite"), environment_type="local", preflight=False)
+
+
+# ── refused before any sandbox ───────────────────────────────────────────────
+
+
+def plain_task(suite: Path, name: str, toml: str = "", dockerfile: str = "FROM debian:bookworm-slim\n") -> Path:
+    task = suite / name
+    write(task / "task.toml", 'schema_version = "1.4"\n' + textwrap.dedent(toml))
+    write(task / "environment" / "Dockerfile", dockerfile)
+    write(task / "instruction.md", "Write hi to /app/answer.txt.\n")
+    write(task / "solution" / "solve.sh", "#!/bin/bash\nmkdir -p /app && echo hi > /app/answer.txt\n", 0o755)
+    write(task / "tests" / "test.sh", '#!/bin/bash\n[ "$(cat /app/answer.txt)" = hi ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n', 0o755)
+    return task
+
+
+def test_features_local_cannot_honour_are_refused_up_front_one_line_each(tmp_path: Path) -> None:
+    suite = tmp_path / "suite"
+    plain_task(suite, "separate-verifier", '[verifier]\nenvironment_mode = "separate"\n')
+    plain_task(suite, "agent-user", '[agent]\nuser = "agent"\n')
+    plain_task(suite, "needs-internet", '[environment]\nnetwork_mode = "public"\n')
+    plain_task(suite, "legacy-internet", "[environment]\nallow_internet = true\n")
+    plain_task(suite, "allowlist", '[environment]\nnetwork_mode = "allowlist"\nallowed_hosts = ["example.com"]\n')
+    plain_task(suite, "copy-from", dockerfile="FROM debian:bookworm-slim AS b\nFROM debian:bookworm-slim\nCOPY --from=b /etc/hostname /x\n")
+    plain_task(suite, "gpu", "[environment]\ngpus = 1\n")
+    plain_task(suite, "fine")
+
+    done = harbor_async("run", "-p", str(suite), "-a", "oracle", "-o", str(tmp_path / "jobs"), "--ek", f"sandbox_root={tmp_path / 'sb'}")
+    assert done.returncode == 2, done.stderr[-3000:]
+    text = done.stderr
+    for line in (
+        "task separate-verifier: [verifier] environment_mode = 'separate'",
+        "task agent-user: [agent] user = 'agent': local sandboxes run every command as their root",
+        "task needs-internet: network_mode = 'public': local sandboxes have no network",
+        "task legacy-internet: network_mode = 'public'",
+        "task allowlist: network_mode: network_mode='allowlist' is not supported by local environment",
+        "task copy-from: environment/Dockerfile line 3: COPY --from=b /etc/hostname /x",
+        "task gpu: [environment] gpus",
+    ):
+        assert line in text, text
+    assert "task fine" not in text
+    assert not (tmp_path / "jobs").exists() or not any((tmp_path / "jobs").iterdir())  # no job folder, no sandbox
+    assert not (tmp_path / "sb").exists() or not any((tmp_path / "sb").iterdir())
+
+
+def test_a_task_that_asks_for_the_network_runs_offline_on_local_when_allowed(tmp_path: Path) -> None:
+    suite = tmp_path / "suite"
+    plain_task(suite, "needs-internet", '[environment]\nnetwork_mode = "public"\n')
+    done = harbor_async(
+        "run", "-p", str(suite), "-a", "oracle", "-o", str(tmp_path / "jobs"),
+        "--ek", f"sandbox_root={tmp_path / 'sb'}", "--ek", "allow_offline=true",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["reward"] for r in records(next((tmp_path / "jobs").iterdir()))] == [1.0]
+
+
+def test_missing_variables_of_the_whole_suite_are_one_table(tmp_path: Path) -> None:
+    suite = tmp_path / "suite"
+    plain_task(suite, "a", '[environment.env]\nTOKEN_A = "${HA_TEST_UNSET_A}"\n')
+    plain_task(suite, "b", '[verifier.env]\nJUDGE = "${HA_TEST_UNSET_B}"\n[solution.env]\nOK = "${HA_TEST_UNSET_C:-x}"\n')
+    done = harbor_async("run", "-p", str(suite), "-a", "oracle", "-o", str(tmp_path / "jobs"), "--ek", f"sandbox_root={tmp_path / 'sb'}")
+    assert done.returncode == 2
+    rows = [line.split() for line in done.stderr.splitlines() if line.strip().startswith(("a ", "b "))]
+    assert rows == [["a", "[environment.env]", "TOKEN_A", "HA_TEST_UNSET_A"], ["b", "[verifier.env]", "JUDGE", "HA_TEST_UNSET_B"]]
+    assert not (tmp_path / "jobs").exists() or not any((tmp_path / "jobs").iterdir())
+
+
+def test_each_driver_refuses_what_it_cannot_give_the_model(tmp_path: Path) -> None:
+    """MCP servers: Harbor's oracle ignores them (run), a tool harness cannot wire them (eval, TRL)."""
+    task = load_task(plain_task(tmp_path, "mcp", '[[environment.mcp_servers]]\nname = "docs"\nurl = "http://localhost:1/sse"\n'))
+    local = resolve_backend("local")
+    check_tasks([task], local, driver=RUN)
+    for driver in (EVAL, TRL):
+        with pytest.raises(UnsupportedTaskError, match="mcp_servers"):
+            check_tasks([task], local, driver=driver)
+    with pytest.raises(MissingVariablesError):
+        check_tasks([load_task(plain_task(tmp_path, "v", '[verifier.env]\nX = "${HA_TEST_UNSET_X}"\n'))], local, driver=RUN)
+
+
+def test_dockerfile_heredocs_and_copy_from(tmp_path: Path) -> None:
+    spec = parse_dockerfile(
+        "FROM debian:bookworm-slim\nARG WHO=world\nWORKDIR /app\n"
+        "COPY <<EOF greeting.txt\nhello $WHO\nEOF\n"
+        "COPY <<'EOT' /raw.sh\necho $WHO\nEOT\n"
+        "COPY <<-EOF /tabs.txt\n\tindented\n\tEOF\n"
+    )
+    assert [(c.dest, c.content) for c in spec.copies] == [
+        ("/app/greeting.txt", "hello world\n"), ("/raw.sh", "echo $WHO\n"), ("/tabs.txt", "indented\n"),
+    ]  # fmt: skip
+    assert spec.ignored == []
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text("FROM a AS build\nFROM debian:bookworm-slim\nCOPY --from=build /x /y\n")
+    assert unsupported_instructions(dockerfile) == ["line 3: COPY --from=build /x /y"]
