@@ -29,11 +29,12 @@ if TYPE_CHECKING:
     from harbor.models.task.config import StepConfig
 
     from harbor_async.episode import Episode
-    from harbor_async.runner import EpisodeAgent
 
 
-async def run_steps(episode: Episode, actor: EpisodeAgent) -> None:
-    """Run every step of the episode's task (its sandbox is up, the harness set up); settle the reward.
+async def run_steps(episode: Episode, actor: Any) -> None:
+    """Run every step of the episode's task (its sandbox is up, ``actor``'s setup done); settle the reward.
+
+    ``actor`` is the episode's :class:`~harbor_async.runner.EpisodeAgent`; it acts once per step.
 
     Never raises for a step's failure (it is in the step's entry, and ends the
     task); cancellation propagates.

@@ -26,7 +26,6 @@ from harbor_async.errors import HarborAsyncError
 from harbor_async.task_env import missing_variables
 
 if TYPE_CHECKING:
-    from harbor.models.task.config import NetworkPolicy
     from harbor.models.task.task import Task
 
     from harbor_async.backends import BackendSpec
@@ -212,16 +211,6 @@ def _asks_public_network(task: Task) -> bool:
         return True
     phases = (config.agent, config.verifier, *(p for s in config.steps or [] for p in (s.agent, s.verifier)))
     return any(getattr(p.explicit_phase_policy(), "network_mode", None) == NetworkMode.PUBLIC for p in phases)
-
-
-def network_policies(task: Task) -> tuple[NetworkPolicy, list[NetworkPolicy]]:
-    """The task's environment network policy and those of its agent and verifier phases (every step's)."""
-    config = task.config
-    baseline = config.environment.resolve_baseline()
-    phases: list[NetworkPolicy] = []
-    for part in (config.agent, config.verifier, *(p for s in config.steps or [] for p in (s.agent, s.verifier))):
-        phases.append(part.explicit_phase_policy() or baseline)
-    return baseline, phases
 
 
 def backend_refusal(task: Task, backend: BackendSpec, backend_kwargs: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -35,8 +35,8 @@ def test_local_refuses_a_misspelled_option_and_names_the_right_one():
     assert error.backend == "local" and error.unknown == ["memroy_mb"]
     assert error.suggestions == {"memroy_mb": "memory_mb"}
     own = [
-        "cpus", "memory_mb", "output_limit", "pids_limit", "require_limits", "run_label", "sandbox_root", "storage_mb",
-        "transfer_limit_mb",
+        "allow_offline", "cpus", "memory_mb", "output_limit", "pids_limit", "require_limits", "run_label",
+        "sandbox_root", "storage_mb", "transfer_limit_mb",
     ]  # fmt: skip
     assert error.valid[: len(own)] == own  # the backend's own options first, then Harbor's common ones
     assert "did you mean 'memory_mb'?" in str(error) and "\n" not in str(error)

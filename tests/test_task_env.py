@@ -49,7 +49,7 @@ def test_run_refuses_a_task_needing_a_variable_not_allowed_and_keeps_secrets_out
     _task(tmp_path / "bare", "needs-secret", "${HARBOR_TEST_SECRET}")
     refused = harbor_async("run", "-p", str(tmp_path / "bare"), "-a", "none", "-o", str(tmp_path / "jobs"), env=env)
     assert refused.returncode == 2
-    assert "task needs-secret: [environment.env] LEAK = ${HARBOR_TEST_SECRET}" in refused.stderr
+    assert "needs-secret  [environment.env] LEAK  HARBOR_TEST_SECRET" in refused.stderr  # one row of the table
     assert not (tmp_path / "jobs").exists()  # refused before any job folder or sandbox
     _task(tmp_path / "defaulted", "defaulted", "${HARBOR_TEST_SECRET:-fallback}")
     kept = harbor_async(
@@ -74,17 +74,17 @@ def test_run_refuses_a_task_needing_a_variable_not_allowed_and_keeps_secrets_out
 
 def test_the_shim_and_eval_refuse_it_up_front_too(tmp_path, monkeypatch):
     import shim
-    from harbor_async.errors import EvalConfigError
     from harbor_async.evaluation import evaluate_sync
+    from harbor_async.task_support import MissingVariablesError
 
     monkeypatch.setenv("HARBOR_TEST_SECRET", SECRET)
     suite = tmp_path / "suite"
     _task(suite, "needs-secret", "${HARBOR_TEST_SECRET}")
-    with pytest.raises(TaskEnvError, match=r"LEAK = \$\{HARBOR_TEST_SECRET\}"):
+    with pytest.raises(MissingVariablesError, match=r"needs-secret  \[environment.env\] LEAK  HARBOR_TEST_SECRET"):
         shim.HarborSpec(suite, environment_type="local", preflight=False)
     spec = shim.HarborSpec(suite, environment_type="local", preflight=False, env_allow=["HARBOR_TEST_SECRET"])
     assert len(spec.train_dataset) == 1
     spec.close()
-    with pytest.raises(EvalConfigError, match="HARBOR_TEST_SECRET"):
+    with pytest.raises(MissingVariablesError, match="HARBOR_TEST_SECRET"):
         evaluate_sync(["m"], str(suite), base_url="http://127.0.0.1:9/v1", jobs_dir=tmp_path / "jobs")
     assert not (tmp_path / "jobs").exists()

@@ -12,6 +12,7 @@ from harbor_async.errors import AsyncLibraryError, BackendError
 
 if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment
+    from harbor.models.task.config import NetworkPolicy
     from harbor.models.task.task import Task
     from harbor.models.trial.paths import TrialPaths
 
@@ -84,8 +85,6 @@ class BackendSpec:
             backend_kwargs=kwargs,
             options=options,
         )
-        from harbor_async.task_support import network_policies
-
         baseline, phases = network_policies(task)  # Harbor's class enforces them, or refuses the task
         return EnvironmentFactory.create_environment_from_config(
             config=TrialEnvironmentConfig(type=self.type, import_path=self.import_path, kwargs=kwargs, **extras),
@@ -180,6 +179,16 @@ class BackendSpec:
                 "run the engine on its loop thread (asyncio) or use the 'local' or "
                 "'simulated' backend"
             )
+
+
+def network_policies(task: Task) -> tuple[NetworkPolicy, list[NetworkPolicy]]:
+    """The task's environment network policy and those of its agent and verifier phases (every step's)."""
+    config = task.config
+    baseline = config.environment.resolve_baseline()
+    phases: list[NetworkPolicy] = []
+    for part in (config.agent, config.verifier, *(p for s in config.steps or [] for p in (s.agent, s.verifier))):
+        phases.append(part.explicit_phase_policy() or baseline)
+    return baseline, phases
 
 
 @cache
