@@ -50,7 +50,8 @@ def write(path: Path, text: str, mode: int = 0o644) -> None:
 
 
 def make_multi_step(
-    suite: Path, name: str, *, first_right: bool = True, strategy: str = "mean", min_reward: bool = True
+    suite: Path, name: str, *, first_right: bool = True, strategy: str = "mean", min_reward: bool = True,
+    heredoc: bool = True,
 ) -> Path:
     """Two steps: 'write' (its input comes from its workdir/, a setup.sh runs) and 'append' (its own tests/).
 
@@ -76,13 +77,17 @@ def make_multi_step(
         [steps.verifier]
         env = {{ EXPECTED = "one two" }}
         """)  # fmt: skip
-    write(task / "environment" / "Dockerfile", """\
-        FROM debian:bookworm-slim
-        WORKDIR /app
-        COPY <<EOF /app/notes.txt
-        built by a heredoc
-        EOF
-        """)  # fmt: skip
+    if heredoc:
+        write(task / "environment" / "Dockerfile", """\
+            FROM debian:bookworm-slim
+            WORKDIR /app
+            COPY <<EOF /app/notes.txt
+            built by a heredoc
+            EOF
+            """)  # fmt: skip
+    else:  # Docker's built-in Dockerfile frontend reads heredocs only with a newer frontend (from Docker Hub)
+        write(task / "environment" / "notes.txt", "built by a heredoc\n")
+        write(task / "environment" / "Dockerfile", "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY notes.txt /app/notes.txt\n")
     write(task / "tests" / "test.sh", SHARED_TEST, 0o755)
     write(task / "steps" / "append" / "tests" / "test.sh", SHARED_TEST.replace("shared", "step 'append'"), 0o755)
     write(task / "steps" / "write" / "instruction.md", "Copy seed.txt to /app/out.txt.\n")
@@ -240,3 +245,93 @@ def test_dockerfile_heredocs_and_copy_from(tmp_path: Path) -> None:
     dockerfile = tmp_path / "Dockerfile"
     dockerfile.write_text("FROM a AS build\nFROM debian:bookworm-slim\nCOPY --from=build /x /y\n")
     assert unsupported_instructions(dockerfile) == ["line 3: COPY --from=build /x /y"]
+
+
+# ── on docker ────────────────────────────────────────────────────────────────
+
+PROBE = """#!/bin/bash
+# reach a TCP server on the host through the sandbox's default gateway, if it has one
+gw=$(awk '$2 == "00000000" {print $3; exit}' /proc/net/route)
+if [ -z "$gw" ]; then echo no-route > /tmp/answer.txt; exit 0; fi
+ip=$(printf '%d.%d.%d.%d' 0x${gw:6:2} 0x${gw:4:2} 0x${gw:2:2} 0x${gw:0:2})
+if timeout 5 bash -c "echo hi > /dev/tcp/$ip/$PROBE_PORT" 2>/dev/null; then echo reached > /tmp/answer.txt; else echo blocked > /tmp/answer.txt; fi
+"""
+
+
+def probe_task(suite: Path, name: str, network: str, want: str) -> None:
+    task = suite / name
+    write(task / "task.toml", f"""\
+        schema_version = "1.4"
+        [environment]
+        {network}
+        [solution.env]
+        PROBE_PORT = "${{PROBE_PORT}}"
+        [verifier.env]
+        WANT = "{want}"
+        """)  # fmt: skip
+    write(task / "environment" / "Dockerfile", "FROM debian:bookworm-slim\nWORKDIR /tmp\n")
+    write(task / "instruction.md", "Probe the network.\n")
+    write(task / "solution" / "solve.sh", PROBE, 0o755)
+    write(task / "tests" / "test.sh", '#!/bin/bash\ncat /tmp/answer.txt\ngrep -qx "$WANT" /tmp/answer.txt && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n', 0o755)
+
+
+@pytest.fixture
+def host_server():
+    """A TCP server on every host address: what a sandbox with a network can reach."""
+    import socket
+    import threading
+
+    server = socket.create_server(("0.0.0.0", 0))
+    server.settimeout(0.5)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                server.accept()[0].close()
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join()
+    server.close()
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.usefixtures("docker_daemon")
+def test_docker_honours_network_mode_users_and_multi_step_tasks(tmp_path: Path, host_server: int) -> None:
+    """A no-network task has no route out (Harbor's egress sidecar needs Docker Hub: Compose's ``network_mode: none``
+    honours a task that is offline in every phase); a public one reaches the host; ``[agent] user`` runs the agent,
+    the verifier stays root; a multi-step task's steps each see only their own tests."""
+    suite = tmp_path / "suite"
+    probe_task(suite, "offline", 'network_mode = "no-network"', "no-route")
+    probe_task(suite, "legacy-offline", "allow_internet = false", "no-route")
+    probe_task(suite, "online", "", "reached")
+    task = suite / "as-nobody"
+    write(task / "task.toml", 'schema_version = "1.4"\n[agent]\nuser = "nobody"\n')
+    write(task / "environment" / "Dockerfile", "FROM debian:bookworm-slim\nWORKDIR /tmp\n")
+    write(task / "instruction.md", "Say who you are.\n")
+    write(task / "solution" / "solve.sh", "#!/bin/bash\nid -un > /tmp/who\n", 0o755)
+    write(task / "tests" / "test.sh", '#!/bin/bash\n[ "$(cat /tmp/who)" = nobody ] && [ "$(id -un)" = root ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n', 0o755)
+    multi = make_multi_step(suite, "multi", heredoc=False)
+    write(multi / "steps" / "write" / "tests" / "test.sh", SHARED_TEST, 0o755)  # the step's own tests ...
+    write(multi / "steps" / "write" / "tests" / "write-only.txt", "step 1's grading file\n")
+    write(multi / "steps" / "append" / "tests" / "test.sh", SHARED_TEST.replace(  # ... are gone by step 2's verifier
+        "]; then", "] && [ ! -e /tests/write-only.txt ]; then"), 0o755)  # fmt: skip
+    solve = multi / "steps" / "append" / "solution" / "solve.sh"  # and by step 2's agent
+    solve.write_text("#!/bin/bash\n[ -e /tests/test.sh ] && exit 1\n" + solve.read_text().split("\n", 1)[1])
+
+    done = harbor_async(
+        "run", "-p", str(suite), "-e", "docker", "-a", "oracle", "-o", str(tmp_path / "jobs"), "--env-allow", "PROBE_PORT",
+        env={"PROBE_PORT": str(host_server)}, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = {r["task"]: r for r in records(next((tmp_path / "jobs").iterdir()))}
+    assert {name: r["reward"] for name, r in found.items()} == {
+        "offline": 1.0, "legacy-offline": 1.0, "online": 1.0, "as-nobody": 1.0, "multi": 1.0,
+    }, {name: (r["error"], r["verifier_output"]) for name, r in found.items()}  # fmt: skip
+    assert [(s["name"], s["reward"]) for s in found["multi"]["steps"]] == [("write", 1.0), ("append", 1.0)]
