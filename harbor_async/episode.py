@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 
     from harbor_async.backends import BackendSpec
     from harbor_async.engine import Engine
+    from harbor_async.results import VerifyResult
     from harbor_async.sandbox import Sandbox
 
 log = get_logger()
@@ -308,7 +310,7 @@ class Episode:
         if self.error is None and self.sandbox is not None:
             self.enter(Phase.VERIFY)
             try:
-                result = await self.sandbox.verify()
+                result = await self.judge()
             except SandboxError as exc:
                 self.verify_error = exc
                 found = exc.output if isinstance(exc, VerifierFailure) else None
@@ -321,6 +323,39 @@ class Episode:
                     self.record.reward, self.record.rewards = result.reward, dict(result.rewards)
         self.settle()
         return self.record.reward
+
+    async def judge(self, step: StepConfig | None = None) -> VerifyResult:
+        """Collect the artifacts, then run the verifier (of ``step``): in this sandbox, or in a fresh one.
+
+        A separate verifier (``environment_mode = "separate"``) runs in a new
+        sandbox of the task's environment, given the collected artifacts
+        (:mod:`harbor_async.artifacts`); it is stopped once it has judged.
+        """
+        from harbor_async.artifacts import collect_artifacts, episode_folder, upload_artifacts
+        from harbor_async.task_support import separate_verifier
+
+        assert self.sandbox is not None
+        separate = separate_verifier(self.task, step)
+        root = self.engine.artifacts_dir
+        if root is not None:
+            folder: Path | None = root / episode_folder(self.record.key)
+            folder = folder / "steps" / step.name / "artifacts" if step is not None else folder
+        else:  # kept only for a separate verifier, in the sandbox's own (temporary) trial folder
+            trial = self.sandbox.trial_dir
+            folder = trial / "collected-artifacts" if separate and trial is not None else None
+        if folder is not None:
+            await self.sandbox.wait_started()
+            await collect_artifacts(self.sandbox.environment, self.task, folder, step)
+        if not separate:
+            return await self.sandbox.verify(step)
+        judge = self.engine.launch(self.task, self.backend, backend_kwargs=self.backend_kwargs)
+        try:
+            await judge.wait_started()
+            if folder is not None:
+                await upload_artifacts(judge.environment, self.task, folder, step)
+            return await judge.verify(step)
+        finally:
+            await judge.stop()
 
     def settle(self) -> None:
         """Make the reward agree with the failure: none when not judged, 0 for the model's failure without one."""

@@ -166,7 +166,7 @@ class _Run:
             functools.partial(
                 run_on_cluster, eval_item, items, job=self.job, address=self.settings.ray_address,
                 concurrency=self.settings.n_concurrent, on_record=record,
-                engine_kwargs=self.settings.engine_kwargs(),
+                engine_kwargs=self.settings.engine_kwargs(job_dir=self.job.path),
             )  # fmt: skip
         )
 
@@ -352,7 +352,7 @@ async def evaluate(
                 else:
                     from harbor_async.engine import Engine
 
-                    async with Engine(**config.engine_kwargs()) as run.engine:
+                    async with Engine(**config.engine_kwargs(job_dir=job.path)) as run.engine:
                         interrupts.leftovers = lambda: [s.id for s in run.engine.live_sandboxes()]
                         error = await _run_groups(run, groups, tasks, root)
             finally:

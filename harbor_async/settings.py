@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from harbor_async.policy import Limits, Timeouts
@@ -164,14 +165,16 @@ class JobSettings:
             address=self.ray_address, max_live=self.cluster_max_live, creates_per_second=self.cluster_creates_per_second
         )
 
-    def engine_kwargs(self, budget: Any = None) -> dict[str, Any]:
+    def engine_kwargs(self, budget: Any = None, job_dir: Any = None) -> dict[str, Any]:
         """The ``Engine`` arguments of this job's episodes (the driver's, or a cluster node's).
 
         The episodes' one concurrency limit is the driver's (``n_concurrent``)
         or the worker's; the engine gets no lower one. ``budget``: a budget
-        factory already made (else :meth:`budget_factory`).
+        factory already made (else :meth:`budget_factory`). ``job_dir``: the
+        job folder, whose ``artifacts/`` gets each episode's artifacts.
         """
         return {
+            "artifacts_dir": None if job_dir is None else str(Path(job_dir) / "artifacts"),
             "limits": Limits(live_sandboxes=None),
             "timeouts": self.timeouts(),
             "backend_kwargs": dict(self.environment_kwargs),

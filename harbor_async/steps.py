@@ -65,7 +65,7 @@ async def run_steps(episode: Episode, actor: Any) -> None:
             return  # the model server or the sandbox failed: no verdict on this episode
         episode.enter(Phase.VERIFY)
         try:
-            result = await sandbox.verify(step)
+            result = await episode.judge(step)
         except VerifierFailure as exc:
             entry["error"] = str(exc)
             episode.record.verifier_output = exc.output or episode.record.verifier_output

@@ -189,18 +189,45 @@ def driver_refusals(task: Task, driver: Driver) -> list[Refusal]:
     config, steps = task.config, list(task.config.steps or [])
     if steps and not driver.multi_step:
         refuse(f"[[steps]] ({len(steps)} steps)", f"{driver.name} gives one instruction and takes one reward per episode")
-    for where, verifier in [("[verifier]", config.verifier), *((f"[steps.{s.name}.verifier]", s.verifier) for s in steps)]:
-        if verifier.environment is not None or getattr(verifier.environment_mode, "value", None) == "separate":
-            refuse(f"{where} environment_mode = 'separate'", "a verifier in its own environment is not supported yet")
+    for where, step in [("[verifier]", None), *((f"[steps.{s.name}.verifier]", s) for s in steps)]:
+        verifier = step.verifier if step is not None else config.verifier
+        if separate_verifier(task, step):
+            if not driver.multi_step:  # TRL's driver: its live-sandbox limit counts the rollouts, not their judges
+                refuse(f"{where} environment_mode = 'separate'", f"{driver.name} cannot start a second sandbox per rollout")
+            elif not _verifier_reuses_environment(task, step):
+                refuse(f"{where} environment", "a verifier environment of its own (not the task's) is not supported yet")
         if verifier.collect:
             refuse(f"{where} collect", "collect hooks need Compose services, which harbor-async does not run")
     if driver.model_harness and config.environment.mcp_servers:
         refuse("[environment] mcp_servers", f"the tool harness of {driver.name} cannot connect the model to MCP servers")
     if driver.model_harness and config.environment.skills_dir:
         refuse("[environment] skills_dir", f"the tool harness of {driver.name} has no skills folder")
-    if config.artifacts or any(s.artifacts for s in steps):
-        refuse("artifacts", "declared artifacts are not collected into the job folder yet")
     return found
+
+
+def separate_verifier(task: Task, step: Any = None) -> bool:
+    """Whether the verifier (of ``step``) runs in a sandbox of its own (Harbor's ``environment_mode``, resolved)."""
+    from harbor.models.task.verifier_mode import (
+        VerifierEnvironmentMode,
+        resolve_step_verifier_mode,
+        resolve_task_verifier_mode,
+    )
+
+    mode = resolve_task_verifier_mode(task.config) if step is None else resolve_step_verifier_mode(task.config, step)
+    return mode is VerifierEnvironmentMode.SEPARATE
+
+
+def _verifier_reuses_environment(task: Task, step: Any) -> bool:
+    """Whether a separate verifier's environment is a fresh copy of the task's own (what every backend can start)."""
+    from harbor.models.task.verifier_mode import resolve_verifier_environment_definition
+
+    if task.config.verifier.environment is not None or (step is not None and step.verifier.environment is not None):
+        return False
+    try:
+        definition = resolve_verifier_environment_definition(task.config, task.paths, step)
+    except (ValueError, OSError):
+        return False
+    return definition is not None and not definition.bundled_tests and definition.directory == task.paths.environment_dir
 
 
 def _asks_public_network(task: Task) -> bool:

@@ -114,7 +114,7 @@ def harbor_cli_rewards(suite: Path, tmp_path: Path) -> dict[str, tuple[float | N
     for path in (tmp_path / "harbor-jobs").glob("*/*__*/result.json"):
         trial = json.loads(path.read_text())
         reward = (trial["verifier_result"] or {}).get("rewards", {}).get("reward")
-        steps = [(s["step_name"], (s["verifier_result"] or {}).get("rewards", {}).get("reward")) for s in trial["step_results"]]
+        steps = [(s["step_name"], (s["verifier_result"] or {}).get("rewards", {}).get("reward")) for s in trial["step_results"] or []]
         found[trial["task_name"]] = (reward, steps)
     return found
 
@@ -170,7 +170,7 @@ def plain_task(suite: Path, name: str, toml: str = "", dockerfile: str = "FROM d
 
 def test_features_local_cannot_honour_are_refused_up_front_one_line_each(tmp_path: Path) -> None:
     suite = tmp_path / "suite"
-    plain_task(suite, "separate-verifier", '[verifier]\nenvironment_mode = "separate"\n')
+    plain_task(suite, "own-verifier-image", '[verifier.environment]\ndocker_image = "debian:bookworm-slim"\n')
     plain_task(suite, "agent-user", '[agent]\nuser = "agent"\n')
     plain_task(suite, "needs-internet", '[environment]\nnetwork_mode = "public"\n')
     plain_task(suite, "legacy-internet", "[environment]\nallow_internet = true\n")
@@ -183,7 +183,7 @@ def test_features_local_cannot_honour_are_refused_up_front_one_line_each(tmp_pat
     assert done.returncode == 2, done.stderr[-3000:]
     text = done.stderr
     for line in (
-        "task separate-verifier: [verifier] environment_mode = 'separate'",
+        "task own-verifier-image: [verifier] environment: a verifier environment of its own",
         "task agent-user: [agent] user = 'agent': local sandboxes run every command as their root",
         "task needs-internet: network_mode = 'public': local sandboxes have no network",
         "task legacy-internet: network_mode = 'public'",
@@ -304,7 +304,7 @@ def host_server():
 @pytest.mark.docker
 @pytest.mark.usefixtures("docker_daemon")
 def test_docker_honours_network_mode_users_and_multi_step_tasks(tmp_path: Path, host_server: int) -> None:
-    """A no-network task has no route out (Harbor's egress sidecar needs Docker Hub: Compose's ``network_mode: none``
+    """A separate verifier judges the artifacts in a fresh container; a no-network task has no route out (Harbor's egress sidecar needs Docker Hub: Compose's ``network_mode: none``
     honours a task that is offline in every phase); a public one reaches the host; ``[agent] user`` runs the agent,
     the verifier stays root; a multi-step task's steps each see only their own tests."""
     suite = tmp_path / "suite"
@@ -317,6 +317,7 @@ def test_docker_honours_network_mode_users_and_multi_step_tasks(tmp_path: Path, 
     write(task / "instruction.md", "Say who you are.\n")
     write(task / "solution" / "solve.sh", "#!/bin/bash\nid -un > /tmp/who\n", 0o755)
     write(task / "tests" / "test.sh", '#!/bin/bash\n[ "$(cat /tmp/who)" = nobody ] && [ "$(id -un)" = root ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n', 0o755)
+    separate_task(suite)
     multi = make_multi_step(suite, "multi", heredoc=False)
     write(multi / "steps" / "write" / "tests" / "test.sh", SHARED_TEST, 0o755)  # the step's own tests ...
     write(multi / "steps" / "write" / "tests" / "write-only.txt", "step 1's grading file\n")
@@ -332,6 +333,103 @@ def test_docker_honours_network_mode_users_and_multi_step_tasks(tmp_path: Path, 
     assert done.returncode == 0, done.stderr[-3000:]
     found = {r["task"]: r for r in records(next((tmp_path / "jobs").iterdir()))}
     assert {name: r["reward"] for name, r in found.items()} == {
-        "offline": 1.0, "legacy-offline": 1.0, "online": 1.0, "as-nobody": 1.0, "multi": 1.0,
+        "offline": 1.0, "legacy-offline": 1.0, "online": 1.0, "as-nobody": 1.0, "multi": 1.0, "separate": 1.0,
     }, {name: (r["error"], r["verifier_output"]) for name, r in found.items()}  # fmt: skip
     assert [(s["name"], s["reward"]) for s in found["multi"]["steps"]] == [("write", 1.0), ("append", 1.0)]
+    job = next((tmp_path / "jobs").iterdir())
+    assert files_under(job / "artifacts" / "separate_0") == [
+        "app/outdir/keep.txt", "app/report.json", "logs/artifacts/answer.txt", "manifest.json",
+    ]  # fmt: skip
+
+
+# ── separate verifiers and artifacts ─────────────────────────────────────────
+
+
+def separate_task(suite: Path, name: str = "separate") -> Path:
+    """A separate verifier judges what the agent published: declared artifacts and /logs/artifacts, nothing else."""
+    task = suite / name
+    write(task / "task.toml", """\
+        schema_version = "1.4"
+        artifacts = ["/app/report.json", { source = "/app/outdir", exclude = ["*.tmp"] }]
+        [verifier]
+        environment_mode = "separate"
+        """)  # fmt: skip
+    write(task / "environment" / "Dockerfile", "FROM debian:bookworm-slim\nWORKDIR /app\n")
+    write(task / "instruction.md", "Write a report.\n")
+    write(task / "solution" / "solve.sh", """\
+        #!/bin/bash
+        mkdir -p /logs/artifacts /app/outdir
+        echo '{"ok": true}' > /app/report.json
+        echo kept > /app/outdir/keep.txt; echo dropped > /app/outdir/junk.tmp
+        echo 42 > /logs/artifacts/answer.txt
+        touch /app/agent-was-here
+        """, 0o755)  # fmt: skip
+    write(task / "tests" / "test.sh", """\
+        #!/bin/bash
+        # a fresh sandbox: the agent's files are not there, its artifacts are
+        if [ "$(cat /logs/artifacts/answer.txt)" = 42 ] && [ -f /app/report.json ] && [ ! -e /app/agent-was-here ] \\
+           && [ -f /app/outdir/keep.txt ] && [ ! -e /app/outdir/junk.tmp ]; then
+          echo 1 > /logs/verifier/reward.txt
+        else
+          echo 0 > /logs/verifier/reward.txt
+        fi
+        """, 0o755)  # fmt: skip
+    return task
+
+
+def files_under(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.slow
+def test_separate_verifier_and_artifacts_as_harbor_runs_them(tmp_path: Path) -> None:
+    suite = tmp_path / "suite"
+    separate_task(suite)
+    done = harbor_async("run", "-p", str(suite), "-a", "oracle", "-o", str(tmp_path / "jobs"), "--ek", f"sandbox_root={tmp_path / 'sb'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    job = next((tmp_path / "jobs").iterdir())
+    (record,) = records(job)
+    assert record["reward"] == 1.0, record["verifier_output"]
+    ours = job / "artifacts" / "separate_0"
+    assert files_under(ours) == [
+        "app/outdir/keep.txt", "app/report.json", "logs/artifacts/answer.txt", "manifest.json",
+    ]  # fmt: skip
+    assert (ours / "logs" / "artifacts" / "answer.txt").read_text() == "42\n"
+
+    theirs = harbor_cli_rewards(suite, tmp_path)
+    assert theirs == {"separate": (1.0, [])}
+    (trial,) = (tmp_path / "harbor-jobs").glob("*/separate__*/artifacts")
+    assert files_under(trial) == files_under(ours)
+
+
+def test_artifacts_are_collected_within_the_transfer_budget(tmp_path: Path) -> None:
+    """A sandbox cannot fill the host through its artifacts: a sparse 4 GiB file and links out are not brought over."""
+    suite = tmp_path / "suite"
+    task = plain_task(suite, "bomb", 'artifacts = ["/app/big.bin", "/app/dir"]\n')
+    write(task / "solution" / "solve.sh", """\
+        #!/bin/bash
+        mkdir -p /app/dir /logs/artifacts && echo hi > /app/answer.txt
+        truncate -s 4G /app/big.bin
+        ln -s / /app/dir/host-root; ln -s /etc/passwd /logs/artifacts/passwd; echo small > /app/dir/ok.txt
+        """, 0o755)  # fmt: skip
+    done = harbor_async(
+        "run", "-p", str(suite), "-a", "oracle", "-o", str(tmp_path / "jobs"),
+        "--ek", f"sandbox_root={tmp_path / 'sb'}", "--ek", "transfer_limit_mb=1",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    job = next((tmp_path / "jobs").iterdir())
+    (record,) = records(job)
+    assert record["reward"] == 1.0  # collection is best effort: the episode is unharmed
+    folder = job / "artifacts" / "bomb_0"
+    assert files_under(folder) == ["app/dir/ok.txt", "manifest.json"]
+    assert not any(p.is_symlink() for p in folder.rglob("*"))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    failed = [e for e in manifest if e["status"] != "ok"]
+    assert [e["source"] for e in failed] == ["/app/big.bin"], manifest
+
+
+def test_trl_refuses_a_separate_verifier(tmp_path: Path) -> None:
+    task = load_task(separate_task(tmp_path))
+    with pytest.raises(UnsupportedTaskError, match="cannot start a second sandbox per rollout"):
+        check_tasks([task], resolve_backend("local"), driver=TRL)
+    check_tasks([task], resolve_backend("local"), driver=RUN)

@@ -198,7 +198,7 @@ def run(
     new: list[EpisodeRecord] = []
     with interrupts:
         try:
-            engine_kwargs = settings.engine_kwargs(budget_factory)  # the one Engine of run, eval and the cluster
+            engine_kwargs = settings.engine_kwargs(budget_factory, job.path)  # the one Engine of run, eval and the cluster
             if on_ray:
                 _on_cluster(todo, settings, concurrency, engine_kwargs, ray_address, job, new, root)
             else:

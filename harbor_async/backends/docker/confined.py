@@ -158,6 +158,17 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         """
         await self._copy_out(source_dir.rstrip("/") + "/.", Path(target_dir), single=False)
 
+    async def download_dir_with_exclusions(self, *, source_dir: str, target_dir: Path | str, exclude: list[str]) -> None:
+        """:meth:`download_dir` (within the transfer budget), then the ``exclude`` globs dropped.
+
+        Harbor's own route packs a gzip in the sandbox and unpacks it on the
+        host, where nothing bounds what it expands to.
+        """
+        from harbor_async.artifacts import prune_excluded
+
+        await self.download_dir(source_dir, target_dir)
+        prune_excluded(Path(target_dir), exclude)
+
     async def _copy_out(self, source: str, target: Path, *, single: bool) -> None:
         container = await self._find_main_container()
         if container is None:

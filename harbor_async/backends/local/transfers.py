@@ -107,6 +107,17 @@ class SandboxTransfers:
         root, relative = self._resolve(source)
         await self._run(hostfs.read_tree, root, relative, Path(target_dir), shown=source_dir, limited=True)
 
+    async def download_dir_with_exclusions(self, *, source_dir: str, target_dir: Path | str, exclude: list[str]) -> None:
+        """:meth:`download_dir` (within the transfer budget), then the ``exclude`` globs dropped.
+
+        Harbor's own route packs a gzip in the sandbox and unpacks it on the
+        host, where nothing bounds what it expands to.
+        """
+        from harbor_async.artifacts import prune_excluded
+
+        await self.download_dir(source_dir, target_dir)
+        prune_excluded(Path(target_dir), exclude)
+
     @property
     def _task_dir(self) -> Path | None:
         task_dir = self.environment_dir.parent
