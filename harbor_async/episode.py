@@ -331,7 +331,7 @@ class Episode:
         sandbox of the task's environment, given the collected artifacts
         (:mod:`harbor_async.artifacts`); it is stopped once it has judged.
         """
-        from harbor_async.artifacts import collect_artifacts, episode_folder, upload_artifacts
+        from harbor_async.artifacts import collect_artifacts, drop_if_empty, episode_folder, upload_artifacts
         from harbor_async.task_support import separate_verifier
 
         assert self.sandbox is not None
@@ -346,6 +346,8 @@ class Episode:
         if folder is not None:
             await self.sandbox.wait_started()
             await collect_artifacts(self.sandbox.environment, self.task, folder, step)
+            if root is not None and not separate:  # nothing published: no folder in the job
+                drop_if_empty(folder, root)
         if not separate:
             return await self.sandbox.verify(step)
         judge = self.engine.launch(self.task, self.backend, backend_kwargs=self.backend_kwargs)

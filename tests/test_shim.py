@@ -78,12 +78,12 @@ class CountingVerify:
         real = Sandbox.verify
         counter = self
 
-        async def verify(sandbox: Sandbox):
+        async def verify(sandbox: Sandbox, step=None):
             counter.calls += 1
             counter.now += 1
             counter.peak = max(counter.peak, counter.now)
             try:
-                return await real(sandbox)
+                return await real(sandbox, step)
             finally:
                 counter.now -= 1
 
