@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import anyio.lowlevel
 
+from harbor_async.backends import enter_network_phase
 from harbor_async.errors import (
     EpisodeDeadlineError,
     FailureClass,
@@ -222,8 +223,15 @@ class Episode:
             self.fail(FailureClass.AGENT, exc, Phase.START)
             log.warning("harness setup failed", task=self.task.name, error=repr(exc))
         if self.error is None:
+            environment = self.sandbox.environment
+            environment.default_user = self.task.config.agent.user  # [agent] user, as Harbor runs it
+            try:
+                await enter_network_phase(environment, self.task, "agent")
+            except Exception as exc:  # noqa: BLE001 - the backend could not apply it: no agent runs unconfined
+                self.error = exc
+                self.fail(FailureClass.INFRASTRUCTURE, exc, Phase.START)
+                return False
             self.enter(Phase.AGENT)
-            self.sandbox.environment.default_user = self.task.config.agent.user  # [agent] user, as Harbor runs it
             return True
         return False
 
@@ -349,12 +357,14 @@ class Episode:
             if root is not None and not separate:  # nothing published: no folder in the job
                 drop_if_empty(folder, root)
         if not separate:
+            await enter_network_phase(self.sandbox.environment, self.task, "verifier", step)
             return await self.sandbox.verify(step)
         judge = self.engine.launch(self.task, self.backend, backend_kwargs=self.backend_kwargs)
         try:
             await judge.wait_started()
             if folder is not None:
                 await upload_artifacts(judge.environment, self.task, folder, step)
+            await enter_network_phase(judge.environment, self.task, "verifier", step)
             return await judge.verify(step)
         finally:
             await judge.stop()

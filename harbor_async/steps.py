@@ -22,6 +22,7 @@ from __future__ import annotations
 import shlex
 from typing import TYPE_CHECKING, Any
 
+from harbor_async.backends import enter_network_phase
 from harbor_async.errors import FailureClass, Phase, SandboxError, VerifierFailure
 from harbor_async.policy import failure_class
 
@@ -97,7 +98,10 @@ async def _prepare(episode: Episode, step: StepConfig, paths: Any) -> None:
     sandbox, task = episode.sandbox, episode.task
     assert sandbox is not None
     folders = " ".join(shlex.quote(str(p)) for p in (paths.verifier_dir, paths.tests_dir, paths.agent_dir))
-    await sandbox.exec(f"for d in {folders}; do mkdir -p $d && find $d -mindepth 1 -delete; done; chmod 777 {folders}")
+    await sandbox.exec(
+        f"for d in {folders}; do mkdir -p $d && find $d -mindepth 1 -delete; done; chmod 777 {folders}", user="root"
+    )
+    sandbox.environment.default_user = step.agent.user if step.agent.user is not None else task.config.agent.user
     found = await sandbox.exec("pwd")
     workdir = (found.stdout or "/").strip() or "/"
     step_workdir = task.paths.step_workdir_dir(step.name)
@@ -113,6 +117,7 @@ async def _prepare(episode: Episode, step: StepConfig, paths: Any) -> None:
             await sandbox.environment.run_healthcheck(step.healthcheck)
         except HealthcheckError as exc:
             raise _StepFailed(f"step {step.name!r}: healthcheck failed: {exc}") from exc
+    await enter_network_phase(sandbox.environment, task, "agent", step)
     episode.tool_seconds = 0.0  # each step has its own agent budget
     episode.agent_budget = sandbox.context.timeouts.for_step(task, step).agent
 

@@ -433,3 +433,36 @@ def test_trl_refuses_a_separate_verifier(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedTaskError, match="cannot start a second sandbox per rollout"):
         check_tasks([task], resolve_backend("local"), driver=TRL)
     check_tasks([task], resolve_backend("local"), driver=RUN)
+
+
+# ── network policies that change between phases ─────────────────────────────
+
+
+@pytest.mark.anyio
+async def test_each_phase_gets_its_network_policy_on_a_backend_that_can_switch(tmp_path: Path) -> None:
+    """Harbor's phase switch: the agent's policy before the agent acts, the verifier's before it judges (each step's)."""
+    from harbor_async.engine import Engine
+    from harbor_async.runner import run_episode
+    from tests import network_backend
+
+    backend = resolve_backend("tests.network_backend:RecordingNetworkEnvironment")
+    single = load_task(plain_task(tmp_path / "suite", "single", """\
+        [environment]
+        network_mode = "no-network"
+        [verifier]
+        network_mode = "allowlist"
+        allowed_hosts = ["example.com"]
+        """))  # fmt: skip
+    multi = make_multi_step(tmp_path / "suite", "multi")
+    toml = (multi / "task.toml").read_text()
+    (multi / "task.toml").write_text(toml.replace("[steps.agent]\ntimeout_sec = 30", '[steps.agent]\ntimeout_sec = 30\nnetwork_mode = "no-network"'))
+    network_backend.SWITCHES.clear()
+    async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "sb")}) as engine:
+        first = await run_episode(engine, single, backend, "oracle")
+        switched_single = [mode for _, mode in network_backend.SWITCHES]
+        network_backend.SWITCHES.clear()
+        second = await run_episode(engine, load_task(multi), backend, "oracle")
+    assert first.reward == 1.0 and switched_single == ["allowlist"]  # built no-network; the verifier's allowlist
+    assert second.reward == 1.0
+    # step 'write': its agent is offline (the environment is public); its verifier, 'append''s agent and verifier public
+    assert [mode for _, mode in network_backend.SWITCHES] == ["no-network", "public"]

@@ -191,6 +191,28 @@ def network_policies(task: Task) -> tuple[NetworkPolicy, list[NetworkPolicy]]:
     return baseline, phases
 
 
+
+def phase_policy(task: Task, role: str, step: Any = None) -> NetworkPolicy:
+    """The network policy of the ``agent`` or ``verifier`` phase (of ``step``): Harbor's precedence.
+
+    The step's explicit ``network_mode``, else the task's ``[agent]``/``[verifier]`` one, else the environment's.
+    """
+    explicit = getattr(step, role).explicit_phase_policy() if step is not None else None
+    return explicit or getattr(task.config, role).explicit_phase_policy() or task.config.environment.resolve_baseline()
+
+
+async def enter_network_phase(environment: BaseEnvironment, task: Task, role: str, step: Any = None) -> None:
+    """Switch a backend that can change its network policy while running to the phase's (Harbor's phase switch).
+
+    A backend that cannot was built with the broadest policy of every phase, or
+    refused the task up front (see :func:`network_policies`).
+    """
+    if not environment.capabilities.dynamic_network_policy:
+        return
+    policy = phase_policy(task, role, step)
+    if environment.network_policy != policy:
+        await environment.set_network_policy(policy)
+
 @cache
 def _environment_class(spec: BackendSpec) -> type:
     from harbor.environments.base import BaseEnvironment
