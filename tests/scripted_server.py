@@ -44,10 +44,12 @@ EXAMPLE_SUITE = Path(__file__).resolve().parent.parent / "harbor_async" / "suite
 
 
 def load_solutions(suite: Path) -> list[tuple[str, str]]:
-    """(instruction, solve.sh) of every task folder, in suite order."""
+    """(instruction, solve.sh) of every task folder, in suite order (a multi-step task's: of each step)."""
     out = []
     for task in sorted(p for p in suite.iterdir() if (p / "task.toml").is_file()):
-        out.append(((task / "instruction.md").read_text(), (task / "solution" / "solve.sh").read_text()))
+        steps = sorted(p for p in (task / "steps").glob("*") if (p / "instruction.md").is_file())
+        for part in steps or [task]:
+            out.append(((part / "instruction.md").read_text(), (part / "solution" / "solve.sh").read_text()))
     return out
 
 

@@ -466,3 +466,23 @@ async def test_each_phase_gets_its_network_policy_on_a_backend_that_can_switch(t
     assert second.reward == 1.0
     # step 'write': its agent is offline (the environment is public); its verifier, 'append''s agent and verifier public
     assert [mode for _, mode in network_backend.SWITCHES] == ["no-network", "public"]
+
+
+def test_eval_drives_a_model_through_each_step(tmp_path: Path) -> None:
+    """``eval``: each step's instruction is a new conversation with the model, in the same sandbox."""
+    from harbor_async import evaluate_sync
+    from tests.scripted_server import ScriptedServer
+
+    suite = tmp_path / "suite"
+    make_multi_step(suite, "multi")
+    with ScriptedServer(suite=suite) as server:
+        result = evaluate_sync(
+            ["solver"], str(suite), base_url=server.base_url, jobs_dir=tmp_path / "jobs", job_name="job",
+            environment_kwargs={"sandbox_root": str(tmp_path / "sb")},
+        )  # fmt: skip
+    (record,) = result.records
+    assert record.reward == 1.0 and record.error_class is None, (record.error, record.steps)
+    assert [(s["name"], s["reward"]) for s in record.steps] == [("write", 1.0), ("append", 1.0)]
+    prompts = [m["content"] for m in record.transcript if m["role"] == "user"]
+    assert [p.splitlines()[0] for p in prompts] == ["Copy seed.txt to /app/out.txt.", "Append ' two' to the line in /app/out.txt."]
+    assert record.usage["tool_calls"] == 2
