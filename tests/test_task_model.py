@@ -318,6 +318,20 @@ def test_docker_honours_network_mode_users_and_multi_step_tasks(tmp_path: Path, 
     write(task / "solution" / "solve.sh", "#!/bin/bash\nid -un > /tmp/who\n", 0o755)
     write(task / "tests" / "test.sh", '#!/bin/bash\n[ "$(cat /tmp/who)" = nobody ] && [ "$(id -un)" = root ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n', 0o755)
     separate_task(suite)
+    compose = suite / "compose"  # a second container beside the agent's: reachable by name, stopped at once
+    write(compose / "task.toml", 'schema_version = "1.4"\n')
+    write(compose / "environment" / "Dockerfile", "FROM debian:bookworm-slim\nWORKDIR /tmp\n")
+    write(compose / "environment" / "docker-compose.yaml", """\
+        services:
+          main:
+            depends_on: [helper]
+          helper:
+            image: debian:bookworm-slim
+            command: ["bash", "-c", "exec sleep infinity"]
+        """)  # fmt: skip
+    write(compose / "instruction.md", "Find the helper.\n")
+    write(compose / "solution" / "solve.sh", "#!/bin/bash\ngetent hosts helper > /tmp/helper.txt\n", 0o755)
+    write(compose / "tests" / "test.sh", "#!/bin/bash\n[ -s /tmp/helper.txt ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n", 0o755)
     multi = make_multi_step(suite, "multi", heredoc=False)
     write(multi / "steps" / "write" / "tests" / "test.sh", SHARED_TEST, 0o755)  # the step's own tests ...
     write(multi / "steps" / "write" / "tests" / "write-only.txt", "step 1's grading file\n")
@@ -334,8 +348,11 @@ def test_docker_honours_network_mode_users_and_multi_step_tasks(tmp_path: Path, 
     found = {r["task"]: r for r in records(next((tmp_path / "jobs").iterdir()))}
     assert {name: r["reward"] for name, r in found.items()} == {
         "offline": 1.0, "legacy-offline": 1.0, "online": 1.0, "as-nobody": 1.0, "multi": 1.0, "separate": 1.0,
+        "compose": 1.0,
     }, {name: (r["error"], r["verifier_output"]) for name, r in found.items()}  # fmt: skip
     assert [(s["name"], s["reward"]) for s in found["multi"]["steps"]] == [("write", 1.0), ("append", 1.0)]
+    # the helper (PID 1 'sleep infinity', deaf to SIGTERM) got the init too: no 10 s wait for Docker's grace period
+    assert found["compose"]["seconds"]["stop"] < 8.0, found["compose"]["seconds"]
     job = next((tmp_path / "jobs").iterdir())
     assert files_under(job / "artifacts" / "separate_0") == [
         "app/outdir/keep.txt", "app/report.json", "logs/artifacts/answer.txt", "manifest.json",

@@ -81,7 +81,7 @@ class BackendSpec:
             trial_dir=trial_paths.trial_dir,
             run_label=run_label,
             sandbox_id=session_id,
-            task_env=task.config.environment.env,
+            environment_dir=task.paths.environment_dir,
             backend_kwargs=kwargs,
             options=options,
         )
@@ -133,7 +133,7 @@ class BackendSpec:
         trial_dir: Path,
         run_label: str,
         sandbox_id: str,
-        task_env: Mapping[str, str] | None,
+        environment_dir: Path | None,
         backend_kwargs: Mapping[str, Any],
         options: Mapping[str, Any],
     ) -> dict[str, Any]:
@@ -146,7 +146,7 @@ class BackendSpec:
         if (self.type == "docker" or self.name == "docker-fast") and options.get("docker_overlay", True):
             from harbor_async.backends.docker.overlay import overlay_extras
 
-            return overlay_extras(trial_dir, run_label, sandbox_id, task_env, backend_kwargs)
+            return overlay_extras(trial_dir, run_label, sandbox_id, backend_kwargs, environment_dir)
         return {}
 
     def typed_error(self, exc: BaseException) -> BaseException:

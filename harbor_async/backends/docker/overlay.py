@@ -5,7 +5,8 @@ Harbor builds each sandbox from its own compose files; an extra overlay file
 service, before the create call:
 
 - labels naming the run, the sandbox and the owning process (and its PID
-  namespace), which :mod:`harbor_async.reaper` reads;
+  namespace), which :mod:`harbor_async.reaper` reads (on every service of a
+  multi-container task, with the init);
 - ``init: true``: Docker's init as PID 1 forwards SIGTERM and reaps zombies.
   Harbor's container otherwise runs ``sleep infinity`` as PID 1, which ignores
   SIGTERM, so every ``compose down`` waited out Docker's 10 s grace period;
@@ -33,8 +34,26 @@ from harbor_async.naming import LABEL_OWNER_PID, LABEL_PID_NS, LABEL_RUN, LABEL_
 PIDS_LIMIT = 1024
 
 
-def write_overlay(folder: Path, run_label: str, sandbox_id: str) -> Path:
-    """Write the overlay into ``folder`` (the sandbox's trial folder) and return its path."""
+def compose_services(environment_dir: Path | None) -> list[str]:
+    """The services a task's ``environment/docker-compose.yaml`` declares besides ``main`` (none without one)."""
+    import yaml
+
+    path = None if environment_dir is None else Path(environment_dir) / "docker-compose.yaml"
+    if path is None or not path.is_file():
+        return []
+    try:
+        services = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("services") or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        return []  # Compose reports a broken file at the start, in its own words
+    return [name for name in services if isinstance(name, str) and name != "main"]
+
+
+def write_overlay(folder: Path, run_label: str, sandbox_id: str, sidecars: list[str] | None = None) -> Path:
+    """Write the overlay into ``folder`` (the sandbox's trial folder) and return its path.
+
+    The task's other services (``sidecars``) get the labels and the init too, so that
+    they stop at once and a reaper finds them; the confinement is the agent's ``main``'s.
+    """
     try:
         pid_ns = os.readlink("/proc/self/ns/pid")
     except OSError:  # no procfs: the reaper then trusts the pid alone
@@ -49,7 +68,8 @@ def write_overlay(folder: Path, run_label: str, sandbox_id: str) -> Path:
     main: dict[str, Any] = {
         "init": True, "labels": labels, "pids_limit": PIDS_LIMIT, "security_opt": ["no-new-privileges:true"],
     }  # fmt: skip
-    path.write_text(json.dumps({"services": {"main": main}}, indent=2))
+    services = {name: {"init": True, "labels": labels} for name in sidecars or []}
+    path.write_text(json.dumps({"services": {**services, "main": main}}, indent=2))
     return path
 
 
@@ -62,10 +82,11 @@ def overlay_extras(
     trial_dir: Path,
     run_label: str,
     sandbox_id: str,
-    task_env: Mapping[str, str] | None,
     backend_kwargs: Mapping[str, Any],
+    environment_dir: Path | None = None,
 ) -> dict[str, Any]:
     """The trial-config fields that give one sandbox the overlay (none when it must not have one)."""
     if not wants_overlay("docker", dict(backend_kwargs)):
         return {}
-    return {"extra_docker_compose": [write_overlay(trial_dir, run_label, sandbox_id)]}
+    overlay = write_overlay(trial_dir, run_label, sandbox_id, compose_services(environment_dir))
+    return {"extra_docker_compose": [overlay]}
