@@ -341,6 +341,7 @@ class Episode:
         """
         from harbor_async.artifacts import collect_artifacts, drop_if_empty, episode_folder, upload_artifacts
         from harbor_async.task_support import separate_verifier
+        from harbor_async.verifier_env import verifier_task
 
         assert self.sandbox is not None
         separate = separate_verifier(self.task, step)
@@ -359,13 +360,14 @@ class Episode:
         if not separate:
             await enter_network_phase(self.sandbox.environment, self.task, "verifier", step)
             return await self.sandbox.verify(step)
-        judge = self.engine.launch(self.task, self.backend, backend_kwargs=self.backend_kwargs)
+        task, tests_in_image = verifier_task(self.task, step)  # the task's environment, or the verifier's own
+        judge = self.engine.launch(task, self.backend, backend_kwargs=self.backend_kwargs)
         try:
             await judge.wait_started()
             if folder is not None:
-                await upload_artifacts(judge.environment, self.task, folder, step)
-            await enter_network_phase(judge.environment, self.task, "verifier", step)
-            return await judge.verify(step)
+                await upload_artifacts(judge.environment, task, folder, step)
+            await enter_network_phase(judge.environment, task, "verifier", step)
+            return await judge.verify(step, tests_in_image=tests_in_image)
         finally:
             await judge.stop()
 

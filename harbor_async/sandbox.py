@@ -241,7 +241,7 @@ class Sandbox:
             else:
                 await self.environment.download_file(source, target)
 
-    async def verify(self, step: StepConfig | None = None) -> VerifyResult:
+    async def verify(self, step: StepConfig | None = None, *, tests_in_image: bool = False) -> VerifyResult:
         """Run the task's verifier (a step's: its tests and the shared ones) with Harbor's own; return the reward.
 
         Raises :class:`~harbor_async.errors.VerifierFailure` when the verifier ran
@@ -284,6 +284,7 @@ class Sandbox:
                     task=self.task, trial_paths=self._trial_paths(), environment=environment,
                     override_env=self.task.config.verifier.env or None,
                     verifier_env=step.verifier.env or None if step else None, step_name=step and step.name,
+                    skip_tests_upload=tests_in_image,  # a verifier image with the tests built in (Harbor's rule)
                 )  # fmt: skip
                 user = step.verifier.user if step and step.verifier.user is not None else self.task.config.verifier.user
                 try:

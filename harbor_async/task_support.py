@@ -24,6 +24,7 @@ from harbor.models.task.config import NetworkMode
 
 from harbor_async.errors import HarborAsyncError
 from harbor_async.task_env import missing_variables
+from harbor_async.verifier_env import own_environment
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
@@ -169,6 +170,9 @@ def task_refusals(
                 "network_mode = 'public'",
                 "local sandboxes have no network (run such tasks offline with --ek allow_offline=true)",
             )
+        for where, step in [("[verifier]", None), *((f"[steps.{s.name}.verifier]", s) for s in steps)]:
+            if separate_verifier(task, step) and own_environment(task, step):
+                refuse(f"{where} environment", "a verifier image of its own needs a backend that builds images")
         from harbor_async.backends.local.dockerfile import unsupported_instructions
 
         for line in unsupported_instructions(task.paths.environment_dir / "Dockerfile"):
@@ -194,8 +198,6 @@ def driver_refusals(task: Task, driver: Driver) -> list[Refusal]:
         if separate_verifier(task, step):
             if not driver.multi_step:  # TRL's driver: its live-sandbox limit counts the rollouts, not their judges
                 refuse(f"{where} environment_mode = 'separate'", f"{driver.name} cannot start a second sandbox per rollout")
-            elif not _verifier_reuses_environment(task, step):
-                refuse(f"{where} environment", "a verifier environment of its own (not the task's) is not supported yet")
         if verifier.collect:
             refuse(f"{where} collect", "collect hooks need Compose services, which harbor-async does not run")
     if driver.model_harness and config.environment.mcp_servers:
@@ -215,19 +217,6 @@ def separate_verifier(task: Task, step: Any = None) -> bool:
 
     mode = resolve_task_verifier_mode(task.config) if step is None else resolve_step_verifier_mode(task.config, step)
     return mode is VerifierEnvironmentMode.SEPARATE
-
-
-def _verifier_reuses_environment(task: Task, step: Any) -> bool:
-    """Whether a separate verifier's environment is a fresh copy of the task's own (what every backend can start)."""
-    from harbor.models.task.verifier_mode import resolve_verifier_environment_definition
-
-    if task.config.verifier.environment is not None or (step is not None and step.verifier.environment is not None):
-        return False
-    try:
-        definition = resolve_verifier_environment_definition(task.config, task.paths, step)
-    except (ValueError, OSError):
-        return False
-    return definition is not None and not definition.bundled_tests and definition.directory == task.paths.environment_dir
 
 
 def _asks_public_network(task: Task) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -183,7 +184,7 @@ def test_features_local_cannot_honour_are_refused_up_front_one_line_each(tmp_pat
     assert done.returncode == 2, done.stderr[-3000:]
     text = done.stderr
     for line in (
-        "task own-verifier-image: [verifier] environment: a verifier environment of its own",
+        "task own-verifier-image: [verifier] environment: a verifier image of its own needs a backend that builds images",
         "task agent-user: [agent] user = 'agent': local sandboxes run every command as their root",
         "task needs-internet: network_mode = 'public': local sandboxes have no network",
         "task legacy-internet: network_mode = 'public'",
@@ -303,11 +304,12 @@ def host_server():
 @pytest.mark.slow
 @pytest.mark.docker
 @pytest.mark.usefixtures("docker_daemon")
-def test_docker_honours_network_mode_users_and_multi_step_tasks(tmp_path: Path, host_server: int) -> None:
+def test_docker_honours_network_mode_users_and_multi_step_tasks(tmp_path: Path, host_server: int, request) -> None:
     """A separate verifier judges the artifacts in a fresh container; a no-network task has no route out (Harbor's egress sidecar needs Docker Hub: Compose's ``network_mode: none``
     honours a task that is offline in every phase); a public one reaches the host; ``[agent] user`` runs the agent,
     the verifier stays root; a multi-step task's steps each see only their own tests."""
     suite = tmp_path / "suite"
+    verifier_image = f"harbor-async-test-verifier:{os.getpid()}"
     probe_task(suite, "offline", 'network_mode = "no-network"', "no-route")
     probe_task(suite, "legacy-offline", "allow_internet = false", "no-route")
     probe_task(suite, "online", "", "reached")
@@ -318,6 +320,20 @@ def test_docker_honours_network_mode_users_and_multi_step_tasks(tmp_path: Path, 
     write(task / "solution" / "solve.sh", "#!/bin/bash\nid -un > /tmp/who\n", 0o755)
     write(task / "tests" / "test.sh", '#!/bin/bash\n[ "$(cat /tmp/who)" = nobody ] && [ "$(id -un)" = root ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n', 0o755)
     separate_task(suite)
+    for name, image in (("own-image", True), ("tests-image", False)):  # the verifier's own environment
+        task = separate_task(suite, name)
+        if image:
+            write(tmp_path / "verifier-image" / "Dockerfile", "FROM debian:bookworm-slim\nCOPY test.sh /tests/test.sh\n")
+            shutil.copy(task / "tests" / "test.sh", tmp_path / "verifier-image" / "test.sh")
+        write(task / "environment" / "agent-only.txt", "only in the agent's image\n")
+        write(task / "environment" / "Dockerfile", "FROM debian:bookworm-slim\nWORKDIR /app\nCOPY agent-only.txt /agent-only.txt\n")
+        test = task / "tests" / "test.sh"
+        test.write_text(test.read_text().replace("]; then", "] && [ ! -e /agent-only.txt ]; then"))
+        if image:  # [verifier.environment]: a prebuilt image, which holds the tests (Harbor's rule)
+            toml = (task / "task.toml").read_text()
+            (task / "task.toml").write_text(toml + f'[verifier.environment]\ndocker_image = "{verifier_image}"\n')
+        else:  # tests/Dockerfile: the tests are built into the verifier's image
+            write(task / "tests" / "Dockerfile", "FROM debian:bookworm-slim\nCOPY test.sh /tests/test.sh\n")
     compose = suite / "compose"  # a second container beside the agent's: reachable by name, stopped at once
     write(compose / "task.toml", 'schema_version = "1.4"\n')
     write(compose / "environment" / "Dockerfile", "FROM debian:bookworm-slim\nWORKDIR /tmp\n")
@@ -340,6 +356,10 @@ def test_docker_honours_network_mode_users_and_multi_step_tasks(tmp_path: Path, 
     solve = multi / "steps" / "append" / "solution" / "solve.sh"  # and by step 2's agent
     solve.write_text("#!/bin/bash\n[ -e /tests/test.sh ] && exit 1\n" + solve.read_text().split("\n", 1)[1])
 
+    shutil.copy(suite / "own-image" / "tests" / "test.sh", tmp_path / "verifier-image" / "test.sh")
+    built = subprocess.run(["docker", "build", "-q", "-t", verifier_image, str(tmp_path / "verifier-image")], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    request.addfinalizer(lambda: subprocess.run(["docker", "rmi", "-f", verifier_image], capture_output=True))
     done = harbor_async(
         "run", "-p", str(suite), "-e", "docker", "-a", "oracle", "-o", str(tmp_path / "jobs"), "--env-allow", "PROBE_PORT",
         env={"PROBE_PORT": str(host_server)}, timeout=900,
@@ -348,7 +368,7 @@ def test_docker_honours_network_mode_users_and_multi_step_tasks(tmp_path: Path, 
     found = {r["task"]: r for r in records(next((tmp_path / "jobs").iterdir()))}
     assert {name: r["reward"] for name, r in found.items()} == {
         "offline": 1.0, "legacy-offline": 1.0, "online": 1.0, "as-nobody": 1.0, "multi": 1.0, "separate": 1.0,
-        "compose": 1.0,
+        "compose": 1.0, "own-image": 1.0, "tests-image": 1.0,
     }, {name: (r["error"], r["verifier_output"]) for name, r in found.items()}  # fmt: skip
     assert [(s["name"], s["reward"]) for s in found["multi"]["steps"]] == [("write", 1.0), ("append", 1.0)]
     # the helper (PID 1 'sleep infinity', deaf to SIGTERM) got the init too: no 10 s wait for Docker's grace period
