@@ -374,7 +374,7 @@ class Episode:
     def settle(self) -> None:
         """Make the reward agree with the failure: none when not judged, 0 for the model's failure without one."""
         failure = self.record.failure
-        if failure is not None and failure.rerun:
+        if failure is not None and not failure.scored:  # not judged: no reward
             self.record.reward, self.record.rewards = None, {}
         elif failure is not None and self.record.reward is None:
             self.record.reward = 0.0  # the model's episode, with no reward: it scores 0

@@ -194,6 +194,10 @@ class StartError(SandboxError):
     """The sandbox could not be started (after any retries)."""
 
 
+class InvalidTaskError(StartError):
+    """The task cannot be started as written (its Dockerfile, a COPY source that is not there): ``invalid_task``."""
+
+
 class ExecError(SandboxError):
     """A command could not be run in the sandbox (not a non-zero exit code)."""
 
@@ -307,9 +311,13 @@ class FailureClass(StrEnum):
     - ``verifier``: a missing or malformed reward file, a failing or timed-out test script;
     - ``agent``: the agent timed out or its harness failed;
     - ``model_server``: the policy's server failed (evaluation only);
-    - ``cancelled``: the episode was interrupted (a signal, a superseded start).
+    - ``cancelled``: the episode was interrupted (a signal, a superseded start);
+    - ``invalid_task``: the task cannot be run as written (its Dockerfile, a COPY
+      source that is not there): found only at its start, else refused up front.
 
-    Infrastructure, model-server and cancelled failures are rerun by a resume and
+    Infrastructure, model-server, cancelled and invalid-task failures leave the
+    model unjudged (no reward, in no score), are rerun by a resume (an invalid
+    task once it is fixed: it fails at once again otherwise, never retried) and
     make a command exit 1; verifier and agent failures are the model's episode,
     scored as the verifier says (0 when there is no reward).
     """
@@ -319,6 +327,7 @@ class FailureClass(StrEnum):
     AGENT = "agent"
     MODEL_SERVER = "model_server"
     CANCELLED = "cancelled"
+    INVALID_TASK = "invalid_task"
 
     @property
     def rerun(self) -> bool:
@@ -327,11 +336,13 @@ class FailureClass(StrEnum):
 
     @property
     def scored(self) -> bool:
-        """Whether the episode counts as the model's (scored 0 without a reward)."""
+        """Whether the episode counts as the model's (scored 0 without a reward): the model was judged."""
         return not self.rerun
 
 
-_RERUN = frozenset({FailureClass.INFRASTRUCTURE, FailureClass.MODEL_SERVER, FailureClass.CANCELLED})
+_RERUN = frozenset(
+    {FailureClass.INFRASTRUCTURE, FailureClass.MODEL_SERVER, FailureClass.CANCELLED, FailureClass.INVALID_TASK}
+)
 
 
 class SettingError(HarborAsyncError, ValueError):

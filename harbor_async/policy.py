@@ -26,6 +26,7 @@ from harbor_async.errors import (
     BackendStartError,
     EpisodeDeadlineError,
     FailureClass,
+    InvalidTaskError,
     ModelServerError,
     Phase,
     SandboxCancelledError,
@@ -192,6 +193,8 @@ ERROR_POLICY: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...],
     (VerifierFailure, None, ErrorRule(FailureClass.VERIFIER, retry=False)),
     (EpisodeDeadlineError, Phase.START, _INFRA),
     (EpisodeDeadlineError, None, ErrorRule(FailureClass.AGENT, retry=False)),
+    # The task cannot be built as written (its Dockerfile, a COPY source that is not there).
+    ((InvalidTaskError, SandboxBuildFailedError), None, ErrorRule(FailureClass.INVALID_TASK, retry=False)),
     (SandboxError, Phase.AGENT, ErrorRule(FailureClass.AGENT, retry=False)),
     # Sandbox errors of the other phases were already retried where that was safe.
     (SandboxError, None, _INFRA),

@@ -87,9 +87,15 @@ class EpisodeRecord:
         return failure is not None and failure.rerun
 
     @property
+    def judged(self) -> bool:
+        """Whether the episode scores (no failure, or the model's own); else it is left out of every score."""
+        failure = self.failure
+        return failure is None or failure.scored
+
+    @property
     def infrastructure_failure(self) -> bool:
-        """Whether the model was not judged (infrastructure, model server or cancelled)."""
-        return self.rerun
+        """Whether the model was not judged (infrastructure, model server, cancelled or an invalid task)."""
+        return not self.judged
 
     @property
     def score(self) -> float:

@@ -27,6 +27,8 @@ from harbor_async.errors import (
     PHASE_ERRORS,
     BackendExecTimeout,
     EpisodeDeadlineError,
+    FailureClass,
+    InvalidTaskError,
     Phase,
     SandboxCancelledError,
     SandboxClosedError,
@@ -37,7 +39,7 @@ from harbor_async.errors import (
 )
 from harbor_async.logs import get_logger
 from harbor_async.naming import TRIAL_MARKER_NAME, TrialDirNames, new_sandbox_id
-from harbor_async.policy import RetryPolicy, Timeouts
+from harbor_async.policy import RetryPolicy, Timeouts, failure_class
 from harbor_async.reward_files import verifier_output
 from harbor_async.results import ExecOutput, PhaseTimes, VerifyResult, scalar_reward, truncate_output
 from harbor_async.stats import StatsRecorder
@@ -544,7 +546,8 @@ class Sandbox:
             error = SandboxCancelledError(phase, self.task_name, self.id, "cancelled before it finished", start_attempt=attempt)
         else:
             detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            error = PHASE_ERRORS[phase](phase, self.task_name, self.id, detail, start_attempt=attempt)
+            kind = InvalidTaskError if phase is Phase.START and failure_class(exc) is FailureClass.INVALID_TASK else None
+            error = (kind or PHASE_ERRORS[phase])(phase, self.task_name, self.id, detail, start_attempt=attempt)
         error.__cause__ = exc
         return error
 

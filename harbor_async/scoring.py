@@ -80,10 +80,10 @@ def summarize(
     """
     records = list(records)
     all_tasks = by_task(records)
-    tasks = {key: judged for key, rs in all_tasks.items() if (judged := [r for r in rs if not r.rerun])}
-    judged = [r for r in records if not r.rerun]
+    tasks = {key: judged for key, rs in all_tasks.items() if (judged := [r for r in rs if r.judged])}
+    judged = [r for r in records if r.judged]
     failures = Counter(r.error_class for r in records if r.error_class)
-    not_judged = Counter(r.error_class or "unknown" for r in records if r.rerun)
+    not_judged = Counter(r.error_class or "unknown" for r in records if not r.judged)
     task_means = [float(np.mean([r.score for r in rs])) for rs in tasks.values()]
     mean = _mean([r.score for r in judged])
     summary: dict[str, Any] = {
@@ -109,7 +109,7 @@ def summarize(
     summary["pass_at_k"] = pass_k
     summary["per_task"] = []
     for rs in all_tasks.values():
-        scored = [r for r in rs if not r.rerun]
+        scored = [r for r in rs if r.judged]
         summary["per_task"].append({
             "task": rs[0].task,
             "task_path": rs[0].task_path,
@@ -139,8 +139,8 @@ def paired_difference(
     (one index draw for both), which removes the task-difficulty variance an
     unpaired interval would carry. Also returns each task's difference.
     """
-    a = {key: float(np.mean([r.score for r in rs])) for key, rs in by_task(r for r in base if not r.rerun).items()}
-    b = {key: float(np.mean([r.score for r in rs])) for key, rs in by_task(r for r in other if not r.rerun).items()}
+    a = {key: float(np.mean([r.score for r in rs])) for key, rs in by_task(r for r in base if r.judged).items()}
+    b = {key: float(np.mean([r.score for r in rs])) for key, rs in by_task(r for r in other if r.judged).items()}
     shared = [key for key in a if key in b]
     diffs = np.asarray([b[key] - a[key] for key in shared], dtype=float)
     result: dict[str, Any] = {

@@ -61,7 +61,7 @@ async def run_steps(episode: Episode, actor: Any) -> None:
             entry["error"] = str(exc)
             return
         await actor.act(episode)
-        if episode.error is not None or (episode.record.failure is not None and episode.record.failure.rerun):
+        if episode.error is not None or not episode.record.judged:
             entry["error"] = episode.record.error
             return  # the model server or the sandbox failed: no verdict on this episode
         episode.enter(Phase.VERIFY)
@@ -139,7 +139,7 @@ def _settle(episode: Episode, judged: list[dict[str, float | int]]) -> None:
     from harbor_async.results import scalar_reward
 
     record = episode.record
-    if not judged or (record.failure is not None and record.failure.rerun):
+    if not judged or not record.judged:
         return
     strategy = getattr(episode.task.config.multi_step_reward_strategy, "value", None) or "mean"
     if strategy == "final":

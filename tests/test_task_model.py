@@ -523,3 +523,21 @@ def test_eval_drives_a_model_through_each_step(tmp_path: Path) -> None:
     prompts = [m["content"] for m in record.transcript if m["role"] == "user"]
     assert [p.splitlines()[0] for p in prompts] == ["Copy seed.txt to /app/out.txt.", "Append ' two' to the line in /app/out.txt."]
     assert record.usage["tool_calls"] == 2
+
+
+def test_a_task_that_cannot_be_built_is_an_invalid_task_not_the_infrastructure(tmp_path: Path) -> None:
+    """Found only at its start (a COPY source that is not there): not judged, not retried, named, rerun by a resume."""
+    suite = tmp_path / "suite"
+    plain_task(suite, "missing-source", dockerfile="FROM debian:bookworm-slim\nCOPY not-there.txt /app/\n")
+    plain_task(suite, "fine")
+    done = harbor_async("run", "-p", str(suite), "-a", "oracle", "-o", str(tmp_path / "jobs"), "--ek", f"sandbox_root={tmp_path / 'sb'}")
+    assert done.returncode == 1, done.stderr[-2000:]
+    job = next((tmp_path / "jobs").iterdir())
+    found = {r["task"]: r for r in records(job)}
+    bad = found["missing-source"]
+    assert (bad["error_class"], bad["error_type"], bad["reward"], bad["start_attempts"]) == ("invalid_task", "InvalidTaskError", None, 1)
+    assert "not-there.txt" in bad["error"]
+    assert found["fine"]["reward"] == 1.0
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["not_judged_by_class"] == {"invalid_task": 1} and summary["mean_reward"] == 1.0
+    assert "1 not judged (1 invalid_task: rerun by --resume; fix invalid tasks first)" in " ".join(done.stdout.split())

@@ -220,7 +220,7 @@ def run(
         left = len(episodes) - sum(1 for r in records if not r.rerun)
         say(f"interrupted by {interrupts.name}:", f"{left} episodes to run; resume with `harbor-async run --resume {job.path}`")
         raise typer.Exit(interrupts.exit_code)
-    broken = [r for r in records if r.rerun]
+    broken = [r for r in records if not r.judged]
     if broken:
         for r in broken:
             say(f"{r.error_class} failure", f"{r.task} (attempt {r.attempt}): {r.error}", "bold red")
@@ -371,9 +371,10 @@ def _print_summary(summary: dict[str, Any], records: list[EpisodeRecord]) -> Non
 
     failures = ", ".join(f"{n} {cls}" for cls, n in summary["failures"].items()) or "none"
     unjudged = ", ".join(f"{n} {cls}" for cls, n in summary["not_judged_by_class"].items())
+    fix = "; fix invalid tasks first" if "invalid_task" in summary["not_judged_by_class"] else ""
     out.print(Text(
         f"{summary['episodes']} episodes: mean reward {fmt(summary['mean_reward'])} over the {summary['completed']} judged"
-        + (f", {summary['not_judged']} not judged ({unjudged}: rerun by --resume)" if summary["not_judged"] else "")
+        + (f", {summary['not_judged']} not judged ({unjudged}: rerun by --resume{fix})" if summary["not_judged"] else "")
         + f"; failures: {failures}"
     ))  # fmt: skip
     if summary["pass_at_k"]:

@@ -27,7 +27,7 @@ LIFECYCLE = ("start", "agent", "verify", "stop")
 SOLVED = "solved"
 UNSOLVED = "unsolved"
 #: Outcomes of episodes the model was not judged on (rerun by a resume, never scored).
-NOT_JUDGED = frozenset({"infrastructure", "model_server", "cancelled"})
+NOT_JUDGED = frozenset({"infrastructure", "model_server", "cancelled", "invalid_task"})
 
 
 @dataclass
@@ -131,7 +131,7 @@ def outcome(record: EpisodeRecord, threshold: float) -> str:
     A failure that was judged anyway (a verifier or agent failure with a reward
     at or above the threshold) counts as solved: the reward is what scores.
     """
-    if record.rerun:
+    if not record.judged:
         return str(record.error_class)
     if record.score >= threshold:
         return SOLVED
