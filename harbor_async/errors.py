@@ -12,6 +12,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from harbor.environments.base import SandboxBuildFailedError
+
 
 class Phase(StrEnum):
     """The lifecycle phases of a sandbox, each with its own time budget."""
@@ -192,6 +194,13 @@ class BackendExecTimeout(HarborAsyncError, TimeoutError, RuntimeError):
 
 class StartError(SandboxError):
     """The sandbox could not be started (after any retries)."""
+
+
+class TaskDefinitionError(HarborAsyncError, SandboxBuildFailedError):
+    """What a backend found wrong in a task's environment definition (a Dockerfile line, a missing COPY source).
+
+    Not the host's or the backend's failure: the start is not retried and the episode is ``invalid_task``.
+    """
 
 
 class InvalidTaskError(StartError):

@@ -32,6 +32,7 @@ from harbor_async.errors import (
     SandboxCancelledError,
     SandboxError,
     SettingError,
+    TaskDefinitionError,
     VerifierFailure,
 )
 
@@ -194,7 +195,7 @@ ERROR_POLICY: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...],
     (EpisodeDeadlineError, Phase.START, _INFRA),
     (EpisodeDeadlineError, None, ErrorRule(FailureClass.AGENT, retry=False)),
     # The task cannot be built as written (its Dockerfile, a COPY source that is not there).
-    ((InvalidTaskError, SandboxBuildFailedError), None, ErrorRule(FailureClass.INVALID_TASK, retry=False)),
+    ((InvalidTaskError, TaskDefinitionError), None, ErrorRule(FailureClass.INVALID_TASK, retry=False)),
     (SandboxError, Phase.AGENT, ErrorRule(FailureClass.AGENT, retry=False)),
     # Sandbox errors of the other phases were already retried where that was safe.
     (SandboxError, None, _INFRA),

@@ -541,3 +541,17 @@ def test_a_task_that_cannot_be_built_is_an_invalid_task_not_the_infrastructure(t
     summary = json.loads((job / "summary.json").read_text())
     assert summary["not_judged_by_class"] == {"invalid_task": 1} and summary["mean_reward"] == 1.0
     assert "1 not judged (1 invalid_task: rerun by --resume; fix invalid tasks first)" in " ".join(done.stdout.split())
+
+
+def test_only_the_tasks_own_definition_errors_are_invalid_tasks() -> None:
+    """A backend's build failure (a missing bubblewrap, a cloud builder's error) stays the infrastructure's."""
+    from harbor.environments.base import SandboxBuildFailedError
+
+    from harbor_async.backends.local.errors import TaskPathEscapeError
+    from harbor_async.errors import FailureClass, TaskDefinitionError
+    from harbor_async.policy import failure_class, is_transient
+
+    assert failure_class(TaskDefinitionError("Dockerfile line 3: bad")) is FailureClass.INVALID_TASK
+    assert failure_class(TaskPathEscapeError(Path("/t/tests"), Path("/etc"))) is FailureClass.INVALID_TASK
+    assert not is_transient(TaskDefinitionError("x"))
+    assert failure_class(SandboxBuildFailedError("bubblewrap is not installed")) is FailureClass.INFRASTRUCTURE

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from harbor.environments.base import SandboxBuildFailedError
 
+from harbor_async.errors import TaskDefinitionError
+
 
 @dataclass(frozen=True)
 class CopyStep:
@@ -160,7 +162,7 @@ def parse_dockerfile(text: str, base_env: dict[str, str] | None = None) -> Docke
             elif keyword not in _SILENT:
                 spec.ignored.append(f"line {number}: {_short(line)}")
         except (ValueError, IndexError) as exc:
-            raise SandboxBuildFailedError(f"Dockerfile line {number}: {line!r}: {exc}") from exc
+            raise TaskDefinitionError(f"Dockerfile line {number}: {line!r}: {exc}") from exc
     return spec
 
 

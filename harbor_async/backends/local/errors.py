@@ -6,7 +6,7 @@ from pathlib import Path
 
 from harbor.environments.base import SandboxBuildFailedError
 
-from harbor_async.errors import BackendExecTimeout, HarborAsyncError
+from harbor_async.errors import BackendExecTimeout, HarborAsyncError, TaskDefinitionError
 
 
 class ExecTimeoutError(BackendExecTimeout):
@@ -20,7 +20,7 @@ class SandboxPathError(HarborAsyncError, ValueError):
     """A sandbox path that cannot be transferred (read-only host folder, /proc ...)."""
 
 
-class TaskPathEscapeError(HarborAsyncError, SandboxBuildFailedError):
+class TaskPathEscapeError(TaskDefinitionError):
     """A task file (COPY source, ``instruction.md``, ``tests/``, ``solution/``) is a symlink out of the task.
 
     Refused as Docker refuses a build-context escape: following it would copy

@@ -24,8 +24,6 @@ import posixpath
 import shutil
 from pathlib import Path
 
-from harbor.environments.base import SandboxBuildFailedError
-
 from harbor_async.backends.local.dockerfile import CopyStep
 from harbor_async.backends.local.errors import SandboxPathError, TaskPathEscapeError
 from harbor_async.backends.local.layout import (
@@ -34,6 +32,7 @@ from harbor_async.backends.local.layout import (
     SYSTEM_DIRS,
     under,
 )
+from harbor_async.errors import TaskDefinitionError
 from harbor_async.files import remove_tree
 from harbor_async.tasks import task_path_escapes
 
@@ -208,7 +207,7 @@ def apply_copy(fs: Path, context: Path, step: CopyStep, workdir: str) -> None:
 
     Raises:
         TaskPathEscapeError: a source (or a symlink it is) leads out of the context.
-        SandboxBuildFailedError: a source does not exist, or is outside the context by ``..``.
+        TaskDefinitionError: a source does not exist, or is outside the context by ``..``.
     """
     if step.content is not None:  # COPY <<EOF /dest
         host = host_path(fs, workdir, step.dest, writable=True)
@@ -219,10 +218,10 @@ def apply_copy(fs: Path, context: Path, step: CopyStep, workdir: str) -> None:
     for pattern in step.sources:
         relative = posixpath.normpath(pattern.lstrip("/"))
         if relative.startswith(".."):
-            raise SandboxBuildFailedError(f"COPY source {pattern!r} is outside the build context")
+            raise TaskDefinitionError(f"COPY source {pattern!r} is outside the build context")
         matches = sorted(context.glob(relative)) if relative != "." else [context]
         if not matches:
-            raise SandboxBuildFailedError(
+            raise TaskDefinitionError(
                 f"Dockerfile line {step.line}: COPY source {pattern!r} not found in {context}"
             )
         for source in matches:
