@@ -23,10 +23,7 @@ from harbor.environments.base import (
     ExecResult,
     SandboxBuildFailedError,
 )
-from harbor.environments.capabilities import (
-    EnvironmentCapabilities,
-    EnvironmentResourceCapabilities,
-)
+from harbor.environments.capabilities import EnvironmentCapabilities, EnvironmentResourceCapabilities
 from harbor.models.task.config import EnvironmentConfig, HealthcheckConfig
 from harbor.models.trial.paths import TrialPaths
 
@@ -37,12 +34,7 @@ from harbor_async.printing import escape_controls
 from harbor_async.backends.local.images import image_mismatch
 from harbor_async.backends.local.healthcheck import run_healthcheck
 from harbor_async.host_resources import cap, host_cpus, host_memory_mb
-from harbor_async.backends.local.keeper import (
-    Keeper,
-    Tools,
-    find_tools,
-    spawn_from_keeper_thread,
-)
+from harbor_async.backends.local.keeper import Keeper, Tools, find_tools, spawn_from_keeper_thread
 from harbor_async.backends.local.layout import (
     BASE_ENV,
     DEFAULT_MEMORY_MB,
@@ -81,6 +73,9 @@ from harbor_async.backends.local.sandboxing import Confinement, join_argv, keepe
 from harbor_async.backends.local.transfers import DEFAULT_TRANSFER_LIMIT_MB, SandboxTransfers
 from harbor_async.backends.local.verifier_ns import VerifierNamespace
 from harbor_async.naming import DEFAULT_LOCAL_ROOT, LOCAL_ROOT_ENV, MARKER_NAME, local_folder_name
+
+
+_WARNED: set[tuple[str, tuple[str, ...]]] = set()  # (environment folder, what it ignores) already warned of
 
 
 class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
@@ -255,7 +250,8 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             ignored.append(f"docker_image {self.task_env_config.docker_image} (host /usr is used)")
         if self._host_mounts:
             ignored.append(f"mounts {[m.get('target') for m in self._host_mounts]}")
-        if ignored:
+        if ignored and (key := (str(self.environment_dir), tuple(ignored))) not in _WARNED:  # once a process
+            _WARNED.add(key)
             self.logger.warning(  # the task's names and lines, made safe to print
                 "local environment %s ignores %d item(s) of its definition: %s",
                 escape_controls(self.environment_name), len(ignored), escape_controls("; ".join(ignored)),
