@@ -297,3 +297,28 @@ def test_ten_thousand_episodes_open_and_show_the_last_transcript(tab: Page, tmp_
     assert tab.page.locator("#transcript .msg").count() == 20
     assert "[last message of task-01999]" in tab.page.locator("#transcript .msg").last.inner_text()
     assert tab.errors == []
+
+
+def test_a_multi_step_episode_shows_its_steps(tab: Page, tmp_path: Path) -> None:
+    """Each step that ran: its reward, its rewards, and why the task ended there (a text, even with HTML in it)."""
+    job = JobFolder.create(tmp_path / "jobs", "steps", {"command": "run"})
+    steps = [
+        {"name": "write", "reward": 0.0, "rewards": {"reward": 0.0}, "error": "reward=0.0 below min_reward 1.0: <b>skip</b>"},
+    ]
+    job.append(EpisodeRecord(task="multi", task_path="multi", agent="oracle", reward=0.0, rewards={"reward": 0.0}, steps=steps))
+    job.append(EpisodeRecord(task="single", task_path="single", agent="oracle", reward=1.0, rewards={"reward": 1.0}))
+    job.close()
+    report = write_report(job.path, job.path / "report.html")
+    tab.page.goto(report.as_uri())
+    tab.page.wait_for_selector("#task-table tbody tr")
+    row = tab.page.locator("#task-table tbody tr", has=tab.page.locator("td.name", has_text="multi"))
+    row.locator("button.ep", has_text="#0").click()
+    tab.page.wait_for_selector("#ep-steps")
+    cells = tab.page.locator("#ep-steps tbody tr td").all_inner_texts()
+    assert cells == ["write", "0", '{"reward":0}', "reward=0.0 below min_reward 1.0: <b>skip</b>"]
+    assert tab.page.locator("#ep-steps b").count() == 0
+    row = tab.page.locator("#task-table tbody tr", has=tab.page.locator("td.name", has_text="single"))
+    row.locator("button.ep", has_text="#0").click()
+    _until(lambda: "single" in tab.page.inner_text("#ep-title"), 10, "the single-step episode")
+    assert tab.page.locator("#ep-steps").count() == 0
+    assert tab.errors == []

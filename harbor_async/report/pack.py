@@ -59,6 +59,7 @@ def episode_details(record: EpisodeRecord) -> dict[str, Any]:
         "transcript": record.transcript or [],
         "usage": record.usage,
         "finish_reason": record.finish_reason,
+        "steps": record.steps,
     }
 
 

@@ -373,6 +373,18 @@
       parts.push(el("h3", { text: `error: ${d.error_class || "?"}` + (d.error_phase ? ` in ${d.error_phase}` : "") + (d.error_type ? ` (${d.error_type})` : "") }));
       parts.push(folded(d.error || "", "error"));
     }
+    if ((d.steps || []).length) {  // a multi-step task: each step that ran, its reward and why the task ended there
+      const steps = el("table", { class: "data", id: "ep-steps" },
+        el("thead", {}, el("tr", {}, ...["step", "reward", "rewards", "note"].map((h) => el("th", { text: h })))));
+      const sbody = el("tbody");
+      for (const s of d.steps) {
+        sbody.append(el("tr", {}, el("td", { text: String(s.name) }),
+          el("td", { text: s.reward === null || s.reward === undefined ? "-" : String(s.reward) }),
+          el("td", { text: JSON.stringify(s.rewards || {}) }), el("td", { text: s.error ? String(s.error) : "" })));
+      }
+      steps.append(sbody);
+      parts.push(el("h3", { text: `steps (${d.steps.length})` }), steps);
+    }
     if ((d.phases || []).length) parts.push(el("h3", { text: "phases" }), timeline(d.phases));
     parts.push(el("h3", { text: "verifier output" }));
     parts.push(d.verifier_output ? folded(d.verifier_output) : el("div", { class: "empty", text: "(none recorded)" }));
