@@ -555,3 +555,21 @@ def test_only_the_tasks_own_definition_errors_are_invalid_tasks() -> None:
     assert failure_class(TaskPathEscapeError(Path("/t/tests"), Path("/etc"))) is FailureClass.INVALID_TASK
     assert not is_transient(TaskDefinitionError("x"))
     assert failure_class(SandboxBuildFailedError("bubblewrap is not installed")) is FailureClass.INFRASTRUCTURE
+
+
+@pytest.mark.docker
+@pytest.mark.usefixtures("docker_daemon")
+def test_docker_enforces_an_allowlist_or_refuses_it_as_harbor_does(tmp_path: Path) -> None:
+    """Harbor's docker class enforces an allowlist with its egress sidecar where it can start one; else the run
+    refuses the task before any sandbox, in Harbor's words. A task offline in every phase is honoured either way."""
+    from harbor.environments.docker.docker import DockerEnvironment
+
+    allowlist = load_task(plain_task(tmp_path, "allowlist", '[environment]\nnetwork_mode = "allowlist"\nallowed_hosts = ["example.com"]\n'))
+    offline = load_task(plain_task(tmp_path, "offline", '[environment]\nnetwork_mode = "no-network"\n'))
+    docker = resolve_backend("docker")
+    check_tasks([offline], docker, driver=RUN)
+    if DockerEnvironment._egress_control_kernel_support():
+        check_tasks([allowlist], docker, driver=RUN)
+    else:
+        with pytest.raises(UnsupportedTaskError, match=r"task allowlist: network_mode: network_mode='allowlist' is not supported by (?i:\S*docker)"):
+            check_tasks([allowlist], docker, driver=RUN)
