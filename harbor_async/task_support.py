@@ -15,12 +15,13 @@ policies) when built with the task's settings, nothing started.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harbor.models.task.config import NetworkMode
+from harbor.models.task.config import NetworkMode, TaskOS
 
 from harbor_async.errors import HarborAsyncError
 from harbor_async.task_env import missing_variables
@@ -234,9 +235,29 @@ def backend_refusal(task: Task, backend: BackendSpec, backend_kwargs: Mapping[st
 
     Harbor's environment classes check at construction what they can honour:
     GPUs, TPUs, Windows containers, network policies. A refusal comes back as
-    (feature, reason); a missing client package or anything else is left to the
-    start, which reports it with its own type.
+    (feature, reason). An error that a plain task (no GPU, TPU or policy,
+    Linux) meets as well is not the task's features: a missing client package,
+    a daemon that is down ... are left to the start, which reports them with
+    their own types.
     """
+    problem = _construction_error(task, backend, backend_kwargs)
+    if problem is None:
+        return None
+    plain = copy.copy(task)
+    plain.config = task.config.model_copy(deep=True)
+    plain.config.environment = plain.config.environment.model_copy(
+        update={"gpus": None, "gpu_types": None, "tpu": None, "os": TaskOS.LINUX, "network_mode": NetworkMode.PUBLIC,
+                "allowed_hosts": None}
+    )  # fmt: skip
+    for part in (plain.config.agent, plain.config.verifier, *(p for st in plain.config.steps or [] for p in (st.agent, st.verifier))):
+        part.network_mode, part.allowed_hosts = None, None
+    if _construction_error(plain, backend, backend_kwargs) is not None:
+        return None
+    text = str(problem).strip().splitlines()[0] if str(problem).strip() else type(problem).__name__
+    return _feature_of(text), text
+
+
+def _construction_error(task: Task, backend: BackendSpec, backend_kwargs: Mapping[str, Any]) -> Exception | None:
     import tempfile
     from pathlib import Path
 
@@ -249,11 +270,8 @@ def backend_refusal(task: Task, backend: BackendSpec, backend_kwargs: Mapping[st
             backend.create_environment(
                 task, paths, session_id="task-check", run_label="check", backend_kwargs=backend_kwargs, options={}
             )
-        except (ValueError, RuntimeError) as exc:
-            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            return _feature_of(text), text
-        except Exception:  # noqa: BLE001 - a missing SDK, a bad option: the start's and the option check's to report
-            return None
+        except Exception as exc:  # noqa: BLE001 - judged by the caller against a plain task's
+            return exc
     return None
 
 
