@@ -173,6 +173,7 @@ class ErrorRule:
 
 _INFRA_RETRY = ErrorRule(FailureClass.INFRASTRUCTURE, retry=True)
 _INFRA = ErrorRule(FailureClass.INFRASTRUCTURE, retry=False)
+_INVALID_TASK = ErrorRule(FailureClass.INVALID_TASK, retry=False)
 #: A start failing with one of these fails the same way again: the task, image, configuration or
 #: host is wrong, or the code has a bug.
 _PERMANENT: tuple[type[BaseException], ...] = (
@@ -195,7 +196,7 @@ ERROR_POLICY: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...],
     (EpisodeDeadlineError, Phase.START, _INFRA),
     (EpisodeDeadlineError, None, ErrorRule(FailureClass.AGENT, retry=False)),
     # The task cannot be built as written (its Dockerfile, a COPY source that is not there).
-    ((InvalidTaskError, TaskDefinitionError), None, ErrorRule(FailureClass.INVALID_TASK, retry=False)),
+    ((InvalidTaskError, TaskDefinitionError), None, _INVALID_TASK),
     (SandboxError, Phase.AGENT, ErrorRule(FailureClass.AGENT, retry=False)),
     # Sandbox errors of the other phases were already retried where that was safe.
     (SandboxError, None, _INFRA),
@@ -216,6 +217,8 @@ _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 def rule_for(exc: BaseException) -> ErrorRule:
     """The :data:`ERROR_POLICY` row that decides ``exc``."""
     transient = getattr(exc, "transient", None)  # typed metadata a backend's error carries, not its text
+    if isinstance(exc, TaskDefinitionError):  # the task's own definition, whatever the backend
+        return _INVALID_TASK
     if isinstance(exc, BackendStartError) or isinstance(transient, bool):
         return _INFRA_RETRY if transient else _INFRA
     if isinstance(exc, OSError) and exc.errno in _DISK_FULL:

@@ -11,7 +11,13 @@ from harbor.environments.base import SandboxBuildFailedError
 from harbor_async import policy
 from harbor_async.agent import ModelServerError
 from harbor_async.backends import resolve_backend
-from harbor_async.backends.docker.errors import DockerBuildError, DockerImageError, DockerRefusedError, DockerStartError
+from harbor_async.backends.docker.errors import (
+    DockerBuildError,
+    DockerfileError,
+    DockerImageError,
+    DockerRefusedError,
+    DockerStartError,
+)
 from harbor_async.backends.simulated import Latency, SimulatedTransientError
 from harbor_async.errors import (
     BackendError,
@@ -85,6 +91,10 @@ def test_docker_types_its_untyped_start_errors(backend):
     spec = resolve_backend(backend)
     build = spec.typed_error(_compose_failure("build", "failed to solve: process did not complete"))
     assert type(build) is DockerBuildError and not is_transient(build) and isinstance(build.__cause__, RuntimeError)
+    assert failure_class(build) is FailureClass.INFRASTRUCTURE
+    for said in ("dockerfile parse error line 2: unknown instruction: BOGUS", 'failed to compute cache key: "/x.txt": not found'):
+        wrong = spec.typed_error(_compose_failure("build", said))  # the Dockerfile's fault: an invalid task
+        assert type(wrong) is DockerfileError and not is_transient(wrong) and failure_class(wrong) is FailureClass.INVALID_TASK
     missing = spec.typed_error(_compose_failure("up -d", "Error response from daemon: pull access denied for nope"))
     assert type(missing) is DockerImageError and not is_transient(missing)
     refused = spec.typed_error(_compose_failure("up -d", "unauthorized: authentication required"))

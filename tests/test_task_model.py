@@ -573,3 +573,16 @@ def test_docker_enforces_an_allowlist_or_refuses_it_as_harbor_does(tmp_path: Pat
     else:
         with pytest.raises(UnsupportedTaskError, match=r"task allowlist: network_mode: network_mode='allowlist' is not supported by (?i:\S*docker)"):
             check_tasks([allowlist], docker, driver=RUN)
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.usefixtures("docker_daemon")
+def test_a_dockerfile_docker_cannot_build_is_an_invalid_task_tried_once(tmp_path: Path) -> None:
+    suite = tmp_path / "suite"
+    plain_task(suite, "bogus", dockerfile="FROM debian:bookworm-slim\nBOGUS instruction\n")
+    done = harbor_async("run", "-p", str(suite), "-e", "docker", "-a", "oracle", "-o", str(tmp_path / "jobs"), timeout=600)
+    assert done.returncode == 1, done.stderr[-2000:]
+    (record,) = records(next((tmp_path / "jobs").iterdir()))
+    assert (record["error_class"], record["start_attempts"], record["reward"]) == ("invalid_task", 1, None)
+    assert "unknown instruction: BOGUS" in record["error"]

@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import re
 
-from harbor_async.errors import BackendStartError
+from harbor_async.errors import BackendStartError, TaskDefinitionError
 
 _COMPOSE_FAILURE = re.compile(r"^Docker compose command failed .*?Command: (?P<command>.*?)\. Return code: ", re.S)
 #: What the daemon says when the image can neither be found locally nor pulled.
 _NO_IMAGE = re.compile(
     r"no such image|pull access denied|manifest unknown|repository does not exist|"
     r"not found: manifest|failed to resolve reference",
+    re.I,
+)
+#: What the builder says when the Dockerfile itself is wrong (an instruction, a COPY source that is not there).
+_DOCKERFILE = re.compile(
+    r"dockerfile parse error|unknown instruction|failed to create LLB definition|failed to compute cache key|"
+    r"COPY failed",
     re.I,
 )
 #: What the daemon says when the task's or the host's configuration is wrong: another attempt fails the same way.
@@ -34,6 +40,12 @@ class DockerStartError(BackendStartError):
 
 class DockerBuildError(DockerStartError):
     """The task's image failed to build: the Dockerfile is wrong, retrying builds it again in vain."""
+
+    transient = False
+
+
+class DockerfileError(DockerBuildError, TaskDefinitionError):
+    """The task's Dockerfile cannot be built as written (the builder said so): an invalid task."""
 
     transient = False
 
@@ -60,7 +72,7 @@ def typed_start_error(exc: BaseException) -> BaseException:
     words = found["command"].split()
     kind: type[DockerStartError] = DockerStartError
     if "build" in words:
-        kind = DockerBuildError
+        kind = DockerfileError if _DOCKERFILE.search(str(exc)) else DockerBuildError
     elif _NO_IMAGE.search(str(exc)):
         kind = DockerImageError
     elif _REFUSED.search(str(exc)):
