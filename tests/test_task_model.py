@@ -101,15 +101,20 @@ def make_multi_step(
     return task
 
 
-def harbor_cli_rewards(suite: Path, tmp_path: Path) -> dict[str, tuple[float | None, list]]:
-    """Harbor's own ``harbor run`` with the oracle, on this project's local backend: task -> (reward, step rewards)."""
+def harbor_cli(suite: Path, tmp_path: Path, backend: str = "local") -> subprocess.CompletedProcess:
+    """Harbor's own ``harbor run`` with the oracle, on this project's local backend or on ``docker``."""
     harbor = Path(sys.executable).with_name("harbor")
-    command = [
-        str(harbor), "run", "-p", str(suite), "-e", "harbor_async.backends.local:LocalEnvironment", "-a", "oracle",
-        "-o", str(tmp_path / "harbor-jobs"), "-y", "--ek", f"sandbox_root={tmp_path / 'harbor-sandboxes'}",
+    where = ["-e", "docker"] if backend == "docker" else [
+        "-e", "harbor_async.backends.local:LocalEnvironment", "--ek", f"sandbox_root={tmp_path / 'harbor-sandboxes'}",
     ]  # fmt: skip
+    command = [str(harbor), "run", "-p", str(suite), *where, "-a", "oracle", "-o", str(tmp_path / "harbor-jobs"), "-y", "-n", "4"]
     environment = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=600)
+
+
+def harbor_cli_rewards(suite: Path, tmp_path: Path, backend: str = "local") -> dict[str, tuple[float | None, list]]:
+    """:func:`harbor_cli`'s rewards: task -> (reward, step rewards); a trial Harbor could not run has ``None``."""
+    done = harbor_cli(suite, tmp_path, backend)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     found = {}
     for path in (tmp_path / "harbor-jobs").glob("*/*__*/result.json"):

@@ -1,0 +1,2 @@
+#!/bin/bash
+pwd > where.txt && echo "$GREETING" > "$ANSWER_FILE"

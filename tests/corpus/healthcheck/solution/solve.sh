@@ -1,0 +1,2 @@
+#!/bin/bash
+mkdir -p /app && echo hi > /app/answer.txt

@@ -1,0 +1,7 @@
+#!/bin/bash
+# the task's step 'append' test: /app/out.txt must hold $EXPECTED, and the heredoc file must exist
+if [ "$(cat /app/out.txt)" = "$EXPECTED" ] && [ "$(cat /app/notes.txt)" = "built by a heredoc" ]; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi

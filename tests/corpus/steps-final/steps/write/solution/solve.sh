@@ -1,0 +1,2 @@
+#!/bin/bash
+test -f /app/setup-ran && echo wrong > /app/out.txt

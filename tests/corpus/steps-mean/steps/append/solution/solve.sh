@@ -1,0 +1,2 @@
+#!/bin/bash
+echo "one two" > /app/out.txt
