@@ -32,7 +32,7 @@ from harbor_async.task_support import (
 from harbor_async.tasks import load_task
 from tests.cli_helpers import REPO, harbor_async, records
 
-pytestmark = pytest.mark.range
+# `range` (every version the ranges allow): the parity runs against Harbor's CLI on local; docker's in the main suite.
 
 SHARED_TEST = """#!/bin/bash
 # the task's shared test: /app/out.txt must hold $EXPECTED, and the heredoc file must exist
@@ -128,6 +128,7 @@ def harbor_cli_rewards(suite: Path, tmp_path: Path, backend: str = "local") -> d
 # ── multi-step tasks ─────────────────────────────────────────────────────────
 
 
+@pytest.mark.range
 @pytest.mark.slow
 def test_multi_step_tasks_score_as_harbor_scores_them(tmp_path: Path) -> None:
     """Per-step instructions, solutions, tests, env, workdir uploads, setup.sh; min_reward; mean and final."""
@@ -174,6 +175,7 @@ def plain_task(suite: Path, name: str, toml: str = "", dockerfile: str = "FROM d
     return task
 
 
+@pytest.mark.range
 def test_features_local_cannot_honour_are_refused_up_front_one_line_each(tmp_path: Path) -> None:
     suite = tmp_path / "suite"
     plain_task(suite, "own-verifier-image", '[verifier.environment]\ndocker_image = "debian:bookworm-slim"\n')
@@ -423,6 +425,7 @@ def files_under(folder: Path) -> list[str]:
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
 
 
+@pytest.mark.range
 @pytest.mark.slow
 def test_separate_verifier_and_artifacts_as_harbor_runs_them(tmp_path: Path) -> None:
     suite = tmp_path / "suite"
