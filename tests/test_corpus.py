@@ -37,7 +37,7 @@ def suite_of(names: list[str], root: Path) -> Path:
 
 def ours(suite: Path, tmp_path: Path, backend: str) -> dict[str, tuple[float | None, list]]:
     where = ["-e", backend] + (["--ek", f"sandbox_root={tmp_path / 'sb'}"] if backend == "local" else [])
-    done = harbor_async("run", "-p", str(suite), *where, "-a", "oracle", "-n", "4", "-o", str(tmp_path / "jobs"), timeout=900)
+    done = harbor_async("run", "-p", str(suite), *where, "-a", "oracle", "-n", "10", "-o", str(tmp_path / "jobs"), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     found = records(next((tmp_path / "jobs").iterdir()))
     return {r["task"]: (r["reward"], [(s["name"], s["reward"]) for s in r["steps"]]) for r in found}

@@ -107,7 +107,7 @@ def harbor_cli(suite: Path, tmp_path: Path, backend: str = "local") -> subproces
     where = ["-e", "docker"] if backend == "docker" else [
         "-e", "harbor_async.backends.local:LocalEnvironment", "--ek", f"sandbox_root={tmp_path / 'harbor-sandboxes'}",
     ]  # fmt: skip
-    command = [str(harbor), "run", "-p", str(suite), *where, "-a", "oracle", "-o", str(tmp_path / "harbor-jobs"), "-y", "-n", "4"]
+    command = [str(harbor), "run", "-p", str(suite), *where, "-a", "oracle", "-o", str(tmp_path / "harbor-jobs"), "-y", "-n", "10"]
     environment = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "PYTHONPATH": str(REPO)}
     return subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=600)
 
