@@ -158,7 +158,9 @@ def task_refusals(
         found.append(Refusal(task.name, feature, reason))
 
     config, steps = task.config, list(task.config.steps or [])
-    local = backend.name == "local" or (backend.import_path or "").startswith("harbor_async.backends.local")
+    from harbor_async.backends.local import LocalEnvironment
+
+    local = issubclass(backend.environment_class(), LocalEnvironment)
     if local:
         users = [("[agent] user", config.agent.user), ("[verifier] user", config.verifier.user)]
         users += [(f"[steps.{s.name}.agent] user", s.agent.user) for s in steps]
@@ -240,7 +242,7 @@ def backend_refusal(task: Task, backend: BackendSpec, backend_kwargs: Mapping[st
     a daemon that is down ... are left to the start, which reports them with
     their own types.
     """
-    problem = _construction_error(task, backend, backend_kwargs)
+    problem = backend.construction_error(task, backend_kwargs)
     if problem is None:
         return None
     plain = copy.copy(task)
@@ -251,28 +253,10 @@ def backend_refusal(task: Task, backend: BackendSpec, backend_kwargs: Mapping[st
     )  # fmt: skip
     for part in (plain.config.agent, plain.config.verifier, *(p for st in plain.config.steps or [] for p in (st.agent, st.verifier))):
         part.network_mode, part.allowed_hosts = None, None
-    if _construction_error(plain, backend, backend_kwargs) is not None:
+    if backend.construction_error(plain, backend_kwargs) is not None:
         return None
     text = str(problem).strip().splitlines()[0] if str(problem).strip() else type(problem).__name__
     return _feature_of(text), text
-
-
-def _construction_error(task: Task, backend: BackendSpec, backend_kwargs: Mapping[str, Any]) -> Exception | None:
-    import tempfile
-    from pathlib import Path
-
-    from harbor.models.trial.paths import TrialPaths
-
-    with tempfile.TemporaryDirectory(prefix="harbor-async-task-check-") as folder:
-        paths = TrialPaths(trial_dir=Path(folder))
-        paths.mkdir()
-        try:
-            backend.create_environment(
-                task, paths, session_id="task-check", run_label="check", backend_kwargs=backend_kwargs, options={}
-            )
-        except Exception as exc:  # noqa: BLE001 - judged by the caller against a plain task's
-            return exc
-    return None
 
 
 def _feature_of(text: str) -> str:

@@ -97,35 +97,45 @@ class BackendSpec:
             phase_network_policies=phases,
         )
 
-    def check_installed(self, task: Task, backend_kwargs: Mapping[str, Any]) -> None:
-        """Build one environment (nothing started) to find a missing client package before any sandbox.
+    def construction_error(self, task: Task, backend_kwargs: Mapping[str, Any]) -> Exception | None:
+        """Build the task's environment as a start would, nothing started; what the construction raised, if anything.
 
-        Harbor's cloud environments say they lack their SDK only when constructed;
-        a run would otherwise fail every episode with the same install hint.
-
-        Raises:
-            BackendNotInstalledError: the backend's package is missing (with the install command).
+        Harbor's classes check at construction what a task needs (GPUs, network
+        policies, ...) and whether their client package is installed.
         """
         import tempfile
 
         from harbor.models.trial.paths import TrialPaths
-
-        from harbor_async.errors import BackendNotInstalledError
 
         with tempfile.TemporaryDirectory(prefix="harbor-async-check-") as folder:
             paths = TrialPaths(trial_dir=Path(folder))
             paths.mkdir()
             try:
                 self.create_environment(
-                    task, paths, session_id="install-check", run_label="check", backend_kwargs=backend_kwargs, options={}
+                    task, paths, session_id="check", run_label="check", backend_kwargs=backend_kwargs, options={}
                 )
-            except ImportError as exc:  # Harbor's MissingExtraError is one
-                package = getattr(exc, "package", None) or getattr(exc, "name", None) or "its client"
-                extra = getattr(exc, "extra", None)
-                install = f"pip install 'harbor[{extra}]'" if extra else f"pip install {package}"
-                raise BackendNotInstalledError(self.name, str(package), install) from exc
-            except Exception:  # noqa: BLE001 - anything else is the start's to report, with its own type
-                return
+            except Exception as exc:  # noqa: BLE001 - the caller judges it
+                return exc
+        return None
+
+    def check_installed(self, task: Task, backend_kwargs: Mapping[str, Any]) -> None:
+        """Build one environment (nothing started) to find a missing client package before any sandbox.
+
+        Harbor's cloud environments say they lack their SDK only when constructed;
+        a run would otherwise fail every episode with the same install hint.
+        Any other construction error is the start's to report, with its own type.
+
+        Raises:
+            BackendNotInstalledError: the backend's package is missing (with the install command).
+        """
+        from harbor_async.errors import BackendNotInstalledError
+
+        exc = self.construction_error(task, backend_kwargs)
+        if isinstance(exc, ImportError):  # Harbor's MissingExtraError is one
+            package = getattr(exc, "package", None) or getattr(exc, "name", None) or "its client"
+            extra = getattr(exc, "extra", None)
+            install = f"pip install 'harbor[{extra}]'" if extra else f"pip install {package}"
+            raise BackendNotInstalledError(self.name, str(package), install) from exc
 
     def start_extras(
         self,
@@ -183,13 +193,9 @@ class BackendSpec:
 
 def network_policies(task: Task) -> tuple[NetworkPolicy, list[NetworkPolicy]]:
     """The task's environment network policy and those of its agent and verifier phases (every step's)."""
-    config = task.config
-    baseline = config.environment.resolve_baseline()
-    phases: list[NetworkPolicy] = []
-    for part in (config.agent, config.verifier, *(p for s in config.steps or [] for p in (s.agent, s.verifier))):
-        phases.append(part.explicit_phase_policy() or baseline)
-    return baseline, phases
-
+    steps = [None, *(task.config.steps or [])]
+    phases = [phase_policy(task, role, step) for step in steps for role in ("agent", "verifier")]
+    return task.config.environment.resolve_baseline(), phases
 
 
 def phase_policy(task: Task, role: str, step: Any = None) -> NetworkPolicy:

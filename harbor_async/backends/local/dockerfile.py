@@ -152,10 +152,9 @@ def parse_dockerfile(text: str, base_env: dict[str, str] | None = None) -> Docke
                 path = _expand(rest, variables)
                 spec.workdir = posixpath.normpath(posixpath.join(spec.workdir or "/", path))
             elif keyword in ("COPY", "ADD"):
-                step = _copy_step(number, keyword, rest, variables, spec.workdir or "/", bodies)
-                if re.search(r"(^|\s)--from[=\s]", rest):
+                if re.search(r"(^|\s)--from[=\s]", rest):  # another stage's or image's files: needs a build
                     spec.unsupported.append(f"line {number}: {_short(line)}")
-                elif step is None:
+                elif (step := _copy_step(number, keyword, rest, variables, spec.workdir or "/", bodies)) is None:
                     spec.ignored.append(f"line {number}: {_short(line)}")
                 else:
                     spec.copies.append(step)
@@ -169,11 +168,9 @@ def parse_dockerfile(text: str, base_env: dict[str, str] | None = None) -> Docke
 def _copy_step(
     number: int, keyword: str, rest: str, variables: dict[str, str], workdir: str, bodies: dict[str, str]
 ) -> CopyStep | None:
-    """Parse a COPY/ADD line; None when it cannot be honoured (--from, URLs, archives)."""
+    """Parse a COPY/ADD line (not ``--from``); None when it cannot be honoured (URLs, archives)."""
     flags = re.match(r"((?:--\S+\s+)*)(.*)", rest, re.S)
     assert flags is not None  # the pattern matches every string
-    if "--from" in flags.group(1):
-        return None
     body = flags.group(2).strip()
     heredoc = _HEREDOC.match(body)
     if heredoc is not None:  # COPY <<EOF /dest: a file written from the Dockerfile's own text
