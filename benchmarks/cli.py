@@ -11,6 +11,7 @@ from benchmarks.grpo_step import GrpoRun, run_grpo_steps
 from benchmarks.overhead import run_overhead
 from benchmarks.report import (
     grpo_table,
+    harbor_table,
     overhead_table,
     plot_grpo,
     print_tables,
@@ -76,4 +77,23 @@ def grpo_step(
     path = write_json(out / f"{name}.json", "grpo-step", {"backend_kwargs": kwargs, "runs": [r.to_dict() for r in runs]})
     plot = plot_grpo(runs, out / f"{name}.png", f"GRPO step environment time on {backend} (T={turns})")
     err.print(f"wrote {path}" + (f" and {plot}" if plot else ""), markup=False)
+    return path
+
+
+def harbor(suite: Path, env: str, agent: str, n: int, n_tasks: int | None, repeats: int, out: Path) -> Path:
+    """``harbor-async run`` and ``harbor run`` alternated for ``repeats`` rounds; writes ``harbor-vs-harbor-async-<env>.json``."""
+    from benchmarks.harbor_cli import compare
+
+    err.print(f"harbor: {repeats} rounds of harbor-async run and harbor run on {env}, -a {agent}, -n {n}", markup=False)
+    result = compare(
+        suite, env, agent, n, n_tasks, repeats,
+        on_run=lambda i, side: err.print(
+            f"  round {i + 1}: {side.cli}: {side.episodes} episodes in {side.wall_s:.2f} s "
+            f"({side.episodes_per_second:.2f}/s)", markup=False,
+        ),
+    )  # fmt: skip
+    print_tables(harbor_table(result))
+    name = env.replace(":", "_").replace(".", "_")
+    path = write_json(out / f"harbor-vs-harbor-async-{name}.json", "harbor", result)
+    err.print(f"wrote {path}", markup=False)
     return path

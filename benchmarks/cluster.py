@@ -25,7 +25,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import anyio
 
-from benchmarks.machine import describe_machine
+from benchmarks.provenance import begin, stamp
 from harbor_async.cluster import ray_budget
 from harbor_async.cluster.budget_actor import Caps, get_or_create
 from harbor_async.engine import Engine
@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "cluster.json")
     parser.add_argument("--per-process", type=int, default=250)
     args = parser.parse_args()
+    begin()
     import ray
 
     if args.address is None:
@@ -142,7 +143,7 @@ def main() -> None:
         ray.init(address=args.address, namespace="harbor-async", log_to_driver=False)
         address = args.address
     try:
-        result: dict = {"machine": describe_machine(), "ray": ray.__version__}
+        result: dict = {"ray": ray.__version__}
         result["lease_latency"] = anyio.run(lease_latency, address)
         result["lease_throughput"] = anyio.run(lease_throughput, address)
         local = anyio.run(start_latency, None)
@@ -165,6 +166,7 @@ def main() -> None:
     finally:
         ray.shutdown()
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = stamp("cluster", result)  # the provenance's load after is read here, once the run is over
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

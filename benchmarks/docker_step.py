@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     args = parser.parse_args(argv)
+    from benchmarks.provenance import begin
+
+    begin()
     result = run(args.batch, args.turns, args.steps)
     from benchmarks.report import write_json
 

@@ -10,15 +10,15 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.grpo_step import GrpoRun
-from benchmarks.machine import describe_machine
 from benchmarks.overhead import OverheadResult
+from benchmarks.provenance import stamp
 from benchmarks.throughput import ThroughputResult
 
 
 def write_json(path: Path, kind: str, results: dict) -> Path:
-    """Write ``results`` with the machine description to ``path``."""
+    """Write ``results`` with the machine and the run's provenance (:mod:`benchmarks.provenance`) to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"benchmark": kind, "machine": describe_machine(), **results}, indent=2))
+    path.write_text(json.dumps(stamp(kind, results), indent=2))
     return path
 
 
@@ -112,6 +112,31 @@ def plot_grpo(runs: Sequence[GrpoRun], path: Path, title: str) -> Path | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def harbor_table(result: dict) -> Table:
+    """Per CLI: wall time, episodes/s and phase p50/p99 over the rounds; the ratio in the title."""
+    ratio = result["ratio_episodes_per_second"]
+    table = Table(
+        title=f"harbor-async run vs harbor run ({result['env']}, -a {result['agent']}, -n {result['n_concurrent']}, "
+        f"{result['repeats']} rounds): episodes/s ratio harbor-async/harbor median {ratio['median']:.2f} "
+        f"(min {ratio['min']:.2f}, max {ratio['max']:.2f})"
+    )
+    for column in ("CLI", "episodes", "reward 1", "wall s (median)", "episodes/s median [min-max]"):
+        table.add_column(column, justify="right")
+    for phase in ("start", "agent", "verify", "stop"):
+        table.add_column(f"{phase} p50/p99 ms", justify="right")
+    for cli, row in result["clis"].items():
+        rate = row["episodes_per_second"]
+        cells = []
+        for phase in ("start", "agent", "verify", "stop"):
+            p = row["phases"].get(phase)
+            cells.append("-" if p is None else f"{p['p50'] * 1e3:.0f}/{p['p99'] * 1e3:.0f}")
+        table.add_row(
+            cli, str(row["episodes"]), str(row["reward_one"]), f"{row['wall_s']['median']:.2f}",
+            f"{rate['median']:.2f} [{rate['min']:.2f}-{rate['max']:.2f}]", *cells,
+        )  # fmt: skip
+    return table
 
 
 def print_tables(*tables: Table) -> None:

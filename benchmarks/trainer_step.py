@@ -359,6 +359,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--single", choices=TRAINERS, help=argparse.SUPPRESS)  # a child: one trainer
     parser.add_argument("--run-json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    from benchmarks.provenance import begin
+
+    begin()
     if args.single:
         args.run_json.write_text(json.dumps(run_one(args.scenario, args.single)))
         return

@@ -3,8 +3,8 @@
 After the agent (of each step), the task's declared ``artifacts`` (task-level
 and the step's) and the convention folder ``/logs/artifacts`` are downloaded
 with Harbor's own ``ArtifactHandler``, best effort, with its ``manifest.json``
-of every attempt, into ``<job>/artifacts/<episode>/`` (a step's into
-``steps/<name>/`` below it). Every download goes through the backend's bounded
+of every attempt, into the episode's Harbor trial folder, ``<job>/<trial>/artifacts/``
+(a step's into ``<job>/<trial>/steps/<name>/artifacts/``), where Harbor keeps them. Every download goes through the backend's bounded
 transfers (the local backend's and the confined docker's: a size budget, no
 links followed out), so a sandbox cannot fill the host disk through them.
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,11 +34,6 @@ log = logging.getLogger(__name__)
 
 #: Seconds one collection may take (every artifact of one episode or step).
 COLLECT_TIMEOUT = 300.0
-
-
-def episode_folder(key: str) -> str:
-    """A folder name for an episode's key (``model::task path::attempt``): safe on every filesystem."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("_") or "episode"
 
 
 def _handler(task: Task, step: StepConfig | None):
@@ -58,7 +52,7 @@ async def collect_artifacts(environment: BaseEnvironment, task: Task, target: Pa
 
 
 def drop_if_empty(folder: Path, root: Path) -> None:
-    """Remove ``folder`` when it holds nothing but a manifest of successes, then its empty parents up to ``root``."""
+    """Remove ``folder`` when it holds nothing but a manifest of successes, then its empty parents below ``root``."""
     import json
 
     try:
@@ -71,10 +65,8 @@ def drop_if_empty(folder: Path, root: Path) -> None:
         return  # a failed collection stays on record
     shutil.rmtree(folder, ignore_errors=True)
     parent = folder.parent
-    while parent.is_relative_to(root) and parent.is_dir() and not any(parent.iterdir()):
+    while parent != root and parent.is_relative_to(root) and parent.is_dir() and not any(parent.iterdir()):
         parent.rmdir()
-        if parent == root:
-            break
         parent = parent.parent
 
 

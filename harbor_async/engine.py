@@ -69,7 +69,7 @@ class Engine:
         budget: Callable[[Limits], Budget] | None = None,
         env_allow: Collection[str] = (),
         strict_verify: bool = False,
-        artifacts_dir: str | Path | None = None,
+        trials_dir: str | Path | None = None,
     ) -> None:
         self.limits = limits or Limits()
         self.timeouts = timeouts or Timeouts()
@@ -82,8 +82,9 @@ class Engine:
         self.docker_overlay = docker_overlay
         self.env_allow = frozenset(env_allow)
         self.strict_verify = strict_verify
-        #: where episodes' artifacts go, one folder each (``None``: not collected; see harbor_async.artifacts)
-        self.artifacts_dir = Path(artifacts_dir) if artifacts_dir is not None else None
+        #: the job folder where each episode keeps a Harbor trial folder: its agent and verifier logs and its
+        #: artifacts (``None``: nothing kept; see harbor_async.harbor_jobs and harbor_async.artifacts)
+        self.trials_dir = Path(trials_dir) if trials_dir is not None else None
         self._budget_factory = budget
         self._ledger: dict[str, Sandbox] = {}
         self._stats = StatsRecorder()

@@ -117,6 +117,10 @@ class Episode:
             model=model,
             checkpoint=checkpoint,
         )
+        if engine.trials_dir is not None:  # Harbor's trial folder of this episode in the job (harbor_async.harbor_jobs)
+            from harbor_async.harbor_jobs import trial_name
+
+            self.record.trial = trial_name(task.name)
         self.sandbox: Sandbox | None = None
         self.error: BaseException | None = None
         self.verify_error: SandboxError | None = None
@@ -131,6 +135,12 @@ class Episode:
         self._finished = False
 
     # ── phases ────────────────────────────────────────────────────────────
+
+    @property
+    def trial_folder(self) -> Path | None:
+        """This episode's Harbor trial folder in the job folder, if the engine keeps them."""
+        root, name = self.engine.trials_dir, self.record.trial
+        return root / name if root is not None and name else None
 
     @property
     def phase(self) -> Phase | None:
@@ -339,16 +349,16 @@ class Episode:
         sandbox of the task's environment, given the collected artifacts
         (:mod:`harbor_async.artifacts`); it is stopped once it has judged.
         """
-        from harbor_async.artifacts import collect_artifacts, drop_if_empty, episode_folder, upload_artifacts
+        from harbor_async.artifacts import collect_artifacts, drop_if_empty, upload_artifacts
+        from harbor_async.harbor_jobs import keep_trial_logs
         from harbor_async.task_support import separate_verifier
         from harbor_async.verifier_env import verifier_task
 
         assert self.sandbox is not None
         separate = separate_verifier(self.task, step)
-        root = self.engine.artifacts_dir
+        root = self.trial_folder
         if root is not None:
-            folder: Path | None = root / episode_folder(self.record.key)
-            folder = folder / "steps" / step.name / "artifacts" if step is not None else folder
+            folder: Path | None = root / "steps" / step.name / "artifacts" if step is not None else root / "artifacts"
         else:  # kept only for a separate verifier, in the sandbox's own (temporary) trial folder
             trial = self.sandbox.trial_dir
             folder = trial / "collected-artifacts" if separate and trial is not None else None
@@ -357,9 +367,14 @@ class Episode:
             await collect_artifacts(self.sandbox.environment, self.task, folder, step)
             if root is not None and not separate:  # nothing published: no folder in the job
                 drop_if_empty(folder, root)
+        logs = None if root is None else root / "steps" / step.name if step is not None else root
         if not separate:
             await enter_network_phase(self.sandbox.environment, self.task, "verifier", step)
-            return await self.sandbox.verify(step)
+            try:
+                return await self.sandbox.verify(step)
+            finally:
+                if logs is not None and step is not None:  # each step's agent and verifier logs, as Harbor keeps them
+                    keep_trial_logs(self.sandbox.trial_dir, logs)
         task, tests_in_image = verifier_task(self.task, step)  # the task's environment, or the verifier's own
         judge = self.engine.launch(task, self.backend, backend_kwargs=self.backend_kwargs)
         try:
@@ -369,6 +384,10 @@ class Episode:
             await enter_network_phase(judge.environment, task, "verifier", step)
             return await judge.verify(step, tests_in_image=tests_in_image)
         finally:
+            if logs is not None:  # the verifier's output is the judge's, in its own trial folder
+                keep_trial_logs(judge.trial_dir, logs, only=("verifier",))
+                if step is not None:
+                    keep_trial_logs(self.sandbox.trial_dir, logs, only=("agent",))
             await judge.stop()
 
     def settle(self) -> None:
@@ -411,6 +430,10 @@ class Episode:
             try:
                 if self.sandbox is not None:
                     self.enter(Phase.STOP)
+                    if self.trial_folder is not None:  # before the stop removes the sandbox's own trial folder
+                        from harbor_async.harbor_jobs import keep_trial_logs
+
+                        keep_trial_logs(self.sandbox.trial_dir, self.trial_folder)
                     await self.sandbox.stop()
                 self._close_phase()
                 self.finish()

@@ -272,6 +272,31 @@ class JobFolderError(HarborAsyncError, OSError):
 class SuiteNotFoundError(HarborAsyncError, FileNotFoundError):
     """The suite source is neither an existing local directory nor a reachable Hub dataset."""
 
+class RegistryError(SuiteNotFoundError):
+    """A Harbor registry dataset (``-d name@version``) that cannot be resolved or downloaded."""
+
+class RegistryUnreachableError(RegistryError):
+    """Harbor's registry (its service, or a ``--registry-url``) did not answer."""
+
+class RegistryFileError(RegistryError):
+    """A ``--registry-path`` file (or a ``--registry-url`` document) that cannot be read or is no Harbor registry."""
+
+class UnknownDatasetError(RegistryError):
+    """The registry has no such dataset, or not that version of it.
+
+    Attributes:
+        name: the dataset's name.
+        version: the version asked for (``None``: the name itself is unknown).
+        known: the dataset's versions (a version unknown), or registry names close to the name.
+    """
+
+    def __init__(self, message: str, name: str, version: str | None, known: Sequence[str]) -> None:
+        super().__init__(message)
+        self.name, self.version, self.known = name, version, list(known)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.name, self.version, self.known))
+
 class EmptySuiteError(HarborAsyncError, ValueError):
     """The suite (or the selected part of it) holds no valid task.
 
@@ -381,6 +406,10 @@ class EvalConfigError(HarborAsyncError, ValueError):
 
 class HarnessError(HarborAsyncError, ValueError):
     """A harness (``-a``, ``agent=``) that cannot be loaded or has no usable tools."""
+
+
+class AgentConfigError(HarborAsyncError, ValueError):
+    """A Harbor agent (``-a``, ``-m``, ``--ak``) that is unknown, cannot be loaded or refuses its options."""
 
 
 class ModelServerError(HarborAsyncError):

@@ -33,12 +33,19 @@ from harbor_async.errors import BackendError, EvalConfigError, FailureClass, Har
 from harbor_async.interrupts import Interrupts
 from harbor_async.jobs import JobFolder
 from harbor_async.logs import get_logger
-from harbor_async.model_agent import api_key, model_episode_agent, resolve_harness
+from harbor_async.model_agent import (
+    api_key,
+    check_harbor_options,
+    eval_driver,
+    eval_episode_agent,
+    resolve_eval_agent,
+    resolve_harness,
+)
 from harbor_async.records import EpisodeRecord, episode_key
 from harbor_async.runner import run_episode
 from harbor_async.scoring import summarize, sweep_summary
 from harbor_async.settings import JobSettings
-from harbor_async.task_support import EVAL, check_tasks
+from harbor_async.task_support import check_tasks
 from harbor_async.tasks import matches_names, suite_task_path
 
 if TYPE_CHECKING:
@@ -85,7 +92,8 @@ class _Run:
         self.job = job
         self.on_record = on_record
         self.on_status = on_status
-        self.harness = resolve_harness(settings.agent, settings.environment_type)
+        self.harbor = resolve_eval_agent(settings)  # one of Harbor's agents, else a tool harness
+        self.harness = None if self.harbor is not None else resolve_harness(settings.agent, settings.environment_type)
         self.backend: BackendSpec = resolve_backend(settings.environment_type)
         self.engine: Engine | None = None
         self.sandbox_limiter = anyio.CapacityLimiter(settings.n_concurrent)
@@ -132,7 +140,7 @@ class _Run:
         try:
             async with anyio.create_task_group() as tg:
                 for spec in group.models:
-                    agent = Agent(
+                    agent: Agent | Any = Agent(
                         client,
                         spec.name,
                         sampling=self.sampling,
@@ -140,6 +148,10 @@ class _Run:
                         request_limiter=self.request_limiter,
                         tool_limiter=self.tool_limiter,
                     )
+                    if self.harbor is not None:  # a Harbor agent talks to the server with its own client
+                        agent = self.harbor.with_server(
+                            spec.name, base_url, api_key_name=self.settings.api_key_name, temperature=self.sampling.temperature
+                        )
                     for task in tasks:
                         for attempt in range(self.settings.n_attempts):
                             if episode_key(suite_task_path(task, root), attempt, spec.name) in pending:
@@ -170,9 +182,9 @@ class _Run:
             )  # fmt: skip
         )
 
-    async def _episode(self, scope, agent: Agent, spec: ModelSpec, task, root: Path, attempt: int, server) -> None:
+    async def _episode(self, scope, agent: Any, spec: ModelSpec, task, root: Path, attempt: int, server) -> None:
         assert self.engine is not None
-        actor = model_episode_agent(self.settings, agent, self.harness, attempt)
+        actor = eval_episode_agent(self.settings, agent, self.harness, attempt)
         async with self.sandbox_limiter:
             record = await run_episode(
                 self.engine, task, self.backend, actor, attempt=attempt, task_path=suite_task_path(task, root),
@@ -254,7 +266,7 @@ def _write_sweep(job: JobFolder, sweep: dict[str, Any]) -> None:
 
 async def evaluate(
     models: Sequence[str] | str | None = None,
-    suite: str | None = None,
+    suite: str | Sequence[str] | None = None,
     *,
     resume: str | os.PathLike[str] | None = None,
     jobs_dir: str | os.PathLike[str] = "jobs",
@@ -269,7 +281,8 @@ async def evaluate(
     Args:
         models: model names on ``base_url``, checkpoint folders for a managed
             server, or globs of them (``ckpts/checkpoint-*``).
-        suite: a local task tree or a Hugging Face dataset id (default: the bundled example suite).
+        suite: a local task tree, a Hugging Face dataset id, or task folders (a registry dataset
+            resolved by :func:`harbor_async.registry.resolve_dataset`); default: the bundled example suite.
         resume: an existing job folder: its settings are reused (server
             settings given here override it); only missing episodes and those
             whose failure a resume reruns are run.
@@ -325,11 +338,13 @@ async def evaluate(
         except SettingError as exc:
             raise EvalConfigError(f"task {task.name}: {exc}") from None
     groups = server_groups(specs, base_url=config.base_url, serve_cmd=config.serve_cmd, vllm_args=config.vllm_args)
-    resolve_harness(config.agent, config.environment_type)
+    harbor = resolve_eval_agent(config)  # a Harbor agent, else a tool harness (checked)
     backend = resolve_backend(config.environment_type)
     backend.check_options(config.environment_kwargs)  # before any server or job folder
     # every ${VAR} allowed, every feature of every task honoured: else a table (exit 2)
-    check_tasks(loaded.tasks, backend, driver=EVAL, env_allow=config.env_allow, backend_kwargs=config.environment_kwargs)
+    check_tasks(loaded.tasks, backend, driver=eval_driver(harbor), env_allow=config.env_allow, backend_kwargs=config.environment_kwargs)
+    if harbor is not None:  # built once with its options (nothing started): bad --ak fails now
+        check_harbor_options(harbor, config, specs[0].name)
     try:
         backend.check_installed(loaded.tasks[0], config.environment_kwargs)
     except BackendError as exc:
@@ -340,6 +355,7 @@ async def evaluate(
     run = _Run(config, job, on_record, on_status)
     tasks, root = list(loaded.tasks), Path(loaded.root)
     all_keys = _keys(specs, tasks, root, config.n_attempts)
+    job.keep_harbor_layout(config, backend, len(all_keys), root)  # harbor view, harbor job regrade read the job
     if on_plan is not None:
         on_plan(len(job.pending(all_keys)), len(all_keys))
     error: Exception | None = None

@@ -8,7 +8,10 @@ A job folder holds:
 - ``episodes.jsonl``: one :class:`~harbor_async.records.EpisodeRecord` a line,
   appended and flushed as each episode finishes (a resume appends again; the
   last record of an episode wins);
-- ``summary.json``: written at the end (and again after a resume).
+- ``summary.json``: written at the end (and again after a resume);
+- Harbor's own layout beside these (``config.json``, ``result.json`` and one
+  trial folder per episode, :mod:`harbor_async.harbor_jobs`), so Harbor's tools
+  (``harbor view``, ``harbor job regrade``) read the job.
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from harbor_async.errors import JobFolderError
+from harbor_async.harbor_jobs import HarborJob
+from harbor_async.logs import get_logger
 from harbor_async.records import EpisodeRecord
+
+log = get_logger()
 
 SETTINGS_NAME = "harbor-async.json"
 #: The settings file of job folders written by earlier releases.
@@ -44,6 +51,7 @@ class JobFolder:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._episodes = None
+        self._harbor: HarborJob | None = None
 
     @classmethod
     def create(cls, jobs_dir: str | Path, job_name: str | None, config: dict[str, Any]) -> JobFolder:
@@ -78,10 +86,14 @@ class JobFolder:
     @property
     def settings_path(self) -> Path | None:
         """The settings file: ``harbor-async.json``, or an earlier release's ``config.json``; ``None`` if neither."""
-        for name in (SETTINGS_NAME, CONFIG_NAME):
-            if (self.path / name).is_file():
-                return self.path / name
-        return None
+        if (self.path / SETTINGS_NAME).is_file():
+            return self.path / SETTINGS_NAME
+        legacy = self.path / CONFIG_NAME
+        try:  # Harbor's JobConfig is named config.json too: an earlier release's settings say their command
+            ours = legacy.is_file() and "command" in json.loads(legacy.read_text(encoding="utf-8"))
+        except (OSError, ValueError, TypeError):
+            ours = False
+        return legacy if ours else None
 
     @property
     def config(self) -> dict[str, Any]:
@@ -89,13 +101,32 @@ class JobFolder:
         path = self.settings_path
         return self.read_json(path.name if path is not None else SETTINGS_NAME)
 
+    def keep_harbor_layout(self, settings: Any, environment: Any, n_total: int, root: str | Path | None = None) -> None:
+        """Write Harbor's job layout beside the records from now on (see :mod:`harbor_async.harbor_jobs`).
+
+        ``settings`` are the job's :class:`~harbor_async.settings.JobSettings`,
+        ``environment`` its backend (``BackendSpec``), ``n_total`` the episodes
+        of the whole job (a resume's included) and ``root`` the suite's root.
+        """
+        base = Path(root) if root else None
+        self._harbor = HarborJob(self.path, settings, base, environment)
+        try:
+            self._harbor.start(n_total, self.latest(root))
+        except OSError as exc:
+            raise JobFolderError(f"cannot write the job folder {self.path}: {exc.strerror or exc}") from exc
+
     def append(self, record: EpisodeRecord) -> None:
-        """Append one record and flush it to the file, so that no finished episode is lost."""
+        """Append one record and flush it to the file, so that no finished episode is lost; then its Harbor trial folder."""
         if self._episodes is None:
             self._episodes = open(self.path / EPISODES_NAME, "a", encoding="utf-8")  # noqa: SIM115
         self._episodes.write(json.dumps(record.to_dict(), ensure_ascii=False) + "\n")
         self._episodes.flush()
         os.fsync(self._episodes.fileno())
+        if self._harbor is not None:
+            try:
+                self._harbor.add(record)
+            except (OSError, ValueError) as exc:  # the record is safe above; Harbor's copy of it is not worth the batch
+                log.warning("harbor trial folder not written", trial=record.trial, error=repr(exc))
 
     def close(self) -> None:
         """Close the records file (appending reopens it)."""
@@ -121,8 +152,13 @@ class JobFolder:
         return [k for k in keys if k not in done or done[k].rerun]
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        """Write ``summary.json``."""
+        """Write ``summary.json`` (and finish Harbor's ``result.json``: metrics, pass@k, end time)."""
         self.write_json(SUMMARY_NAME, summary)
+        if self._harbor is not None:
+            try:
+                self._harbor.finish()
+            except (OSError, ValueError) as exc:
+                log.warning("harbor job result not written", job=str(self.path), error=repr(exc))
 
     def write_json(self, name: str, data: Any) -> None:
         """Write ``name`` atomically (a reader never sees half a file)."""

@@ -7,24 +7,34 @@ phase (as the shim's ``reset()`` does), then runs the
 transcript, usage and finish reason. Blame: a model server that kept failing is
 ``model_server`` (rerun by a resume); a command the sandbox could not run is
 ``infrastructure``; running out of the agent's time is the agent's.
+
+``-a`` may name one of Harbor's agents instead (``terminus-2``, ``module:Class``):
+:func:`resolve_eval_agent` tells which, and :func:`eval_episode_agent` makes
+each episode's agent: a :class:`ModelAgent`, or a
+:class:`~harbor_async.harbor_episode_agent.HarborEpisodeAgent` pointed at the
+server (``hosted_vllm/<served name>`` at its URL).
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from harbor_async.backends import resolve_backend
-from harbor_async.errors import EvalConfigError, FailureClass, HarnessError, Phase
-from harbor_async.harnesses import Harness, harness_factory
+from harbor_async.errors import AgentConfigError, EvalConfigError, FailureClass, HarnessError, Phase
+from harbor_async.harbor_agents import HarborAgentSpec, agent_class, agent_names, is_harbor_agent
+from harbor_async.harnesses import HARNESSES, Harness, harness_factory
 from harbor_async.harnesses.toolset import build_toolset
 
 if TYPE_CHECKING:
     from harbor_async.agent import Agent, Sampling
     from harbor_async.episode import Episode
     from harbor_async.settings import JobSettings
+    from harbor_async.task_support import Driver
 
 
 @dataclass
@@ -123,3 +133,56 @@ def resolve_harness(agent: str, backend: str) -> Callable[[], Harness]:
     except (HarnessError, TypeError, ValueError) as exc:
         raise EvalConfigError(f"harness {agent!r}: {exc}") from exc
     return factory
+
+
+def resolve_eval_agent(settings: JobSettings) -> HarborAgentSpec | None:
+    """``eval``'s ``-a``: a Harbor agent (its spec; the class loads) or ``None`` for a harness (its factory checked).
+
+    Raises :class:`EvalConfigError`: an unknown name, a class that does not load, ``--ak`` with a harness,
+    or a Harbor agent on ``--ray`` (the cluster's work items build harnesses only).
+    """
+    if not is_harbor_agent(settings.agent):
+        if ":" not in settings.agent and settings.agent not in HARNESSES:
+            raise EvalConfigError(
+                f"unknown agent {settings.agent!r}; choose a tool harness ({', '.join(sorted(HARNESSES))}), one of "
+                f"Harbor's agents ({', '.join(agent_names())}), or module:Class"
+            )
+        if settings.agent_kwargs:
+            raise EvalConfigError(f"--ak sets a Harbor agent's options; -a {settings.agent} is a tool harness")
+        resolve_harness(settings.agent, settings.environment_type)
+        return None
+    if settings.ray:
+        raise EvalConfigError(f"-a {settings.agent} does not run on --ray yet; use a tool harness there, or run without --ray")
+    try:
+        agent_class(settings.agent)
+    except AgentConfigError as exc:
+        raise EvalConfigError(str(exc)) from None
+    return HarborAgentSpec(settings.agent, None, dict(settings.agent_kwargs))
+
+
+def eval_driver(spec: HarborAgentSpec | None) -> Driver:
+    """``eval``'s driver: a tool harness (no MCP servers, no skills), or a Harbor agent (checked against each task)."""
+    from harbor_async.task_support import EVAL
+
+    return EVAL if spec is None else replace(EVAL, model_harness=False, agent=spec.agent_class)
+
+
+def check_harbor_options(spec: HarborAgentSpec, settings: JobSettings, model: str) -> None:
+    """Build the agent once as an episode will (nothing started): bad ``--ak`` is an :class:`EvalConfigError` now."""
+    pointed = spec.with_server(model, "http://127.0.0.1:8000/v1", api_key_name=settings.api_key_name)
+    try:
+        with tempfile.TemporaryDirectory(prefix="harbor-async-agent-check-") as scratch:
+            pointed.check(Path(scratch))
+    except AgentConfigError as exc:
+        raise EvalConfigError(str(exc)) from None
+
+
+def eval_episode_agent(settings: JobSettings, agent: Any, harness: Callable[[], Harness] | None, attempt: int) -> Any:
+    """One evaluation episode's agent: ``agent`` is the model's :class:`~harbor_async.agent.Agent` loop
+    (with ``harness``), or a :class:`HarborAgentSpec` already pointed at the server (see :meth:`HarborAgentSpec.with_server`)."""
+    if isinstance(agent, HarborAgentSpec):
+        from harbor_async.harbor_episode_agent import HarborEpisodeAgent
+
+        return HarborEpisodeAgent(agent, settings.agent, timeout=(settings.limits or {}).get("timeout"))
+    assert harness is not None
+    return model_episode_agent(settings, agent, harness, attempt)

@@ -63,6 +63,7 @@ class Timeouts:
     agent_timeout_multiplier: float | None = None
     verifier_timeout_multiplier: float | None = None
     environment_build_timeout_multiplier: float | None = None
+    agent_setup_timeout_multiplier: float | None = None  # a Harbor agent's setup (Harbor's flag of that name)
 
     def __post_init__(self) -> None:
         for name in ("start", "exec", "agent", "verify", "stop", "slot", "episode"):
@@ -72,6 +73,7 @@ class Timeouts:
             "agent_timeout_multiplier",
             "verifier_timeout_multiplier",
             "environment_build_timeout_multiplier",
+            "agent_setup_timeout_multiplier",
         ):
             _check_positive(name, getattr(self, name), "a positive number")
 

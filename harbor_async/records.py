@@ -65,9 +65,10 @@ class EpisodeRecord:
     seconds: dict[str, float] = field(default_factory=dict)
     verifier_output: str | None = None
     transcript: list[dict[str, Any]] | None = None
-    usage: dict[str, int] = field(default_factory=dict)
+    usage: dict[str, int | float] = field(default_factory=dict)  # token counts; a Harbor agent's cost_usd too
     finish_reason: str | None = None
     steps: list[dict[str, Any]] = field(default_factory=list)  # a multi-step task's: name, reward, rewards, error
+    trial: str | None = None  # the episode's Harbor trial folder in the job folder (harbor_async.harbor_jobs)
     version: int = RECORD_VERSION
 
     @property

@@ -7,8 +7,10 @@ is handed to ``on_done`` the moment the episode's sandbox is stopped, so a calle
 can append it to its job folder before the next one ends.
 
 What acts in the agent phase is an :class:`EpisodeAgent`: one of Harbor's
-model-free agents (:class:`HarborAgent`, for ``run``) or a harness driven by a
-model server (:class:`harbor_async.model_agent.ModelAgent`, for ``eval``).
+model-free agents (:class:`HarborAgent`, for ``run``), any other Harbor agent
+(:class:`harbor_async.harbor_episode_agent.HarborEpisodeAgent`: ``terminus-2``,
+``claude-code``, ``module:Class``, for ``run`` and ``eval``) or a harness driven
+by a model server (:class:`harbor_async.model_agent.ModelAgent`, for ``eval``).
 ``run``, ``eval`` and the cluster workers all come through :func:`run_episode`.
 """
 
@@ -136,12 +138,18 @@ async def run_suite(
     episodes: Sequence[PlannedEpisode | Task],
     backend: str | BackendSpec,
     *,
-    agent: str | EpisodeAgent = "oracle",
+    agent: str | EpisodeAgent | Callable[[], EpisodeAgent] = "oracle",
     task_path: Callable[[Task], str] | None = None,
     concurrency: int = 8,
     on_done: Callable[[EpisodeRecord], None] | None = None,
+    model: str | None = None,
 ) -> list[EpisodeRecord]:
     """Run ``episodes`` (tasks, or tasks with attempt indices), ``concurrency`` at a time.
+
+    ``agent``: a model-free agent's name, an :class:`EpisodeAgent` that keeps no
+    state between episodes, or a factory called once per episode (an agent that
+    does, as a Harbor agent's :class:`~harbor_async.harbor_episode_agent.HarborEpisodeAgent`);
+    ``model``: the records' ``model`` (and their keys').
 
     This is the batch's one concurrency limit: an episode launches its sandbox
     only when it holds a slot, so its episode deadline starts then (give the
@@ -157,8 +165,9 @@ async def run_suite(
 
     async def one(index: int, episode: PlannedEpisode) -> None:
         async with limiter:
+            actor = agent() if callable(agent) else agent
             records[index] = await run_episode(
-                engine, episode.task, spec, agent, attempt=episode.attempt, on_done=on_done,
+                engine, episode.task, spec, actor, attempt=episode.attempt, on_done=on_done, model=model,
                 task_path=None if task_path is None else task_path(episode.task),
             )  # fmt: skip
 

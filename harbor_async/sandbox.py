@@ -593,6 +593,7 @@ class Sandbox:
                 self.context.stats.record(phase.value, seconds, outcome == "ok")
             log = self._log.debug if outcome in ("ok", "cancelled") else self._log.warning
             log("phase", phase=phase.value, start_attempt=max(self.start_attempts, 1), seconds=round(seconds, 4), outcome=outcome)
+    bounded_phase = _phase  # public: a Harbor agent's setup and run, driven from harbor_async.harbor_agents
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.id} task={self.task_name!r} backend={self.backend.name!r} {self.state}>"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import warnings
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from harbor_async.policy import Limits, Timeouts
@@ -48,17 +47,20 @@ class JobSettings:
     options, the host variables a task's ``${VAR}`` may read (``env_allow``), attempts, concurrency, the episode deadline and Harbor's timeout
     multipliers, and the cluster options (``ray``, ``ray_address``, ``budget``
     and the cluster's caps ``cluster_max_live``, ``cluster_creates_per_second``,
-    named as the shim's engine options name them).
-    ``run`` adds the plan (``episodes``); ``eval`` adds the models and how to
+    named as the shim's engine options name them), and a Harbor agent's
+    options (``agent_kwargs``, ``--ak``).
+    ``run`` adds the plan (``episodes``) and its agent's model (``models``: none
+    or one, ``-m``); ``eval`` adds the models and how to
     reach them (``models``, ``base_url``, ``serve_cmd``, ``api_key_name``,
     ``vllm_args``, ``ready_timeout``), sampling, the agent loop's limits and the
     scoring threshold.
     """
 
     command: str = "run"
-    suite: str | None = None
+    suite: str | list[str] | None = None  # a folder, a dataset id, or a registry dataset's task folders
     dataset: str | None = None
     agent: str = "oracle"
+    agent_kwargs: dict[str, Any] = field(default_factory=dict)  # a Harbor agent's options (--ak)
     environment_type: str = "local"
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
     env_allow: list[str] = field(default_factory=list)
@@ -75,6 +77,7 @@ class JobSettings:
     agent_timeout_multiplier: float | None = None
     verifier_timeout_multiplier: float | None = None
     environment_build_timeout_multiplier: float | None = None
+    agent_setup_timeout_multiplier: float | None = None
     ray: bool = False
     ray_address: str | None = None
     budget: str = "local"
@@ -153,6 +156,7 @@ class JobSettings:
             agent_timeout_multiplier=self.agent_timeout_multiplier,
             verifier_timeout_multiplier=self.verifier_timeout_multiplier,
             environment_build_timeout_multiplier=self.environment_build_timeout_multiplier,
+            agent_setup_timeout_multiplier=self.agent_setup_timeout_multiplier,
         )
 
     def budget_factory(self) -> Any:
@@ -174,7 +178,7 @@ class JobSettings:
         job folder, whose ``artifacts/`` gets each episode's artifacts.
         """
         return {
-            "artifacts_dir": None if job_dir is None else str(Path(job_dir) / "artifacts"),
+            "trials_dir": None if job_dir is None else str(job_dir),
             "limits": Limits(live_sandboxes=None),
             "timeouts": self.timeouts(),
             "backend_kwargs": dict(self.environment_kwargs),

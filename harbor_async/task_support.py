@@ -10,7 +10,11 @@ the tasks' ``${VAR}`` templates need are checked here too, into one table.
 
 ``run``, ``eval`` and the shim call :func:`check_tasks`; Harbor's own
 environment classes judge what they can honour (GPUs, TPUs, Windows, network
-policies) when built with the task's settings, nothing started.
+policies) when built with the task's settings, nothing started. A Harbor agent
+(``-a terminus-2``, ``claude-code``, ...) is checked too: an agent that cannot
+run on the backend at all is one line (:class:`UnsupportedAgentError`), one that
+cannot run in a task's network policy a refusal of that task
+(:mod:`harbor_async.harbor_agents`).
 """
 
 from __future__ import annotations
@@ -70,6 +74,14 @@ class UnsupportedTaskError(HarborAsyncError, ValueError):
         )
 
 
+class UnsupportedAgentError(UnsupportedTaskError):
+    """The run's agent cannot run on the backend at all (bad input: exit 2); one line, no sandbox started."""
+
+    def __init__(self, reason: str, backend: str) -> None:
+        self.refusals, self.backend = [], backend
+        ValueError.__init__(self, f"{reason}; no sandbox was started")
+
+
 class MissingVariablesError(HarborAsyncError, ValueError):
     """Tasks of the run need host variables the user did not allow (or that are not set)."""
 
@@ -95,11 +107,14 @@ class Driver:
     (``run`` and ``eval``; not TRL's ``environment_factory``: one reset, one
     reward). ``model_harness``: a model acts through a tool harness (``eval``,
     the shim), which cannot wire MCP servers or skills into the model.
+    ``agent``: the Harbor agent class that acts (``-a``), checked against the
+    backend and each task; ``None``: a harness, or one of the model-free agents.
     """
 
     name: str
     multi_step: bool = True
     model_harness: bool = False
+    agent: type | None = None
 
 
 RUN = Driver("run")
@@ -119,9 +134,17 @@ def check_tasks(
     """Refuse the run if any task cannot be run as written; check every ``${VAR}`` it needs.
 
     Raises:
+        UnsupportedAgentError: the driver's agent cannot run on ``backend`` at all (one line).
         MissingVariablesError: a table of every missing variable of every task.
         UnsupportedTaskError: one line per task feature that cannot be honoured.
     """
+    if driver.agent is not None:
+        from harbor_async.backends.local import LocalEnvironment
+        from harbor_async.harbor_agents import backend_refusal
+
+        reason = backend_refusal(driver.agent, local=issubclass(backend.environment_class(), LocalEnvironment))
+        if reason is not None:
+            raise UnsupportedAgentError(reason, backend.name)
     missing = [
         MissingVariable(task.name, *_split(line))
         for task in _distinct(tasks)
@@ -207,6 +230,11 @@ def driver_refusals(task: Task, driver: Driver) -> list[Refusal]:
         refuse("[environment] mcp_servers", f"the tool harness of {driver.name} cannot connect the model to MCP servers")
     if driver.model_harness and config.environment.skills_dir:
         refuse("[environment] skills_dir", f"the tool harness of {driver.name} has no skills folder")
+    if driver.agent is not None:  # an agent that installs itself needs the network (harbor_async.harbor_agents)
+        from harbor_async.harbor_agents import task_refusals as agent_refusals
+
+        for feature, reason in agent_refusals(task, driver.agent):
+            refuse(feature, reason)
     return found
 
 

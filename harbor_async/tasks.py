@@ -7,11 +7,13 @@ A *suite* is a folder of Harbor task folders, laid out either as
 - ``None``: the example suite bundled with this package;
 - a local path (``str`` or :class:`~pathlib.Path`) to such a tree;
 - a Hugging Face dataset repo id, ``"org/name"`` (optionally ``"org/name@revision"``
-  or with an ``hf://`` prefix), downloaded with
-  ``huggingface_hub.snapshot_download(repo, repo_type="dataset", allow_patterns=["tasks/**"])``.
+  or with an ``hf:`` prefix), downloaded with
+  ``huggingface_hub.snapshot_download(repo, repo_type="dataset", allow_patterns=["tasks/**"])``;
+- a dataset of Harbor's registry, ``"name@version"``, or a list of task folders
+  (such a dataset downloaded, see :mod:`harbor_async.registry`), kept in its order.
 
 Every task is parsed with Harbor's own :class:`harbor.models.task.task.Task`, so a
-task that loads here also loads in Harbor. Tasks are ordered by folder name, the
+task that loads here also loads in Harbor. Tasks of a folder are ordered by folder name, the
 order TRL's ``HarborSpec`` uses, so ``num_tasks`` / ``indices`` select the same
 tasks as there. A broken task never breaks the suite: it is reported in
 :attr:`TaskSuite.invalid` with its reason, logged as a warning, and left out.
@@ -34,10 +36,12 @@ from pydantic import ValidationError
 
 from harbor_async.errors import (
     EmptySuiteError,
+    RegistryError,
     SuiteNotFoundError,
     TaskLoadError,
 )
 from harbor_async.logs import get_logger
+from harbor_async.registry import HF_PREFIXES, parse_hf
 
 __all__ = [
     "EmptySuiteError",
@@ -54,7 +58,8 @@ log = get_logger(__name__)
 #: The only part of a dataset repo that is downloaded.
 HUB_ALLOW_PATTERNS: list[str] = ["tasks/**"]
 
-_HF_PREFIX = "hf://"
+# A Harbor registry dataset with its version ("name@version"), as a source string (HarborSpec's).
+_REGISTRY_REF_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._+-]*$")
 # A Hub repo id: "org/name", each part alphanumeric plus . _ - (no leading dot or dash).
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -74,7 +79,7 @@ class TaskSuite:
     Attributes:
         root: the folder holding the task folders (``<suite>/tasks`` for the
             ``tasks/`` layout); passing it back to :func:`load_suite` loads the
-            same suite.
+            same suite. For a list of task folders: their common parent.
         tasks: the valid tasks as Harbor :class:`~harbor.models.task.task.Task`
             objects, sorted by folder name (or in ``indices`` order).
         invalid: task folders that failed validation, with their reasons.
@@ -251,13 +256,13 @@ def load_task(path: Path | str) -> Task:
 
 def _parse_hub_source(source: str) -> tuple[str, str | None] | None:
     """Return (repo_id, revision) when ``source`` names a Hub dataset, else None."""
-    explicit = source.startswith(_HF_PREFIX)
-    spec = source[len(_HF_PREFIX) :] if explicit else source
-    if explicit and spec.startswith("datasets/"):
-        spec = spec[len("datasets/") :]
-    repo_id, _, revision = spec.partition("@")
-    if explicit and repo_id:
-        return repo_id, revision or None
+    try:
+        explicit = parse_hf(source)  # hf:org/name, hf://org/name
+    except RegistryError as exc:
+        raise SuiteNotFoundError(str(exc)) from None
+    if explicit is not None:
+        return explicit
+    repo_id, _, revision = source.partition("@")
     if _REPO_ID_RE.match(repo_id) and ".." not in repo_id:
         return repo_id, revision or None
     return None
@@ -288,30 +293,36 @@ def _download_hub_suite(repo_id: str, revision: str | None) -> Path:
     return root
 
 
-def _resolve_source(source: str | Path | None) -> Path:
-    """Turn a suite source into a local directory (downloading a Hub dataset if named)."""
+def _resolve_source(source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None) -> Path | list[Path]:
+    """Turn a suite source into a local directory (downloading a Hub dataset if named), or a list of task folders."""
     if source is None:
         from harbor_async.suites import example_suite_path
 
         return example_suite_path()
+    if isinstance(source, Sequence) and not isinstance(source, str):
+        if not source:
+            raise SuiteNotFoundError("task suite source is an empty list of task folders")
+        return [Path(item).expanduser() for item in source]
     if isinstance(source, str):
         if not source.strip():
             raise SuiteNotFoundError("task suite source is empty")
-        if source.startswith(_HF_PREFIX):
-            hub = _parse_hub_source(source)
-            if hub is None:
-                raise SuiteNotFoundError(f"no dataset repo id in {source!r}")
-            return _download_hub_suite(*hub)
+        if source.startswith(HF_PREFIXES):
+            return _download_hub_suite(*_parse_hub_source(source))  # type: ignore[misc]
         local = Path(source).expanduser()
         if not local.exists():
-            # Only a string shaped like "org/name" goes to the Hub; "./x", "/x", "~/x",
-            # "x" and "a/b/c" are local paths that do not exist.
+            # Only a string shaped like "org/name" goes to the Hub, only "name@version" to
+            # Harbor's registry; "./x", "/x", "~/x", "x" and "a/b/c" are local paths that do not exist.
             hub = _parse_hub_source(source)
             if hub is not None:
                 return _download_hub_suite(*hub)
+            if _REGISTRY_REF_RE.match(source):
+                from harbor_async.registry import fetch_dataset
+
+                name, _, version = source.partition("@")
+                return list(fetch_dataset(name, version).source)
             raise SuiteNotFoundError(
                 f"task suite path {source!r} does not exist (and is not a Hugging Face "
-                "dataset id of the form 'org/name')"
+                "dataset id of the form 'org/name', nor a Harbor registry dataset 'name@version')"
             )
     else:
         local = Path(source).expanduser()
@@ -340,6 +351,20 @@ def _scan(tasks_root: Path) -> tuple[list[Path], list[InvalidTask]]:
         elif (child / "instruction.md").exists():
             broken.append(InvalidTask(child.resolve(), "missing task.toml"))
     return candidates, broken
+
+
+def _listed(task_dirs: list[Path]) -> tuple[Path, list[Path], list[InvalidTask]]:
+    """A list of task folders (a registry dataset): their common root, the task folders in order, the broken ones."""
+    resolved = list(dict.fromkeys(path.resolve() for path in task_dirs))  # a folder listed twice once
+    root = Path(os.path.commonpath([path.parent for path in resolved]))
+    candidates: list[Path] = []
+    broken: list[InvalidTask] = []
+    for path in resolved:
+        if (path / "task.toml").is_file():
+            candidates.append(path)
+        else:
+            broken.append(InvalidTask(path, "missing task.toml" if path.is_dir() else "no such directory"))
+    return root, candidates, broken
 
 
 def _select(
@@ -375,7 +400,7 @@ def _select(
 
 
 def load_suite(
-    source: str | Path | None = None,
+    source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
     *,
     num_tasks: int | None = None,
     indices: Sequence[int] | None = None,
@@ -389,6 +414,11 @@ def load_suite(
             ``"hf://org/name"`` also accepted), of which only ``tasks/**`` is
             downloaded. A string is a repo id only when no such local path exists
             and it looks like one; ``"./x"``, ``"/x"`` or ``"~/x"`` are always local.
+            ``"hf:org/name"`` is always a repo id; ``"name@version"`` that is no local
+            path is a dataset of Harbor's registry, downloaded into Harbor's task cache
+            (:func:`harbor_async.registry.fetch_dataset`). A list of task folders (such a
+            dataset as :func:`harbor_async.registry.resolve_dataset` gives it) keeps its
+            order; its root is the folders' common parent.
         num_tasks: keep only the first ``num_tasks`` task folders (at least 1).
         indices: keep the task folders at these positions, in this order
             (repeats allowed, negative positions count from the end).
@@ -408,16 +438,20 @@ def load_suite(
         ValueError: both ``num_tasks`` and ``indices`` given, ``num_tasks < 1``, or
             empty ``indices``.
         IndexError: an index outside the suite, naming the index and the suite size.
-        SuiteNotFoundError: the local path does not exist, or the Hub download failed.
+        SuiteNotFoundError: the local path does not exist, or the Hub download failed;
+            :class:`~harbor_async.errors.RegistryError` for a registry dataset.
         EmptySuiteError: no valid task in the (selected part of the) suite; the
             message lists each invalid task's reason.
     """
     if num_tasks is not None and indices is not None:
         raise ValueError("pass num_tasks or indices, not both")
 
-    suite_dir = _resolve_source(source)
-    tasks_root = _tasks_root(suite_dir).resolve()
-    candidates, invalid = _scan(tasks_root)
+    resolved = _resolve_source(source)
+    if isinstance(resolved, list):
+        tasks_root, candidates, invalid = _listed(resolved)
+    else:
+        tasks_root = _tasks_root(resolved).resolve()
+        candidates, invalid = _scan(tasks_root)
     if not candidates and not invalid:
         raise EmptySuiteError(tasks_root)
     selected = _select(candidates, tasks_root, num_tasks, indices)

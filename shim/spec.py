@@ -30,7 +30,7 @@ import importlib.util
 import os
 import uuid
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, Unpack
@@ -140,8 +140,12 @@ class HarborSpec:
     """Single spec object that wires a Harbor task suite into a TRL trainer.
 
     Args:
-        dataset: a Hugging Face dataset repo id holding a Harbor task tree, or a
-            local folder holding ``tasks/<name>/task.toml`` (or ``<name>/task.toml``).
+        dataset: a Hugging Face dataset repo id holding a Harbor task tree
+            (``"org/name"`` as in TRL, or ``"hf:org/name[@revision]"``), a local
+            folder holding ``tasks/<name>/task.toml`` (or ``<name>/task.toml``), a
+            dataset of Harbor's registry (``"name@version"``, downloaded into
+            Harbor's task cache), or a list of task folders (such as
+            ``harbor_async.registry.resolve_dataset(...).source`` for another registry).
         agent: the harness, i.e. the tool surface: a built-in name (``"bash"``),
             ``"package.module:Class"``, ``"path/to/file.py:Class"`` or a
             :class:`~shim.env.HarborEnv` subclass. A harness written for TRL
@@ -178,7 +182,7 @@ class HarborSpec:
 
     def __init__(
         self,
-        dataset: str | os.PathLike[str],
+        dataset: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         *,
         agent: str | type[HarborEnv] = "bash",
         environment_type: str = "docker",

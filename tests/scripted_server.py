@@ -17,6 +17,9 @@ The model name chooses the behaviour (each is listed by ``/v1/models``):
 - ``always-500``: every request fails with 500.
 - ``slow``: solves, waiting ``slow_seconds`` before every reply.
 - ``context``: solves, then refuses the next request as longer than the context.
+- ``terminus``: speaks Harbor's terminus-2 JSON protocol (no tool calls): first a
+  batch of keystrokes that runs the task's ``solve.sh``, then ``"task_complete": true``
+  twice (terminus-2 asks for a confirmation).
 
 Any other model name gets a 404, as vLLM answers. With ``api_key``, a chat
 request with another key gets a 401 (as OpenAI's API answers). ``GET /stats`` returns the
@@ -39,7 +42,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-MODELS = ("solver", "quitter", "half", "misbehave", "flaky-429", "flaky-500", "always-500", "slow", "context")
+MODELS = ("solver", "quitter", "half", "misbehave", "flaky-429", "flaky-500", "always-500", "slow", "context", "terminus")
 EXAMPLE_SUITE = Path(__file__).resolve().parent.parent / "harbor_async" / "suites" / "example" / "tasks"
 
 
@@ -137,6 +140,8 @@ class ScriptedServer:
         if model == "always-500" or (model in ("flaky-429", "flaky-500") and self._first_time(body)):
             code = 429 if model == "flaky-429" else 500
             return code, _error("try again later", "RateLimitError" if code == 429 else "InternalServerError", code)
+        if model == "terminus":
+            return 200, _reply(body, messages, None, self._terminus(messages))
         tools = [t["function"]["name"] for t in body.get("tools") or []]
         tool_turns = sum(1 for m in messages if m.get("role") == "tool")
         if model == "context" and tool_turns >= 1:
@@ -153,6 +158,19 @@ class ScriptedServer:
             return 200, _reply(body, messages, None, "Done." if solve else "I think the answer is 42.")
         shell = "bash" if "bash" in tools else "run" if "run" in tools else tools[0]
         return 200, _reply(body, messages, [_call(shell, json.dumps({"command": solution}))])
+
+    def _terminus(self, messages: list[dict[str, Any]]) -> str:
+        """terminus-2's next JSON answer: run the solution, then mark the task complete (and confirm it)."""
+        prompt = "\n".join(str(m.get("content") or "") for m in messages if m.get("role") == "user")
+        solution = next((s for instruction, s in self.solutions if instruction.strip() in prompt), None)
+        answered = sum(1 for m in messages if m.get("role") == "assistant")
+        if answered == 0 and solution is not None:
+            lines = [line for line in solution.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+            commands = [{"keystrokes": line + "\n", "duration": 0.5} for line in lines]
+            answer = {"analysis": "A fresh terminal.", "plan": "Run the solution.", "commands": commands, "task_complete": False}
+        else:
+            answer = {"analysis": "The solution ran.", "plan": "Nothing left to do.", "commands": [], "task_complete": True}
+        return json.dumps(answer)
 
     def _task(self, prompt: str) -> tuple[int, str | None]:
         for index, (instruction, solution) in enumerate(self.solutions):

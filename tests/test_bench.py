@@ -88,3 +88,64 @@ def test_grpo_step_replay_with_prefetch_claims_every_later_start_and_leaves_noth
         assert ahead.prefetch_hits == [0, 4, 4], implementation
         assert ahead.mean_reward == rounds.mean_reward > 0  # same tasks and answers, same verdicts
     assert prefetch.parked_count() == 0 and engines.live_sandbox_count() == 0
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_every_result_file_records_commit_command_machine_and_load(tmp_path):
+    """The honest-method block: a figure can be traced to its code, its command and how busy the machine was."""
+    bench("throughput", "-e", "simulated", "--latency", "zero", "--episodes", "4", "-n", "2", out=tmp_path)
+    data = json.loads((tmp_path / "throughput-simulated.json").read_text())
+    prov = data["provenance"]
+    assert prov["commit"] == _git("rev-parse", "HEAD")
+    assert prov["dirty"] == bool(_git("status", "--porcelain", "--untracked-files=no"))
+    assert prov["command"] == (
+        f"harbor-async bench throughput -e simulated --latency zero --episodes 4 -n 2 --out {tmp_path}"
+    )
+    for key in ("load_before", "load_after"):
+        assert len(prov[key]) == 3 and all(isinstance(x, float | int) and x >= 0 for x in prov[key])
+    assert prov["started"] <= prov["finished"]
+    machine = data["machine"]
+    assert machine["cpus"] >= 1 and machine["memory_gib"] > 0 and machine["python"] and machine["platform"]
+    assert machine["packages"]["harbor-async"] and machine["packages"]["harbor"]
+
+
+def test_command_line_is_written_as_the_user_typed_it():
+    from benchmarks.provenance import command_line
+
+    main = str(REPO / "harbor_async" / "__main__.py")
+    assert command_line([main, "bench", "harbor", "-p", "my suite"]) == "harbor-async bench harbor -p 'my suite'"
+    assert command_line(["/venv/bin/harbor-async", "bench", "overhead"]) == "harbor-async bench overhead"
+    assert command_line([str(REPO / "benchmarks" / "cluster.py"), "--out", "x.json"]) == "python -m benchmarks.cluster --out x.json"
+
+
+def test_harbor_bench_runs_both_clis_on_the_same_tasks(tmp_path):
+    """`bench harbor`: harbor-async run and Harbor's harbor run, same suite, agent, backend and -n, in one run."""
+    run = bench("harbor", "-e", "local", "-l", "2", "--repeats", "1", "-n", "2", out=tmp_path)
+    data = json.loads((tmp_path / "harbor-vs-harbor-async-local.json").read_text())
+    assert data["benchmark"] == "harbor" and data["provenance"]["commit"] == _git("rev-parse", "HEAD")
+    assert "harbor-async bench harbor -e local -l 2 --repeats 1 -n 2" in data["provenance"]["command"]
+    assert (data["env"], data["agent"], data["n_concurrent"], data["n_tasks"], data["repeats"]) == ("local", "oracle", 2, 2, 1)
+    assert " run -y " in data["commands"]["harbor"] and "harbor_async.backends.local:LocalEnvironment" in data["commands"]["harbor"]
+    for cli in ("harbor-async", "harbor"):
+        side = data["clis"][cli]
+        assert side["episodes"] == side["reward_one"] == 2 and side["errors"] == 0  # every episode ran, reward 1
+        assert side["wall_s"]["median"] > 0 and side["episodes_per_second"]["median"] > 0
+        assert set(side["phases"]) == {"start", "agent", "verify", "stop"}
+        assert all(0 <= p["p50"] <= p["p99"] and p["n"] == 2 for p in side["phases"].values())
+    ratio = data["ratio_episodes_per_second"]
+    assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
+    [only] = data["rounds"]
+    assert only["ratio"] == ratio["median"] and only["first"] == "harbor-async"
+    assert "harbor-async run vs harbor run" in run["stdout"]
+    # `harbor-async report` shows it as tables, with the provenance beside the machine.
+    from harbor_async.report.bench import benchmark_section
+    from harbor_async.report.source import load_source
+
+    [result] = load_source(tmp_path).results
+    section = benchmark_section(result)
+    assert [t.title for t in section.tables][1:3] == ["episodes/s ratio harbor-async / harbor", "rounds"]
+    assert [row[0] for row in section.tables[0].rows] == ["harbor-async", "harbor"]
+    assert dict(section.machine)["commit"] == data["provenance"]["commit"] and "load before" in dict(section.machine)

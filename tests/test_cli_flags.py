@@ -127,7 +127,9 @@ def test_jobs_dir_job_name_and_json_export(tmp_path):
     assert result.returncode == 0, result.stderr
     (job,) = (tmp_path / "jobs").iterdir()
     assert re.fullmatch(r"\d{4}-\d\d-\d\d__\d\d-\d\d-\d\d", job.name)
-    assert {p.name for p in job.iterdir()} == {"harbor-async.json", "episodes.jsonl", "summary.json"}
+    files = {p.name for p in job.iterdir()}
+    assert {"harbor-async.json", "episodes.jsonl", "summary.json", "config.json", "result.json"} <= files  # ours, Harbor's
+    assert len(files) == 5 + 2  # and a trial folder per episode (Harbor's layout)
     export = tmp_path / "out" / "all.jsonl"
     _, found, _ = run_job(tmp_path, "-e", "simulated", "-l", "2", "--json", str(export), name="named")
     assert [json.loads(line) for line in export.read_text().splitlines()] == sorted(found, key=lambda r: r["task"])
@@ -161,9 +163,15 @@ def test_resume_refuses_job_defining_flags(tmp_path):
 
 
 def test_dataset_goes_to_the_hub(tmp_path):
-    result = harbor_async("run", "-d", "no-such-org/no-such-suite", "-o", str(tmp_path), env={"HF_HUB_OFFLINE": "1"})
+    registry = tmp_path / "registry.json"  # an empty local registry: Harbor's default one is on the network
+    registry.write_text("[]")
+    result = harbor_async(
+        "run", "-d", "no-such-org/no-such-suite", "--registry-path", str(registry), "-o", str(tmp_path), env={"HF_HUB_OFFLINE": "1"}
+    )
     assert result.returncode == 2
     assert "'no-such-org/no-such-suite'" in result.stderr and "Hugging Face" in result.stderr
+    # Harbor's registry does not know it: the old spelling, deprecated
+    assert "deprecated: -d no-such-org/no-such-suite is read as the Hugging Face dataset" in result.stderr
 
 
 def test_older_spellings_still_work_but_are_hidden(tmp_path):

@@ -90,9 +90,9 @@ def test_three_processes_never_exceed_the_cluster_cap(ray_cluster, live_dir: Pat
 
 
 def test_a_killed_process_loses_its_leases_within_the_heartbeat_timeout(
-    ray_cluster,
+    ray_cluster,  # noqa: F811 - the fixture
     live_dir: Path,
-    tmp_path: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     holder = _child(ray_cluster, live_dir, tmp_path, 4, 4, 600, LEASE_TIMEOUT)
     for _ in range(4):  # it holds the whole cap
@@ -140,9 +140,9 @@ def test_a_killed_process_loses_its_leases_within_the_heartbeat_timeout(
 
 
 def test_batches_are_leased_all_or_nothing_so_ranks_take_turns(
-    ray_cluster,
+    ray_cluster,  # noqa: F811 - the fixture
     live_dir: Path,
-    tmp_path: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     # Two "ranks" each need 3 sandboxes live at once (a barrier); the cap is 4.
     # Per-sandbox leases could leave each with 2 and waiting forever; batch leases make them take turns.
@@ -166,9 +166,9 @@ async def test_a_batch_above_the_cap_is_refused_naming_cap_and_batch(ray_cluster
 
 
 def test_ranks_of_one_run_whose_batches_exceed_the_cap_are_refused_on_every_rank(
-    ray_cluster,
+    ray_cluster,  # noqa: F811 - the fixture
     live_dir: Path,
-    tmp_path: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     # Two ranks of one torchrun-style world (they would meet in collectives mid-step,
     # so they cannot take turns): batches of 2 + 2 against a cap of 3.
@@ -189,9 +189,9 @@ def test_ranks_of_one_run_whose_batches_exceed_the_cap_are_refused_on_every_rank
 
 @pytest.mark.anyio
 async def test_an_engine_under_either_loop_keeps_the_cap_and_a_cancelled_wait_leaks_nothing(
-    ray_cluster,
+    ray_cluster,  # noqa: F811 - the fixture
     example_tasks,
-    anyio_backend,  # noqa: F811
+    anyio_backend,
 ) -> None:
     from harbor_async.backends.simulated import SimulatedEnvironment
 

@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 
 import pytest
+
+from harbor_async.cli.harbor_flags import REFUSED
 import typer.main
 
 from harbor_async.cli import app
@@ -49,7 +51,7 @@ OTHER_TOOLS = {
     "--gid", "--proc", "--ro-bind", "--reuid", "--regid", "--clear-groups", "--no-deps", "--frozen",
     "--max-model-len", "--dtype", "--head", "--address", "--block", "--num-cpus", "--force-reinstall",
     "--resolution", "--debug",  # uv's; harbor run's (the mapping table)
-}
+} | {flag for spellings in REFUSED for flag in spellings}  # harbor run's flags we refuse (docs/cli.md's table of them)
 
 
 def _code(text: str):

@@ -64,6 +64,8 @@ async def test_failures_are_classified_and_blamed_on_their_first_phase(example_t
     hung = tmp_path / "hung"
     shutil.copytree(task.paths.task_dir, hung)
     (hung / "tests" / "test.sh").write_text("#!/bin/sh\necho started\nsleep 600\n")
+    toml = hung / "task.toml"  # the task's own verifier budget (30 s) is the one that counts: make it short
+    toml.write_text(toml.read_text().replace("[verifier]\ntimeout_sec = 30.0", "[verifier]\ntimeout_sec = 2.0"))
     from harbor_async.tasks import load_task
 
     tasks = [load_task(broken), load_task(hung)]
@@ -74,6 +76,7 @@ async def test_failures_are_classified_and_blamed_on_their_first_phase(example_t
     assert "checking the answer [environment]" in no_reward.verifier_output
     assert timed_out.error_class == "verifier" and timed_out.error_type == "VerifierFailure"
     assert timed_out.reward == 0.0 and "started" in (timed_out.verifier_output or "")
+    assert timed_out.seconds["verify"] < 15  # the task's budget, not the 600 s sleep
     assert classify(RuntimeError("bug")) is FailureClass.INFRASTRUCTURE
 
 

@@ -59,7 +59,7 @@ def test_run_refuses_a_task_needing_a_variable_not_allowed_and_keeps_secrets_out
     assert kept.returncode == 0, kept.stderr
     (record,) = records(tmp_path / "jobs" / "kept")
     assert record["reward"] == 1.0  # the sandbox saw the default, not the host's value
-    job_text = "".join(p.read_text() for p in (tmp_path / "jobs" / "kept").iterdir())
+    job_text = "".join(p.read_text() for p in (tmp_path / "jobs" / "kept").rglob("*") if p.is_file())  # Harbor's trial folders too
     assert SECRET not in job_text + kept.stdout + kept.stderr
     allowed = harbor_async(
         "run", "-p", str(tmp_path / "defaulted"), "-a", "none", "-o", str(tmp_path / "jobs"), "--job-name", "allowed",

@@ -381,7 +381,7 @@ def test_docker_honours_network_mode_users_and_multi_step_tasks(tmp_path: Path, 
     # the helper (PID 1 'sleep infinity', deaf to SIGTERM) got the init too: no 10 s wait for Docker's grace period
     assert found["compose"]["seconds"]["stop"] < 8.0, found["compose"]["seconds"]
     job = next((tmp_path / "jobs").iterdir())
-    assert files_under(job / "artifacts" / "separate_0") == [
+    assert files_under(job / found["separate"]["trial"] / "artifacts") == [
         "app/outdir/keep.txt", "app/report.json", "logs/artifacts/answer.txt", "manifest.json",
     ]  # fmt: skip
 
@@ -435,7 +435,7 @@ def test_separate_verifier_and_artifacts_as_harbor_runs_them(tmp_path: Path) -> 
     job = next((tmp_path / "jobs").iterdir())
     (record,) = records(job)
     assert record["reward"] == 1.0, record["verifier_output"]
-    ours = job / "artifacts" / "separate_0"
+    ours = job / record["trial"] / "artifacts"  # in the episode's trial folder, where Harbor keeps them
     assert files_under(ours) == [
         "app/outdir/keep.txt", "app/report.json", "logs/artifacts/answer.txt", "manifest.json",
     ]  # fmt: skip
@@ -465,7 +465,7 @@ def test_artifacts_are_collected_within_the_transfer_budget(tmp_path: Path) -> N
     job = next((tmp_path / "jobs").iterdir())
     (record,) = records(job)
     assert record["reward"] == 1.0  # collection is best effort: the episode is unharmed
-    folder = job / "artifacts" / "bomb_0"
+    folder = job / record["trial"] / "artifacts"
     assert files_under(folder) == ["app/dir/ok.txt", "manifest.json"]
     assert not any(p.is_symlink() for p in folder.rglob("*"))
     manifest = json.loads((folder / "manifest.json").read_text())

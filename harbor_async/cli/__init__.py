@@ -37,7 +37,13 @@ class _App(typer.Typer):
         from typer.main import get_command
 
         from harbor_async.cli.common import say
+        from harbor_async.cli.harbor_flags import refusal
 
+        given = list(kwargs.get("args") or (args[0] if args else None) or sys.argv[1:])
+        refused = refusal(given[1:]) if given[:1] == ["run"] else None
+        if refused is not None:  # a `harbor run` flag we cannot honour: say why, not Click's "no such option"
+            say("error:", refused, "bold red")
+            sys.exit(2)
         try:
             code = get_command(self).main(*args, standalone_mode=False, **kwargs)
         except typer.Abort:

@@ -16,7 +16,7 @@ from harbor_async.cli.common import checked_backend, fail, parse_kwargs, setup_l
 
 bench_app = typer.Typer(
     name="bench",
-    help="Benchmarks: throughput, engine overhead, GRPO-step environment time (needs the bench and trl extras).",
+    help="Benchmarks: throughput, engine overhead, GRPO-step environment time, harbor-async run vs harbor run (needs the bench and trl extras).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -71,6 +71,9 @@ def _setup(log_level: str | None) -> None:
             "`harbor-async bench` needs a source checkout (the benchmarks are not in the wheel): "
             "run it from a clone of the repository (`uv run harbor-async bench ...`)"
         )
+    from benchmarks.provenance import begin
+
+    begin()  # the load average the run starts under, for the result file
     setup_logging(log_level)
 
 
@@ -164,3 +167,29 @@ def docker_step(
     from benchmarks.docker_step import main as run_it
 
     run_it(["--steps", str(steps), "--out", str(out)])
+
+
+@bench_app.command("harbor")
+def harbor(
+    path: Annotated[Path | None, typer.Option("--path", "-p", help="A local suite.", show_default="the bundled example suite")] = None,
+    env: Annotated[str, typer.Option("--env", "-e", help="local or docker (Harbor spells local by import path).")] = "local",
+    agent: Annotated[str, typer.Option("--agent", "-a", help="A Harbor agent both CLIs run.")] = "oracle",
+    n_concurrent: Annotated[int, typer.Option("--n-concurrent", "-n", min=1, help="Episodes at once, both CLIs.")] = 8,
+    n_tasks: Annotated[int | None, typer.Option("--n-tasks", "-l", min=1, help="At most N tasks.")] = None,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Rounds; the CLIs alternate which goes first.")] = 3,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file.")] = DEFAULT_OUT,
+    log_level: LogOpt = None,
+) -> None:
+    """The same suite, agent, backend and -n under `harbor-async run` and Harbor's `harbor run`; writes harbor-vs-harbor-async-ENV.json."""
+    _setup(log_level)
+    if env not in ("local", "docker"):
+        raise fail(f"--env: local or docker, got {env!r}")
+    from benchmarks.cli import harbor as run_it
+    from benchmarks.harbor_cli import HarborBenchError
+    from harbor_async.suites import example_suite_path
+
+    suite = (path or example_suite_path()).resolve()
+    try:
+        run_it(suite, env, agent, n_concurrent, n_tasks, repeats, out)
+    except HarborBenchError as exc:
+        raise fail(f"bench harbor: {exc}", code=1) from None

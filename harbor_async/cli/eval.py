@@ -9,7 +9,9 @@ import typer
 from rich.text import Text
 
 from harbor_async.cli import cluster as cluster_opts
+from harbor_async.cli.agents import AgentKwargOpt, parsed_agent_kwargs
 from harbor_async.cli.common import StrictVerifyOpt, checked_backend, err, fail, out, parse_kwargs
+from harbor_async.cli.selection import DatasetOpt, RegistryPathOpt, RegistryUrlOpt, suite_source
 from harbor_async.printing import escape_controls
 
 #: Exit code of an eval the model server stopped (1: infrastructure failures, 2: bad input).
@@ -23,9 +25,9 @@ def eval_command(
             "--path", "-p", help="Suite: a local task tree or a dataset repo id (default: the bundled example)."
         ),
     ] = None,
-    dataset: Annotated[
-        str | None, typer.Option("--dataset", "-d", help="Suite as a Hugging Face dataset repo id (as -p).")
-    ] = None,
+    dataset: DatasetOpt = None,
+    registry_url: RegistryUrlOpt = None,
+    registry_path: RegistryPathOpt = None,
     model: Annotated[
         list[str] | None,
         typer.Option(
@@ -44,8 +46,14 @@ def eval_command(
         ),
     ] = None,
     agent: Annotated[
-        str, typer.Option("--agent", "-a", help="Harness: bash, python, terminal, module:Class or file.py:Class.")
+        str,
+        typer.Option(
+            "--agent", "-a",
+            help="Harness (bash, python, terminal, module:Class, file.py:Class) or a Harbor agent (terminus-2, ..., "
+            "module:Class): it gets hosted_vllm/<model> at the server's URL.",
+        ),
     ] = "bash",
+    ak: AgentKwargOpt = None,
     env: Annotated[
         str, typer.Option("--env", "-e", help="Backend: local, simulated, a Harbor type (docker, ...) or module:Class.")
     ] = "local",
@@ -131,16 +139,18 @@ def eval_command(
         cluster_opts.require_ray()
     if path and dataset:
         raise fail("give -p PATH or -d DATASET, not both")
-    path = path or dataset
     if not model and resume is None:
         raise fail("give at least one -m MODEL (or --resume JOB_DIR)")
     backend_kwargs = parse_kwargs(backend_kwarg)
     checked_backend(env, backend_kwargs)
+    if dataset or registry_url is not None or registry_path is not None:  # resolved (downloaded) as run resolves it
+        path = suite_source(None, None, dataset, registry_url, registry_path)
     settings: dict[str, Any] = dict(
         environment_kwargs=backend_kwargs,
         env_allow=list(env_allow or []),
         strict_verify=strict_verify,
         agent=agent,
+        agent_kwargs=parsed_agent_kwargs(ak),
         environment_type=env,
         n_attempts=attempts,
         n_concurrent=concurrency,

@@ -27,6 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from harbor_async.cli import cluster as cluster_opts
+from harbor_async.cli.agents import AgentKwargOpt
 from harbor_async.cli.common import (
     StrictVerifyOpt,
     checked_backend,
@@ -49,6 +50,9 @@ from harbor_async.cli.selection import (
     plan_episodes,
     reload_episodes,
     suite_source,
+    DatasetOpt,
+    RegistryPathOpt,
+    RegistryUrlOpt,
 )
 from harbor_async.records import EpisodeRecord
 from harbor_async.runner import MODEL_FREE_AGENTS, PlannedEpisode
@@ -62,9 +66,6 @@ SuiteArg = Annotated[str | None, typer.Argument(hidden=True, help="Older spellin
 PathOpt = Annotated[
     Path | None, typer.Option("--path", "-p", help="A local suite: <root>/tasks/*/task.toml or <root>/*/task.toml.")
 ]
-DatasetOpt = Annotated[
-    str | None, typer.Option("--dataset", "-d", help="A Hugging Face dataset repo id: org/name or org/name@revision.")
-]
 NTasksOpt = Annotated[
     int | None, typer.Option("--n-tasks", "-l", min=1, help="At most N tasks (applied after -i/-x).")
 ]
@@ -77,11 +78,11 @@ ExcludeOpt = Annotated[
 ]
 IndicesOpt = Annotated[str | None, typer.Option("--indices", help="Comma-separated task positions, as TRL's HarborSpec takes them.")]
 
-# Options that define a job: with --resume they come from the job's config.json.
+# Options that define a job: with --resume they come from the job's harbor-async.json.
 _JOB_OPTIONS = (
-    "suite", "path", "dataset", "env", "backend", "agent", "n_attempts", "n_tasks", "num_tasks", "include",
-    "exclude", "indices", "ek", "env_allow", "timeout_multiplier", "agent_timeout_multiplier", "verifier_timeout_multiplier",
-    "environment_build_timeout_multiplier", "episode_timeout", "start_timeout", "jobs_dir", "job_name",
+    "suite", "path", "dataset", "registry_url", "registry_path", "env", "backend", "agent", "n_attempts", "n_tasks", "num_tasks", "include",
+    "exclude", "indices", "ek", "model", "ak", "base_url", "api_key_name", "env_allow", "timeout_multiplier", "agent_timeout_multiplier", "verifier_timeout_multiplier",
+    "environment_build_timeout_multiplier", "agent_setup_timeout_multiplier", "episode_timeout", "start_timeout", "jobs_dir", "job_name",
 )  # fmt: skip
 
 
@@ -90,9 +91,15 @@ def run(
     suite: SuiteArg = None,
     path: PathOpt = None,
     dataset: DatasetOpt = None,
+    registry_url: RegistryUrlOpt = None,
+    registry_path: RegistryPathOpt = None,
     env: Annotated[str | None, typer.Option("--env", "-e", help="Harbor type (docker, e2b, ...), 'local', 'simulated' or module:Class.", show_default="local")] = None,
     backend: Annotated[str | None, typer.Option("--backend", "-b", hidden=True)] = None,
-    agent: Annotated[str, typer.Option("--agent", "-a", help=f"One of: {', '.join(MODEL_FREE_AGENTS)} (none and nop: no agent).")] = "oracle",
+    agent: Annotated[str, typer.Option("--agent", "-a", help="A Harbor agent (oracle, none/nop: no agent, terminus-2, claude-code, ...) or module:Class.")] = "oracle",
+    model: Annotated[str | None, typer.Option("--model", "-m", help="The agent's model, as Harbor names it (LiteLLM's provider/model, e.g. hosted_vllm/NAME).")] = None,
+    ak: AgentKwargOpt = None,
+    base_url: Annotated[str | None, typer.Option("--base-url", help="The agent's inference server (a Harbor agent's api_base or base_url; --ak wins).")] = None,
+    api_key_name: Annotated[str | None, typer.Option("--api-key-name", help="The variable holding the agent's inference API key.")] = None,
     n_concurrent: Annotated[int | None, typer.Option("--n-concurrent", "-n", min=1, help="Episodes (and live sandboxes) at once.", show_default="8")] = None,
     concurrency: Annotated[int | None, typer.Option("--concurrency", "-c", min=1, hidden=True)] = None,
     n_attempts: Annotated[int, typer.Option("--n-attempts", "-k", min=1, help="Episodes per task; pass@k is reported when above 1.")] = 1,
@@ -108,6 +115,7 @@ def run(
     agent_timeout_multiplier: Annotated[float | None, typer.Option("--agent-timeout-multiplier", help="Multiplies the agent budget (overrides --timeout-multiplier).")] = None,
     verifier_timeout_multiplier: Annotated[float | None, typer.Option("--verifier-timeout-multiplier", help="Multiplies the verifier budget (overrides --timeout-multiplier).")] = None,
     environment_build_timeout_multiplier: Annotated[float | None, typer.Option("--environment-build-timeout-multiplier", help="Multiplies the start budget (overrides --timeout-multiplier).")] = None,
+    agent_setup_timeout_multiplier: Annotated[float | None, typer.Option("--agent-setup-timeout-multiplier", help="Multiplies a Harbor agent's setup budget (overrides --timeout-multiplier).")] = None,
     episode_timeout: Annotated[float | None, typer.Option(help="Seconds for a whole episode (all phases but the stop).")] = None,
     start_timeout: Annotated[float | None, typer.Option(help="Seconds for one start attempt.", show_default="600")] = None,
     jobs_dir: Annotated[Path, typer.Option("--jobs-dir", "-o", help="Folder of job folders.")] = DEFAULT_JOBS_DIR,
@@ -115,6 +123,9 @@ def run(
     resume: Annotated[Path | None, typer.Option("--resume", help="A job folder: run only its missing episodes and those a resume reruns.")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Also export the job's records (one JSON object a line) to this file.")] = None,
     log_level: Annotated[str | None, typer.Option(help="debug, info, warning or error.", show_default="$HARBOR_ASYNC_LOG_LEVEL or warning")] = None,
+    debug: Annotated[bool, typer.Option("--debug", help="Debug logging (as --log-level debug).")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "--silent", "-q", help="No progress bar.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Accepted for harbor run's command lines: harbor-async never asks.")] = False,
     log_format: Annotated[str | None, typer.Option(help="console or json.", show_default="$HARBOR_ASYNC_LOG_FORMAT or console")] = None,
     budget: cluster_opts.BudgetOpt = "local",
     ray_address: cluster_opts.RayAddressOpt = None,
@@ -129,13 +140,14 @@ def run(
     """
     from harbor_async.jobs import JobFolder, JobFolderError
 
-    setup_logging(log_level, log_format)
+    setup_logging(log_level or ("debug" if debug else None), log_format)
+    del yes  # harbor run's -y: harbor-async asks nothing
     concurrency = n_concurrent or concurrency or 8
     if resume is not None:
         given = [name for name in _JOB_OPTIONS if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
         if given:
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
-            raise fail(f"--resume takes the job's settings from its config.json; drop {flags}")
+            raise fail(f"--resume takes the job's settings from its harbor-async.json; drop {flags}")
         try:
             job = JobFolder.open(resume)
             config = job.config
@@ -145,10 +157,11 @@ def run(
         episodes = reload_episodes(settings.episodes)
     else:
         settings = _settings(
-            suite_source(suite, path, dataset), env or backend or "local", agent, n_attempts, ek,
+            suite_source(suite, path, dataset, registry_url, registry_path), env or backend or "local", agent, n_attempts, ek,
             timeout_multiplier, agent_timeout_multiplier, verifier_timeout_multiplier,
-            environment_build_timeout_multiplier, episode_timeout, start_timeout,
+            environment_build_timeout_multiplier, episode_timeout, start_timeout, agent_setup_timeout_multiplier,
         )  # fmt: skip
+        settings.models, settings.agent_kwargs = [model] if model else [], _agent_kwargs(settings.agent, model, ak, base_url, api_key_name)
         settings.env_allow = list(env_allow or [])
         settings.strict_verify = strict_verify
         loaded = load_tasks(
@@ -165,7 +178,7 @@ def run(
         except SettingError as exc:
             raise fail(f"task {episode.task.name}: {exc}") from None
     try:  # every ${VAR} allowed, every feature of every task honoured (else a table, exit 2)
-        check_tasks([e.task for e in episodes], spec, driver=RUN, env_allow=settings.env_allow, backend_kwargs=settings.environment_kwargs)
+        check_tasks([e.task for e in episodes], spec, driver=_driver(settings, on_ray), env_allow=settings.env_allow, backend_kwargs=settings.environment_kwargs)
     except (MissingVariablesError, UnsupportedTaskError) as exc:
         raise fail(exc) from None
     if episodes:  # a missing client package is one line, before any sandbox or job folder
@@ -173,6 +186,7 @@ def run(
             spec.check_installed(episodes[0].task, settings.environment_kwargs)
         except BackendError as exc:
             raise fail(exc) from None
+    actor = _actor(settings)  # a Harbor agent is built once with its options, nothing started
     budget_factory = cluster_opts.budget_from_options(budget, ray_address, max_live, creates_per_second)
     if on_ray:
         cluster_opts.require_ray()
@@ -186,7 +200,11 @@ def run(
         except JobFolderError as exc:
             raise fail(exc) from None
     root = settings.suite or ""
-    keys = [_key(e, root) for e in episodes]
+    try:
+        job.keep_harbor_layout(settings, spec, len(episodes), root)  # harbor view, harbor job regrade read the job
+    except JobFolderError as exc:
+        raise fail(exc) from None
+    keys = [_key(e, root, _model(settings)) for e in episodes]
     done = job.latest(root)
     todo = [e for e, key in zip(episodes, keys, strict=True) if key not in done or done[key].rerun]
     if resume is not None:
@@ -202,7 +220,7 @@ def run(
             if on_ray:
                 _on_cluster(todo, settings, concurrency, engine_kwargs, ray_address, job, new, root)
             else:
-                anyio.run(_batch, todo, spec, settings.agent, concurrency, engine_kwargs, job, new, interrupts, root)
+                anyio.run(_batch, todo, spec, actor, concurrency, engine_kwargs, job, new, interrupts, root, _model(settings), quiet)
         finally:
             job.close()
     latest = job.latest(root)
@@ -227,13 +245,12 @@ def run(
         raise typer.Exit(1)
 
 
-def _settings(source, env, agent, k, ek, mult, agent_mult, verifier_mult, build_mult, episode_timeout, start_timeout) -> JobSettings:
+def _settings(source, env, agent, k, ek, mult, agent_mult, verifier_mult, build_mult, episode_timeout, start_timeout, setup_mult=None) -> JobSettings:
     """Check every job-defining value once (exit 2 with the reason); the job's settings."""
-    if agent not in MODEL_FREE_AGENTS:
-        raise fail(f"unknown agent {agent!r}; use one of {', '.join(MODEL_FREE_AGENTS)}")
     for name, value in (
         ("--timeout-multiplier", mult), ("--agent-timeout-multiplier", agent_mult),
         ("--verifier-timeout-multiplier", verifier_mult), ("--environment-build-timeout-multiplier", build_mult),
+        ("--agent-setup-timeout-multiplier", setup_mult),
     ):  # fmt: skip
         if value is not None and not (value > 0 and value != float("inf")):
             raise fail(f"{name} must be a finite number above 0, got {value}")
@@ -250,6 +267,7 @@ def _settings(source, env, agent, k, ek, mult, agent_mult, verifier_mult, build_
         agent_timeout_multiplier=agent_mult,
         verifier_timeout_multiplier=verifier_mult,
         environment_build_timeout_multiplier=build_mult,
+        agent_setup_timeout_multiplier=setup_mult,
         episode_timeout=episode_timeout,
         start_timeout=start_timeout,
     )
@@ -282,7 +300,7 @@ def _on_cluster(todo, settings, concurrency, engine_kwargs, address, job, new: l
     )  # fmt: skip
 
 
-async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, engine_kwargs: dict[str, Any], job, new: list[EpisodeRecord], interrupts: Interrupts, root: str = "") -> None:
+async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, engine_kwargs: dict[str, Any], job, new: list[EpisodeRecord], interrupts: Interrupts, root: str = "", model: str | None = None, quiet: bool = False) -> None:
     """Run the episodes into the job folder; a signal cancels the batch (records of cancelled episodes kept)."""
     from harbor_async.engine import Engine
     from harbor_async.runner import run_suite
@@ -293,7 +311,7 @@ async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, engine_kw
     with Progress(
         TextColumn("[bold]episodes"), BarColumn(), MofNCompleteColumn(),
         TextColumn("reward sum {task.fields[score]:.1f}"), TimeElapsedColumn(),
-        console=err, transient=False,
+        console=err, transient=False, disable=quiet,
     ) as progress:  # fmt: skip
         bar = progress.add_task("episodes", total=len(todo), score=0.0)
         score = 0.0
@@ -311,17 +329,63 @@ async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, engine_kw
             with anyio.CancelScope() as batch:
                 interrupts.arm(batch.cancel)
                 await run_suite(
-                    engine, todo, spec, agent=agent, concurrency=concurrency, on_done=done,
+                    engine, todo, spec, agent=agent, concurrency=concurrency, on_done=done, model=model,
                     task_path=lambda task: suite_task_path(task, root),
                 )  # fmt: skip
         interrupts.disarm()
 
 
-def _key(episode: PlannedEpisode, root: str) -> str:
+def _agent_kwargs(agent: str, model: str | None, ak: list[str] | None, base_url: str | None = None, api_key_name: str | None = None) -> dict[str, Any]:
+    """``--ak`` parsed as Harbor parses it, over ``--base-url``/``--api-key-name``, once ``-a`` names an agent that loads (else exit 2)."""
+    from harbor_async.cli.agents import harbor_agent_class, parsed_agent_kwargs
+    from harbor_async.harbor_agents import endpoint_options
+
+    if agent in MODEL_FREE_AGENTS:
+        if base_url or api_key_name:
+            raise fail(f"--base-url and --api-key-name are a model agent's; -a {agent} uses no model")
+        return parsed_agent_kwargs(ak)
+    return {**endpoint_options(harbor_agent_class(agent), base_url, api_key_name), **parsed_agent_kwargs(ak)}
+
+
+def _model(settings: JobSettings) -> str | None:
+    """The agent's model (``-m``), the records' ``model``."""
+    return settings.models[0] if settings.models else None
+
+
+def _driver(settings: JobSettings, on_ray: bool):
+    """``run``'s driver, with the Harbor agent it runs (checked against the backend and the tasks)."""
+    from dataclasses import replace
+
+    from harbor_async.cli.agents import harbor_agent_class
+
+    if settings.agent in MODEL_FREE_AGENTS:
+        return RUN
+    if on_ray:  # the cluster's work items carry an agent name only
+        raise fail(f"-a {settings.agent} does not run on --ray yet; use oracle or none there, or run without --ray")
+    return replace(RUN, agent=harbor_agent_class(settings.agent))
+
+
+def _actor(settings: JobSettings):
+    """What acts in each episode: a model-free agent's name, or a factory of a Harbor agent's episodes.
+
+    The Harbor agent is built here once with its options (nothing started): bad options are one line, exit 2.
+    """
+    if settings.agent in MODEL_FREE_AGENTS:
+        return settings.agent
+    from functools import partial
+
+    from harbor_async.cli.agents import checked_spec
+    from harbor_async.harbor_agents import HarborAgentSpec
+    from harbor_async.harbor_episode_agent import HarborEpisodeAgent
+
+    return partial(HarborEpisodeAgent, checked_spec(HarborAgentSpec(settings.agent, _model(settings), settings.agent_kwargs)))
+
+
+def _key(episode: PlannedEpisode, root: str, model: str | None = None) -> str:
     from harbor_async.records import episode_key
     from harbor_async.tasks import suite_task_path
 
-    return episode_key(suite_task_path(episode.task, root), episode.attempt)
+    return episode_key(suite_task_path(episode.task, root), episode.attempt, model)
 
 
 def _summary(records: list[EpisodeRecord], planned: int, settings: JobSettings, *, interrupted: str | None) -> dict[str, Any]:
@@ -385,6 +449,8 @@ def tasks(
     suite: SuiteArg = None,
     path: PathOpt = None,
     dataset: DatasetOpt = None,
+    registry_url: RegistryUrlOpt = None,
+    registry_path: RegistryPathOpt = None,
     n_tasks: NTasksOpt = None,
     num_tasks: OldNumTasksOpt = None,
     include: IncludeOpt = None,
@@ -395,7 +461,7 @@ def tasks(
     """List a suite's valid tasks (as -p/-d/-i/-x/-l select them) and report the invalid ones."""
     setup_logging()
     loaded = load_tasks(
-        suite_source(suite, path, dataset), n_tasks=n_tasks or num_tasks, indices=parse_indices(indices),
+        suite_source(suite, path, dataset, registry_url, registry_path), n_tasks=n_tasks or num_tasks, indices=parse_indices(indices),
         include=include, exclude=exclude,
     )  # fmt: skip
     table = Table(title=Text(escape_controls(f"tasks in {loaded.root}")))

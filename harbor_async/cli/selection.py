@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
 
 from harbor_async.cli.common import fail, say
 from harbor_async.errors import HarborAsyncError
@@ -15,23 +17,59 @@ if TYPE_CHECKING:
 
     from harbor_async.tasks import TaskSuite
 
-_HF_PREFIX = "hf://"
+# ── -d and the registry options, as `harbor run` spells them (run, tasks and eval) ──
+DatasetOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--dataset", "-d",
+        help="A Harbor registry dataset, name@version (name: its default version), "
+        "or a Hugging Face dataset repo, hf:org/name[@revision].",
+    ),
+]  # fmt: skip
+RegistryUrlOpt = Annotated[
+    str | None, typer.Option("--registry-url", help="A registry.json URL to resolve -d in.", show_default="Harbor's registry")
+]
+RegistryPathOpt = Annotated[
+    Path | None, typer.Option("--registry-path", help="A local registry.json file to resolve -d in.", show_default=False)
+]
 
 
-def suite_source(suite: str | None, path: Path | None, dataset: str | None) -> str | Path | None:
-    """The one suite source of ``SUITE`` (hidden, older spelling), ``-p`` or ``-d``; ``None``: the bundled suite."""
+def suite_source(
+    suite: str | None,
+    path: Path | None,
+    dataset: str | None,
+    registry_url: str | None = None,
+    registry_path: Path | None = None,
+) -> str | Path | list[str] | None:
+    """The one suite source of ``SUITE`` (hidden, older spelling), ``-p`` or ``-d``; ``None``: the bundled suite.
+
+    ``-d`` is resolved here, before any sandbox starts: a registry dataset is
+    downloaded (its task folders are the source), ``hf:org/name`` stays a repo id.
+    A deprecated spelling is said once on stderr; any error exits 2 in one line.
+    """
     given = [name for name, value in (("SUITE", suite), ("-p/--path", path), ("-d/--dataset", dataset)) if value]
     if len(given) > 1:
         raise fail(f"give one suite, not {' and '.join(given)}")
+    if (registry_url is not None or registry_path is not None) and not dataset:
+        raise fail("--registry-url and --registry-path resolve -d/--dataset; give -d name@version")
     if path is not None:
         return Path(path)  # a Path is always local
     if dataset:
-        return dataset if dataset.startswith(_HF_PREFIX) else _HF_PREFIX + dataset
+        from harbor_async.registry import resolve_dataset
+
+        try:
+            resolved = resolve_dataset(dataset, registry_url=registry_url, registry_path=registry_path)
+        except HarborAsyncError as exc:
+            raise fail(exc) from None
+        if resolved.deprecation:
+            say("deprecated:", resolved.deprecation)
+        # task folders as plain strings: the source is kept in the job's settings (JSON)
+        return resolved.source if isinstance(resolved.source, str) else [str(p) for p in resolved.source]
     return suite
 
 
 def load_tasks(
-    source: str | Path | None,
+    source: str | Path | list[str] | None,
     *,
     n_tasks: int | None = None,
     indices: list[int] | None = None,
@@ -81,12 +119,12 @@ def plan_episodes(tasks: list[Task], attempts: int) -> list[PlannedEpisode]:
 
 
 def describe_episodes(episodes: list[PlannedEpisode]) -> list[dict[str, Any]]:
-    """The plan as ``config.json`` keeps it, for ``--resume``."""
+    """The plan as ``harbor-async.json`` keeps it, for ``--resume``."""
     return [{"task": e.task.name, "task_path": str(e.task.paths.task_dir), "attempt": e.attempt} for e in episodes]
 
 
 def reload_episodes(described: list[dict[str, Any]]) -> list[PlannedEpisode]:
-    """The plan of a job folder's ``config.json``, its tasks loaded again (exits 2 if one is gone)."""
+    """The plan of a job folder's ``harbor-async.json``, its tasks loaded again (exits 2 if one is gone)."""
     from harbor_async.tasks import load_task
 
     loaded: dict[str, Task] = {}
@@ -100,5 +138,5 @@ def reload_episodes(described: list[dict[str, Any]]) -> list[PlannedEpisode]:
     except HarborAsyncError as exc:
         raise fail(f"cannot resume: {exc}") from None
     except (KeyError, TypeError, ValueError) as exc:
-        raise fail(f"cannot resume: config.json has no valid episode list ({exc!r})") from None
+        raise fail(f"cannot resume: the job settings have no valid episode list ({exc!r})") from None
     return episodes

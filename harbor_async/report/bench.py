@@ -15,6 +15,7 @@ from harbor_async.report import charts
 from harbor_async.report.source import BenchmarkResult
 
 THROUGHPUT_PHASES = ("start", "exec", "verify", "stop")
+HARBOR_PHASES = ("start", "agent", "verify", "stop")
 
 
 @dataclass
@@ -49,13 +50,15 @@ def benchmark_section(result: BenchmarkResult) -> BenchmarkSection:
     """The tables and plots of one result."""
     data = result.data
     kind = str(data.get("benchmark", "?"))
-    section = BenchmarkSection(result.name, kind, _machine(data.get("machine")))
+    section = BenchmarkSection(result.name, kind, _machine(data.get("machine")) + _provenance(data.get("provenance")))
     if kind == "throughput":
         _throughput(section, data)
     elif kind == "grpo-step":
         _grpo(section, data)
     elif kind == "overhead":
         _overhead(section, data)
+    elif kind == "harbor":
+        _harbor(section, data)
     else:
         _generic(section, data)
     if result.plot is not None:  # the benchmark's own plot of the same figures: shown instead of a redraw
@@ -81,6 +84,53 @@ def _machine(machine: Any) -> list[tuple[str, str]]:
     if isinstance(packages, dict):
         rows.append(("packages", ", ".join(f"{k} {v}" for k, v in packages.items())))
     return rows
+
+
+def _provenance(provenance: Any) -> list[tuple[str, str]]:
+    """Commit, command and load before/after (``benchmarks/provenance.py``); results of earlier releases have none."""
+    if not isinstance(provenance, dict):
+        return []
+    rows = []
+    for key, value in provenance.items():
+        if isinstance(value, list):
+            value = " ".join(_fmt(v) for v in value)
+        rows.append((key.replace("_", " "), _fmt(value)))
+    return rows
+
+
+def _harbor(section: BenchmarkSection, data: dict[str, Any]) -> None:
+    """``bench harbor``: one row per CLI, the ratio of episodes/s, and each round."""
+    clis = data.get("clis")
+    if not isinstance(clis, dict):
+        return _generic(section, data)
+    columns = ["CLI", "episodes", "reward 1", "errors", "wall s median", "episodes/s median", "episodes/s min", "episodes/s max"]
+    columns += [f"{p} p50/p99 ms" for p in HARBOR_PHASES]
+    rows = []
+    for cli, row in clis.items():
+        rate = row.get("episodes_per_second") or {}
+        cells = [cli, _fmt(row.get("episodes")), _fmt(row.get("reward_one")), _fmt(row.get("errors"))]
+        cells += [_fmt((row.get("wall_s") or {}).get("median"))] + [_fmt(rate.get(k)) for k in ("median", "min", "max")]
+        for phase in HARBOR_PHASES:
+            p = (row.get("phases") or {}).get(phase)
+            cells.append("-" if not p else f"{p['p50'] * 1e3:.0f}/{p['p99'] * 1e3:.0f}")
+        rows.append(cells)
+    setting = f"{data.get('env')}, -a {data.get('agent')}, -n {data.get('n_concurrent')}, {data.get('repeats')} rounds"
+    section.tables.append(Table(f"harbor-async run vs harbor run ({setting})", columns, rows))
+    ratio = data.get("ratio_episodes_per_second") or {}
+    section.tables.append(
+        Table("episodes/s ratio harbor-async / harbor", ["median", "min", "max"], [[_fmt(ratio.get(k)) for k in ("median", "min", "max")]])
+    )
+    rounds = [r for r in data.get("rounds", []) if isinstance(r, dict)]
+    if rounds:
+        names = list(clis)
+        section.tables.append(Table(
+            "rounds", ["round", "first", *[f"{c} wall s" for c in names], "ratio"],
+            [[_fmt(r.get("round")), _fmt(r.get("first")), *[_fmt((r.get(c) or {}).get("wall_s")) for c in names], _fmt(r.get("ratio"))] for r in rounds],
+        ))  # fmt: skip
+    commands = data.get("commands")
+    if isinstance(commands, dict):
+        section.tables.append(Table("commands (last round)", ["CLI", "command"], [[k, str(v)] for k, v in commands.items()]))
+    return None
 
 
 def _throughput(section: BenchmarkSection, data: dict[str, Any]) -> None:
@@ -145,7 +195,7 @@ def _overhead(section: BenchmarkSection, data: dict[str, Any]) -> None:
 
 
 def _generic(section: BenchmarkSection, data: dict[str, Any]) -> None:
-    scalars = [[k, _fmt(v)] for k, v in data.items() if k not in ("benchmark", "machine") and not isinstance(v, dict | list)]
+    scalars = [[k, _fmt(v)] for k, v in data.items() if k not in ("benchmark", "machine", "provenance") and not isinstance(v, dict | list)]
     if scalars:
         section.tables.append(Table("values", ["key", "value"], scalars))
     for key, value in data.items():

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from harbor_async.errors import HarborAsyncError
-from harbor_async.jobs import CONFIG_NAME, EPISODES_NAME, SETTINGS_NAME, SUMMARY_NAME, latest_records, read_records
+from harbor_async.jobs import CONFIG_NAME, EPISODES_NAME, SETTINGS_NAME, SUMMARY_NAME, JobFolder, latest_records, read_records
 from harbor_async.records import EpisodeRecord
 
 
@@ -83,7 +83,7 @@ Source = JobSource | BenchmarkSource
 def load_source(path: str | Path) -> Source:
     """Read what ``path`` holds.
 
-    - a job folder (``config.json`` and/or ``episodes.jsonl``);
+    - a job folder (``harbor-async.json``, an earlier release's ``config.json``, and/or ``episodes.jsonl``);
     - an ``episodes.jsonl`` file of records (``run --json`` writes one);
     - a benchmark result JSON (with a ``"benchmark"`` key) or a folder of them.
 
@@ -111,10 +111,8 @@ def load_source(path: str | Path) -> Source:
 
 def _job(name: str, folder: Path, episodes: Path) -> JobSource:
     config: dict[str, Any] = {}
-    config_path = folder / SETTINGS_NAME
-    if not config_path.is_file():
-        config_path = folder / CONFIG_NAME  # an earlier release's job
-    if config_path.is_file():
+    config_path = JobFolder(folder).settings_path  # ours, or an earlier release's config.json (not Harbor's)
+    if config_path is not None:
         try:
             config = json.loads(config_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:

@@ -1,0 +1,125 @@
+"""``harbor run``'s flags that ``harbor-async run`` does not honour, each with the reason, refused up front.
+
+A user who swaps ``harbor run`` for ``harbor-async run`` keeps the command line;
+a flag whose meaning we cannot honour is refused in one line that says why,
+before anything starts, instead of Click's bare "no such option" (or, worse,
+being ignored). The flags both commands take are ``run``'s own options (see
+``docs/cli.md``, "Every flag of harbor run"); ``tests/test_harbor_flags.py``
+checks that every flag of the installed Harbor's ``harbor run`` is one or the
+other, and that the docs list it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+_HUB = "Harbor Hub's hosted service (hosted runs, upload, sharing, secrets); the job folder is in Harbor's format: `harbor upload JOB_DIR`"
+_USER = "simulated-user (multi-turn) trials are not run by harbor-async"
+_EXPORT = "trace export runs on Harbor's job folder afterwards: `harbor traces export` on the job folder (Harbor's format)"
+_CONFIG = "harbor-async keeps a job's settings in its harbor-async.json (`--resume JOB_DIR`); give the settings as flags"
+
+#: Each refused flag (every spelling) -> why.
+REFUSED: dict[tuple[str, ...], str] = {
+    ("--config",): _CONFIG,
+    ("--print-config",): _CONFIG,
+    ("--diff",): "comparing against an earlier job is Harbor's `harbor run --diff`; `harbor-async run --resume JOB_DIR` reruns what failed",
+    ("--n-concurrent-agents",): "one concurrency limit, -n, bounds the episodes (and so the agents) of a run",
+    ("-r", "--max-retries"): "a sandbox start is retried by the engine (tenacity, transient errors only); a trial is never rerun blindly: `--resume` reruns episodes that failed for an infrastructure reason",
+    ("--retry-include",): "retries follow harbor-async's error-policy table (`harbor_async/policy.py`); see -r",
+    ("--retry-exclude",): "retries follow harbor-async's error-policy table (`harbor_async/policy.py`); see -r",
+    ("--agent-import-path",): "deprecated by Harbor: pass the import path to -a",
+    ("--api-format",): "Harbor agents get the model server through --ak (e.g. api_base); the API format is the agent's own",
+    ("--skip-model-parsing-and-provider-mapping", "--sm"): "the model name is passed to the agent as given",
+    ("--effort",): "pass the agent's own reasoning-effort kwarg with --ak",
+    ("--allow-agent-host",): "per-phase host allowlists need Harbor's egress sidecar; harbor-async refuses allowlist network policies up front",
+    ("--allow-environment-host",): "per-phase host allowlists need Harbor's egress sidecar; harbor-async refuses allowlist network policies up front",
+    ("--allow-verifier-host",): "per-phase host allowlists need Harbor's egress sidecar; harbor-async refuses allowlist network policies up front",
+    ("--resume-trajectory",): "multi-step sessions of an agent's own are not resumed between steps",
+    ("--load-trajectory",): "loading an agent session is not supported",
+    ("--ae", "--agent-env"): "sandbox-visible variables come from task.toml ([environment.env], filled only from --env-allow'ed host variables)",
+    ("--agent-include-logs",): "the agent's whole log folder is kept in the trial folder",
+    ("--agent-exclude-logs",): "the agent's whole log folder is kept in the trial folder",
+    ("--mcp-config",): "MCP servers come from the task's [environment] mcp_servers (a Harbor agent wires them; eval's and TRL's tool harnesses refuse such tasks up front)",
+    ("--skill", "--skills"): "skills come from the task's skills_dir (a Harbor agent gets them; eval's and TRL's tool harnesses refuse such tasks up front)",
+    ("--user-agent",): _USER,
+    ("--user-model",): _USER,
+    ("--uk", "--user-agent-kwarg"): _USER,
+    ("--user-persona-path",): _USER,
+    ("--user-prompt-template-path",): _USER,
+    ("--bridge",): _USER,
+    ("--bridge-prompt-path",): _USER,
+    ("--bk", "--bridge-kwarg"): _USER,
+    ("--environment-import-path",): "deprecated by Harbor: pass the import path to -e",
+    ("--force-build", "--no-force-build"): "the backend builds a task's environment when it starts (Docker's build cache applies); remove the image to rebuild",
+    ("--delete", "--no-delete"): "every sandbox is stopped and removed (kept ones would leak); the job folder keeps the logs and artifacts",
+    ("--stream", "--no-stream"): "live trajectory sync and VS Code over SSH are Harbor Hub features",
+    ("--cpus",): "task.toml's cpus are enforced as limits (docker: Compose limits; local: cgroups)",
+    ("--memory",): "task.toml's memory is enforced as a limit (docker: Compose limits; local: cgroups)",
+    ("--override-cpus",): "resources come from task.toml; a backend's own caps are --ek options (see `harbor-async doctor`)",
+    ("--override-memory-mb",): "resources come from task.toml; a backend's own caps are --ek options (see `harbor-async doctor`)",
+    ("--override-storage-mb",): "resources come from task.toml; a backend's own caps are --ek options (see `harbor-async doctor`)",
+    ("--override-gpus",): "GPU tasks are refused up front where the backend has none",
+    ("--override-tpu",): "TPU tasks are refused up front where the backend has none",
+    ("--mounts", "--mounts-json"): "host mounts into a sandbox would open the host to it (every sandbox is treated as hostile)",
+    ("--extra-docker-compose",): "Compose overlays are harbor-async's own (labels, init, limits); a task's docker-compose.yaml is honoured",
+    ("--env-file",): "host variables reach a task only through --env-allow NAME; export them in the shell",
+    ("--ve", "--verifier-env"): "verifier variables come from task.toml's [verifier.env]",
+    ("--verifier-include-logs",): "the verifier's whole log folder is kept in the trial folder",
+    ("--verifier-exclude-logs",): "the verifier's whole log folder is kept in the trial folder",
+    ("--verifier",): "the task's own verifier judges every episode (a custom verifier class is not run)",
+    ("--verifier-import-path",): "deprecated by Harbor: see --verifier",
+    ("--verifier-kwarg",): "the task's own verifier judges every episode (a custom verifier class is not run)",
+    ("--disable-verification", "--enable-verification"): "every episode is verified: a reward is the verifier's alone",
+    ("--install-only",): "agents are installed in each episode's sandbox, not ahead of a run",
+    ("--extra-instruction-path",): "the instruction is the task's own, as training sees it",
+    ("--extra-instruction",): "the instruction is the task's own, as training sees it",
+    ("--task-git-url",): "tasks come from -p, -d or the registry",
+    ("--task-git-commit",): "tasks come from -p, -d or the registry",
+    ("--export-traces", "--no-export-traces"): _EXPORT,
+    ("--export-sharegpt", "--no-export-sharegpt"): _EXPORT,
+    ("--export-episodes",): _EXPORT,
+    ("--export-push", "--no-export-push"): _EXPORT,
+    ("--export-repo",): _EXPORT,
+    ("--export-instruction-metadata", "--no-export-instruction-metadata"): _EXPORT,
+    ("--export-verifier-metadata", "--no-export-verifier-metadata"): _EXPORT,
+    ("--artifact",): "artifacts are the task's own (task.toml `artifacts` and /logs/artifacts)",
+    ("--plugin",): "Harbor's job plugins hook Harbor's own job runner, which harbor-async replaces",
+    ("--pk", "--plugin-kwarg"): "Harbor's job plugins hook Harbor's own job runner, which harbor-async replaces",
+    ("-t", "--task"): "a single registry task is a Harbor Hub package; give its folder with -p, or its dataset with -d name@version -i NAME",
+    ("--repo",): "git registries: clone the repository and give its registry.json with --registry-path",
+    ("--upload",): _HUB,
+    ("--launch",): _HUB,
+    ("--skip-credential-checks",): "harbor-async checks no agent credentials before a run",
+    ("--dry-run",): "use `harbor-async tasks` (the selection) and `harbor-async doctor` (the backend)",
+    ("--use-static-ip",): _HUB,
+    ("--credential-mode",): _HUB,
+    ("--one-off-secret",): _HUB,
+    ("--stored-secret",): _HUB,
+    ("--no-secrets",): _HUB,
+    ("--registry-secret",): _HUB,
+    ("--public", "--private"): _HUB,
+    ("--share",): _HUB,
+    ("--share-user",): _HUB,
+    ("--org",): _HUB,
+    ("--server",): "a Harbor rollout server runs Harbor's own job runner; run harbor-async on that machine instead",
+    ("--watch",): "a Harbor rollout server runs Harbor's own job runner; run harbor-async on that machine instead",
+}
+
+_BY_SPELLING = {spelling: reason for spellings, reason in REFUSED.items() for spelling in spellings}
+#: Harbor's ``-c`` is ``--config``; ours, an earlier release's ``--concurrency``: a number is ours.
+SHARED_SHORT = {"-c": "--config"}
+
+
+def refusal(args: Sequence[str]) -> str | None:
+    """The line refusing the first ``harbor run`` flag in ``args`` that ``harbor-async run`` does not honour, if any."""
+    for index, arg in enumerate(args):
+        if arg == "--":
+            break
+        flag = arg.split("=", 1)[0]
+        if flag in SHARED_SHORT:
+            value = arg.split("=", 1)[1] if "=" in arg else (args[index + 1] if index + 1 < len(args) else "")
+            flag = flag if value.isdigit() else SHARED_SHORT[flag]
+        reason = _BY_SPELLING.get(flag)
+        if reason is not None:
+            return f"{flag} (a `harbor run` flag) is not honoured by harbor-async run: {reason}"
+    return None

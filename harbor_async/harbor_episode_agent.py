@@ -1,0 +1,123 @@
+"""One episode of one of Harbor's agents (``terminus-2``, ``claude-code``, ``module:Class``): an EpisodeAgent.
+
+A :class:`HarborEpisodeAgent` is the :class:`~harbor_async.runner.EpisodeAgent`
+of a :class:`~harbor_async.harbor_agents.HarborAgentSpec`: the agent is built
+with Harbor's factory (its logs in the sandbox's trial ``agent/`` folder), set
+up in the start phase within Harbor's agent setup timeout, then run on the
+task's (each step's) instruction within the agent budget, as Harbor's trial
+runs it. Its token counts and cost (Harbor's ``AgentContext``) go into the
+record's ``usage``, summed over the steps of a multi-step task.
+
+Blame: a setup that fails (an install, a terminal) is the start's, rerun by a
+resume; an error reaching the model server is ``model_server`` (no verdict, as
+for ``eval``'s harnesses); anything else the agent does, or its running out of
+time, is the agent's (the verifier still judges what it left, as in Harbor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from harbor_async.errors import FailureClass, Phase, SandboxError
+from harbor_async.harbor_agents import HarborAgentSpec
+from harbor_async.policy import failure_class
+
+if TYPE_CHECKING:
+    from harbor_async.episode import Episode
+
+#: Harbor's ``AgentContext`` counts kept in a record's ``usage`` (summed over the steps of a task).
+USAGE_KEYS = ("n_input_tokens", "n_cache_tokens", "n_output_tokens", "cost_usd")
+#: HTTP statuses of a model server that failed, not of a model's bad request.
+_SERVER_STATUSES = frozenset({401, 403, 404, 408, 429})
+
+
+@dataclass
+class HarborEpisodeAgent:
+    """One episode of a Harbor agent: built and set up in the start phase, run on each instruction.
+
+    Args:
+        spec: the agent, its model and options.
+        name: recorded as the record's ``agent`` (default: the spec's name).
+        timeout: the agent's wall-clock budget per instruction (``eval``'s ``--agent-timeout``);
+            ``None``: the task's or step's agent budget, multiplied.
+    """
+
+    spec: HarborAgentSpec
+    name: str = ""
+    timeout: float | None = None
+    _agent: Any = None
+
+    def __post_init__(self) -> None:
+        self.name = self.name or self.spec.name
+
+    async def setup(self, episode: Episode) -> None:
+        """Build the agent into the sandbox's trial ``agent/`` folder and run its ``setup`` (Harbor's setup timeout)."""
+        from harbor.models.trial.paths import TrialPaths
+
+        sandbox = episode.sandbox
+        assert sandbox is not None and sandbox.trial_dir is not None
+        cls = self.spec.agent_class
+        self._agent = self.spec.build(TrialPaths(trial_dir=sandbox.trial_dir).agent_dir, episode.task)
+        if self.timeout is not None:
+            episode.agent_budget = self.timeout
+        timeouts = episode.engine.timeouts
+        budget = cls.DEFAULT_SETUP_TIMEOUT_SEC * (timeouts.agent_setup_timeout_multiplier or timeouts.timeout_multiplier)  # Harbor's rule
+        environment = sandbox.environment
+        with environment.with_default_user(episode.task.config.agent.user), environment.scoped_exec_env(self._agent.extra_env):
+            async with sandbox.context.budget.exec_slot(), sandbox.bounded_phase(Phase.START, budget=budget):
+                await self._agent.setup(environment)
+
+    async def act(self, episode: Episode) -> None:
+        """Run the agent on the episode's instruction; record its usage and, if it failed, whose failure it was."""
+        from harbor.models.agent.context import AgentContext
+
+        sandbox, record = episode.sandbox, episode.record
+        assert sandbox is not None and self._agent is not None
+        context = AgentContext()
+        environment = sandbox.environment
+        try:
+            with environment.scoped_exec_env(self._agent.extra_env):
+                async with sandbox.context.budget.exec_slot(), sandbox.bounded_phase(Phase.AGENT, budget=episode.agent_budget):
+                    await self._agent.run(episode.instruction, environment, context)
+        except SandboxError as exc:
+            server = _server_error(exc)
+            if server is not None:  # the model server failed, not the model: no verdict (as eval's harnesses)
+                episode.fail(FailureClass.MODEL_SERVER, server, "model")
+                episode.error = server
+            else:
+                episode.fail(failure_class(exc), exc)
+        finally:
+            if context.is_empty():  # an installed agent's counts come from its logs (Harbor's post-run step)
+                try:
+                    self._agent.populate_context_post_run(context)
+                except Exception:  # noqa: BLE001 - logs it could not read: no counts, not a failed episode
+                    pass
+            _add_usage(record.usage, context)
+
+
+def _add_usage(usage: dict[str, Any], context: Any) -> None:
+    """Add the ``AgentContext``'s token counts and cost to a record's ``usage`` (a later step adds to the earlier)."""
+    for key in USAGE_KEYS:
+        value = getattr(context, key, None)
+        if value is not None:
+            usage[key] = usage.get(key, 0) + value
+
+
+def _server_error(exc: BaseException) -> BaseException | None:
+    """The model-server error (unreachable, 5xx, refused key or model, rate limit) behind ``exc``, if any.
+
+    LiteLLM's errors derive from the ``openai`` client's: typed, never read from their text.
+    """
+    import openai
+
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, openai.APIConnectionError):
+            return cause
+        if isinstance(cause, openai.APIStatusError) and (cause.status_code >= 500 or cause.status_code in _SERVER_STATUSES):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
