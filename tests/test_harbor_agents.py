@@ -98,6 +98,7 @@ def _eval_terminus(tmp_path: Path, env: str) -> None:
         assert record["usage"]["n_input_tokens"] > 0 and record["usage"]["n_output_tokens"] > 0
 
 
+@pytest.mark.range
 def test_eval_runs_terminus2_on_local(tmp_path: Path, host_tmux: None) -> None:
     _eval_terminus(tmp_path, "local")
 

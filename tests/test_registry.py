@@ -58,6 +58,7 @@ def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.strip()]
 
 
+@pytest.mark.range
 def test_run_of_a_registry_dataset_downloads_it_into_harbors_cache_and_scores_it(tmp_path: Path, registry: Path) -> None:
     jobs = tmp_path / "jobs"
     result = harbor_async(
