@@ -6,8 +6,9 @@
   engine code: the machine's floor for any hand-off, measured in the same run).
 - Capacity: the largest number of live simulated sandboxes one loop thread
   holds, each with an agent issuing about one exec per second, while a probe
-  call through the portal still costs under the bound (1 ms by default, p50;
-  the p99 is recorded beside it).
+  call through the portal from another thread (as a trainer's) stays under the
+  bound **at its p99** (20 ms by default; the p50 is recorded beside it): a
+  median hides the stalls a trainer waits on.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from harbor_async.policy import Limits
 from harbor_async.sandbox import Sandbox
 from harbor_async.stats import percentile
 from harbor_async.tasks import load_suite
+
+
+#: The probe's p99 bound (µs) and the live-sandbox counts the capacity ramp tries, smallest first.
+DEFAULT_BOUND_US = 20_000.0
+DEFAULT_SIZES = (1000, 2000, 4000, 8000, 10000, 12000, 16000)
 
 
 @dataclass
@@ -58,8 +64,9 @@ class OverheadResult:
 
     round_trip: RoundTrip
     capacity: list[CapacityStep] = field(default_factory=list)
-    bound_us: float = 1000.0
+    bound_us: float = DEFAULT_BOUND_US
     max_sandboxes_under_bound: int = 0
+    bound_percentile: str = "p99"
 
     def to_dict(self) -> dict:
         """Plain-JSON form."""
@@ -140,7 +147,7 @@ def measure_round_trip(loop: LoopThread, probe: Sandbox, calls: int) -> RoundTri
 
 
 def measure_capacity(
-    loop: LoopThread, probe: Sandbox, tasks, sizes: list[int], probe_calls: int = 300, bound_us: float = 1000.0
+    loop: LoopThread, probe: Sandbox, tasks, sizes: list[int], probe_calls: int = 300, bound_us: float = 20_000.0
 ) -> list[CapacityStep]:
     """For each size, hold that many live sandboxes under agent-like load and probe the portal; stop at the first miss."""
     steps = []
@@ -180,7 +187,7 @@ def measure_capacity(
         loop.call(handle[0].set)
         future.result(60)
         loop.close_engine(engine)
-        step = CapacityStep(size, _us(times, 50), _us(times, 99), _us(times, 50) < bound_us)
+        step = CapacityStep(size, _us(times, 50), _us(times, 99), _us(times, 99) <= bound_us)  # judged on the tail
         steps.append(step)
         if not step.under_bound:
             break
@@ -188,10 +195,10 @@ def measure_capacity(
 
 
 def run_overhead(
-    calls: int = 2000, sizes: list[int] | None = None, suite: str | None = None, bound_us: float = 1000.0
+    calls: int = 2000, sizes: list[int] | None = None, suite: str | None = None, bound_us: float = 20_000.0
 ) -> OverheadResult:
-    """Measure the portal round trip and the loop thread's capacity under a probe bound of ``bound_us`` (p50)."""
-    sizes = sizes or [250, 500, 1000, 2000, 4000, 8000]
+    """Measure the portal round trip and the loop thread's capacity under a probe bound of ``bound_us`` (p99)."""
+    sizes = sizes or list(DEFAULT_SIZES)
     tasks = load_suite(suite).tasks
     loop = LoopThread(name="bench-loop")
     try:

@@ -61,7 +61,7 @@ def test_overhead_reports_the_round_trip_and_capacity(tmp_path):
     bench("overhead", "--calls", "200", "--sizes", "20,40", "--bound-us", "0.001", out=tmp_path / "tight")
     tight = json.loads((tmp_path / "tight" / "overhead.json").read_text())
     assert [s["sandboxes"] for s in tight["capacity"]] == [20] and tight["capacity"][0]["under_bound"] is False
-    assert tight["bound_us"] == 0.001 and tight["max_sandboxes_under_bound"] == 0
+    assert tight["bound_us"] == 0.001 and tight["max_sandboxes_under_bound"] == 0 and tight["bound_percentile"] == "p99"
     # A bound every probe meets: both sizes are held, the largest is the answer.
     bench("overhead", "--calls", "200", "--sizes", "20,40", "--bound-us", "1000000", out=tmp_path / "loose")
     data = json.loads((tmp_path / "loose" / "overhead.json").read_text())
@@ -71,7 +71,7 @@ def test_overhead_reports_the_round_trip_and_capacity(tmp_path):
     assert 0 < rt["floor_p50_us"] < rt["portal_p50_us"]  # a bare hand-off of nothing costs less than one of an exec
     capacity = data["capacity"]
     assert [s["sandboxes"] for s in capacity] == [20, 40]
-    for step in capacity:  # each step's verdict is its own p50, and the probe ran under load
+    for step in capacity:  # each step's verdict is its own p99, and the probe ran under load
         assert step["under_bound"] is True and 0 < step["probe_p50_us"] <= step["probe_p99_us"]
     assert data["max_sandboxes_under_bound"] == 40
 

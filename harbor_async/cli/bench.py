@@ -105,8 +105,8 @@ def throughput(
 @bench_app.command()
 def overhead(
     calls: Annotated[int, typer.Option(min=10)] = 2000,
-    sizes: Annotated[str, typer.Option(help="Live sandbox counts to try, comma-separated.")] = "250,500,1000,2000,4000,8000",
-    bound_us: Annotated[float, typer.Option("--bound-us", min=0.0, help="The probe's p50 bound, in µs: the ramp stops at the first size above it.")] = 1000.0,
+    sizes: Annotated[str, typer.Option(help="Live sandbox counts to try, comma-separated.")] = "1000,2000,4000,8000,10000,12000,16000",
+    bound_us: Annotated[float, typer.Option("--bound-us", min=0.0, help="The probe's p99 bound, in µs: the ramp stops at the first size above it.")] = 20_000.0,
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file.")] = DEFAULT_OUT,
     log_level: LogOpt = None,
 ) -> None:
