@@ -119,7 +119,24 @@ def summarize(
             "solved": sum(r.score >= success_threshold for r in scored),
             "failures": dict(Counter(r.error_class for r in rs if r.error_class)),
         })  # fmt: skip
+    usage = usage_totals(records)
+    if usage:
+        summary["usage"] = usage
     return summary
+
+
+#: Per-episode gauges in a record's ``usage``, not amounts: never summed over episodes.
+_GAUGES = frozenset({"last_total_tokens"})
+
+
+def usage_totals(records: Iterable[EpisodeRecord]) -> dict[str, float]:
+    """Token counts, requests and cost summed over every episode (judged or not: the spend is the same)."""
+    totals: dict[str, float] = {}
+    for record in records:
+        for key, value in (record.usage or {}).items():
+            if key not in _GAUGES and isinstance(value, int | float) and not isinstance(value, bool):
+                totals[key] = totals.get(key, 0) + value
+    return dict(sorted(totals.items()))
 
 
 def _mean(values: Sequence[float]) -> float | None:

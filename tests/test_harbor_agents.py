@@ -139,6 +139,8 @@ def test_run_takes_terminus2_with_model_and_agent_kwargs(tmp_path: Path, host_tm
     assert harbor_result["agent_info"]["model_info"]["name"] == "hosted_vllm/terminus"
     assert harbor_result["agent_result"]["n_input_tokens"] == usage["n_input_tokens"]
     assert harbor_result["agent_result"]["cost_usd"] == pytest.approx(expected_cost)
+    summary = json.loads((job / "summary.json").read_text())  # and the job's totals
+    assert summary["usage"]["n_input_tokens"] == usage["n_input_tokens"] and summary["usage"]["cost_usd"] == pytest.approx(expected_cost)
 
 
 def test_terminus2_acts_on_each_step_of_a_multi_step_task(tmp_path: Path, host_tmux: None) -> None:
