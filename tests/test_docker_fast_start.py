@@ -71,3 +71,58 @@ async def test_one_build_per_image_and_no_down_before_up(example_tasks):
     assert summary["start: compose build"]["count"] == 3 and summary["start: compose build"]["skipped"] == 2
     assert summary["start: compose up"]["mean_seconds"] > 0.0
     assert docker_leftovers(OUR_PREFIX) == {}
+
+
+@pytest.mark.anyio
+async def test_plain_docker_is_the_fast_start_and_harbors_start_is_one_option_away(example_tasks, tmp_path):
+    """``-e docker`` takes the fast start by default (``docker-fast`` is its older name); ``--ek fast_start=false``,
+    and any task with its own docker-compose.yaml, get Harbor's start call for call (a build every start)."""
+    import shutil
+
+    from harbor_async.backends import resolve_backend
+    from harbor_async.tasks import load_task
+
+    assert resolve_backend("docker").environment_class() is FastStartDockerEnvironment
+    assert resolve_backend("docker-fast").environment_class() is FastStartDockerEnvironment
+    task = next(t for t in example_tasks if t.name.endswith("csv-column-sum"))
+    compose = tmp_path / "compose-task"
+    shutil.copytree(task.paths.task_dir, compose)
+    (compose / "environment" / "docker-compose.yaml").write_text("services:\n  main:\n    init: true\n")
+    FastStartDockerEnvironment.forget_images()
+    builds: dict[str, list[bool]] = {}
+    async with Engine() as engine:
+        for label, one, kwargs in (
+            ("fast", task, {}), ("fast", task, {}),
+            ("harbor", task, {"fast_start": False}), ("harbor", task, {"fast_start": False}),
+            ("compose", load_task(compose), {}),
+        ):  # fmt: skip
+            async with engine.episode(one, "docker", backend_kwargs=kwargs) as sandbox:
+                environment = sandbox.environment
+                assert environment.fast_start is (label == "fast")
+                assert (await sandbox.exec("echo ok")).output.strip() == "ok"
+            builds.setdefault(label, []).extend(t.skipped for t in environment.call_profile if t.call == "compose build")
+    assert builds["fast"] == [False, True]  # built once, then reused
+    assert builds["harbor"] == [] and builds["compose"] == []  # Harbor's start: its own calls, none skipped or profiled
+    assert docker_leftovers(OUR_PREFIX) == {}
+
+
+def test_sandboxes_prune_removes_the_task_images_runs_kept(example_tasks):
+    """The fast start keeps each task's image (``hb__*``) for the run and later ones; ``sandboxes prune`` removes them."""
+    from harbor_async.backends.docker.cleanup import task_images
+    from tests.cli_helpers import harbor_async
+
+    task = next(t for t in example_tasks if t.name.endswith("csv-column-sum"))
+
+    async def one() -> None:
+        async with Engine() as engine, engine.episode(task, "docker") as sandbox:
+            await sandbox.exec("true")
+
+    FastStartDockerEnvironment.forget_images()
+    anyio.run(one)
+    assert any(image.startswith("hb__") for image in task_images())
+    pruned = harbor_async("sandboxes", "prune")
+    assert pruned.returncode == 0, pruned.stderr
+    assert "removed" in pruned.stdout and task_images() == []
+    # this process still believes it built the image: its next start finds it gone and builds it again
+    anyio.run(one)
+    assert any(image.startswith("hb__") for image in task_images())

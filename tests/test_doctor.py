@@ -74,7 +74,7 @@ def test_passes_for_docker_when_the_daemon_runs(docker_daemon):
     remapped = "name=userns" in security.stdout or "name=rootless" in security.stdout
     assert ("is host root" in docker["container root"]["found"]) is not remapped
     # Proven, not assumed: the environment a run builds, and a container from the suite's base image.
-    assert docker["docker environment"]["found"].startswith("ConfinedDockerEnvironment built")
+    assert docker["docker environment"]["found"].startswith("FastStartDockerEnvironment built")
     assert docker[f"container from {DOCKER_BASE_IMAGE}"] == {
         "name": f"container from {DOCKER_BASE_IMAGE}", "ok": True, "found": "a container started and stopped", "fix": "",
     }  # fmt: skip

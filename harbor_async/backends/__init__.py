@@ -24,9 +24,10 @@ SHORT_NAMES: dict[str, str] = {
     "simulated": "harbor_async.backends.simulated:SimulatedEnvironment",
     "docker-fast": "harbor_async.backends.docker.fast_start:FastStartDockerEnvironment",
 }
-#: Harbor types run with this project's subclass of Harbor's class (the type stays the same).
+#: Harbor types run with this project's subclass of Harbor's class (the type stays the same). ``docker``
+#: takes the fast start (each task image built once per run); ``--ek fast_start=false`` gives Harbor's.
 CONFINED_TYPES: dict[str, str] = {
-    "docker": "harbor_async.backends.docker.confined:ConfinedDockerEnvironment",
+    "docker": "harbor_async.backends.docker.fast_start:FastStartDockerEnvironment",
 }
 
 

@@ -1,4 +1,4 @@
-"""``harbor-async sandboxes list | reap``: sandboxes that killed runs left behind."""
+"""``harbor-async sandboxes list | reap | prune``: sandboxes that killed runs left behind, and the task images runs keep."""
 
 from __future__ import annotations
 
@@ -164,3 +164,24 @@ def reap_command(
     # Asked for docker explicitly and it could not be looked at: that is a failure too.
     if not report.ok or (backend == "docker" and report.unscanned):
         raise typer.Exit(1)
+
+
+@sandboxes_app.command("prune")
+def prune_command() -> None:
+    """Remove the docker task images runs kept (Harbor's ``hb__*`` names): the fast start builds each once and keeps it.
+
+    An image a container still uses (a live sandbox's) is kept and named. Exits 1
+    when Docker cannot be asked.
+    """
+    from harbor_async.backends.docker.cleanup import prune_task_images
+    from harbor_async.errors import ReaperError
+
+    try:
+        removed, kept = prune_task_images()
+    except (ReaperError, OSError) as exc:
+        raise fail(f"cannot list docker images: {exc}", code=1) from None
+    for image in removed:
+        out.print(Text(f"removed {image}"))
+    for line in kept:
+        say("kept:", line)
+    out.print(f"removed {len(removed)} task images, kept {len(kept)}")

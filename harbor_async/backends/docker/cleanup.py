@@ -250,3 +250,27 @@ def remove(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
                 errors.append(f"docker {' '.join(command)}: {'; '.join(problems)}")
     for folder in by_kind.get("compose-dir", []):
         remove_tree(Path(folder))
+
+
+#: Task images of docker sandboxes: Harbor's content-addressed main-image name, ``hb__<environment id>``,
+#: which the fast start keeps for the run (and later runs) instead of removing it at each stop.
+TASK_IMAGE_PREFIX = "hb__"
+
+
+def task_images() -> list[str]:
+    """The task images on the daemon (``hb__*``), as ``repository:tag``."""
+    rows = _docker_lines("images", "--format", "{{.Repository}}:{{.Tag}}", "--filter", f"reference={TASK_IMAGE_PREFIX}*")
+    return sorted({row[0] for row in rows if row[0].startswith(TASK_IMAGE_PREFIX)})
+
+
+def prune_task_images() -> tuple[list[str], list[str]]:
+    """Remove every task image no container uses; returns (removed, kept with the daemon's reason)."""
+    removed, kept = [], []
+    for image in task_images():
+        result = _docker("rmi", image)  # never -f: an image a container (a live sandbox) uses stays
+        if result.returncode == 0:
+            removed.append(image)
+        else:
+            reason = ((result.stderr or result.stdout).strip().splitlines() or ["in use"])[-1]
+            kept.append(f"{image}: {reason}")
+    return removed, kept

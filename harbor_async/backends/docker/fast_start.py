@@ -1,5 +1,11 @@
 """Cheaper Harbor ``docker`` starts: each image built once per run, no pointless Compose calls, a per-call profile.
 
+This is what ``docker`` (and its older name ``docker-fast``) runs by default,
+in ``run``, ``eval`` and the shim. ``--ek fast_start=false`` (the shim:
+``backend_kwargs={"fast_start": False}``) gives Harbor's exact start; a task
+with its own ``docker-compose.yaml`` (several services) always gets Harbor's
+start, since its services' images are the task's to name.
+
 Harbor's ``DockerEnvironment.start`` runs, for every sandbox, a ``compose
 build`` (a cache hit after the first, but still a Compose process that loads
 the project and asks the daemon), a ``docker inspect`` of the image's OS, a
@@ -78,8 +84,10 @@ class FastStartDockerEnvironment(ConfinedDockerEnvironment):
     #: Images whose OS was checked by this process.
     _checked_images: ClassVar[set[str]] = set()
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fast_start: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: Whether this sandbox takes the fast start: asked for, and a one-service task (see the module doc).
+        self.fast_start = bool(fast_start) and not (Path(self.environment_dir) / "docker-compose.yaml").exists()
         self.call_profile: list[CallTiming] = []
         self._went_up = False
         self._phase = "start"
@@ -92,6 +100,10 @@ class FastStartDockerEnvironment(ConfinedDockerEnvironment):
         cls._checked_images.clear()
 
     async def start(self, force_build: bool) -> None:
+        if not self.fast_start:  # Harbor's own start, call for call
+            await super().start(force_build)
+            self._phase = "run"
+            return
         if force_build:  # the caller asks for a rebuild: honour it once for this image
             self._built_images.discard(self._main_image_name)
         begin = time.perf_counter()
@@ -104,7 +116,7 @@ class FastStartDockerEnvironment(ConfinedDockerEnvironment):
     @property
     def _docker_compose_paths(self) -> list[Path]:
         paths = list(super()._docker_compose_paths)
-        if getattr(self, "_use_prebuilt", True):  # set by start(); a prebuilt image needs nothing
+        if not getattr(self, "fast_start", False) or getattr(self, "_use_prebuilt", True):  # prebuilt: nothing to name
             return paths
         return [*paths, self._image_overlay()]
 
@@ -117,6 +129,8 @@ class FastStartDockerEnvironment(ConfinedDockerEnvironment):
         return path
 
     async def _run_docker_compose_command(self, command: list[str], *args: Any, **kwargs: Any) -> ExecResult:
+        if not self.fast_start:
+            return await super()._run_docker_compose_command(command, *args, **kwargs)
         name = f"compose {command[0]}" if command else "compose"
         if command[:1] == ["build"] and self._main_image_name in self._built_images:
             self._record(name, 0.0, skipped=True)
@@ -136,13 +150,26 @@ class FastStartDockerEnvironment(ConfinedDockerEnvironment):
             at = command.index("--rmi")
             command = command[:at] + command[at + 2 :]
         begin = time.perf_counter()
-        result = await super()._run_docker_compose_command(command, *args, **kwargs)
+        try:
+            result = await super()._run_docker_compose_command(command, *args, **kwargs)
+        except RuntimeError:
+            if command[:1] != ["up"] or self._main_image_name not in self._built_images or await self._image_exists():
+                raise
+            # The image was removed since this process built it (`harbor-async sandboxes prune`): build it again, once.
+            self._built_images.discard(self._main_image_name)
+            await self._run_docker_compose_command(["build"])
+            result = await super()._run_docker_compose_command(command, *args, **kwargs)
         self._record(name, time.perf_counter() - begin)
         if command[:1] == ["build"] and result.return_code == 0:
             self._built_images.add(self._main_image_name)
         if command[:1] == ["up"]:
             self._went_up = True
         return result
+
+    async def _image_exists(self) -> bool:
+        """Whether the task's image is on the daemon."""
+        result = await self._run_docker(["docker", "image", "inspect", "--format", "{{.Id}}", self._main_image_name])
+        return result.return_code == 0
 
     async def _docker_exec_argv(self, command: list[str]) -> list[str] | None:
         """``docker exec`` arguments for a ``compose exec`` in the main container; ``None``: use Compose."""
@@ -197,6 +224,8 @@ class FastStartDockerEnvironment(ConfinedDockerEnvironment):
         return result
 
     async def _validate_image_os(self, image_name: str) -> None:
+        if not self.fast_start:
+            return await super()._validate_image_os(image_name)
         if image_name in self._checked_images:
             self._record("docker inspect (image os)", 0.0, skipped=True)
             return
