@@ -20,6 +20,7 @@ resume that reruns an episode replaces its trial folder, as Harbor's resume does
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import uuid
 import warnings
@@ -52,8 +53,10 @@ def keep_trial_logs(sandbox_trial_dir: Path | None, target: Path, only: tuple[st
     """Move the agent's and verifier's files from a sandbox's (temporary) trial folder into the job's trial folder.
 
     What is there came through the backends' bounded transfers (or from an agent
-    running on the host); it is moved, links not followed, never read. The
-    emptied folder is made again: a multi-step task's next step writes there.
+    running on the host); it is moved, links not followed, never read, and any
+    symbolic link in it is dropped: Harbor's viewer, run on the host, would
+    follow one out of the job folder. The emptied folder is made again: a
+    multi-step task's next step writes there.
     """
     if sandbox_trial_dir is None:
         return
@@ -69,8 +72,18 @@ def keep_trial_logs(sandbox_trial_dir: Path | None, target: Path, only: tuple[st
             else:
                 shutil.move(source, destination)
             source.mkdir(exist_ok=True)
+            _drop_links(destination)
         except OSError as exc:  # the record is kept either way; a missing log is not worth failing it for
             log.warning("trial logs not kept", source=str(source), error=repr(exc))
+
+
+def _drop_links(folder: Path) -> None:
+    """Remove every symbolic link below ``folder`` (never followed)."""
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        for name in [*dirs, *files]:
+            path = Path(root) / name
+            if path.is_symlink():
+                path.unlink()
 
 
 def _time(value: str | None) -> datetime | None:

@@ -192,3 +192,18 @@ def test_a_rerun_replaces_its_trial_folder_and_harbor_config_is_not_our_settings
     # config.json is Harbor's JobConfig now: never read as our settings
     (job.path / "harbor-async.json").unlink()
     assert JobFolder(job.path).settings_path is None
+
+
+def test_a_link_in_a_sandboxs_logs_never_reaches_the_job_folder(tmp_path: Path) -> None:
+    """Harbor's viewer follows links when it serves a trial's files: none is kept, however the logs came."""
+    from harbor_async.harbor_jobs import keep_trial_logs
+
+    sandbox_trial = tmp_path / "sandbox-trial"
+    (sandbox_trial / "verifier" / "deep").mkdir(parents=True)
+    (sandbox_trial / "verifier" / "test-stdout.txt").symlink_to("/etc/passwd")
+    (sandbox_trial / "verifier" / "deep" / "out").symlink_to("/")
+    (sandbox_trial / "verifier" / "reward.txt").write_text("1\n")
+    keep_trial_logs(sandbox_trial, tmp_path / "job" / "t__1")
+    kept = tmp_path / "job" / "t__1" / "verifier"
+    assert sorted(p.relative_to(kept).as_posix() for p in kept.rglob("*")) == ["deep", "reward.txt"]
+    assert (sandbox_trial / "verifier").is_dir()  # made again for the next step
