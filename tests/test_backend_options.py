@@ -52,6 +52,16 @@ def test_docker_refuses_an_unknown_option_on_the_installed_harbor():
     spec.check_options({"keep_containers": True})
 
 
+def test_docker_takes_this_projects_own_options_beside_harbors_schema():
+    """The confined docker class's own keywords are accepted on every Harbor (0.26's schema does not list them)."""
+    spec = resolve_backend("docker")
+    spec.check_options({"transfer_limit_mb": 5, "output_limit": 1000, "fast_start": False, "keep_containers": True})
+    assert {"transfer_limit_mb", "output_limit", "fast_start", "keep_containers"} <= spec.options().names
+    with pytest.raises(BackendOptionsError) as caught:
+        spec.check_options({"fast_startt": False})
+    assert caught.value.unknown == ["fast_startt"] and "fast_start" in str(caught.value)
+
+
 def test_a_value_harbor_schema_refuses_is_refused_with_harbor_reason():
     spec = resolve_backend("docker")
     if DOCKER_SCHEMA:

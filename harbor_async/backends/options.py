@@ -7,7 +7,11 @@ names. So what a backend accepts is read off the installed Harbor, never off a
 version number:
 
 - a class with Harbor's ``options_model``: that schema's own validation (what
-  Harbor's ``parse_options``, the check ``harbor run`` makes, runs);
+  Harbor's ``parse_options``, the check ``harbor run`` makes, runs), plus the
+  keywords this project's subclass of it names itself (the confined docker
+  class's ``transfer_limit_mb``, ``output_limit``, ``fast_start``): its
+  constructor takes them before Harbor's sees the rest, so the schema is shown
+  only the rest;
 - otherwise, for Harbor's environments and this project's: the keywords their
   constructors name, along the ``__init__`` chain up to Harbor's
   ``BaseEnvironment`` (a keyword nobody names would be dropped unread), unless
@@ -70,6 +74,8 @@ class BackendOptions:
     names: frozenset[str]
     own: frozenset[str] = frozenset()
     _cls: type | None = None
+    #: With a schema: the names this project's subclass takes itself (kept from the schema's validation).
+    subclass_names: frozenset[str] = frozenset()
 
     def listing(self) -> list[str]:
         """The names for a message: the backend's own, then Harbor's common ones."""
@@ -104,7 +110,7 @@ class BackendOptions:
 
         schema = getattr(self._cls, "options_model", None)
         try:
-            schema.model_validate(dict(options))
+            schema.model_validate({k: v for k, v in options.items() if k not in self.subclass_names})
         except ValidationError as exc:
             errors = exc.errors(include_url=False, include_input=False)
             unknown = sorted({".".join(map(str, e["loc"])) for e in errors if e["type"] == "extra_forbidden"})
@@ -154,6 +160,19 @@ def _signature_names(cls: type) -> tuple[frozenset[str], frozenset[str]]:
     return frozenset(names - RUNTIME_INPUTS), frozenset(own - RUNTIME_INPUTS)
 
 
+def _subclass_names(cls: type) -> frozenset[str]:
+    """The keywords this project's classes of ``cls``'s chain name, above the first class that is not ours."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("harbor_async."):
+            break
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            parameters = inspect.signature(init).parameters.values()
+            names |= {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return frozenset(names - RUNTIME_INPUTS)
+
+
 def _schema_names(schema: type) -> frozenset[str]:
     names = set()
     for name, info in schema.model_fields.items():
@@ -188,8 +207,9 @@ def options_of(backend: str, cls: type) -> BackendOptions:
     """What ``cls`` (the environment class of ``backend``) accepts, read off the installed Harbor."""
     schema = getattr(cls, "options_model", None)
     if isinstance(schema, type) and hasattr(schema, "model_validate"):
-        names = _schema_names(schema)
-        return BackendOptions(backend, "schema", names, names, cls)
+        ours = _subclass_names(cls)
+        names = _schema_names(schema) | ours
+        return BackendOptions(backend, "schema", names, names, cls, subclass_names=ours)
     names, own = _signature_names(cls)
     if cls.__module__.startswith(_KNOWN_MODULES) and not _reads_kwargs(cls):
         return BackendOptions(backend, "signature", names, own, cls)
