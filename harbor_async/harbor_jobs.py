@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from harbor_async.logs import get_logger
 from harbor_async.records import EpisodeRecord
+from harbor_async.registry import HF_PREFIXES
 
 if TYPE_CHECKING:
     from harbor.models.job.result import JobResult
@@ -315,7 +316,7 @@ class HarborJob:
     def _registry_dataset(self) -> tuple[str | None, str | None]:
         """A Harbor registry dataset's name and version (``-d name@version``); ``(None, None)`` for a folder or ``hf:``."""
         text = getattr(self.settings, "dataset", None)
-        if not text or text.startswith("hf:"):
+        if not text or text.startswith(HF_PREFIXES):
             return None, None
         name, _, version = text.partition("@")
         return name, version or None

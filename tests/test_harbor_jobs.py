@@ -150,23 +150,21 @@ def test_harbor_job_regrade_rescores_our_job(tmp_path: Path) -> None:
     done = harbor_async("run", "-p", str(suite), "-e", "local", "--ek", f"sandbox_root={tmp_path / 'sb'}", "-o", str(jobs), "--job-name", "ours")
     assert done.returncode == 0, done.stderr[-3000:]
     (trial,) = [p for p in (jobs / "ours").iterdir() if (p / "artifacts").is_dir()]
-    regrade = _harbor(
-        "job", "regrade", str(jobs / "ours"), "-p", str(suite / "separate-verifier"), "-e", LOCAL,
-        "-o", str(tmp_path / "regraded"), "--job-name", "again", "-y", cwd=tmp_path,
-    )  # fmt: skip
-    assert regrade.returncode == 0, regrade.stdout[-3000:] + regrade.stderr[-3000:]
-    (result,) = (tmp_path / "regraded" / "again").glob("*__*/result.json")
-    rescored = json.loads(result.read_text())
-    assert rescored["verifier_result"]["rewards"] == {"reward": 1.0}
+
+    def regraded(name: str) -> dict:
+        """``harbor job regrade`` of our job into ``regraded/NAME``: the one trial's rewards."""
+        regrade = _harbor(
+            "job", "regrade", str(jobs / "ours"), "-p", str(suite / "separate-verifier"), "-e", LOCAL,
+            "-o", str(tmp_path / "regraded"), "--job-name", name, "-y", cwd=tmp_path,
+        )  # fmt: skip
+        assert regrade.returncode == 0, regrade.stdout[-3000:] + regrade.stderr[-3000:]
+        (result,) = (tmp_path / "regraded" / name).glob("*__*/result.json")
+        return json.loads(result.read_text())["verifier_result"]["rewards"]
+
+    assert regraded("again") == {"reward": 1.0}
     # and it judged what our trial folder kept: without the artifact, the same regrade scores 0
     (trial / "artifacts" / "logs" / "artifacts" / "answer.txt").write_text("41\n")
-    regrade = _harbor(
-        "job", "regrade", str(jobs / "ours"), "-p", str(suite / "separate-verifier"), "-e", LOCAL,
-        "-o", str(tmp_path / "regraded"), "--job-name", "tampered", "-y", cwd=tmp_path,
-    )  # fmt: skip
-    assert regrade.returncode == 0, regrade.stdout[-3000:] + regrade.stderr[-3000:]
-    (result,) = (tmp_path / "regraded" / "tampered").glob("*__*/result.json")
-    assert json.loads(result.read_text())["verifier_result"]["rewards"] == {"reward": 0.0}
+    assert regraded("tampered") == {"reward": 0.0}
 
 
 @pytest.mark.range

@@ -149,7 +149,7 @@ def _signature_names(cls: type) -> tuple[frozenset[str], frozenset[str]]:
         if init is None:
             continue
         parameters = inspect.signature(init).parameters.values()
-        named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        named = _keywords(parameters)
         names |= named
         if klass is not BaseEnvironment:
             own |= named
@@ -168,9 +168,13 @@ def _subclass_names(cls: type) -> frozenset[str]:
             break
         init = klass.__dict__.get("__init__")
         if init is not None:
-            parameters = inspect.signature(init).parameters.values()
-            names |= {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+            names |= _keywords(inspect.signature(init).parameters.values())
     return frozenset(names - RUNTIME_INPUTS)
+
+
+def _keywords(parameters: Any) -> set[str]:
+    """The names an ``__init__`` takes as keywords."""
+    return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def _schema_names(schema: type) -> frozenset[str]:
