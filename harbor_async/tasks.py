@@ -42,6 +42,7 @@ from harbor_async.errors import (
 )
 from harbor_async.logs import get_logger
 from harbor_async.registry import HF_PREFIXES, parse_hf
+from harbor_async.task_files import remember_file_filter
 
 __all__ = [
     "EmptySuiteError",
@@ -244,7 +245,7 @@ def load_task(path: Path | str) -> Task:
             raise TaskLoadError(task_dir, f"cannot read instruction.md: {e}") from e
 
     try:
-        return Task(task_dir)
+        return remember_file_filter(Task(task_dir))
     except ValidationError as e:
         raise TaskLoadError(task_dir, f"invalid task: {_validation_summary(e)}") from e
     except (OSError, ValueError, RuntimeError, TypeError) as e:
