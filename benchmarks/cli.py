@@ -51,9 +51,17 @@ def overhead(calls: int, sizes: list[int], out: Path, bound_us: float = 20_000.0
 
 
 def grpo_step(
-    backend: str, batches: list[int], turns: int, steps: int, impls: list[str], kwargs: dict, out: Path
+    backend: str, batches: list[int], turns: int, steps: int, impls: list[str], kwargs: dict, out: Path,
+    task_set: str = "bundled",
 ) -> Path:
-    """GRPO steps with TRL's env and the shim's; writes ``grpo-step-<backend>.json`` and ``.png``."""
+    """GRPO steps with TRL's env and the shim's; writes ``grpo-step-<backend>[-<task set>].json`` and ``.png``."""
+    suite = None
+    if task_set != "bundled":
+        import tempfile
+
+        from benchmarks.task_sets import generate
+
+        suite = str(generate(task_set, Path(tempfile.gettempdir()) / "harbor-async-task-sets"))
     if "trl" in impls and (backend in ("local", "simulated") or ":" in backend):
         err.print(
             "TRL's env runs through benchmarks.reference: its smallest subclass that only creates "
@@ -65,7 +73,7 @@ def grpo_step(
         for impl in impls:
             err.print(f"grpo-step: {impl} on {backend}, B={batch}, T={turns}, {steps} steps", markup=False)
             run = run_grpo_steps(
-                impl, backend=backend, batch=batch, turns=turns, steps=steps, backend_kwargs=kwargs,
+                impl, backend=backend, batch=batch, turns=turns, steps=steps, backend_kwargs=kwargs, suite=suite,
                 on_step=lambda i, t, impl=impl: err.print(
                     f"  {impl} step {i + 1}: {t.total:.2f} s (reset {t.reset:.2f}, tools {t.tools:.2f}, rewards {t.rewards:.2f})",
                     markup=False,
@@ -73,8 +81,9 @@ def grpo_step(
             )  # fmt: skip
             runs.append(run)
     print_tables(grpo_table(runs))
-    name = f"grpo-step-{backend.replace(':', '_').replace('.', '_')}"
-    path = write_json(out / f"{name}.json", "grpo-step", {"backend_kwargs": kwargs, "runs": [r.to_dict() for r in runs]})
+    name = f"grpo-step-{backend.replace(':', '_').replace('.', '_')}" + (f"-{task_set}" if suite else "")
+    data = {"backend_kwargs": kwargs, "task_set": task_set, "runs": [r.to_dict() for r in runs]}
+    path = write_json(out / f"{name}.json", "grpo-step", data)
     plot = plot_grpo(runs, out / f"{name}.png", f"GRPO step environment time on {backend} (T={turns})")
     err.print(f"wrote {path}" + (f" and {plot}" if plot else ""), markup=False)
     return path

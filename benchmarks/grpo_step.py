@@ -59,7 +59,7 @@ class GrpoRun:
     steps: list[StepTimes] = field(default_factory=list)
     teardown: float = 0.0
     mean_reward: float = 0.0
-    #: On ``docker-fast``: every start's Compose calls, by kind (count, skipped, seconds).
+    #: On ``docker``'s fast start: every start's Compose calls, by kind (count, skipped, seconds).
     start_profile: dict = field(default_factory=dict)
     #: ``shim-prefetch``: per step, the resets that claimed a sandbox started ahead.
     prefetch_hits: list[int] = field(default_factory=list)
@@ -183,7 +183,7 @@ def run_grpo_steps(
         _close(implementation, envs)
         run.teardown = time.perf_counter() - begin
     run.mean_reward = sum(rewards) / len(rewards) if rewards else 0.0
-    if backend == "docker-fast":
+    if backend in ("docker", "docker-fast"):  # the fast start records its calls; Harbor's start records none
         from harbor_async.backends.docker.fast_start import PROFILES, summarize_profiles
 
         run.start_profile = summarize_profiles(PROFILES)

@@ -149,3 +149,49 @@ def test_harbor_bench_runs_both_clis_on_the_same_tasks(tmp_path):
     assert [t.title for t in section.tables][1:3] == ["episodes/s ratio harbor-async / harbor", "rounds"]
     assert [row[0] for row in section.tables[0].rows] == ["harbor-async", "harbor"]
     assert dict(section.machine)["commit"] == data["provenance"]["commit"] and "load before" in dict(section.machine)
+
+
+def test_docker_step_layers_each_ratio_against_trl_of_the_same_round(monkeypatch):
+    """The layered ratios' method, with a deterministic stand-in for the replay (the replay itself is tested above)."""
+    from benchmarks import docker_step
+    from benchmarks.grpo_step import GrpoRun, StepTimes
+
+    calls = []
+    later = {"trl": [100.0, 120.0, 110.0], "shim": [20.0, 30.0, 25.0], "shim-rounds": [5.0, 6.0, 5.5], "shim-prefetch": [4.0, 4.0, 4.0]}
+
+    def replay(implementation, *, backend, backend_kwargs, optimise_seconds, **kwargs):
+        calls.append((implementation, backend, backend_kwargs, optimise_seconds))
+        seconds = later[implementation][sum(1 for c in calls if c[0] == "trl") - 1]  # this round's
+        if implementation == "shim" and backend_kwargs == {"fast_start": False}:
+            seconds *= 2  # Harbor's own start: slower than the fast path
+        run = GrpoRun(implementation, backend, 8, 3)
+        run.steps = [StepTimes(seconds, 1.0, 1.0), StepTimes(seconds, 0.0, 0.0)]
+        run.mean_reward = 1.0
+        return run
+
+    monkeypatch.setattr(docker_step, "run_grpo_steps", replay)
+    result = docker_step.run(steps=2, repeats=3, log=lambda *_: None)
+    assert all(backend == "docker" for _, backend, _, _ in calls) and len(calls) == 15
+    assert [c[0] for c in calls[:5]] == ["trl", "shim", "shim", "shim-rounds", "shim-prefetch"]
+    assert calls[1][2] == {"fast_start": False} and calls[2][2] == {} and calls[0][2] is None
+    assert calls[4][3] == docker_step.OPTIMISE_SECONDS and calls[3][3] == 0.0
+    summary = result["summary"]
+    assert list(summary) == ["TRL's env", "concurrency only", "+ backend fast path", "+ trainer dispatch", "+ prefetch"]
+    # Per round: TRL's later step over the layer's, the same round's TRL (100/20, 120/30, 110/25).
+    assert summary["+ backend fast path"]["later_ratio_to_trl"] == {"median": 4.4, "min": 4.0, "max": 5.0}
+    assert summary["concurrency only"]["later_ratio_to_trl"] == {"median": 2.2, "min": 2.0, "max": 2.5}
+    assert summary["TRL's env"]["later_ratio_to_trl"] == {"median": 1.0, "min": 1.0, "max": 1.0}
+    assert len(result["rounds"]) == 3
+
+
+def test_the_generated_task_set_is_solved_by_the_scripted_rollouts(tmp_path):
+    from benchmarks.grpo_step import run_grpo_steps
+    from benchmarks.task_sets import generate
+
+    suite = generate("wide", tmp_path, tasks=3)
+    assert generate("wide", tmp_path, tasks=3) == suite  # idempotent: a rerun keeps the files
+    images = {(suite / f"wide-{i:02d}" / "environment" / "Dockerfile").read_text() for i in range(3)}
+    assert len(images) == 3  # a distinct image per task
+    for implementation in ("trl", "shim"):
+        run = run_grpo_steps(implementation, backend="local", batch=3, turns=2, steps=1, suite=str(suite))
+        assert run.mean_reward == 1.0, implementation

@@ -126,6 +126,7 @@ def grpo_step(
     steps: Annotated[int, typer.Option("--steps", "-s", min=2)] = 3,
     latency: LatencyOpt = "cloud",
     implementations: Annotated[str, typer.Option(help="Comma-separated: trl, shim.")] = "trl,shim",
+    task_set: Annotated[str, typer.Option("--task-set", help="bundled (the example suite) or wide (generated heavier tasks).")] = "bundled",
     ek: EkOpt = None,
     backend_kwargs: OldKwargsOpt = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file and the PNG plot.")] = DEFAULT_OUT,
@@ -137,10 +138,12 @@ def grpo_step(
     impls = [i.strip() for i in implementations.split(",") if i.strip()]
     if not impls or set(impls) - {"trl", "shim"}:
         raise fail(f"--implementations takes trl and/or shim, got {implementations!r}")
+    if task_set not in ("bundled", "wide"):
+        raise fail(f"--task-set: bundled or wide, got {task_set!r}")
     kwargs = _kwargs(name, latency, ek, backend_kwargs)
     from benchmarks.cli import grpo_step as run_it
 
-    run_it(name, _ints(batch_sizes, "--batch-sizes"), turns, steps, impls, kwargs, out)
+    run_it(name, _ints(batch_sizes, "--batch-sizes"), turns, steps, impls, kwargs, out, task_set)
 
 
 @bench_app.command("trainer-step")
@@ -159,14 +162,18 @@ def trainer_step(
 @bench_app.command("docker-step")
 def docker_step(
     steps: Annotated[int, typer.Option("--steps", "-s", min=2)] = 3,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Rounds of every layer; ratios are their median, min and max.")] = 3,
+    task_set: Annotated[str, typer.Option("--task-set", help="bundled (the example suite) or wide (generated heavier tasks).")] = "bundled",
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file.")] = DEFAULT_OUT,
     log_level: LogOpt = None,
 ) -> None:
-    """GRPO steps on Harbor's docker backend, B=8 distinct task images: TRL's env, the shim, docker-fast, rounds, prefetch; writes docker-step.json."""
+    """GRPO steps on docker, B=8 distinct task images, layer by layer against TRL's env; writes docker-step[-SET].json."""
     _setup(log_level)
+    if task_set not in ("bundled", "wide"):
+        raise fail(f"--task-set: bundled or wide, got {task_set!r}")
     from benchmarks.docker_step import main as run_it
 
-    run_it(["--steps", str(steps), "--out", str(out)])
+    run_it(["--steps", str(steps), "--repeats", str(repeats), "--task-set", task_set, "--out", str(out)])
 
 
 @bench_app.command("harbor")

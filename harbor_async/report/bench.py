@@ -59,6 +59,8 @@ def benchmark_section(result: BenchmarkResult) -> BenchmarkSection:
         _overhead(section, data)
     elif kind == "harbor":
         _harbor(section, data)
+    elif kind == "docker-step" and "rounds" in data:
+        _layers(section, data)
     else:
         _generic(section, data)
     if result.plot is not None:  # the benchmark's own plot of the same figures: shown instead of a redraw
@@ -130,6 +132,24 @@ def _harbor(section: BenchmarkSection, data: dict[str, Any]) -> None:
     commands = data.get("commands")
     if isinstance(commands, dict):
         section.tables.append(Table("commands (last round)", ["CLI", "command"], [[k, str(v)] for k, v in commands.items()]))
+    return None
+
+
+def _layers(section: BenchmarkSection, data: dict[str, Any]) -> None:
+    """``bench docker-step``: each layer's later-step time and its ratio to TRL's env (median, min, max of the rounds)."""
+    summary = data.get("summary")
+    if not isinstance(summary, dict):
+        return _generic(section, data)
+    columns = ["layer", "later step s median", "ratio median", "ratio min", "ratio max", "first step ratio median", "mean reward"]
+    rows = []
+    for layer, row in summary.items():
+        later, ratio = row.get("later_step_s") or {}, row.get("later_ratio_to_trl") or {}
+        rows.append([
+            layer, _fmt(later.get("median")), *[_fmt(ratio.get(k)) for k in ("median", "min", "max")],
+            _fmt((row.get("first_ratio_to_trl") or {}).get("median")), _fmt((row.get("mean_reward") or {}).get("median")),
+        ])  # fmt: skip
+    setting = f"B={data.get('batch')}, T={data.get('turns')}, {data.get('steps')} steps, {data.get('repeats')} rounds, {data.get('task_set', 'bundled')} tasks"
+    section.tables.append(Table(f"GRPO step on docker, layer by layer against TRL's env ({setting})", columns, rows))
     return None
 
 
