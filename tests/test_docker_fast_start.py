@@ -24,7 +24,7 @@ def anyio_backend() -> str:
 
 
 @pytest.mark.anyio
-async def test_one_build_per_image_and_no_down_before_up(example_tasks):
+async def test_one_build_per_image_and_no_down_before_up(example_tasks, tmp_path):
     task = next(t for t in example_tasks if t.name.endswith("env-inventory-lookup"))
     FastStartDockerEnvironment.forget_images()
     PROFILES.clear()
@@ -40,6 +40,11 @@ async def test_one_build_per_image_and_no_down_before_up(example_tasks):
                 result = await sandbox.exec("echo out; echo err >&2; echo $INVENTORY_FILE; id -un; exit 3")
                 lines = sorted(result.output.splitlines())  # the two streams interleave freely, as with Compose
                 assert (lines, result.exit_code) == (["/workdir/data/inventory.csv", "err", "out", "root"], 3)
+                # Harbor's uploads (compose cp to main) as docker cp on the container: same copy
+                (tmp_path / f"up-{index}").mkdir()
+                (tmp_path / f"up-{index}" / "note.txt").write_text(f"sandbox {index}\n")
+                await sandbox.upload(tmp_path / f"up-{index}", "/tmp/uploaded")
+                assert (await sandbox.exec("cat /tmp/uploaded/note.txt")).stdout == f"sandbox {index}\n"
 
         await one(0)  # the first start builds (or finds) the image
         async with anyio.create_task_group() as tg:  # then two at once, both from the cache
@@ -54,7 +59,9 @@ async def test_one_build_per_image_and_no_down_before_up(example_tasks):
         assert ("compose up", False) in calls
         assert calls[-1] == ("start (total)", False)
         stop_calls = [(t.call, t.skipped) for t in profile if t.phase == "run"]
-        assert ("compose down", False) in stop_calls  # stop() still takes the project down
+        # stop() still takes the project down: by its label (no Compose process), and nothing is left (below)
+        assert ("docker rm (down)", False) in stop_calls and ("compose down", False) not in stop_calls
+        assert ("docker cp", False) in stop_calls and ("compose cp", False) not in stop_calls
         # commands in the main container go through docker exec, not a Compose process each
         assert ("docker exec", False) in stop_calls and ("compose exec", False) not in stop_calls
     first, *later = profiles

@@ -34,9 +34,16 @@ calls it makes (by overriding the two helpers the start goes through):
   exec``, which loads the whole project in a new Compose process for every
   command; same flags (``-w``, ``-e``, ``-u``), same shell, no TTY, stdout and
   stderr merged, as Harbor's call gives them. Other services go through Compose.
+- ``compose cp`` to or from the ``main`` container (Harbor's uploads of the
+  tests and the solution) runs as ``docker cp`` on the container: the same
+  copy, without a Compose process that loads the project (about 0.4 s of CPU);
 - ``compose down`` before this sandbox's first ``up`` is skipped: the project
   name is the sandbox's fresh session id, so there is nothing to tear down.
-  The ``down`` of ``stop()`` runs as before.
+  The ``down`` of ``stop()`` removes what Compose would, found by the
+  project's Compose label: every container, stopped as Compose stops it
+  (SIGTERM, then the grace period) and removed with its anonymous volumes, the project's networks, and with ``--volumes`` its
+  named volumes; three light CLI calls instead of a Compose process (about a
+  second of CPU). Any failure there falls back to ``compose down``.
 
 Every Compose call and inspection is timed into the sandbox's
 :attr:`~FastStartDockerEnvironment.call_profile` (and the process-wide
@@ -145,6 +152,19 @@ class FastStartDockerEnvironment(ConfinedDockerEnvironment):
                 result = await self._run_docker(argv, **kwargs)
                 self._record("docker exec", time.perf_counter() - begin)
                 return result
+        if command[:1] == ["cp"] and self._went_up:
+            argv = await self._docker_cp_argv(command)
+            if argv is not None:
+                begin = time.perf_counter()
+                result = await self._run_docker(argv, **kwargs)
+                self._record("docker cp", time.perf_counter() - begin)
+                return result
+        if command[:1] == ["down"] and self._went_up:
+            begin = time.perf_counter()
+            result = await self._remove_project(volumes="--volumes" in command)
+            if result is not None:
+                self._record("docker rm (down)", time.perf_counter() - begin)
+                return result
         if command[:1] == ["down"] and "--rmi" in command and not getattr(self, "_use_prebuilt", True):
             # Compose's --rmi local also removes a named image that has a build section: keep the task's image.
             at = command.index("--rmi")
@@ -182,6 +202,34 @@ class FastStartDockerEnvironment(ConfinedDockerEnvironment):
         if container is None:
             return None
         return ["docker", "exec", *command[1:at], container, *command[at + 1 :]]
+
+    async def _docker_cp_argv(self, command: list[str]) -> list[str] | None:
+        """``docker cp`` arguments for a ``compose cp`` to or from ``main``; ``None``: use Compose."""
+        if len(command) != 3 or sum(arg.startswith("main:") for arg in command[1:]) != 1:
+            return None  # flags, or another service: Compose's own resolution
+        container = await self._find_main_container()
+        if container is None:
+            return None
+        return ["docker", "cp", *(container + arg[4:] if arg.startswith("main:") else arg for arg in command[1:])]
+
+    async def _remove_project(self, *, volumes: bool) -> ExecResult | None:
+        """``compose down`` by the project's label: containers, networks, (named volumes); ``None``: use Compose."""
+        label = f"label=com.docker.compose.project={_sanitize_docker_compose_project_name(self.session_id)}"
+        kinds = [("container", ["docker", "ps", "-aq", "--no-trunc", "--filter", label], ["docker", "rm", "-f", "-v"])]
+        kinds.append(("network", ["docker", "network", "ls", "-q", "--filter", label], ["docker", "network", "rm"]))
+        if volumes:
+            kinds.append(("volume", ["docker", "volume", "ls", "-q", "--filter", label], ["docker", "volume", "rm", "-f"]))
+        for kind, listing, removal in kinds:  # containers first: a network or volume in use can't go
+            found = await self._run_docker(listing)
+            if found.return_code != 0:
+                return None
+            ids = (found.stdout or "").split()
+            if ids and kind == "container" and (await self._run_docker(["docker", "stop", *ids])).return_code != 0:
+                return None  # stopped first, as Compose does: the processes get SIGTERM and the grace period
+            if ids and (await self._run_docker([*removal, *ids])).return_code != 0:
+                return None
+        self._main_container = None
+        return ExecResult(stdout="", stderr="", return_code=0)
 
     async def _find_main_container(self) -> str | None:
         """The id of this project's main container (looked up once, by Compose's labels)."""
