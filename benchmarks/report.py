@@ -29,12 +29,19 @@ def throughput_table(results: Sequence[ThroughputResult]) -> Table:
         table.add_column(column, justify="right")
     for phase in ("start", "exec", "verify", "stop"):
         table.add_column(f"{phase} p50/p95/p99 ms", justify="right")
+    floors = any(r.bwrap_floor_p50_ms is not None for r in results)
+    if floors:  # the local backend: bare bwrap in the same run, and start p50 over it
+        table.add_column("bwrap true p50 ms", justify="right")
+        table.add_column("start/bwrap", justify="right")
     for r in results:
         mem = "-" if r.peak_memory_per_sandbox_mib is None else f"{r.peak_memory_per_sandbox_mib:.1f}"
         cells = []
         for phase in ("start", "exec", "verify", "stop"):
             p = r.phases.get(phase)
             cells.append("-" if p is None else f"{p['p50'] * 1e3:.0f}/{p['p95'] * 1e3:.0f}/{p['p99'] * 1e3:.0f}")
+        if floors:
+            cells.append("-" if r.bwrap_floor_p50_ms is None else f"{r.bwrap_floor_p50_ms:.1f}")
+            cells.append("-" if r.start_over_floor is None else f"{r.start_over_floor:.2f}x")
         table.add_row(
             r.backend, str(r.episodes), str(r.concurrency), f"{r.episodes_per_second:.2f}",
             str(r.failures), str(r.peak_live), mem, *cells,

@@ -4,11 +4,19 @@ Reports episodes per second, per-phase latency percentiles from the engine's
 stats, the peak number of live sandboxes, and the peak memory per live sandbox
 (resident memory of this process's growth plus every process it spawned, plus
 Docker containers of this run, divided by the sandboxes live at that moment).
+
+On the local backend it also measures the floor in the same run: the same
+``bwrap`` binary making the same kinds of namespaces (user, PID, mount, IPC,
+UTS, network, cgroup) around the host's root and running ``true``
+(:data:`FLOOR_ARGS`), and reports its p50 and the ratio of the start p50 to it.
 """
 
 from __future__ import annotations
 
+import shutil
+import statistics
 import subprocess
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -32,10 +40,39 @@ class ThroughputResult:
     peak_live: int
     peak_memory_per_sandbox_mib: float | None
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: p50 of a bare ``bwrap ... true`` in the same run, ms (local backend only; None elsewhere or without bwrap)
+    bwrap_floor_p50_ms: float | None = None
+    #: start p50 / that floor
+    start_over_floor: float | None = None
+    #: the floor's command line
+    bwrap_floor_argv: list[str] | None = None
 
     def to_dict(self) -> dict:
         """Plain-JSON form."""
         return asdict(self)
+
+
+#: The floor: bubblewrap's own cost of a sandbox (the namespaces the local backend makes, the
+#: host's root read-only, /proc and /dev) with nothing of ours around it, running ``true``.
+FLOOR_ARGS = (
+    "--unshare-all", "--unshare-user", "--uid", "0", "--gid", "0",
+    "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--", "true",
+)  # fmt: skip
+
+
+def bwrap_floor(samples: int = 30) -> tuple[float, list[str]] | None:
+    """The p50 (ms) of ``samples`` runs of ``bwrap FLOOR_ARGS``, and the argv; None without bwrap (or if it fails)."""
+    binary = shutil.which("bwrap")  # the one the local backend runs (keeper.find_tools)
+    if binary is None:
+        return None
+    argv = [binary, *FLOOR_ARGS]
+    times = []
+    for _ in range(samples):
+        begin = time.perf_counter()
+        if subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True).returncode != 0:
+            return None
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times) * 1e3, argv
 
 
 def _docker_memory_mib(run_label: str) -> float:
@@ -108,8 +145,9 @@ async def run_throughput(
     command: str = "echo hello",
     backend_kwargs: dict[str, Any] | None = None,
     sample_memory: bool = True,
+    floor_samples: int = 30,
 ) -> ThroughputResult:
-    """Run ``episodes`` episodes, ``concurrency`` at a time, and measure them."""
+    """Run ``episodes`` episodes, ``concurrency`` at a time, and measure them (and, on local, the bwrap floor)."""
     tasks = load_suite(suite).tasks
     failures = 0
     async with Engine(limits=Limits(live_sandboxes=concurrency), backend_kwargs=backend_kwargs) as engine:
@@ -140,6 +178,9 @@ async def run_throughput(
             outer.cancel_scope.cancel()
         seconds = anyio.current_time() - begin
         stats = engine.stats()
+    # After the episodes (no sandbox of ours competes with it), in the same run and machine state.
+    floor = await anyio.to_thread.run_sync(bwrap_floor, floor_samples) if _is_local(backend) else None
+    start = stats.phases.get("start")
     # The warm-up episode is in the engine's counters; the rate and failures are not.
     return ThroughputResult(
         backend=backend,
@@ -156,4 +197,13 @@ async def run_throughput(
             name: {"p50": p.p50, "p95": p.p95, "p99": p.p99, "count": p.count}
             for name, p in stats.phases.items()
         },
+        bwrap_floor_p50_ms=round(floor[0], 3) if floor else None,
+        start_over_floor=round(start.p50 * 1e3 / floor[0], 2) if floor and start is not None and floor[0] > 0 else None,
+        bwrap_floor_argv=floor[1] if floor else None,
     )
+
+
+def _is_local(backend: str) -> bool:
+    from harbor_async.backends import resolve_backend
+
+    return resolve_backend(backend).import_path == "harbor_async.backends.local:LocalEnvironment"

@@ -25,6 +25,20 @@ takes minutes.
 Two scenarios (``SCENARIOS``): ``cloud`` (B = 64, T = 3, the replay's cloud
 latencies) and ``cpu-step`` (B = 16, T = 3, start 0.3 s, exec 0.5 s, verify 0.3 s).
 Run: ``python -m benchmarks.trainer_step --scenario cloud``.
+
+**The limit.** Each Harbor trainer is also run with zero-latency execs (start,
+verify and stop latencies kept): that step is the model's work plus whatever
+of the start and the verifier the trainer leaves on the critical path (with
+prefetch the start hides behind the previous step's update; the verifier's
+test script cannot hide: the loss needs the rewards, and the rollouts end
+together). A rollout's T commands must follow each other, so no trainer beats
+that step + T × exec latency: the summary reports each trainer's later-step
+wall time over that limit (``.../over_limit``). What the limit does not
+forgive is every other exec round trip on the path: the harness's base setup
+before the first command, the verifier's folder reset and Harbor's ``chmod``
+of the test script (each costs the exec latency on the simulated backend).
+With ``--repeats N`` every run (the zero-exec ones too) is made N times, in
+turn, and the summary takes medians.
 """
 
 from __future__ import annotations
@@ -70,6 +84,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
 }
 TRAINERS = ("grpo-trainer", "harbor-grpo-trainer", "harbor-grpo-trainer-prefetch")
+#: Suffix of a run with zero-latency execs (the limit's run; see the module doc).
+ZERO_EXEC = "/zero-exec"
 
 
 @dataclass
@@ -275,38 +291,58 @@ def _child_env() -> None:
     warnings.filterwarnings("ignore")
 
 
+def zero_exec(scenario: dict[str, Any]) -> dict[str, Any]:
+    """``scenario`` with zero-latency execs, every other latency kept (the limit's run)."""
+    return {**scenario, "latencies": {**scenario["latencies"], "exec_latency": 0.0}}
+
+
 def run_one(name: str, trainer: str, log: Any = print) -> dict[str, Any]:
-    """One trainer on one scenario, in this process (tiny model built here); its run as JSON."""
+    """One trainer on one scenario, in this process (tiny model built here); its run as JSON.
+
+    ``trainer`` may end in :data:`ZERO_EXEC`: that trainer with zero-latency execs.
+    """
     _child_env()
     from benchmarks.tiny_model import build_tiny_qwen3
 
     scenario = SCENARIOS[name]
+    if trainer.endswith(ZERO_EXEC):
+        scenario, trainer = zero_exec(scenario), trainer.removesuffix(ZERO_EXEC)
     with tempfile.TemporaryDirectory(prefix="trainer-step-") as tmp:
         out = Path(tmp)
         model_dir, tokenizer = build_tiny_qwen3(out / "tiny", corpus=["ls /workdir", "Done."])
         log(f"{name}: {trainer}, B={scenario['batch']}, T={scenario['turns']}, {scenario['steps']} steps")
         run = run_trainer(trainer, scenario, model_dir, tokenizer, out)
+    if scenario is not SCENARIOS[name]:
+        run.trainer += ZERO_EXEC
     for i, step in enumerate(run.steps):
         log(f"  step {i + 1}: wall {step.wall:.2f} s, env {step.env:.2f} s (reset {step.reset:.2f}, "
             f"tools {step.tools:.2f}, rewards {step.rewards:.2f}), generation {step.generation:.2f} s")  # fmt: skip
     return run.to_dict()
 
 
-def run_scenario(name: str, trainers: tuple[str, ...] = TRAINERS, log: Any = print) -> dict[str, Any]:
+def run_scenario(
+    name: str, trainers: tuple[str, ...] = TRAINERS, log: Any = print, repeats: int = 1
+) -> dict[str, Any]:
     """Every trainer on one scenario, each in a fresh process, then TRL's env (the replay) where asked.
 
     A fresh process per trainer: a second trainer in the same process computes
     its model steps markedly slower (measured: 9 s instead of 4 s a step), which
-    would bias the comparison by the order of the runs.
+    would bias the comparison by the order of the runs. Each Harbor trainer is
+    also run with zero-latency execs (``limit_runs``, for the limit). With
+    ``repeats`` > 1 the whole sequence is made that many times, one after
+    another, so that a slow spell of a shared machine hits every trainer alike.
     """
     scenario = SCENARIOS[name]
-    result: dict[str, Any] = {"scenario": name, **scenario, "runs": [], "trl_env": None}
-    for trainer in trainers:
-        with tempfile.TemporaryDirectory(prefix="trainer-step-run-") as tmp:
-            target = Path(tmp) / "run.json"
-            command = [sys.executable, "-m", "benchmarks.trainer_step", "--scenario", name, "--single", trainer]
-            subprocess.run([*command, "--run-json", str(target)], check=True)
-            result["runs"].append(json.loads(target.read_text()))
+    result: dict[str, Any] = {"scenario": name, **scenario, "repeats": repeats, "runs": [], "limit_runs": []}
+    result["trl_env"] = None
+    limits = [t + ZERO_EXEC for t in trainers if t.startswith("harbor-grpo-trainer")]
+    for _ in range(repeats):
+        for trainer in (*trainers, *limits):
+            with tempfile.TemporaryDirectory(prefix="trainer-step-run-") as tmp:
+                target = Path(tmp) / "run.json"
+                command = [sys.executable, "-m", "benchmarks.trainer_step", "--scenario", name, "--single", trainer]
+                subprocess.run([*command, "--run-json", str(target)], check=True)
+                result["limit_runs" if trainer in limits else "runs"].append(json.loads(target.read_text()))
     if scenario["trl_steps"]:
         _child_env()
         from benchmarks.grpo_step import run_grpo_steps
@@ -326,14 +362,54 @@ def run_scenario(name: str, trainers: tuple[str, ...] = TRAINERS, log: Any = pri
     return result
 
 
+def _median_runs(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One run per trainer: its later-step means are the medians over the trainer's repeats."""
+    by_trainer: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_trainer.setdefault(run["trainer"], []).append(run)
+    merged = {}
+    for trainer, repeats in by_trainer.items():
+        merged[trainer] = {
+            **repeats[0],
+            "later_wall_mean": round(statistics.median(r["later_wall_mean"] for r in repeats), 4),
+            "later_env_mean": round(statistics.median(r["later_env_mean"] for r in repeats), 4),
+            "later_wall_repeats": [r["later_wall_mean"] for r in repeats],
+        }
+    return merged
+
+
+def limits(result: dict[str, Any]) -> dict[str, Any]:
+    """Each Harbor trainer's limit (its zero-exec step + T × exec latency) and its step over that limit."""
+    runs = _median_runs(result["runs"])
+    ideal = _median_runs(result.get("limit_runs") or [])
+    exec_latency = float(result["latencies"]["exec_latency"])
+    found: dict[str, Any] = {}
+    for trainer, run in runs.items():
+        zero = ideal.get(trainer + ZERO_EXEC)
+        if zero is None:
+            continue
+        limit = zero["later_wall_mean"] + result["turns"] * exec_latency
+        found[f"{trainer}/zero_exec_wall_s"] = zero["later_wall_mean"]
+        found[f"{trainer}/limit_s"] = round(limit, 4)
+        found[f"{trainer}/over_limit"] = round(run["later_wall_mean"] / limit, 3)
+        # The same in the trainer thread's env waits: the seconds lost to the env, free of the model's noise
+        # (on a shared machine a step's compute varies more than the whole margin).
+        ideal_env = zero["later_env_mean"] + result["turns"] * exec_latency
+        found[f"{trainer}/env_over_limit_s"] = round(run["later_env_mean"] - ideal_env, 4)
+    return found
+
+
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    """Later-step means and the ratios the issue asks for."""
-    runs = {run["trainer"]: run for run in result["runs"]}
+    """Later-step means (medians over repeats), each Harbor trainer over its limit, and the ratios the issue asks for."""
+    runs = _median_runs(result["runs"])
     summary: dict[str, Any] = {}
     plain, harbor = runs.get("grpo-trainer"), runs.get("harbor-grpo-trainer")
     for key, run in runs.items():
         summary[f"{key}/later_wall_s"] = run["later_wall_mean"]
         summary[f"{key}/later_env_s"] = run["later_env_mean"]
+        if len(run["later_wall_repeats"]) > 1:
+            summary[f"{key}/later_wall_repeats_s"] = run["later_wall_repeats"]
+    summary.update(limits(result))
     if plain and harbor:
         summary["wall_ratio_plain_over_harbor"] = round(plain["later_wall_mean"] / harbor["later_wall_mean"], 2)
         summary["env_ratio_plain_over_harbor"] = round(plain["later_env_mean"] / harbor["later_env_mean"], 2)
@@ -348,7 +424,23 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         summary["env_ratio_trl_over_prefetch"] = round(
             result["trl_env"]["later_step_mean"] / prefetched["later_env_mean"], 1
         )
+    if plain and prefetched:
+        summary["wall_ratio_plain_over_prefetch"] = round(plain["later_wall_mean"] / prefetched["later_wall_mean"], 2)
     return summary
+
+
+def limit_lines(summary: dict[str, Any]) -> list[str]:
+    """One printed line per Harbor trainer: its step, its limit and the ratio."""
+    lines = []
+    for trainer in TRAINERS:
+        if f"{trainer}/limit_s" in summary:
+            lines.append(
+                f"{trainer}: step {summary[f'{trainer}/later_wall_s']:.2f} s, limit {summary[f'{trainer}/limit_s']:.2f} s "
+                f"(zero-exec step {summary[f'{trainer}/zero_exec_wall_s']:.2f} s + T x exec), "
+                f"step / limit {summary[f'{trainer}/over_limit']:.2f}; env waits over the limit's "
+                f"{summary[f'{trainer}/env_over_limit_s']:.2f} s"
+            )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -356,7 +448,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="cloud")
     parser.add_argument("--trainers", default=",".join(TRAINERS))
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
-    parser.add_argument("--single", choices=TRAINERS, help=argparse.SUPPRESS)  # a child: one trainer
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each trainer (medians in the summary)")
+    parser.add_argument(  # a child: one trainer
+        "--single", choices=[*TRAINERS, *(t + ZERO_EXEC for t in TRAINERS)], help=argparse.SUPPRESS
+    )
     parser.add_argument("--run-json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     from benchmarks.provenance import begin
@@ -366,11 +461,13 @@ def main(argv: list[str] | None = None) -> None:
         args.run_json.write_text(json.dumps(run_one(args.scenario, args.single)))
         return
     trainers = tuple(t.strip() for t in args.trainers.split(",") if t.strip())
-    result = run_scenario(args.scenario, trainers)
+    result = run_scenario(args.scenario, trainers, repeats=max(1, args.repeats))
     from benchmarks.report import write_json
 
     path = write_json(args.out / f"trainer-step-{args.scenario}.json", "trainer-step", result)
     print(json.dumps(result["summary"], indent=2))
+    for line in limit_lines(result["summary"]):
+        print(line)
     print(f"wrote {path}")
 
 

@@ -96,6 +96,7 @@ class Engine:
         self._drained = anyio.Event()
         self._close_requested: anyio.Event | None = None
         self._context: SandboxContext | None = None
+        self._holds: dict[type, Callable[[], None]] = {}  # backend class -> release of what it keeps warm
 
     # ── lifecycle of the engine itself ──────────────────────────────────
 
@@ -164,6 +165,12 @@ class Engine:
             async with anyio.create_task_group() as tg:
                 for sandbox in sandboxes:
                     tg.start_soon(sandbox.stop)
+            holds, self._holds = list(self._holds.values()), {}
+            for release in holds:
+                try:
+                    await anyio.to_thread.run_sync(release)
+                except RuntimeError:  # no new threads at interpreter shutdown
+                    release()
             self._drained.set()
         self.request_close()
 
@@ -206,6 +213,9 @@ class Engine:
         spec.check_async_library()  # a bad import path or library fails here, not in the background
         options = {**self.backend_kwargs, **(backend_kwargs or {})}
         spec.check_options(options)  # so do options the backend does not take
+        cls = spec.environment_class()
+        if cls not in self._holds and hasattr(cls, "engine_hold"):  # e.g. the local backend's ready sandboxes
+            self._holds[cls] = cls.engine_hold()
         sandbox = Sandbox(
             self._context,
             task,

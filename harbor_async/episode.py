@@ -18,6 +18,7 @@ one before, so every record has the same phase structure whoever drove it.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -335,7 +336,10 @@ class Episode:
                 self.record.verifier_output = found or await self._verifier_output()
                 self.fail(failure_class(exc), exc)
             else:
-                self.record.verifier_output = result.output or await self._verifier_output()
+                # No output and the test's stdout file came back with the verifier folder: it was empty, and reading
+                # it again from the sandbox would put a round trip between the verdict and the waiting trainer.
+                fetched = result.output is not None or self._stdout_came_back()
+                self.record.verifier_output = result.output if fetched else await self._verifier_output()
                 failure = self.record.failure
                 if failure is None or failure.scored:
                     self.record.reward, self.record.rewards = result.reward, dict(result.rewards)
@@ -397,6 +401,13 @@ class Episode:
             self.record.reward, self.record.rewards = None, {}
         elif failure is not None and self.record.reward is None:
             self.record.reward = 0.0  # the model's episode, with no reward: it scores 0
+
+    def _stdout_came_back(self) -> bool:
+        """Whether the verifier's download put the test's stdout file in this sandbox's trial folder."""
+        from harbor.models.trial.paths import TrialPaths
+
+        trial = None if self.sandbox is None else self.sandbox.trial_dir
+        return trial is not None and os.path.lexists(TrialPaths(trial_dir=trial).test_stdout_path)
 
     async def _verifier_output(self) -> str | None:
         """The end of the test script's stdout read from the sandbox, or ``None`` when there is none.

@@ -135,7 +135,31 @@ def parse_reward_json(text: str) -> dict[str, float | int]:
 
 
 class BoundedVerifier(Verifier):
-    """Harbor's verifier, reading the reward files with bounds (see the module doc)."""
+    """Harbor's verifier, reading the reward files with bounds (see the module doc).
+
+    Args:
+        verifier_dir_emptied: the caller emptied the sandbox's verifier folder
+            just before (``Sandbox.verify`` does), so Harbor's removal of the
+            stale reward files there is skipped; the trial folder's copies are
+            still removed. Every other argument is Harbor's.
+    """
+
+    def __init__(self, *args: Any, verifier_dir_emptied: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._verifier_dir_emptied = verifier_dir_emptied
+
+    async def _remove_reward_files(self) -> None:
+        if not self._verifier_dir_emptied:
+            return await super()._remove_reward_files()
+        # Its `rm -f` in a folder emptied a moment ago removes nothing, and costs an exec round trip on the
+        # reward's critical path (every rollout of a GRPO batch waits for its verdict).
+        from harbor.models.trial.paths import EnvironmentPaths
+
+        env_paths = EnvironmentPaths.for_os(self.environment.os)
+        if not self.environment.is_path_mounted(env_paths.verifier_dir, self.trial_paths.verifier_dir):
+            self.trial_paths.reward_text_path.unlink(missing_ok=True)
+            self.trial_paths.reward_json_path.unlink(missing_ok=True)
+        return None
 
     def _parse_reward_text(self) -> dict[str, float | int]:
         return parse_reward_text(read_bounded(self.trial_paths.reward_text_path))

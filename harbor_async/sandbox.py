@@ -284,7 +284,7 @@ class Sandbox:
                 await environment.empty_dirs([env_paths.verifier_dir], chmod=True)
                 verifier = BoundedVerifier(  # Harbor's verifier, reading the reward files with bounds
                     task=self.task, trial_paths=self._trial_paths(), environment=environment,
-                    override_env=self.task.config.verifier.env or None,
+                    override_env=self.task.config.verifier.env or None, verifier_dir_emptied=True,  # just above
                     verifier_env=step.verifier.env or None if step else None, step_name=step and step.name,
                     skip_tests_upload=tests_in_image,  # a verifier image with the tests built in (Harbor's rule)
                 )  # fmt: skip

@@ -32,7 +32,7 @@ from harbor_async.backends import resolve_backend
 from harbor_async.harnesses.base import BACKENDS_DROPPING_COPY, Harness
 from harbor_async.harnesses.bash import BashHarness
 from harbor_async.task_support import TRL, UnsupportedTaskError, driver_refusals
-from shim import engines
+from shim import engines, prefetch
 from shim.episode import PREPARING, Episode, await_loop, retire_episodes, stop_episodes
 from shim.options import EngineOptions, EngineOptionsKwargs, renamed_kwargs
 from shim.task_cache import load_task_cached
@@ -274,8 +274,16 @@ class HarborEnv(Harness):
         return self._options.exec_timeout if timeout is None else float(timeout)
 
     async def _prepare_rollout(self, episode: Episode) -> None:
-        """The harness's preparation of ``episode``'s sandbox (on the loop; ``episode`` is current through PREPARING)."""
-        await self._prepare()
+        """The harness's preparation of ``episode``'s sandbox (on the loop; ``episode`` is current through PREPARING).
+
+        A sandbox started ahead (prefetch) has had TRL's base step already:
+        only the harness's ``_setup`` is left, unless the harness replaced
+        ``_prepare`` itself (then it runs whole, as it asks).
+        """
+        if type(self)._prepare is Harness._prepare and await prefetch.base_prepared(episode.sandbox):
+            await self._setup()
+        else:
+            await self._prepare()
 
     def __repr__(self) -> str:
         episode = self._episode

@@ -6,10 +6,12 @@ to :func:`prefetch`, which launches one sandbox per row on the
 env's engine and parks it in that engine's :class:`PrefetchPool`. The next
 ``reset()`` on the same task, backend and backend arguments claims a parked
 sandbox instead of launching one (:func:`claim`); the harness setup
-(``_setup``, TRL's base folders) still runs per ``reset``, on the env that
-claimed it. Once the next step's resets are in, :func:`release` stops what no
-reset claimed, so a wrong guess costs a start and never holds a slot that a
-real rollout waits for.
+(``_setup``) still runs per ``reset``, on the env that claimed it. TRL's base
+step (the ``mkdir`` of its folders, which needs no env) runs ahead too, right
+after the start (:func:`base_prepared`): the first tool round would otherwise
+wait one exec round trip for it. Once the next step's resets are in,
+:func:`release` stops what no reset claimed, so a wrong guess costs a start
+and never holds a slot that a real rollout waits for.
 
 A parked sandbox is an ordinary engine sandbox: it takes a live-sandbox slot
 (queued behind the limit like any start), the engine's close stops it, and
@@ -28,7 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import anyio
+
 from harbor_async.errors import EngineClosedError
+from harbor_async.harnesses.base import BACKENDS_DROPPING_COPY, BASE_SETUP_COMMAND
 from harbor_async.logs import get_logger
 from harbor_async.sandbox import SandboxState
 from shim import engines
@@ -70,6 +75,43 @@ def _key(task: Task, backend: BackendSpec, backend_kwargs: Mapping[str, Any]) ->
     )
 
 
+class _BaseSetup:
+    """TRL's base step run on a sandbox started ahead, once it is up (loop thread): whether it ran."""
+
+    def __init__(self) -> None:
+        self._done = anyio.Event()
+        self._ok = False
+
+    async def run(self, sandbox: Sandbox) -> None:
+        try:
+            await sandbox.wait_started()
+            await sandbox.exec(BASE_SETUP_COMMAND)  # as Harness._prepare: a non-zero exit is not checked there either
+            self._ok = True
+        except Exception as exc:  # noqa: BLE001 - the claiming reset runs the step itself and reports
+            log.debug("base setup ahead failed", sandbox=sandbox.id, error=repr(exc))
+        finally:
+            self._done.set()
+
+    async def succeeded(self) -> bool:
+        await self._done.wait()
+        return self._ok
+
+
+#: Sandboxes started ahead whose base step was scheduled with them; weak: an entry goes with its sandbox.
+_base_setups: weakref.WeakKeyDictionary[Sandbox, _BaseSetup] = weakref.WeakKeyDictionary()
+
+
+async def base_prepared(sandbox: Sandbox | None) -> bool:
+    """Whether TRL's base step already ran on ``sandbox`` (started ahead); waits for it if it is running.
+
+    Consumed: a second call for the same sandbox says ``False``, so the step
+    is never skipped twice. ``False`` when it failed or was never run ahead:
+    the caller then runs it as usual.
+    """
+    setup = None if sandbox is None else _base_setups.pop(sandbox, None)
+    return setup is not None and await setup.succeeded()
+
+
 class PrefetchPool:
     """One engine's sandboxes started ahead, by task, backend and backend arguments (loop thread only)."""
 
@@ -89,6 +131,9 @@ class PrefetchPool:
         if engine is None:
             raise EngineClosedError("the engine of this prefetch pool is gone")
         sandbox = engine.launch(task, backend, backend_kwargs=backend_kwargs)
+        if backend.type not in BACKENDS_DROPPING_COPY:  # there TRL uploads files first, from the env: not ahead
+            setup = _base_setups[sandbox] = _BaseSetup()
+            engine.start_soon(setup.run, sandbox, name=f"base setup {sandbox.id}")
         self._parked.setdefault(_key(task, backend, backend_kwargs), deque()).append(sandbox)
 
     def claim(self, task: Task, backend: BackendSpec, backend_kwargs: Mapping[str, Any]) -> Sandbox | None:

@@ -196,3 +196,86 @@ def test_accelerate_keeps_the_wrapped_samplers_generator_in_step() -> None:
     prepared = prepare_data_loader(loader, num_processes=2, process_index=0, put_on_device=False)
     assert prepared.synchronized_generator is inner.generator  # as for the bare RepeatSampler
     assert not hasattr(LookaheadSampler(SequentialSampler(range(4))), "generator")
+
+
+# ── TRL's base step runs ahead with the start ───────────────────────────────
+
+
+class _ExecLog:
+    """Every simulated exec: (session, command, begin, end) on the monotonic clock; optionally failing some."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail_first: str | None = None) -> None:
+        import time
+
+        from harbor_async.backends.simulated import SimulatedEnvironment
+
+        self.calls: list[tuple[str, str, float, float]] = []
+        self._fail = fail_first
+        real = SimulatedEnvironment.exec
+
+        async def exec_(sandbox, command, *args, **kwargs):
+            begin = time.monotonic()
+            if command == self._fail:
+                self._fail = None
+                raise RuntimeError("simulated base step failure")
+            try:
+                return await real(sandbox, command, *args, **kwargs)
+            finally:
+                self.calls.append((sandbox.session_id, command, begin, time.monotonic()))
+
+        monkeypatch.setattr(SimulatedEnvironment, "exec", exec_)
+
+    def of(self, session: str) -> list[tuple[str, float, float]]:
+        return [(command, begin, end) for s, command, begin, end in self.calls if s == session]
+
+
+def _ahead_then_reset(env, task_dir: str) -> str:
+    """Start ``task_dir``'s sandbox ahead, reset onto it, run one tool call; the claimed sandbox's id."""
+    from shim import prefetch
+
+    assert prefetch.prefetch(env, [task_dir]) == 1
+    env.reset(task_dir=task_dir)  # at once: the base step ahead may still be running
+    assert env.bash("ls /workdir") == "(empty output, rc=0)"
+    assert prefetch.release().hits == 1
+    return env.episode_record.sandbox
+
+
+@pytest.mark.parametrize("fail_ahead", [False, True])
+def test_a_reset_onto_a_sandbox_started_ahead_skips_the_base_step_that_ran_ahead(
+    monkeypatch, example_tasks, fail_ahead: bool
+) -> None:
+    """With prefetch, the first tool round must not wait one exec round trip for TRL's mkdir: it ran with the start.
+
+    If that step failed ahead, the reset runs it itself (and the tool call still works).
+    """
+    import shim
+    from harbor_async.harnesses.base import BASE_SETUP_COMMAND
+
+    log = _ExecLog(monkeypatch, fail_first=BASE_SETUP_COMMAND if fail_ahead else None)
+    env = shim.HarborBashEnv("simulated", environment_kwargs={"start_latency": 0.05, "exec_latency": 0.2})
+    try:
+        session = _ahead_then_reset(env, str(example_tasks[0].paths.task_dir))
+    finally:
+        env.close()
+    calls = log.of(session)
+    assert [command for command, _, _ in calls] == [BASE_SETUP_COMMAND, "ls /workdir"]
+    (_, _, base_end), (_, tool_begin, _) = calls
+    assert base_end <= tool_begin  # the tool call waited for the step (ahead or the reset's own)
+
+
+def test_a_harness_with_its_own_prepare_runs_it_whole_on_a_sandbox_started_ahead(monkeypatch, example_tasks) -> None:
+    import shim
+    from harbor_async.harnesses.base import BASE_SETUP_COMMAND
+
+    class OwnPrepare(shim.HarborBashEnv):
+        async def _prepare(self) -> None:
+            await super()._prepare()
+
+    log = _ExecLog(monkeypatch)
+    env = OwnPrepare("simulated", environment_kwargs={"start_latency": 0.05})
+    try:
+        session = _ahead_then_reset(env, str(example_tasks[0].paths.task_dir))
+    finally:
+        env.close()
+    # Ahead and again in its _prepare (the two may overlap: the order is not the point).
+    assert sorted(command for command, _, _ in log.of(session)) == sorted([BASE_SETUP_COMMAND] * 2 + ["ls /workdir"])

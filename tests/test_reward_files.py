@@ -113,3 +113,64 @@ async def test_a_verifier_output_swapped_for_a_symlink_reads_nothing_of_the_host
         (record,) = await run_suite(engine, [load_task(task)], backend, agent="none")
     assert record.reward == 1.0
     assert "HOST-ONLY-CONTENT" not in (record.verifier_output or "")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("emptied", [True, False])
+async def test_a_verifier_after_the_folder_reset_removes_the_stale_rewards_without_a_round_trip(
+    tmp_path: Path, emptied: bool
+):
+    """Sandbox.verify empties the verifier folder first: Harbor's `rm -f` there would be one more exec per verdict.
+
+    The trial folder's stale copies still go; without the flag, Harbor's own removal runs.
+    """
+    from types import SimpleNamespace
+
+    from harbor.models.task.config import TaskOS
+    from harbor.models.trial.paths import TrialPaths
+
+    from harbor_async.reward_files import BoundedVerifier
+
+    commands: list[str] = []
+
+    async def exec_(command: str, **_: object):
+        commands.append(command)
+        return SimpleNamespace(return_code=0, stdout="", stderr="")
+
+    environment = SimpleNamespace(os=TaskOS.LINUX, exec=exec_, is_path_mounted=lambda *_: False)
+    paths = TrialPaths(trial_dir=tmp_path)
+    paths.verifier_dir.mkdir(parents=True)
+    paths.reward_text_path.write_text("1\n")
+    paths.reward_json_path.write_text('{"reward": 1}')
+    task = load_task(example_suite_path() / "tasks" / "count-log-files")
+    verifier = BoundedVerifier(
+        task=task, trial_paths=paths, environment=environment, verifier_dir_emptied=emptied  # type: ignore[arg-type]
+    )
+    await verifier._remove_reward_files()
+    assert not paths.reward_text_path.exists() and not paths.reward_json_path.exists()
+    assert commands == ([] if emptied else ["rm -f -- /logs/verifier/reward.txt /logs/verifier/reward.json"])
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_verdict_waits_on_no_exec_beyond_the_folder_reset_the_chmod_and_the_tests(monkeypatch):
+    """A batch's rewards wait for every verify: no stale-reward `rm`, no re-read of an output that came back empty."""
+    from harbor_async.backends.simulated import SimulatedEnvironment
+
+    commands: list[str] = []
+    real = SimulatedEnvironment.exec
+
+    async def exec_(sandbox, command, *args, **kwargs):
+        commands.append(command)
+        return await real(sandbox, command, *args, **kwargs)
+
+    monkeypatch.setattr(SimulatedEnvironment, "exec", exec_)
+    async with Engine() as engine:
+        (record,) = await run_suite(
+            engine, [load_task(example_suite_path() / "tasks" / "count-log-files")], "simulated", agent="none"
+        )
+    assert record.reward == 1.0 and record.error is None
+    assert len(commands) == 3, commands
+    assert "mkdir -p /logs/verifier" in commands[0]
+    assert commands[1].startswith("chmod +x /tests/") and commands[2].startswith("(/tests/test.sh)")

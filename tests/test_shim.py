@@ -716,7 +716,8 @@ def test_exit_and_signals_stop_every_sandbox(tmp_path: Path, how: str):
     try:
         line = child.stdout.readline()
         assert line.strip() == "READY", child.stderr.read() if child.poll() is not None else line
-        assert len(list(local_root.glob("harbor-async-*"))) == 4
+        # the four sandboxes (the engine's pool may hold pieces made ahead too: they must go as well, below)
+        assert len([p for p in local_root.glob("harbor-async-*") if "-pool-" not in p.name]) == 4
         assert _bwrap_under(local_root) >= 4
         begin = time.monotonic()
         if how == "exit":

@@ -243,8 +243,13 @@ class SimulatedEnvironment(BaseEnvironment):
         Path(target_path).write_text("")
 
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
-        """The verifier dir comes back with the reward when the test script ran and passed."""
+        """The verifier dir comes back with the reward when the test script ran and passed.
+
+        With the test's (empty) stdout file too, as from a real sandbox, where
+        the verifier's command redirects it there.
+        """
         target = Path(target_dir)
         target.mkdir(parents=True, exist_ok=True)
         if source_dir.rstrip("/").endswith("/logs/verifier") and self._verified:
+            (target / "test-stdout.txt").write_text("")
             (target / "reward.txt").write_text(f"{self._reward}\n")

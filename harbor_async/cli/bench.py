@@ -150,13 +150,14 @@ def grpo_step(
 def trainer_step(
     scenario: Annotated[str, typer.Option(help="cloud (B=64, simulated cloud latencies) or cpu-step (a real CPU step, B=16).")] = "cloud",
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file.")] = DEFAULT_OUT,
+    repeats: Annotated[int, typer.Option("--repeats", "-r", min=1, help="Runs of each trainer; the summary takes medians.")] = 1,
     log_level: LogOpt = None,
 ) -> None:
-    """GRPOTrainer with the plain shim against HarborGRPOTrainer (concurrent tool rounds), without and with prefetch; writes trainer-step-SCENARIO.json."""
+    """GRPOTrainer with the plain shim against HarborGRPOTrainer (concurrent tool rounds), without and with prefetch, each over its limit; writes trainer-step-SCENARIO.json."""
     _setup(log_level)
     from benchmarks.trainer_step import main as run_it
 
-    run_it(["--scenario", scenario, "--out", str(out)])
+    run_it(["--scenario", scenario, "--out", str(out), "--repeats", str(repeats)])
 
 
 @bench_app.command("docker-step")

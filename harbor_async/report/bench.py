@@ -157,6 +157,9 @@ def _throughput(section: BenchmarkSection, data: dict[str, Any]) -> None:
     runs = [r for r in data.get("runs", []) if isinstance(r, dict)]
     columns = ["backend", "episodes", "concurrency", "episodes/s", "failures", "peak live", "MiB/sandbox"]
     columns += [f"{p} p50/p95/p99 ms" for p in THROUGHPUT_PHASES]
+    floors = any(r.get("bwrap_floor_p50_ms") is not None for r in runs)
+    if floors:  # the local backend's floor: a bare bwrap in the same run
+        columns += ["bwrap true p50 ms", "start p50 / bwrap"]
     rows = []
     rate: dict[str, list[tuple[float, float]]] = {}
     latency: dict[str, list[tuple[float, float]]] = {}
@@ -167,6 +170,8 @@ def _throughput(section: BenchmarkSection, data: dict[str, Any]) -> None:
             cells.append("-" if not p else "/".join(f"{p[q] * 1e3:.0f}" for q in ("p50", "p95", "p99")))
             if p and r.get("concurrency"):
                 latency.setdefault(f"{phase} p50 ({r.get('backend')})", []).append((r["concurrency"], p["p50"] * 1e3))
+        if floors:
+            cells += [_fmt(r.get("bwrap_floor_p50_ms")), _fmt(r.get("start_over_floor"))]
         rows.append(cells)
         if r.get("concurrency") and r.get("episodes_per_second") is not None:
             rate.setdefault(str(r.get("backend")), []).append((r["concurrency"], r["episodes_per_second"]))

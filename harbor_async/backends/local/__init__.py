@@ -44,8 +44,14 @@ to keep the output, or to be safe from that.
 Each exec stream keeps its first and last halves of ``output_limit`` bytes
 (``output``); what falls between is counted, never held.
 
+A start takes a sandbox made ahead, up to its running keeper, while an engine
+is open (``pool``: each used once, never given back; the engine's close removes
+those not taken), and writes the task's WORKDIR and COPY part, read once per
+task (``template``); it makes its own otherwise.
+
 Modules: ``adapter`` (the Harbor environment), ``layout`` (paths, capabilities,
-defaults), ``rootfs`` (the root filesystem, ``/etc``, COPY), ``limits`` (uids,
+defaults), ``rootfs`` (the root filesystem, ``/etc``, COPY), ``template`` (the
+base and task trees, read once), ``pool`` (sandboxes made ahead), ``limits`` (uids,
 cgroups), ``sandboxing`` (command lines), ``keeper`` (the keeper process),
 ``proctree`` (killing an exec's tree), ``output``, ``transfers``,
 ``dockerfile`` (the Dockerfile subset), ``images`` (the honest-image warning),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import logging
 import os
@@ -11,8 +10,7 @@ import posixpath
 import shutil
 import subprocess
 import weakref
-import zlib
-from datetime import UTC, datetime
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,6 @@ from anyio.abc import Process
 from harbor.environments.base import (
     BaseEnvironment,
     ExecResult,
-    SandboxBuildFailedError,
 )
 from harbor.environments.capabilities import EnvironmentCapabilities, EnvironmentResourceCapabilities
 from harbor.models.task.config import EnvironmentConfig, HealthcheckConfig
@@ -29,19 +26,18 @@ from harbor.models.trial.paths import TrialPaths
 
 from harbor_async.backends.local.cleanup import abandon, stale_mount
 from harbor_async.backends.local.dockerfile import DockerfileSpec, parse_dockerfile
-from harbor_async.backends.local.errors import ExecTimeoutError, LimitUnavailableError
+from harbor_async.backends.local.errors import ExecTimeoutError
 from harbor_async.printing import escape_controls
 from harbor_async.backends.local.images import image_mismatch
 from harbor_async.backends.local.healthcheck import run_healthcheck
 from harbor_async.host_resources import cap, host_cpus, host_memory_mb
-from harbor_async.backends.local.keeper import Keeper, Tools, find_tools, spawn_from_keeper_thread
+from harbor_async.backends.local.keeper import Keeper, Tools, find_tools
 from harbor_async.backends.local.layout import (
     BASE_ENV,
     DEFAULT_MEMORY_MB,
     DEFAULT_OUTPUT_LIMIT,
     DEFAULT_PIDS,
     DEFAULT_STORAGE_MB,
-    KEEPER_START_TIMEOUT,
     RUN_LABEL_ENV,
     SPECIAL_DIRS,
     SYSTEM_DIRS,
@@ -49,27 +45,23 @@ from harbor_async.backends.local.layout import (
     under,
 )
 from harbor_async.backends.local.limits import (
-    LimitError,
     ResourceLimits,
     UidLease,
     cgroup_version,
     parse_limit,
-    pool_uids_mapped,
-    sandbox_cgroups,
 )
-from harbor_async.backends.local.output import MAX_ADOPTED, OUTPUT_SINK, OutputPipe, read_available
+from harbor_async.backends.local.output import MAX_ADOPTED, OUTPUT_SINK, OutputPipe
 from harbor_async.backends.local.proctree import end_exec
 from harbor_async.backends.local.rootfs import (
     apply_copy,
-    build_tree,
     check_task_paths,
-    chown_tree,
+    chown_made,
     host_path,
-    mount_hub,
-    mount_tmpfs,
     remove_sandbox_folder,
 )
-from harbor_async.backends.local.sandboxing import Confinement, join_argv, keeper_argv
+from harbor_async.backends.local.pool import POOL, Piece, build_piece, discard_piece
+from harbor_async.backends.local.sandboxing import Confinement, join_argv
+from harbor_async.backends.local.template import task_entries, write_entries
 from harbor_async.backends.local.transfers import DEFAULT_TRANSFER_LIMIT_MB, SandboxTransfers
 from harbor_async.backends.local.verifier_ns import VerifierNamespace
 from harbor_async.naming import DEFAULT_LOCAL_ROOT, LOCAL_ROOT_ENV, MARKER_NAME, local_folder_name
@@ -260,91 +252,83 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
     # -- lifecycle ------------------------------------------------------------
 
     async def start(self, force_build: bool) -> None:
-        """Create the sandbox folder, apply the Dockerfile and launch the keeper (milliseconds; no image).
+        """Take a ready sandbox (:mod:`.pool`) or make one, then apply the Dockerfile (milliseconds; no image).
 
         Raises:
-            SandboxBuildFailedError: ``bwrap``, ``nsenter`` or ``setpriv`` is
+            SandboxBuildFailedError: ``bwrap``, ``setpriv`` or ``prlimit`` is
                 missing, or bubblewrap cannot create the sandbox.
+            LimitUnavailableError: cgroups are required and cannot be made.
         """
-        self._tools = find_tools()
+        self._tools = tools = find_tools()
+        limits = self.limits
         try:
-            await anyio.to_thread.run_sync(self._build_tree)
+            if self._root.exists():  # left by a killed run with the same label and session
+                self.logger.warning("removing stale local sandbox %s", self._root)
+                await anyio.to_thread.run_sync(remove_sandbox_folder, self._root, stale_mount(self._root))
+            key = (str(self._base), self.run_label, limits, self._require_limits)
+            piece = POOL.take(key, tools)
+            if piece is None:
+                # Shielded: a cancelled start must not leave a sandbox being built behind.
+                with anyio.CancelScope(shield=True):
+                    piece = await anyio.to_thread.run_sync(
+                        build_piece, self._root, self.run_label, limits, self._require_limits, tools, self.session_id
+                    )
+            self._adopt(piece)  # no await since the build: from here on stop() removes it
+            await anyio.to_thread.run_sync(self._apply_task)
         except BaseException:
             with anyio.CancelScope(shield=True):
+                await self._end_keeper()
                 await anyio.to_thread.run_sync(self._teardown, True)
             raise
-        await self._start_keeper()
         self._started = True
         self._write_marker()
         # Prebuilt-image tasks without a Dockerfile ship loose files for the workdir.
         await self._upload_environment_dir_after_start()
 
-    async def _start_keeper(self) -> None:
-        """Launch the sandbox's long-lived bwrap and take hold of its namespaces.
-
-        bwrap reports the host pid of the sandbox's PID 1 on ``--info-fd``; the
-        init prints ``ready`` once bwrap has finished the setup (mounts, pivot,
-        capabilities), and only then are the namespaces worth joining. Their
-        files are opened here and kept open until ``stop()``: an exec enters
-        them through ``/proc/self/fd/N`` (the files passed down to it), so a
-        recycled pid can never send it into another process's namespaces.
-        """
-        assert self._tools is not None
-        info_read, info_write = os.pipe()
-        ready = OutputPipe()
-        try:
-            assert self._confinement is not None
-            argv = keeper_argv(self._tools, self._mount or self._fs, info_write, self._confinement, self._root)
-            self._launching += 1
+    def _adopt(self, piece: Piece) -> None:
+        """Make ``piece`` this sandbox's: its folder is renamed to ours, its resources are ours to free."""
+        if piece.folder != self._root:
             try:
-                with open(self._root / "keeper.log", "wb") as log, anyio.CancelScope(shield=True):
-                    keeper = Keeper(
-                        await spawn_from_keeper_thread(
-                            argv, stdin=subprocess.DEVNULL, stdout=ready.write_fd, stderr=log,
-                            pass_fds=(info_write,), start_new_session=True,
-                        )  # fmt: skip
-                    )
-            finally:
-                self._launching -= 1
-                os.close(info_write)
-                ready.close_write_end()
-            self._keeper = keeper  # from here on stop() ends it, whatever happens next
-            self._keeper_finalizer = weakref.finalize(
-                self, abandon, keeper, self._confinement, self._mount, self._uid_lease
-            )
-            # At exit the engine stops its sandboxes (a finalizer would kill them
-            # first); what is left then dies with this process (--die-with-parent).
-            self._keeper_finalizer.atexit = False
-            with anyio.move_on_after(KEEPER_START_TIMEOUT) as waited:
-                while not ready.eof and b"\n" not in b"".join(ready.chunks):
-                    if not ready._read_some():
-                        await anyio.wait_readable(ready.read_fd)
-            if waited.cancelled_caught:
-                raise RuntimeError(
-                    f"local sandbox {self.session_id}: bubblewrap did not come up "
-                    f"within {KEEPER_START_TIMEOUT:g} s"
-                )
-            if (ready.text() or "").strip() != "ready":
-                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                    await keeper.wait()
-                detail = (self._root / "keeper.log").read_text(errors="replace").strip()
-                raise SandboxBuildFailedError(
-                    f"bubblewrap could not create local sandbox {self.session_id}: "
-                    f"{detail or f'exit code {keeper.process.returncode}'}"
-                )
-            keeper.attach(json.loads(read_available(info_read) or b"{}"))
-            if os.geteuid() == 0:
-                # The OOM killer of a full memory cgroup must not pick PID 1 (the
-                # sandbox would die with it); only root may lower the score.
-                with contextlib.suppress(OSError):
-                    Path(f"/proc/{keeper.init_pid}/oom_score_adj").write_text("-1000")
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._end_keeper()
-            raise
-        finally:
-            os.close(info_read)
-            ready.close()
+                piece.folder.rename(self._root)
+            except OSError:
+                discard_piece(piece)
+                raise
+            piece.folder = self._root
+        self._confinement, self._uid_lease, self._mount = piece.confinement, piece.lease, piece.mount
+        self._keeper, self._root_fd = piece.keeper, piece.root_fd
+        self._created_at = piece.created_at
+        self._marker_live = True
+        self._write_marker()
+        assert self._keeper is not None
+        self._keeper_finalizer = weakref.finalize(self, abandon, self._keeper, self._confinement, self._mount, self._uid_lease)
+        # At exit the engine stops its sandboxes (a finalizer would kill them
+        # first); what is left then dies with this process (--die-with-parent).
+        self._keeper_finalizer.atexit = False
+
+    def _apply_task(self) -> None:
+        """The task's part of the root: its WORKDIR and COPY lines, given to the sandbox's uid.
+
+        While an engine holds the pool, that part is read once per task
+        (:func:`.template.task_entries`, as Docker builds a task's image once
+        per run) and written by plain calls; else it is copied here.
+        """
+        uid = self._sandbox_uid()
+        if POOL.held:
+            entries = task_entries(self.environment_dir, self._spec.copies, self._workdir)
+            write_entries(self._mount or self._fs, entries, uid)
+            return
+        made = [host_path(self._fs, "/", self._workdir, writable=True)]
+        made[0].mkdir(parents=True, exist_ok=True)
+        for step in self._spec.copies:
+            apply_copy(self._fs, self.environment_dir, step, "/")
+            made.append(host_path(self._fs, "/", step.dest, writable=True))
+        if uid is not None:  # the base tree is the sandbox's already; only what was made here
+            chown_made(self._fs, made, uid)
+
+    @classmethod
+    def engine_hold(cls) -> Callable[[], None]:
+        """Keep sandboxes ready ahead of starts until the returned function is called (an engine's lifetime)."""
+        return POOL.hold()
 
     async def _end_keeper(self) -> None:
         """Kill the sandbox's PID 1 (the kernel then kills every process in its PID namespace)."""
@@ -362,52 +346,6 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             keeper.process.kill()
             await keeper.wait()
         keeper.close()
-
-    def _build_tree(self) -> None:
-        """The sandbox folder, its limits, its sized root filesystem, its tree and COPY (no process yet)."""
-        if self._root.exists():  # left by a killed run with the same label and session
-            self.logger.warning("removing stale local sandbox %s", self._root)
-            remove_sandbox_folder(self._root, stale_mount(self._root))
-        limits = self.limits
-        confinement = self._confinement = Confinement(limits)
-        # Root of the whole machine (not of a container's user namespace, which
-        # cannot switch to the pool's uids): a host uid of its own, and cgroups.
-        root = os.geteuid() == 0 and pool_uids_mapped()
-        if root:
-            self._uid_lease = UidLease.acquire(zlib.crc32(self._root.name.encode()))
-            confinement.uid = self._uid_lease.uid
-            try:
-                confinement.cgroups = sandbox_cgroups(self._root.name, limits)
-            except LimitError as exc:  # read-only cgroupfs (a container): only rlimits would be left
-                if self._require_limits:
-                    raise LimitUnavailableError(self.session_id, str(exc)) from exc
-                self.logger.warning("local sandbox %s without cgroups: %s", self.session_id, exc)
-        if not self._base.exists():
-            # o+x only: the sandbox's uid must reach its folder, nobody may list them.
-            self._base.mkdir(mode=0o711, parents=True, exist_ok=True)
-        self._root.mkdir(mode=0o711)
-        self._created_at = datetime.now(UTC).isoformat()
-        self._marker_live = True
-        self._write_marker()
-        if root:  # a sized tmpfs in the mount hub; fs/ points at it
-            assert confinement.uid is not None
-            mount = mount_hub() / f"{self._root.name}-{zlib.crc32(str(self._root).encode()):08x}"
-            if mount.exists():
-                remove_sandbox_folder(self._root, mount)
-            mount.mkdir(mode=0o755)
-            self._mount = mount
-            self._write_marker()
-            mount_tmpfs(mount, limits.storage_mb, confinement.uid, confinement.uid)
-            self._fs.symlink_to(mount)
-        else:
-            self._fs.mkdir(mode=0o700)  # no other host user may read it
-        build_tree(self._fs)
-        host_path(self._fs, "/", self._workdir, writable=True).mkdir(parents=True, exist_ok=True)
-        for step in self._spec.copies:
-            apply_copy(self._fs, self.environment_dir, step, "/")
-        if confinement.uid is not None:  # the sandbox's root owns its whole tree
-            chown_tree(self._fs, confinement.uid, confinement.uid)
-        self._root_fd = os.open(self._mount or self._fs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
     def _sandbox_uid(self) -> int | None:
         """The host uid files made for the sandbox belong to (None: the caller's, root inside already)."""

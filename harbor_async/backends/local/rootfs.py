@@ -188,6 +188,24 @@ def chown_tree(fs: Path, uid: int, gid: int) -> None:
             os.lchown(os.path.join(folder, name), uid, gid)
 
 
+def chown_made(fs: Path, made: list[Path], uid: int) -> None:
+    """Give ``uid`` each host path in ``made`` under the root ``fs``, the folders between, and all below them."""
+    for path in made:
+        try:
+            relative = path.relative_to(fs)
+        except ValueError:
+            continue  # not in the sandbox's root (a host folder): not the sandbox's to own
+        current = fs
+        for part in relative.parts:
+            current = current / part
+            if not os.path.lexists(current):
+                break
+            if os.lstat(current).st_uid != uid:
+                os.lchown(current, uid, uid)
+        if os.path.isdir(path) and not os.path.islink(path):
+            chown_tree(path, uid, uid)
+
+
 def check_task_paths(task_dir: Path) -> None:
     """Refuse a task whose instruction, tests, solution or environment is a symlink out of the task.
 

@@ -1,0 +1,122 @@
+"""The local backend's ready sandboxes (harbor_async.backends.local.pool) and the throughput floor.
+
+A start takes a never-used sandbox made ahead while an engine is open; nothing
+one sandbox wrote reaches the next, and closing the engine (also by
+cancellation) removes every piece not taken.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from harbor_async.backends.local.pool import POOL
+from harbor_async.engine import Engine
+from harbor_async.tasks import load_suite
+
+pytestmark = [pytest.mark.range, pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _task():
+    return load_suite(None).tasks[0]
+
+
+async def _wait_ready(count: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(POOL.ready()) < count:
+        assert time.monotonic() < deadline, "the pool made no sandbox ahead"
+        await anyio.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.mark.anyio
+async def test_a_pooled_sandbox_never_sees_what_an_earlier_one_wrote(tmp_path: Path) -> None:
+    plant = "echo planted > /etc/planted; echo planted > /tmp/planted; echo x >> /etc/passwd; mkdir -p /workdir/mine"
+    async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "sb")}) as engine:
+        async with engine.episode(_task(), "local") as first:
+            assert (await first.exec(plant)).exit_code == 0
+            first_root = first.environment.root
+        await _wait_ready(1)
+        taken = POOL.taken
+        async with engine.episode(_task(), "local") as second:
+            assert POOL.taken == taken + 1  # this one came from the pool
+            result = await second.exec(
+                "ls /etc/planted /tmp/planted /workdir/mine 2>&1; grep -c '^x$' /etc/passwd; cat /etc/hostname"
+            )
+            assert second.environment.root == first_root.parent / second.environment.root.name
+            assert second.environment.root != first_root
+        assert result.stdout.count("No such file") == 3, result.stdout
+        assert "\n0\n" in result.stdout and result.stdout.endswith("sandbox\n")
+
+
+@pytest.mark.anyio
+async def test_closing_the_engine_removes_every_pooled_piece_even_when_cancelled(tmp_path: Path) -> None:
+    base = tmp_path / "sb"
+    with anyio.move_on_after(60) as scope:
+        async with Engine(backend_kwargs={"sandbox_root": str(base)}) as engine:
+            async with engine.episode(_task(), "local") as sandbox:
+                await sandbox.exec("true")
+            await _wait_ready(2)
+            pieces = POOL.ready()
+            folders = [p.folder for p in pieces]
+            mounts = [p.mount for p in pieces if p.mount is not None]
+            cgroups = [f for p in pieces if p.confinement.cgroups is not None for f in p.confinement.cgroups.folders]
+            keepers = [p.keeper.process.pid for p in pieces if p.keeper is not None]
+            assert all(folder.is_dir() for folder in folders) and all(_alive(pid) for pid in keepers)
+            assert all(Path(m).is_dir() for m in mounts) and all(c.is_dir() for c in cgroups)
+            async with engine.episode(_task(), "local") as sandbox:
+                scope.cancel()  # the engine closes by cancellation, a sandbox running
+                await sandbox.exec("sleep 30")
+    assert scope.cancelled_caught
+    assert POOL.ready() == [] and not POOL.held
+    assert not [f for f in folders if f.exists()]
+    assert not [m for m in mounts if os.path.lexists(m)]
+    assert not [c for c in cgroups if c.exists()]
+    assert not [pid for pid in keepers if _alive(pid)]
+    assert not list(base.iterdir())  # no sandbox folder left either
+
+
+def test_without_an_engine_nothing_is_made_ahead(tmp_path: Path) -> None:
+    assert POOL.take((str(tmp_path), "x", None, True), None) is None  # type: ignore[arg-type]
+    assert POOL.ready() == []
+
+
+@pytest.mark.anyio
+async def test_throughput_measures_the_bwrap_floor_in_the_same_run() -> None:
+    from benchmarks.report import throughput_table
+    from benchmarks.throughput import FLOOR_ARGS, run_throughput
+    from harbor_async.report.bench import BenchmarkSection, _throughput
+    from rich.console import Console
+
+    result = await run_throughput(episodes=2, concurrency=1, backend="local", sample_memory=False, floor_samples=3)
+    assert result.failures == 0
+    assert result.bwrap_floor_argv == [shutil.which("bwrap"), *FLOOR_ARGS]
+    assert result.bwrap_floor_p50_ms is not None and result.bwrap_floor_p50_ms > 0
+    start_ms = result.phases["start"]["p50"] * 1e3
+    assert result.start_over_floor == round(start_ms / result.bwrap_floor_p50_ms, 2)
+    printed = io.StringIO()
+    Console(file=printed, width=400).print(throughput_table([result]))
+    assert "start/bwrap" in printed.getvalue() and f"{result.start_over_floor:.2f}x" in printed.getvalue()
+    section = BenchmarkSection("throughput-local", "throughput", [])
+    _throughput(section, {"runs": [result.to_dict()]})
+    assert "start p50 / bwrap" in section.tables[0].columns
+    simulated = await run_throughput(episodes=1, concurrency=1, backend="simulated", sample_memory=False)
+    assert simulated.bwrap_floor_p50_ms is None and simulated.start_over_floor is None  # the floor is local's
