@@ -21,8 +21,8 @@ Exit codes (as ``env`` and ``nsenter``): 125 could not enter or confine,
 126 not executable, 127 not found; else the command's (128 + N for signal N).
 """
 
+import _json  # json's C scanner alone: the json package imports re, a third of this helper's start-up per exec
 import ctypes
-import json
 import os
 import resource
 import sys
@@ -104,8 +104,23 @@ def execute(argv: list[str], env: dict[str, str]) -> None:
     fail(f"{name!r}: {reason}", 126)
 
 
+class _Decoding:
+    """What json's C scanner reads from its decoder: plain JSON, as ``json.loads`` decodes it."""
+
+    strict = True
+    object_hook = object_pairs_hook = parse_constant = None
+    parse_float, parse_int = float, int
+
+
+def parse_spec(text: str) -> dict:
+    spec, end = _json.make_scanner(_Decoding())(text, 0)
+    if end != len(text) or not isinstance(spec, dict):
+        fail("malformed SPEC")
+    return spec
+
+
 def main() -> None:
-    spec = json.loads(sys.argv[1])
+    spec = parse_spec(sys.argv[1])
     libc.prctl(PR_SET_NAME, b"ha-enter", 0, 0, 0)  # what ps and a reaper see
     for procs in spec.get("procs") or []:  # host root, before anything else: every child inherits them
         try:
