@@ -30,6 +30,8 @@ from harbor_async.tasks import load_suite
 #: The probe's p99 bound (µs) and the live-sandbox counts the capacity ramp tries, smallest first.
 DEFAULT_BOUND_US = 20_000.0
 DEFAULT_SIZES = (1000, 2000, 4000, 8000, 10000, 12000, 16000)
+#: Seconds to stop one step's sandboxes: past the loop's ceiling, stopping 16,000 takes longer than an exit's budget.
+TEARDOWN_S = 600.0
 
 
 @dataclass
@@ -67,6 +69,8 @@ class OverheadResult:
     bound_us: float = DEFAULT_BOUND_US
     max_sandboxes_under_bound: int = 0
     bound_percentile: str = "p99"
+    #: The loop thread's event loop class, ``module.Class`` (e.g. ``asyncio.unix_events._UnixSelectorEventLoop``).
+    event_loop: str = ""
 
     def to_dict(self) -> dict:
         """Plain-JSON form."""
@@ -186,7 +190,7 @@ def measure_capacity(
         times = _time_portal_calls(loop, probe, probe_calls, pause=0.002)
         loop.call(handle[0].set)
         future.result(60)
-        loop.close_engine(engine)
+        loop.close_engine(engine, timeout=TEARDOWN_S)
         step = CapacityStep(size, _us(times, 50), _us(times, 99), _us(times, 99) <= bound_us)  # judged on the tail
         steps.append(step)
         if not step.under_bound:
@@ -203,9 +207,12 @@ def run_overhead(
     loop = LoopThread(name="bench-loop")
     try:
         probe = _start_probe(loop, tasks[0])
+        aio_loop = type(loop._aio_loop)
         round_trip = measure_round_trip(loop, probe, calls)
         capacity = measure_capacity(loop, probe, tasks, sizes, bound_us=bound_us)
     finally:
         loop.close()
     held = [s.sandboxes for s in capacity if s.under_bound]
-    return OverheadResult(round_trip, capacity, bound_us, max(held, default=0))
+    return OverheadResult(
+        round_trip, capacity, bound_us, max(held, default=0), event_loop=f"{aio_loop.__module__}.{aio_loop.__qualname__}"
+    )

@@ -52,7 +52,8 @@ def throughput_table(results: Sequence[ThroughputResult]) -> Table:
 def overhead_table(result: OverheadResult) -> Table:
     """The portal round trip and the capacity ramp."""
     rt = result.round_trip
-    table = Table(title="engine overhead (simulated, zero latency)")
+    loop = f"; loop {result.event_loop}" if result.event_loop else ""
+    table = Table(title=f"engine overhead (simulated, zero latency{loop})")
     table.add_column("measure")
     table.add_column("p50 µs", justify="right")
     table.add_column("p99 µs", justify="right")

@@ -12,8 +12,7 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -39,6 +38,7 @@ from harbor_async.errors import (
 )
 from harbor_async.logs import get_logger
 from harbor_async.naming import TRIAL_MARKER_NAME, TrialDirNames, new_sandbox_id
+from harbor_async.phase_scope import PhaseScope
 from harbor_async.policy import RetryPolicy, Timeouts, failure_class
 from harbor_async.reward_files import verifier_output
 from harbor_async.results import ExecOutput, PhaseTimes, VerifyResult, scalar_reward, truncate_output
@@ -413,6 +413,7 @@ class Sandbox:
                 await self._start()
             finally:
                 self._slot_scope = None
+        self._start_scope = None  # the start is over: a live sandbox keeps no scope (and its sets) for the collector
         if self.state is SandboxState.RUNNING:
             stats.started += 1
         elif isinstance(self.start_error, SandboxCancelledError):
@@ -551,48 +552,13 @@ class Sandbox:
         error.__cause__ = exc
         return error
 
-    @asynccontextmanager
-    async def _phase(
-        self, phase: Phase, *, budget: float | None, wrap: bool = True
-    ) -> AsyncIterator[Any]:
-        """Time, log and bound one phase; with ``wrap``, turn errors into typed ones.
+    def _phase(self, phase: Phase, *, budget: float | None, wrap: bool = True) -> PhaseScope:
+        """Time, log and bound one phase (``async with``); with ``wrap``, turn errors into typed ones.
 
         Yields a callable returning the seconds the phase took so far.
         """
-        limit = self._budget(phase, budget)
-        begin = anyio.current_time()
-        elapsed = lambda: anyio.current_time() - begin  # noqa: E731
-        outcome = "ok"
-        try:
-            if limit <= 0:
-                if phase is not Phase.STOP and self._deadline <= begin:
-                    raise EpisodeDeadlineError(
-                        phase, self.task_name, self.id, "the episode deadline has passed", start_attempt=max(self.start_attempts, 1)
-                    )
-                raise TimeoutError(f"the {phase.value} budget is {limit:.3g} s")
-            with anyio.fail_after(limit if math.isfinite(limit) else None, shield=phase is Phase.STOP) as scope:
-                if phase is Phase.START:
-                    self._start_phase = (scope, begin, budget)
-                try:
-                    yield elapsed
-                finally:
-                    if phase is Phase.START:
-                        self._start_phase = None
-        except BaseException as exc:
-            if isinstance(exc, anyio.get_cancelled_exc_class()):
-                outcome = "cancelled"  # the caller gave up; not the phase's failure
-            else:
-                outcome = "timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
-            if not isinstance(exc, Exception) or not wrap:
-                raise
-            raise self._as_error(phase, exc, budget=limit) from exc
-        finally:
-            seconds = elapsed()
-            self.times.add(phase, seconds)
-            if outcome != "cancelled":
-                self.context.stats.record(phase.value, seconds, outcome == "ok")
-            log = self._log.debug if outcome in ("ok", "cancelled") else self._log.warning
-            log("phase", phase=phase.value, start_attempt=max(self.start_attempts, 1), seconds=round(seconds, 4), outcome=outcome)
+        return PhaseScope(self, phase, budget, wrap)
+
     bounded_phase = _phase  # public: a Harbor agent's setup and run, driven from harbor_async.harbor_agents
 
     def __repr__(self) -> str:

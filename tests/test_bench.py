@@ -74,6 +74,8 @@ def test_overhead_reports_the_round_trip_and_capacity(tmp_path):
     for step in capacity:  # each step's verdict is its own p99, and the probe ran under load
         assert step["under_bound"] is True and 0 < step["probe_p50_us"] <= step["probe_p99_us"]
     assert data["max_sandboxes_under_bound"] == 40
+    # Which event loop the loop thread ran: the figures depend on it.
+    assert data["event_loop"] == "asyncio.unix_events._UnixSelectorEventLoop"
 
 
 def test_grpo_step_replay_with_prefetch_claims_every_later_start_and_leaves_nothing(example_tasks):

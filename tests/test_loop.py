@@ -148,7 +148,8 @@ def test_process_exit_stops_live_sandboxes_and_never_hangs(tmp_path, how):
         cwd=REPO,
     )
     assert proc.stdout.readline().strip() == "READY"
-    assert len(list(root.glob("harbor-async-*"))) == 3
+    # the three sandboxes (pieces the engine's pool made ahead may be there too: they must go as well, below)
+    assert len([p for p in root.glob("harbor-async-*") if "-pool-" not in p.name]) == 3
     if how != "exit":
         time.sleep(0.2)
         os.kill(proc.pid, signal.SIGINT if how == "sigint" else signal.SIGTERM)
