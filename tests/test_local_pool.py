@@ -28,6 +28,12 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture(autouse=True)
+def pool_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool is opt-in (``HARBOR_ASYNC_LOCAL_POOL=1``); these tests are about it."""
+    monkeypatch.setenv("HARBOR_ASYNC_LOCAL_POOL", "1")
+
+
 def _task():
     return load_suite(None).tasks[0]
 
@@ -92,6 +98,18 @@ async def test_closing_the_engine_removes_every_pooled_piece_even_when_cancelled
     assert not [c for c in cgroups if c.exists()]
     assert not [pid for pid in keepers if _alive(pid)]
     assert not list(base.iterdir())  # no sandbox folder left either
+
+
+@pytest.mark.anyio
+async def test_the_pool_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("HARBOR_ASYNC_LOCAL_POOL")
+    monkeypatch.setenv("HARBOR_ASYNC_LOCAL_ROOT", str(tmp_path))
+    taken = POOL.taken
+    async with Engine() as engine:
+        async with engine.episode(_task(), "local") as sandbox:
+            assert (await sandbox.exec("echo ok")).output.strip() == "ok"
+        assert not POOL.held and POOL.ready() == []  # no engine hold: nothing made ahead
+    assert POOL.taken == taken
 
 
 def test_without_an_engine_nothing_is_made_ahead(tmp_path: Path) -> None:
