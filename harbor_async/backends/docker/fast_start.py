@@ -145,19 +145,13 @@ class FastStartDockerEnvironment(ConfinedDockerEnvironment):
         if command[:1] == ["down"] and not self._went_up and self._phase == "start":
             self._record(name, 0.0, skipped=True)  # a fresh project: nothing to take down
             return ExecResult(stdout="", stderr="", return_code=0)
-        if command[:1] == ["exec"] and self._went_up:
-            argv = await self._docker_exec_argv(command)
+        direct = {"exec": self._docker_exec_argv, "cp": self._docker_cp_argv}.get(command[0] if command else "")
+        if direct is not None and self._went_up:  # the same call on the main container, without Compose
+            argv = await direct(command)
             if argv is not None:
                 begin = time.perf_counter()
                 result = await self._run_docker(argv, **kwargs)
-                self._record("docker exec", time.perf_counter() - begin)
-                return result
-        if command[:1] == ["cp"] and self._went_up:
-            argv = await self._docker_cp_argv(command)
-            if argv is not None:
-                begin = time.perf_counter()
-                result = await self._run_docker(argv, **kwargs)
-                self._record("docker cp", time.perf_counter() - begin)
+                self._record(f"docker {command[0]}", time.perf_counter() - begin)
                 return result
         if command[:1] == ["down"] and self._went_up:
             begin = time.perf_counter()
