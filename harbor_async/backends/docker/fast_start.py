@@ -1,4 +1,4 @@
-"""Cheaper Harbor ``docker`` starts: each image built once per run, no pointless Compose calls, a per-call profile.
+"""Cheaper Harbor ``docker`` starts: each image built once, no pointless Compose calls, a per-call profile.
 
 This is what ``docker`` (and its older name ``docker-fast``) runs by default,
 in ``run``, ``eval`` and the shim. ``--ek fast_start=false`` (the shim:
@@ -23,7 +23,10 @@ calls it makes (by overriding the two helpers the start goes through):
   build) an image named after its own project, and its ``down --rmi local``
   deletes it. A small overlay names the image with Harbor's content-addressed
   tag (``hb__<environment id>``: an unchanged task reuses it) and sets
-  ``pull_policy: never``; the first start of a task runs ``compose build``
+  ``pull_policy: never``; the first start of a task asks the daemon for the
+  tag (``docker image inspect``: the id hashes the environment folder, so an
+  image under it is this folder's build, from this run or an earlier one) and
+  runs ``compose build`` only when it is missing or ``force_build`` is asked
   (Harbor's per-image lock serialises it), the others reuse the image, and the
   stop's ``down`` runs without ``--rmi local`` (which would delete it). The images stay in the
   daemon's cache after the run, as Harbor's prebuilt images do (``docker rmi
@@ -99,6 +102,7 @@ class FastStartDockerEnvironment(ConfinedDockerEnvironment):
         self._went_up = False
         self._phase = "start"
         self._main_container: str | None = None
+        self._force_build = False
 
     @classmethod
     def forget_images(cls) -> None:
@@ -111,6 +115,7 @@ class FastStartDockerEnvironment(ConfinedDockerEnvironment):
             await super().start(force_build)
             self._phase = "run"
             return
+        self._force_build = bool(force_build)
         if force_build:  # the caller asks for a rebuild: honour it once for this image
             self._built_images.discard(self._main_image_name)
         begin = time.perf_counter()
@@ -139,6 +144,11 @@ class FastStartDockerEnvironment(ConfinedDockerEnvironment):
         if not self.fast_start:
             return await super()._run_docker_compose_command(command, *args, **kwargs)
         name = f"compose {command[0]}" if command else "compose"
+        if command[:1] == ["build"] and self._main_image_name not in self._built_images and not self._force_build:
+            begin = time.perf_counter()
+            if await self._image_exists():  # the content-addressed tag is on the daemon: this folder's build
+                self._built_images.add(self._main_image_name)
+            self._record("docker image inspect (built?)", time.perf_counter() - begin)
         if command[:1] == ["build"] and self._main_image_name in self._built_images:
             self._record(name, 0.0, skipped=True)
             return ExecResult(stdout="", stderr="", return_code=0)
