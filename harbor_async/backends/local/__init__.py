@@ -24,7 +24,10 @@ namespaces, as ``docker exec`` joins a container (``sandboxing.join_argv``):
 ``helpers/enter.py``, loaded from the host, joins the cgroups, takes the
 sandbox's uid, enters the namespaces, sets no-new-privs and the keeper's
 capabilities, and only then runs ``bash -c`` with a clean environment in the
-working folder: nothing the sandbox wrote runs before it is confined. File
+working folder: nothing the sandbox wrote runs before it is confined. It runs
+as a child of a warm ``helpers/enter_server.py`` (one per host process, forked
+by the keeper thread, with ``enter.py`` loaded once; ``enter_server``), which
+is handed each exec's stdio and namespace files over a unix socket. File
 transfers run nothing in the sandbox: the host reads and writes the sandbox's
 root through ``openat2`` confined beneath it with no symlink followed
 (``transfers``, ``hostfs``), bounded in size. So processes started

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from anyio.abc import Process
 from harbor.environments.base import (
     BaseEnvironment,
     ExecResult,
@@ -26,6 +25,7 @@ from harbor.models.trial.paths import TrialPaths
 
 from harbor_async.backends.local.cleanup import abandon, stale_mount
 from harbor_async.backends.local.dockerfile import DockerfileSpec, parse_dockerfile
+from harbor_async.backends.local.enter_server import open_join
 from harbor_async.backends.local.errors import ExecTimeoutError
 from harbor_async.printing import escape_controls
 from harbor_async.backends.local.images import image_mismatch
@@ -130,7 +130,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         self._fs = self._root / "fs"
         self._spec = DockerfileSpec()
         self._workdir = "/"
-        self._running: dict[int, Process] = {}  # exec helper pid -> process
+        self._running: dict[int, Any] = {}  # exec helper pid -> process (anyio Process or ServedProcess)
         self._adopted: collections.deque[tuple[int, object]] = collections.deque()  # pipes of returned execs
         self._launching = 0  # processes being spawned, not yet in _running / _keeper
         self._keeper: Keeper | None = None
@@ -451,10 +451,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         try:
             with anyio.CancelScope(shield=True):  # a cancelled spawn must not leak a process
                 # Own session: the whole tree can be found and killed without touching ours.
-                process = await anyio.open_process(
-                    argv, stdin=subprocess.DEVNULL, stdout=out.write_fd, stderr=err.write_fd,
-                    start_new_session=True, env={}, pass_fds=fds,
-                )  # fmt: skip
+                process = await open_join(argv, fds, stdin=subprocess.DEVNULL, stdout=out.write_fd, stderr=err.write_fd)
         except BaseException:
             out.close()
             err.close()

@@ -163,7 +163,7 @@ def abandon(keeper: Any, confinement: Any, mount: Path | None, lease: Any) -> No
 def _is_join_helper(pid: int) -> bool:
     """Whether ``pid`` is an enter.py helper that has not named itself yet (the first milliseconds)."""
     try:
-        return b"helpers/enter.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"helpers/enter" in Path(f"/proc/{pid}/cmdline").read_bytes()  # enter.py, or enter_server.py's child
     except OSError:
         return False
 

@@ -7,7 +7,8 @@ The keeper starts on the host as::
     prlimit --nproc=N --core=0 --                 # per-uid process limit (root, no cgroups)
     bwrap ...                                     # build the namespaces
 
-and every exec as ``python -I -S helpers/enter.py SPEC``, which does the same
+and every exec as ``python -I -S helpers/enter.py SPEC`` (or a fork of the warm
+``helpers/enter_server.py`` that runs the same code, :mod:`.enter_server`), which does the same
 three steps, joins the namespaces and confines itself before the sandbox's
 command is loaded (see that file: a program started inside the sandbox's mount
 namespace with the namespace's capabilities would run the sandbox's

@@ -30,6 +30,7 @@ from typing import Any
 import anyio
 
 from harbor_async.backends.local import hostfs
+from harbor_async.backends.local.enter_server import open_join
 from harbor_async.backends.local.layout import KEEPER_START_TIMEOUT
 from harbor_async.backends.local.sandboxing import join_argv
 from harbor_async.errors import HarborAsyncError
@@ -61,10 +62,8 @@ class VerifierNamespace:
         if self._keeper is None or self._confinement is None:
             raise RuntimeError(f"local sandbox {self.session_id} is not started")
         argv, fds = join_argv(self._keeper, self._confinement, {}, "/", [], hold=PRIVATE_DIRS)
-        process = await anyio.open_process(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            pass_fds=fds, start_new_session=True, env={},
-        )  # fmt: skip
+        with anyio.CancelScope(shield=True):  # a cancelled spawn must not leak a holder
+            process = await open_join(argv, fds, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         opened: list[int] = []
         try:
             assert process.stdout is not None and process.stderr is not None
@@ -81,7 +80,7 @@ class VerifierNamespace:
                     f"local sandbox {self.session_id}: the verifier's namespace could not be made: "
                     f"{detail.decode(errors='replace').strip() or f'exit {process.returncode}'}"
                 )
-            # Our child, not reaped: its pid names it until we wait for it.
+            # Not reaped (our child, or the server's, reaped only after aclose): its pid names it.
             mnt = os.open(f"/proc/{process.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
             opened.append(mnt)
             root = os.open(f"/proc/{process.pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -120,7 +120,11 @@ def parse_spec(text: str) -> dict:
 
 
 def main() -> None:
-    spec = parse_spec(sys.argv[1])
+    run(parse_spec(sys.argv[1]))
+
+
+def run(spec: dict) -> None:
+    """Join, confine and run ``spec``'s command (or hold); exits, never returns (``enter_server.py``'s children too)."""
     libc.prctl(PR_SET_NAME, b"ha-enter", 0, 0, 0)  # what ps and a reaper see
     for procs in spec.get("procs") or []:  # host root, before anything else: every child inherits them
         try:
