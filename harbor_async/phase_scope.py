@@ -8,11 +8,22 @@ about one exec a second each). The semantics are ``fail_after``'s: a
 ``TimeoutError`` when the scope's deadline (as it is at exit: a renewed
 episode deadline moves it) has passed and the scope caught its own
 cancellation.
+
+A phase with a long budget (an exec's 180 s) arms no timer of its own when it
+begins: it joins a per-loop bucket of the phases whose deadlines fall in the
+same :data:`ARM_AHEAD` (one second), and that bucket's one timer arms
+their exact deadlines one to two seconds before them. Almost every exec ends
+long before, so it never puts a timer on asyncio's heap only to cancel it
+(cancelled timers stay on the heap, which asyncio rebuilds as a fresh list
+once half of it is cancelled: at thousands of execs a second that churn is
+what the garbage collector then walks).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
+import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -20,6 +31,59 @@ from typing import Any
 import anyio
 
 from harbor_async.errors import EpisodeDeadlineError, Phase
+
+#: Seconds before its deadline that a long phase's own timer is armed; shorter budgets arm theirs at once.
+ARM_AHEAD = 1.0
+
+
+class _DeadlineBuckets:
+    """One event loop's long phases, by when their timers are due to be armed; one timer per ARM_AHEAD seconds."""
+
+    __slots__ = ("buckets",)  # never the loop: it keys the weak mapping these sit in
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, set[PhaseScope]] = {}
+
+    def add(self, loop: asyncio.AbstractEventLoop, phase: PhaseScope, deadline: float) -> int:
+        grain = ARM_AHEAD
+        key = math.floor(deadline / grain) - 1  # fires at ``key * grain``: 1 to 2 grains before the deadline
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            bucket = self.buckets[key] = set()
+            loop.call_at(key * grain, self._arm, key)
+        bucket.add(phase)
+        return key
+
+    def discard(self, phase: PhaseScope, key: int) -> None:
+        bucket = self.buckets.get(key)
+        if bucket is not None:
+            bucket.discard(phase)
+
+    def _arm(self, key: int) -> None:
+        for phase in self.buckets.pop(key, ()):
+            phase._arm()
+
+    def __len__(self) -> int:
+        return sum(len(bucket) for bucket in self.buckets.values())
+
+
+def now() -> float:
+    """``anyio.current_time()``, read straight from a running asyncio loop (that is anyio's own clock there).
+
+    anyio finds the backend (through sniffio) on every call, a fifth of an
+    exec's time on the loop thread, which reads the clock four times.
+    """
+    loop = asyncio._get_running_loop()
+    return loop.time() if loop is not None else anyio.current_time()
+
+
+_buckets: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _DeadlineBuckets] = weakref.WeakKeyDictionary()
+
+
+def waiting_phases(loop: asyncio.AbstractEventLoop) -> int:
+    """How many of ``loop``'s phases wait, with no timer of their own, for their bucket to arm it."""
+    buckets = _buckets.get(loop)
+    return len(buckets) if buckets is not None else 0
 
 
 class PhaseScope:
@@ -32,7 +96,7 @@ class PhaseScope:
     loosely: this module must not import :mod:`harbor_async.sandbox`.
     """
 
-    __slots__ = ("_begin", "_budget", "_limit", "_phase", "_sandbox", "_scope", "_wrap")
+    __slots__ = ("_begin", "_budget", "_bucket", "_deadline", "_limit", "_phase", "_sandbox", "_scope", "_wrap")
 
     def __init__(self, sandbox: Any, phase: Phase, budget: float | None, wrap: bool) -> None:
         self._sandbox = sandbox
@@ -42,15 +106,17 @@ class PhaseScope:
         self._limit = math.inf
         self._begin = 0.0
         self._scope: anyio.CancelScope | None = None
+        self._deadline = math.inf  # a long phase's deadline, before its bucket arms it on the scope
+        self._bucket: tuple[_DeadlineBuckets, int] | None = None
 
     def elapsed(self) -> float:
         """Seconds since the phase began."""
-        return anyio.current_time() - self._begin
+        return now() - self._begin
 
     async def __aenter__(self) -> Callable[[], float]:
         sandbox, phase = self._sandbox, self._phase
         limit = self._limit = sandbox._budget(phase, self._budget)
-        begin = self._begin = anyio.current_time()
+        begin = self._begin = now()
         if limit <= 0:
             if phase is not Phase.STOP and sandbox._deadline <= begin:
                 exc: BaseException = EpisodeDeadlineError(
@@ -60,8 +126,19 @@ class PhaseScope:
             else:
                 exc = TimeoutError(f"the {phase.value} budget is {limit:.3g} s")
             self._finish(exc)  # raises
-        scope = self._scope = anyio.CancelScope(deadline=begin + limit, shield=phase is Phase.STOP)
+        deadline = begin + limit
+        loop = asyncio._get_running_loop() if limit > 2 * ARM_AHEAD and phase is not Phase.START else None
+        if loop is None:  # a short budget, a start (its deadline can be renewed on the scope), or not asyncio
+            scope = self._scope = anyio.CancelScope(deadline=deadline, shield=phase is Phase.STOP)
+        else:
+            scope = self._scope = anyio.CancelScope(shield=phase is Phase.STOP)
         scope.__enter__()
+        if loop is not None and math.isfinite(deadline):
+            buckets = _buckets.get(loop)
+            if buckets is None:
+                buckets = _buckets[loop] = _DeadlineBuckets()
+            self._deadline = deadline
+            self._bucket = (buckets, buckets.add(loop, self, deadline))
         if phase is Phase.START:
             sandbox._start_phase = (scope, begin, self._budget)
         return self.elapsed
@@ -73,6 +150,10 @@ class PhaseScope:
             self._sandbox._start_phase = None
         scope = self._scope
         assert scope is not None
+        if self._bucket is not None:
+            buckets, key = self._bucket
+            buckets.discard(self, key)
+            self._bucket = None
         try:
             swallowed = bool(scope.__exit__(exc_type, exc, tb))
         except BaseException as raised:  # what the scope's exit raised replaces the body's exception
@@ -80,13 +161,20 @@ class PhaseScope:
             raise
         error = exc
         if swallowed:  # the scope caught its own cancellation: past its deadline, that is the timeout
-            error = TimeoutError() if scope.cancelled_caught and anyio.current_time() >= scope.deadline else None
+            deadline = min(scope.deadline, self._deadline)
+            error = TimeoutError() if scope.cancelled_caught and now() >= deadline else None
         self._finish(error)  # raises the typed error when it wraps
         if error is None:
             return swallowed
         if error is not exc:
             raise error
         return False
+
+    def _arm(self) -> None:
+        """The bucket's timer: put the exact deadline on the scope (anyio arms its timer, or cancels if past)."""
+        self._bucket = None
+        if self._scope is not None:
+            self._scope.deadline = self._deadline
 
     def _finish(self, error: BaseException | None) -> None:
         """Record and log the phase; with ``wrap``, raise the typed error for an ``Exception``."""
@@ -103,7 +191,7 @@ class PhaseScope:
             if error is not None and self._scope is None:  # the phase never began: nothing else raises it
                 raise error
         finally:
-            seconds = anyio.current_time() - self._begin
+            seconds = now() - self._begin
             sandbox.times.add(phase, seconds)
             if outcome != "cancelled":
                 sandbox.context.stats.record(phase.value, seconds, outcome == "ok")

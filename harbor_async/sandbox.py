@@ -38,7 +38,7 @@ from harbor_async.errors import (
 )
 from harbor_async.logs import get_logger
 from harbor_async.naming import TRIAL_MARKER_NAME, TrialDirNames, new_sandbox_id
-from harbor_async.phase_scope import PhaseScope
+from harbor_async.phase_scope import PhaseScope, now
 from harbor_async.policy import RetryPolicy, Timeouts, failure_class
 from harbor_async.reward_files import verifier_output
 from harbor_async.results import ExecOutput, PhaseTimes, VerifyResult, scalar_reward, truncate_output
@@ -526,9 +526,9 @@ class Sandbox:
     def _budget(self, phase: Phase, budget: float | None) -> float:
         """The phase budget, cut to what is left of the episode (teardown excepted)."""
         limit = math.inf if budget is None else budget
-        if phase is Phase.STOP:
+        if phase is Phase.STOP or self._deadline == math.inf:  # no episode deadline: no clock to read
             return limit
-        return min(limit, self._deadline - anyio.current_time())
+        return min(limit, self._deadline - now())
 
     def _as_error(self, phase: Phase, exc: BaseException, budget: float | None = None) -> SandboxError:
         """Turn any exception from ``phase`` into the typed error, chained to it."""

@@ -80,3 +80,66 @@ async def test_a_cancelled_phase_is_not_a_failure_and_a_finished_one_logs_at_deb
     phases = [e for e in handler.events if e.get("event") == "phase" and e["phase"] == "exec"]
     assert [(e["level"], e["outcome"]) for e in phases] == [("debug", "cancelled")]
     assert phases[0]["sandbox"] == sandbox.id and phases[0]["start_attempt"] == 1
+
+
+#: The deadline buckets are asyncio's (under trio a phase arms its deadline at once): these run on asyncio only.
+asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
+
+
+@asyncio_only
+async def test_a_long_exec_budget_puts_no_timer_on_the_loop(example_tasks, monkeypatch):
+    import asyncio
+
+    from harbor_async.phase_scope import waiting_phases
+
+    loop = asyncio.get_running_loop()
+    deadline_timers = []  # the timers a cancel scope arms for its deadline (anyio's CancelScope._timeout)
+    call_at = loop.call_at
+
+    def counting_call_at(when, callback, *args, **kwargs):
+        if getattr(callback, "__name__", "") == "_timeout":
+            deadline_timers.append(when)
+        return call_at(when, callback, *args, **kwargs)
+
+    async with Engine(backend_kwargs={"exec_latency": 0.01}) as eng:
+        async with eng.episode(example_tasks[0], "simulated") as sandbox:
+            monkeypatch.setattr(loop, "call_at", counting_call_at)
+            for _ in range(30):  # each under the default 180 s budget, each done long before it
+                await sandbox.exec("true")
+            monkeypatch.undo()
+            armed = len(deadline_timers)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sandbox.exec, "true")
+                await anyio.sleep(0.001)
+                waiting = waiting_phases(loop)  # the exec in flight waits in a bucket, with no timer of its own
+            after = waiting_phases(loop)
+    # Armed at once, every exec would arm a 180 s timer (and cancel it, leaving it on asyncio's heap): 30 of them.
+    assert armed == 0
+    assert (waiting, after) == (1, 0)
+
+
+@asyncio_only
+async def test_a_long_phase_armed_by_its_bucket_still_times_out_on_its_deadline(example_tasks, monkeypatch):
+    import asyncio
+
+    from harbor_async import phase_scope
+
+    monkeypatch.setattr(phase_scope, "ARM_AHEAD", 0.1)  # 0.5 s is then a long budget, in a bucket
+    loop = asyncio.get_running_loop()
+    async with Engine(backend_kwargs={"exec_hang_rate": 1.0}) as eng:
+        async with eng.episode(example_tasks[0], "simulated") as sandbox:
+            seen = []
+
+            async def watch() -> None:
+                await anyio.sleep(0.05)
+                seen.append(phase_scope.waiting_phases(loop))
+
+            begin = anyio.current_time()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch)
+                with anyio.fail_after(30), pytest.raises(SandboxTimeout) as info:
+                    await sandbox.exec("hang", timeout=0.5)
+            took = anyio.current_time() - begin
+    assert seen == [1]  # it waited in a bucket ...
+    assert 0.5 <= took < 5  # ... and still timed out at its own deadline, as a typed timeout
+    assert isinstance(info.value.__cause__, TimeoutError) and phase_scope.waiting_phases(loop) == 0
