@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -67,6 +68,32 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def spawn_started(*args: str, episodes: int, timeout: float = 120) -> subprocess.Popen:
+    """:func:`spawn` with debug logs, returned once ``episodes`` sandboxes have started (their start logged ok).
+
+    Its stderr is read by a thread from then on (:func:`interrupt` gives all of it).
+    """
+    proc = spawn(*args, "--log-level", "debug")
+    stream, proc.stderr = proc.stderr, None  # communicate() leaves it to the reader
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in stream:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    proc.stderr_lines, proc.stderr_reader = lines, reader  # type: ignore[attr-defined]
+
+    def started() -> int:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before its sandboxes started: {''.join(lines)[-3000:]}")
+        return sum("phase=start" in line and "outcome=ok" in line for line in list(lines))
+
+    wait_for(lambda: started() >= episodes, timeout, f"{episodes} started sandboxes")
+    return proc
+
+
 def interrupt(proc: subprocess.Popen, signals: list[signal.Signals], gap: float = 0.3, timeout: float = 120):
     """Send ``signals`` ``gap`` seconds apart; wait for the exit; return (code, stdout, stderr, seconds to exit)."""
     for i, sig in enumerate(signals):
@@ -76,4 +103,9 @@ def interrupt(proc: subprocess.Popen, signals: list[signal.Signals], gap: float 
             proc.send_signal(sig)
     start = time.monotonic()
     out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out, err, time.monotonic() - start
+    seconds = time.monotonic() - start
+    reader = getattr(proc, "stderr_reader", None)
+    if reader is not None:  # spawn_started's: its thread read stderr
+        reader.join(timeout)
+        err = "".join(proc.stderr_lines)
+    return proc.returncode, out, err, seconds

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import time
 
 import pytest
 
@@ -15,6 +14,7 @@ from tests.cli_helpers import (
     make_suite,
     records,
     spawn,
+    spawn_started,
     wait_for,
 )
 
@@ -53,12 +53,10 @@ def test_a_signal_mid_batch_keeps_the_finished_records_and_stops_every_sandbox(t
 def test_a_second_signal_does_not_abort_the_cleanup(tmp_path):
     # Simulated sandboxes whose stop takes 2 s: the second SIGTERM comes while they stop.
     job = tmp_path / "jobs" / "j"
-    proc = spawn(
+    proc = spawn_started(
         "run", "-e", "simulated", "--ek", "exec_latency=60", "--ek", "stop_latency=2", "-l", "3",
-        "-o", str(tmp_path / "jobs"), "--job-name", "j",
-    )  # fmt: skip
-    wait_for(lambda: (job / "harbor-async.json").exists(), 60, "the job folder")
-    time.sleep(1.5)  # the oracles are running (each exec takes 60 s)
+        "-o", str(tmp_path / "jobs"), "--job-name", "j", episodes=3,
+    )  # fmt: skip  (the oracles are now running: each exec takes 60 s)
     returncode, _, err, seconds = interrupt(proc, [signal.SIGTERM, signal.SIGTERM], gap=0.5)
     assert returncode == 143, err
     assert "still stopping sandboxes" in err
@@ -71,12 +69,10 @@ def test_a_second_signal_does_not_abort_the_cleanup(tmp_path):
 @pytest.mark.slow
 def test_a_third_signal_forces_the_exit_and_names_what_is_left(tmp_path, leak_probe):
     job = tmp_path / "jobs" / "j"
-    proc = spawn(
+    proc = spawn_started(
         "run", "-e", "simulated", "--ek", "exec_latency=60", "--ek", "stop_latency=60", "-l", "2",
-        "-o", str(tmp_path / "jobs"), "--job-name", "j",
+        "-o", str(tmp_path / "jobs"), "--job-name", "j", episodes=2,
     )  # fmt: skip
-    wait_for(lambda: (job / "harbor-async.json").exists(), 60, "the job folder")
-    time.sleep(1.5)
     returncode, _, err, seconds = interrupt(proc, [signal.SIGINT, signal.SIGINT, signal.SIGINT], gap=0.5)
     assert returncode == 130, err
     assert seconds < 10, "the third signal did not force the exit"
