@@ -187,7 +187,10 @@ class PhaseScope:
             outcome = "timeout" if isinstance(error, TimeoutError) else type(error).__name__
         try:
             if error is not None and self._wrap and isinstance(error, Exception):
-                raise sandbox._as_error(phase, error, budget=self._limit) from error
+                typed = sandbox._as_error(phase, error, budget=self._limit)
+                if typed is error:  # typed already (a nested phase's): its own cause stays, never itself
+                    raise error
+                raise typed from error
             if error is not None and self._scope is None:  # the phase never began: nothing else raises it
                 raise error
         finally:

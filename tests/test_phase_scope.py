@@ -68,6 +68,17 @@ async def test_an_unwrapped_phase_lets_the_bare_timeout_through_and_its_body_err
     assert (agent_stats.count, agent_stats.failures) == (3, 2)
 
 
+async def test_a_typed_error_through_a_phase_keeps_its_own_cause(example_tasks):
+    async with Engine() as eng:
+        async with eng.episode(example_tasks[0], "simulated") as sandbox:
+            with pytest.raises(ExecError) as typed:
+                async with sandbox.bounded_phase(Phase.AGENT, budget=5.0):
+                    async with sandbox.bounded_phase(Phase.AGENT, budget=5.0):
+                        raise ValueError("the inner phase broke")
+    # The outer phase passes the inner one's typed error on as it is: not chained to itself.
+    assert typed.value.__cause__ is not typed.value and isinstance(typed.value.__cause__, ValueError)
+
+
 async def test_a_cancelled_phase_is_not_a_failure_and_a_finished_one_logs_at_debug_only(example_tasks, events):
     handler, logger = events
     logger.setLevel(logging.DEBUG)
