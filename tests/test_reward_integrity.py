@@ -88,6 +88,11 @@ def by_task(job_records: list[dict]) -> dict[str, dict]:
     return {r["task"]: r for r in job_records}
 
 
+def failure(record: dict) -> str:
+    """What a failed episode's record says, in full (pytest cuts a dict short)."""
+    return f"{record.get('error_class')} in {record.get('error_phase')}: {record.get('error')}"
+
+
 def run_job(suite: Path, out: Path, *flags: str) -> dict[str, dict]:
     result = harbor_async("run", "-p", str(suite), "-o", str(out), "--job-name", "job", "-n", "3", *flags, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]  # nothing is an infrastructure failure
@@ -96,7 +101,7 @@ def run_job(suite: Path, out: Path, *flags: str) -> dict[str, dict]:
 
 def test_the_agent_cannot_write_its_reward_and_services_stay_up(suite: Path, tmp_path: Path) -> None:
     found = run_job(suite, tmp_path / "jobs")
-    assert found["rewriter"]["reward"] == 0.0 and found["rewriter"]["error_class"] is None, found["rewriter"]
+    assert found["rewriter"]["reward"] == 0.0 and found["rewriter"]["error_class"] is None, failure(found["rewriter"])
     junk = found["junk-reward"]
     assert junk["reward"] == 0.0 and junk["error_class"] == "verifier", junk
     assert found["service"]["reward"] == 1.0, found["service"]  # the agent's service ran during the tests
@@ -114,7 +119,7 @@ def test_strict_verify_ends_the_agents_processes_first(suite: Path, tmp_path: Pa
 def test_on_docker_strict_verify_leaves_the_reward_to_the_verifier(suite: Path, tmp_path: Path) -> None:
     # Docker gives the verifier no folders of its own (docs/backends.md): strict mode is the defence there.
     found = run_job(suite, tmp_path / "jobs", "-e", "docker", "--strict-verify")
-    assert found["rewriter"]["reward"] == 0.0 and found["rewriter"]["error_class"] is None, found["rewriter"]
+    assert found["rewriter"]["reward"] == 0.0 and found["rewriter"]["error_class"] is None, failure(found["rewriter"])
     assert found["junk-reward"]["reward"] == 0.0 and found["junk-reward"]["error_class"] == "verifier"
     assert found["service"]["reward"] == 0.0  # the kill reached the agent's processes
 
