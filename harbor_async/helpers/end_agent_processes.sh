@@ -2,7 +2,7 @@
 # Ends every process of the sandbox but its init (PID 1), the init's oldest child and its
 # descendants (a container's main command, `sh -c "sleep infinity"`, which Docker's init
 # exits with) and this shell. Each round stops them all first (nothing can fork away),
-# then kills them; until none is left. Only the shell's builtins and /proc: any image.
+# then kills them; until none is left but the dead (zombies no signal can reach). Only the shell's builtins and /proc: any image.
 me=$$
 oldest=""
 oldest_start=""
@@ -36,6 +36,7 @@ while [ "$round" -lt 20 ]; do
         set -- ${line##*) }
         case "$keep" in *" $pid "*) continue ;; esac
         [ "$2" = "$me" ] && continue
+        case "$1" in Z|X) continue ;; esac  # dead: only its parent's wait is left (an init busy on a loaded machine)
         others="$others $pid"
     done
     [ -z "$others" ] && exit 0
