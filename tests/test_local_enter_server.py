@@ -20,7 +20,7 @@ import pytest
 from harbor_async.backends.local import LocalEnvironment
 from harbor_async.backends.local.enter_server import SERVER, ServedProcess, open_join
 from harbor_async.backends.local.errors import ExecTimeoutError
-from harbor_async.backends.local.sandboxing import join_argv
+from harbor_async.backends.local.sandboxing import join_spec
 from tests.test_local_backend import make_env, make_task
 
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes", "on")
@@ -100,8 +100,8 @@ async def test_enter_exit_codes_are_kept(env: LocalEnvironment, monkeypatch: pyt
         monkeypatch.setenv("HARBOR_ASYNC_LOCAL_ENTER_SERVER", "1" if served else "0")
         for command, code in [*cases.items(), ((("true",), 125))]:
             cwd = "/no/such/folder" if code == 125 else "/"
-            argv, fds = join_argv(env._keeper, env._confinement, {"PATH": "/usr/bin:/bin"}, cwd, list(command))
-            process = await open_join(argv, fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            spec = join_spec(env._keeper, env._confinement, {"PATH": "/usr/bin:/bin"}, cwd, list(command))
+            process = await open_join(spec, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             assert isinstance(process, ServedProcess) is served
             returned = await process.wait()
             await process.aclose()

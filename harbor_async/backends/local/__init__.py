@@ -20,7 +20,7 @@ new user, PID, mount, IPC, UTS, cgroup and network namespaces (so: no network
 at all, only ``lo``), Docker's default capability set inside the user
 namespace, and a tiny init as the namespace's PID 1 (a shell loop that waits
 forever and reaps every orphan). Each ``exec`` *joins* the keeper's
-namespaces, as ``docker exec`` joins a container (``sandboxing.join_argv``):
+namespaces, as ``docker exec`` joins a container (``sandboxing.join_spec``):
 ``helpers/enter.py``, loaded from the host, joins the cgroups, takes the
 sandbox's uid, enters the namespaces, sets no-new-privs and the keeper's
 capabilities, and only then runs ``bash -c`` with a clean environment in the

@@ -60,7 +60,7 @@ from harbor_async.backends.local.rootfs import (
     remove_sandbox_folder,
 )
 from harbor_async.backends.local.pool import POOL, Piece, build_piece, discard_piece
-from harbor_async.backends.local.sandboxing import Confinement, join_argv
+from harbor_async.backends.local.sandboxing import Confinement, join_spec
 from harbor_async.backends.local.template import task_entries, write_entries
 from harbor_async.backends.local.transfers import DEFAULT_TRANSFER_LIMIT_MB, SandboxTransfers
 from harbor_async.backends.local.verifier_ns import VerifierNamespace
@@ -445,13 +445,13 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         variables = {**BASE_ENV, **self._spec.env, **(self._merge_env(env) or {})}
         workdir = posixpath.join(self._workdir, cwd or self._workdir)
         shell = "bash" if shutil.which("bash") else "sh"  # resolved with the sandbox's PATH, as bwrap did
-        argv, fds = self._join(variables, workdir, [shell, "-c", command])
+        spec = self._join(variables, workdir, [shell, "-c", command])
         out, err = OutputPipe(self._output_limit), OutputPipe(self._output_limit)
         self._launching += 1  # no await since the _started check: stop() waits for this
         try:
             with anyio.CancelScope(shield=True):  # a cancelled spawn must not leak a process
                 # Own session: the whole tree can be found and killed without touching ours.
-                process = await open_join(argv, fds, stdin=subprocess.DEVNULL, stdout=out.write_fd, stderr=err.write_fd)
+                process = await open_join(spec, stdin=subprocess.DEVNULL, stdout=out.write_fd, stderr=err.write_fd)
         except BaseException:
             out.close()
             err.close()
@@ -495,15 +495,15 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         # Killed by a signal (stop() during the command): report it like a shell.
         return ExecResult(stdout=stdout, stderr=stderr, return_code=128 - code if code < 0 else code)
 
-    def _join(self, env: dict[str, str], cwd: str, command: list[str]) -> tuple[list[str], tuple[int, ...]]:
-        """The argv (and fds to pass) that runs ``command`` inside the sandbox."""
+    def _join(self, env: dict[str, str], cwd: str, command: list[str]) -> dict[str, Any]:
+        """The ``enter.py`` SPEC that runs ``command`` inside the sandbox."""
         assert self._keeper is not None and self._tools is not None and self._confinement is not None
         if self._verifier_mnt is not None:  # the verifier's: its own namespace, one capability more
-            return join_argv(
+            return join_spec(
                 self._keeper, self._confinement, env, cwd, command,
                 mnt=self._verifier_mnt, extra_caps=VERIFIER_EXTRA_CAPS,
             )  # fmt: skip
-        return join_argv(self._keeper, self._confinement, env, cwd, command)
+        return join_spec(self._keeper, self._confinement, env, cwd, command)
 
     async def run_healthcheck(self, healthcheck: HealthcheckConfig | None = None) -> None:
         """Harbor's healthcheck loop, with anyio sleeps so that it also runs under trio."""

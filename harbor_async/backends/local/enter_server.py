@@ -32,7 +32,7 @@ import anyio
 
 from harbor_async.backends.local.keeper import KEEPER_THREAD
 from harbor_async.backends.local.proctree import pidfd_signal
-from harbor_async.backends.local.sandboxing import helper
+from harbor_async.backends.local.sandboxing import enter_argv, helper
 
 #: Set to 0 to start one ``enter.py`` per exec instead of using the warm server.
 ENTER_SERVER_ENV = "HARBOR_ASYNC_LOCAL_ENTER_SERVER"
@@ -146,8 +146,8 @@ class EnterServer:
     def pid(self) -> int | None:
         return self._process.pid if self._live() and self._process is not None else None
 
-    async def spawn(self, spec: dict[str, Any], fds: Sequence[int], stdio: Sequence[int]) -> ServedProcess | None:
-        """Have the server run ``spec`` with ``stdio`` (stdin, stdout, stderr) and namespace ``fds``; None: it cannot."""
+    async def spawn(self, spec: dict[str, Any], stdio: Sequence[int]) -> ServedProcess | None:
+        """Have the server run ``spec`` with ``stdio`` (stdin, stdout, stderr); None: it cannot."""
         names = list(spec["ns"])
         text = json.dumps({**spec, "ns": {name: index for index, name in enumerate(names)}}).encode()
         if len(text) > _MAX_SPEC:
@@ -190,12 +190,21 @@ def enabled() -> bool:
     return os.environ.get(ENTER_SERVER_ENV, "1").strip().lower() not in ("0", "false", "no")
 
 
-class _ReadPipe:
-    """The host's end of a child's stdout or stderr pipe, read as an anyio byte stream."""
+class _Pipe:
+    """The host's end of a child's stdin pipe: closing it is all the host does with it."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         os.set_blocking(fd, False)
+
+    async def aclose(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class _ReadPipe(_Pipe):
+    """The host's end of a child's stdout or stderr pipe, read as an anyio byte stream."""
 
     async def receive(self, max_bytes: int = 65536) -> bytes:
         while True:
@@ -208,28 +217,19 @@ class _ReadPipe:
                 raise anyio.EndOfStream
             return data
 
-    async def aclose(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
-
-class _WritePipe(_ReadPipe):
-    """The host's end of a child's stdin pipe: closing it is all the host does with it."""
-
-
-async def open_join(argv: list[str], fds: tuple[int, ...], *, stdin: Any, stdout: Any, stderr: Any) -> Any:
-    """Start ``argv`` (from :func:`.sandboxing.join_argv`) through the server, else as a process of its own.
+async def open_join(spec: dict[str, Any], *, stdin: Any, stdout: Any, stderr: Any) -> Any:
+    """Run ``spec`` (from :func:`.sandboxing.join_spec`) through the server, else as ``enter.py`` of its own.
 
     ``stdin``/``stdout``/``stderr``: a descriptor, ``subprocess.DEVNULL`` or
     ``subprocess.PIPE`` (the result's ``stdin``/``stdout``/``stderr``). Either
     result has ``pid``, ``returncode``, ``wait``, ``kill`` and ``aclose``; its
     pid leads its own session.
     """
-    if enabled() and argv[-2].endswith("enter.py"):
-        spec = json.loads(argv[-1])
+    if enabled():
         ours: list[int | None] = [None, None, None]
         theirs: list[int] = []
+        served: ServedProcess | None = None
         try:
             for index, wanted in enumerate((stdin, stdout, stderr)):
                 if wanted == subprocess.DEVNULL:
@@ -240,10 +240,7 @@ async def open_join(argv: list[str], fds: tuple[int, ...], *, stdin: Any, stdout
                     theirs.append(child)
                 else:
                     theirs.append(os.dup(wanted))
-            served = await SERVER.spawn(spec, fds, theirs)
-        except BaseException:
-            served = None
-            raise
+            served = await SERVER.spawn(spec, theirs)
         finally:
             for fd in theirs:
                 os.close(fd)
@@ -252,10 +249,11 @@ async def open_join(argv: list[str], fds: tuple[int, ...], *, stdin: Any, stdout
                     if fd is not None:
                         os.close(fd)
         if served is not None:
-            served.stdin = None if ours[0] is None else _WritePipe(ours[0])
+            served.stdin = None if ours[0] is None else _Pipe(ours[0])
             served.stdout = None if ours[1] is None else _ReadPipe(ours[1])
             served.stderr = None if ours[2] is None else _ReadPipe(ours[2])
             return served
     return await anyio.open_process(
-        argv, stdin=stdin, stdout=stdout, stderr=stderr, start_new_session=True, env={}, pass_fds=fds
-    )
+        enter_argv(spec), stdin=stdin, stdout=stdout, stderr=stderr,
+        start_new_session=True, env={}, pass_fds=tuple(spec["ns"].values()),
+    )  # fmt: skip

@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from harbor_async.backends.local.keeper import Keeper, Tools, sandbox_caps
 from harbor_async.backends.local.layout import (
@@ -115,7 +116,7 @@ def keeper_argv(tools: Tools, fs: Path, info_fd: int, confinement: Confinement, 
     return [*argv, "--", tools.sh, "-c", KEEPER_INIT]
 
 
-def join_argv(
+def join_spec(
     keeper: Keeper,
     confinement: Confinement,
     env: dict[str, str],
@@ -125,8 +126,8 @@ def join_argv(
     mnt: int | None = None,
     extra_caps: tuple[str, ...] = (),
     hold: tuple[str, ...] = (),
-) -> tuple[list[str], tuple[int, ...]]:
-    """The argv that runs ``command`` inside the keeper's namespaces, and the fds it must inherit.
+) -> dict[str, Any]:
+    """The SPEC ``enter.py`` takes to run ``command`` inside the keeper's namespaces (``ns``: name to open fd).
 
     The helper enters the namespaces through the namespace files this process
     holds open (passed down), so a recycled pid can never send it elsewhere; it
@@ -154,5 +155,9 @@ def join_argv(
         "hold": list(hold),
         "hold_mb": limits.storage_mb or 256,
     }
-    argv = [sys.executable, "-I", "-S", "-B", helper("enter.py"), json.dumps(spec)]
-    return argv, tuple(namespaces.values())
+    return spec
+
+
+def enter_argv(spec: dict[str, Any]) -> list[str]:
+    """``enter.py SPEC`` as a process of its own (it must inherit ``spec["ns"]``'s fds)."""
+    return [sys.executable, "-I", "-S", "-B", helper("enter.py"), json.dumps(spec)]

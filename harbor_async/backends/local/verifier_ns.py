@@ -32,7 +32,7 @@ import anyio
 from harbor_async.backends.local import hostfs
 from harbor_async.backends.local.enter_server import open_join
 from harbor_async.backends.local.layout import KEEPER_START_TIMEOUT
-from harbor_async.backends.local.sandboxing import join_argv
+from harbor_async.backends.local.sandboxing import join_spec
 from harbor_async.errors import HarborAsyncError
 
 #: The folders the verifier gets fresh and to itself.
@@ -61,9 +61,9 @@ class VerifierNamespace:
         """
         if self._keeper is None or self._confinement is None:
             raise RuntimeError(f"local sandbox {self.session_id} is not started")
-        argv, fds = join_argv(self._keeper, self._confinement, {}, "/", [], hold=PRIVATE_DIRS)
+        spec = join_spec(self._keeper, self._confinement, {}, "/", [], hold=PRIVATE_DIRS)
         with anyio.CancelScope(shield=True):  # a cancelled spawn must not leak a holder
-            process = await open_join(argv, fds, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            process = await open_join(spec, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         opened: list[int] = []
         try:
             assert process.stdout is not None and process.stderr is not None
