@@ -10,8 +10,11 @@ rounds and fail the verify.
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from importlib import resources
+
+import pytest
 
 SCRIPT = str(resources.files("harbor_async") / "helpers" / "end_agent_processes.sh")
 
@@ -40,26 +43,63 @@ def _wait_for(predicate, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_zombies_under_an_init_that_never_reaps_do_not_fail_the_kill():
-    # PID 1 of a new PID namespace is a plain sleep: it never reaps what is reparented to it.
+@pytest.fixture
+def namespace():
+    """A new PID namespace whose PID 1 is a plain sleep (it never reaps what is reparented to it), with a
+    main command (the oldest child of PID 1, which the script keeps); yields PID 1's host pid."""
     unshare = subprocess.Popen(["unshare", "--fork", "--kill-child", "--pid", "--mount-proc", "sleep", "600"])
     try:
         _wait_for(lambda: subprocess.run(["pgrep", "-P", str(unshare.pid)], capture_output=True).stdout.strip(), "PID 1")
         init = int(subprocess.run(["pgrep", "-P", str(unshare.pid)], capture_output=True, text=True).stdout.split()[0])
-        # The container's main command: the oldest child of PID 1, kept.
         _inside(init, "sleep 600 >/dev/null 2>&1 &")
         _wait_for(lambda: any(ppid == 1 for _, ppid in _processes(init).values()), "the main command")
-        # An agent's process with a zombie child it never reaps (it exec'd into sleep).
-        _inside(init, 'sh -c "true & exec sleep 601" >/dev/null 2>&1 &')
-        _wait_for(lambda: any(state == "Z" for state, _ in _processes(init).values()), "the agent's zombie")
-        ended = _inside(init, '. "$0"', SCRIPT)  # run by the shell nsenter starts, as an exec runs it
-        left = _processes(init)
+        yield init
     finally:
         unshare.kill()
         unshare.wait()
+
+
+def _threads(init: int, pid: int) -> list[str]:
+    return _inside(init, f"ls /proc/{pid}/task 2>/dev/null").stdout.split()
+
+
+def test_zombies_under_an_init_that_never_reaps_do_not_fail_the_kill(namespace):
+    init = namespace
+    # An agent's process with a zombie child it never reaps (it exec'd into sleep).
+    _inside(init, 'sh -c "true & exec sleep 601" >/dev/null 2>&1 &')
+    _wait_for(lambda: any(state == "Z" for state, _ in _processes(init).values()), "the agent's zombie")
+    ended = _inside(init, '. "$0"', SCRIPT)  # run by the shell nsenter starts, as an exec runs it
+    left = _processes(init)
     assert ended.returncode == 0, ended.stderr
     # What is left: PID 1, the main command, and the dead (the killed agent process, now a zombie too).
     alive = {pid for pid, (state, _) in left.items() if state not in ("Z", "X")}
     main = min(pid for pid, (state, ppid) in left.items() if ppid == 1 and state not in ("Z", "X"))
     assert alive - {main, 1} <= {pid for pid, (_, ppid) in left.items() if ppid == 0}  # only the listing's own shell
     assert sum(state == "Z" for state, _ in left.values()) >= 2
+
+
+#: A process whose main thread exits alone (its leader then lists as Z) while another thread runs on.
+_LEADER_GONE = """
+import ctypes, threading, time
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def test_a_leader_that_exited_alone_is_no_zombie_its_threads_are_killed(namespace):
+    init = namespace
+    _inside(init, f'"{sys.executable}" -I -c "$0" >/dev/null 2>&1 &', _LEADER_GONE)
+    agent = None
+
+    def listed_as_zombie_with_a_live_thread() -> bool:
+        nonlocal agent
+        for pid, (state, _) in _processes(init).items():
+            if state == "Z" and len(_threads(init, pid)) > 1:
+                agent = pid
+                return True
+        return False
+
+    _wait_for(listed_as_zombie_with_a_live_thread, "a Z leader with a running thread")
+    ended = _inside(init, '. "$0"', SCRIPT)
+    assert ended.returncode == 0, ended.stderr
+    _wait_for(lambda: len(_threads(init, agent)) <= 1, "its threads to end")  # killed, not skipped as dead

@@ -36,7 +36,11 @@ while [ "$round" -lt 20 ]; do
         set -- ${line##*) }
         case "$keep" in *" $pid "*) continue ;; esac
         [ "$2" = "$me" ] && continue
-        case "$1" in Z|X) continue ;; esac  # dead: only its parent's wait is left (an init busy on a loaded machine)
+        if [ "$1" = Z ] || [ "$1" = X ]; then  # dead, but a leader that exited alone lists as Z with its threads running
+            live=""
+            for task in /proc/$pid/task/[0-9]*; do [ "${task##*/}" = "$pid" ] || live=1; done
+            [ -z "$live" ] && continue  # dead: only its parent's wait is left (an init busy on a loaded machine)
+        fi
         others="$others $pid"
     done
     [ -z "$others" ] && exit 0
