@@ -257,6 +257,21 @@ async def test_start_writes_a_marker(tmp_path: Path, task_dir: Path) -> None:
 
 
 @pytest.mark.anyio
+async def test_the_whole_base_tree_is_there_when_start_returns(env: LocalEnvironment) -> None:
+    """Most of the base tree is written while bubblewrap starts: all of it, links included, is in place at start."""
+    from harbor_async.backends.local.template import base_entries, split_entries
+
+    early, late = split_entries(base_entries())
+    assert late and sorted(early + late) == sorted(base_entries())
+    places = {entry[1] for entry in early}
+    assert all(os.path.dirname(entry[1]) in places for entry in late)  # each late link's folder comes first
+    links = [entry for entry in base_entries() if entry[0] == 2]
+    script = "".join(f"[ \"$(readlink /{path})\" = '{target}' ] || echo missing /{path}\n" for _k, path, _m, target in links)
+    result = await env.exec(script)
+    assert (result.return_code, result.stdout or "") == (0, ""), (result.stdout or "")[:2000]
+
+
+@pytest.mark.anyio
 async def test_writes_persist_between_execs(env: LocalEnvironment) -> None:
     await env.exec("echo kept > /app/state.txt && mkdir -p /opt/new && touch /opt/new/f /root/r /tmp/t")
     result = await env.exec("cat /app/state.txt && ls /opt/new/f /root/r /tmp/t")

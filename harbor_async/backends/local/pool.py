@@ -149,7 +149,7 @@ def _build_tree(piece: Piece, run_label: str, session_id: str, require_limits: b
         piece.fs.symlink_to(mount)
     else:
         piece.fs.mkdir(mode=0o700)  # no other host user may read it
-    write_base_tree(piece.mount or piece.fs, confinement.uid)
+    write_base_tree(piece.mount or piece.fs, confinement.uid, "early")  # the late part: while bwrap starts
     piece.root_fd = os.open(piece.mount or piece.fs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
@@ -175,6 +175,9 @@ def _start_keeper(piece: Piece, tools: Tools) -> None:
         os.close(info_write)
         os.close(ready_write)
         info_write = ready_write = -1
+        # Nothing of the sandbox runs before the start returns (the init only waits), and this
+        # part is nothing bubblewrap or the init reads: written here, it overlaps bwrap's setup.
+        write_base_tree(piece.mount or piece.fs, piece.confinement.uid, "late")
         text = _read_line(ready_read, time.monotonic() + KEEPER_START_TIMEOUT)
         if text != "ready":
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -107,13 +107,34 @@ def _read(top: Path) -> list[Entry]:
     return entries
 
 
-def write_base_tree(fs: Path, uid: int | None) -> None:
+def write_base_tree(fs: Path, uid: int | None, part: str = "all") -> None:
     """Write the base tree into the empty sandbox root ``fs``, owned by ``uid`` (None: the caller).
+
+    ``part``: ``"all"``; or ``"early"`` then ``"late"``. The late part is
+    nine in ten entries (the links of ``/etc/alternatives`` and ``/etc/ssl``)
+    and nothing the keeper's start reads (bubblewrap's mount points, the
+    dynamic loader's files, the init shell), so a start writes it while
+    bubblewrap sets the sandbox up (see :func:`split_entries`).
 
     Raises:
         OSError: something is in the way, or a write failed.
     """
-    write_entries(fs, base_entries(), uid, fresh=True)
+    entries = base_entries()
+    if part != "all":
+        early, late = split_entries(entries)
+        entries = early if part == "early" else late
+    write_entries(fs, entries, uid, fresh=True)
+
+
+def split_entries(entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+    """``entries`` as (every folder, file and top-level link; the links below ``etc/``), each in order.
+
+    A link below ``etc/`` has its folder in the first part, so the parts
+    written in that order keep parents first.
+    """
+    early = [entry for entry in entries if entry[0] != _LINK or not entry[1].startswith("etc/")]
+    late = [entry for entry in entries if entry[0] == _LINK and entry[1].startswith("etc/")]
+    return early, late
 
 
 def write_entries(fs: Path, entries: list[Entry], uid: int | None, *, fresh: bool = False) -> None:
