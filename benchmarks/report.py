@@ -22,6 +22,10 @@ def write_json(path: Path, kind: str, results: dict) -> Path:
     return path
 
 
+def _cell(value: float | None, form: str) -> str:
+    return "-" if value is None else form.format(value)
+
+
 def throughput_table(results: Sequence[ThroughputResult]) -> Table:
     """One row per run: rate, phase latencies, peaks."""
     table = Table(title="sandbox throughput")
@@ -31,8 +35,8 @@ def throughput_table(results: Sequence[ThroughputResult]) -> Table:
         table.add_column(f"{phase} p50/p95/p99 ms", justify="right")
     floors = any(r.bwrap_floor_p50_ms is not None for r in results)
     if floors:  # the local backend: bare bwrap in the same run, and start p50 over it
-        table.add_column("bwrap true p50 ms", justify="right")
-        table.add_column("start/bwrap", justify="right")
+        table.add_column("bwrap true p50 ms (1 / conc.)", justify="right")
+        table.add_column("start/bwrap (1 / conc.)", justify="right")
     for r in results:
         mem = "-" if r.peak_memory_per_sandbox_mib is None else f"{r.peak_memory_per_sandbox_mib:.1f}"
         cells = []
@@ -40,8 +44,8 @@ def throughput_table(results: Sequence[ThroughputResult]) -> Table:
             p = r.phases.get(phase)
             cells.append("-" if p is None else f"{p['p50'] * 1e3:.0f}/{p['p95'] * 1e3:.0f}/{p['p99'] * 1e3:.0f}")
         if floors:
-            cells.append("-" if r.bwrap_floor_p50_ms is None else f"{r.bwrap_floor_p50_ms:.1f}")
-            cells.append("-" if r.start_over_floor is None else f"{r.start_over_floor:.2f}x")
+            cells.append(" / ".join(_cell(v, "{:.1f}") for v in (r.bwrap_floor_p50_ms, r.bwrap_floor_concurrent_p50_ms)))
+            cells.append(" / ".join(_cell(v, "{:.2f}x") for v in (r.start_over_floor, r.start_over_concurrent_floor)))
         table.add_row(
             r.backend, str(r.episodes), str(r.concurrency), f"{r.episodes_per_second:.2f}",
             str(r.failures), str(r.peak_live), mem, *cells,

@@ -8,7 +8,9 @@ Docker containers of this run, divided by the sandboxes live at that moment).
 On the local backend it also measures the floor in the same run: the same
 ``bwrap`` binary making the same kinds of namespaces (user, PID, mount, IPC,
 UTS, network, cgroup) around the host's root and running ``true``
-(:data:`FLOOR_ARGS`), and reports its p50 and the ratio of the start p50 to it.
+(:data:`FLOOR_ARGS`), and reports its p50 and the ratio of the start p50 to it;
+at a concurrency above 1, also with that many bare bwraps at once (a start at
+concurrency 8 on two cores waits for CPU, and so does a bare bwrap).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import shutil
 import statistics
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -46,6 +49,10 @@ class ThroughputResult:
     start_over_floor: float | None = None
     #: the floor's command line
     bwrap_floor_argv: list[str] | None = None
+    #: p50 of the same bare ``bwrap`` with ``concurrency`` of them running at once, ms (None at concurrency 1)
+    bwrap_floor_concurrent_p50_ms: float | None = None
+    #: start p50 / that floor: the start against bubblewrap's own cost on a machine as busy
+    start_over_concurrent_floor: float | None = None
 
     def to_dict(self) -> dict:
         """Plain-JSON form."""
@@ -60,19 +67,31 @@ FLOOR_ARGS = (
 )  # fmt: skip
 
 
-def bwrap_floor(samples: int = 30) -> tuple[float, list[str]] | None:
-    """The p50 (ms) of ``samples`` runs of ``bwrap FLOOR_ARGS``, and the argv; None without bwrap (or if it fails)."""
+def bwrap_floor(samples: int = 30, concurrency: int = 1) -> tuple[float, list[str]] | None:
+    """The p50 (ms) of ``bwrap FLOOR_ARGS`` runs, and the argv; None without bwrap (or if it fails).
+
+    ``concurrency`` threads each time ``samples`` runs back to back, so that
+    ``concurrency`` bwraps run at once, as the episodes' starts do.
+    """
     binary = shutil.which("bwrap")  # the one the local backend runs (keeper.find_tools)
     if binary is None:
         return None
     argv = [binary, *FLOOR_ARGS]
-    times = []
-    for _ in range(samples):
-        begin = time.perf_counter()
-        if subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True).returncode != 0:
-            return None
-        times.append(time.perf_counter() - begin)
-    return statistics.median(times) * 1e3, argv
+
+    def series() -> list[float] | None:
+        times = []
+        for _ in range(samples):
+            begin = time.perf_counter()
+            if subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True).returncode != 0:
+                return None
+            times.append(time.perf_counter() - begin)
+        return times
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        runs = list(pool.map(lambda _: series(), range(concurrency)))
+    if any(times is None for times in runs):
+        return None
+    return statistics.median(t for times in runs for t in times or ()) * 1e3, argv
 
 
 def _docker_memory_mib(run_label: str) -> float:
@@ -179,7 +198,11 @@ async def run_throughput(
         seconds = anyio.current_time() - begin
         stats = engine.stats()
     # After the episodes (no sandbox of ours competes with it), in the same run and machine state.
-    floor = await anyio.to_thread.run_sync(bwrap_floor, floor_samples) if _is_local(backend) else None
+    floor = concurrent = None
+    if _is_local(backend):
+        floor = await anyio.to_thread.run_sync(bwrap_floor, floor_samples)
+        if concurrency > 1:
+            concurrent = await anyio.to_thread.run_sync(bwrap_floor, floor_samples, concurrency)
     start = stats.phases.get("start")
     # The warm-up episode is in the engine's counters; the rate and failures are not.
     return ThroughputResult(
@@ -200,6 +223,10 @@ async def run_throughput(
         bwrap_floor_p50_ms=round(floor[0], 3) if floor else None,
         start_over_floor=round(start.p50 * 1e3 / floor[0], 2) if floor and start is not None and floor[0] > 0 else None,
         bwrap_floor_argv=floor[1] if floor else None,
+        bwrap_floor_concurrent_p50_ms=round(concurrent[0], 3) if concurrent else None,
+        start_over_concurrent_floor=(
+            round(start.p50 * 1e3 / concurrent[0], 2) if concurrent and start is not None and concurrent[0] > 0 else None
+        ),
     )
 
 

@@ -133,8 +133,14 @@ async def test_throughput_measures_the_bwrap_floor_in_the_same_run() -> None:
     printed = io.StringIO()
     Console(file=printed, width=400).print(throughput_table([result]))
     assert "start/bwrap" in printed.getvalue() and f"{result.start_over_floor:.2f}x" in printed.getvalue()
+    assert result.bwrap_floor_concurrent_p50_ms is None  # one at a time: the floor above is the one
+    busy = await run_throughput(episodes=4, concurrency=2, backend="local", sample_memory=False, floor_samples=3)
+    assert busy.failures == 0 and busy.bwrap_floor_concurrent_p50_ms is not None and busy.bwrap_floor_concurrent_p50_ms > 0
+    assert busy.start_over_concurrent_floor == round(busy.phases["start"]["p50"] * 1e3 / busy.bwrap_floor_concurrent_p50_ms, 2)
     section = BenchmarkSection("throughput-local", "throughput", [])
     _throughput(section, {"runs": [result.to_dict()]})
     assert "start p50 / bwrap" in section.tables[0].columns
+    _throughput(section, {"runs": [busy.to_dict()]})
+    assert f"{busy.start_over_concurrent_floor:g}" in section.tables[-1].rows[0]
     simulated = await run_throughput(episodes=1, concurrency=1, backend="simulated", sample_memory=False)
     assert simulated.bwrap_floor_p50_ms is None and simulated.start_over_floor is None  # the floor is local's

@@ -160,6 +160,7 @@ def _throughput(section: BenchmarkSection, data: dict[str, Any]) -> None:
     floors = any(r.get("bwrap_floor_p50_ms") is not None for r in runs)
     if floors:  # the local backend's floor: a bare bwrap in the same run
         columns += ["bwrap true p50 ms", "start p50 / bwrap"]
+        columns += ["bwrap true p50 ms, as many at once", "start p50 / that"]
     rows = []
     rate: dict[str, list[tuple[float, float]]] = {}
     latency: dict[str, list[tuple[float, float]]] = {}
@@ -172,6 +173,7 @@ def _throughput(section: BenchmarkSection, data: dict[str, Any]) -> None:
                 latency.setdefault(f"{phase} p50 ({r.get('backend')})", []).append((r["concurrency"], p["p50"] * 1e3))
         if floors:
             cells += [_fmt(r.get("bwrap_floor_p50_ms")), _fmt(r.get("start_over_floor"))]
+            cells += [_fmt(r.get("bwrap_floor_concurrent_p50_ms")), _fmt(r.get("start_over_concurrent_floor"))]
         rows.append(cells)
         if r.get("concurrency") and r.get("episodes_per_second") is not None:
             rate.setdefault(str(r.get("backend")), []).append((r["concurrency"], r["episodes_per_second"]))
