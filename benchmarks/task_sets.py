@@ -42,10 +42,13 @@ def _wide_task(root: Path, index: int) -> None:
     data = block * (8 * 1024)  # 8 MiB
     (task / "environment" / "data.bin").write_bytes(data)
     (task / "environment" / "Dockerfile").write_text(
+        # COPY, not RUN: a RUN step needs a build network, which a daemon without
+        # a bridge (--bridge=none, as in CI's) cannot give; the layers stay distinct.
         "FROM debian:bookworm-slim\nWORKDIR /workdir\n"
-        f"RUN echo wide-{index} > /etc/task-name\n"
+        "COPY task-name /etc/task-name\n"
         "COPY data.bin /workdir/\n"
     )
+    (task / "environment" / "task-name").write_text(f"wide-{index}\n")
     answer = hashlib.sha256(data).hexdigest()[:16]
     (task / "tests" / "test.sh").write_text(_TEST_SH)
     (task / "tests" / "expected.txt").write_text(answer + "\n")

@@ -192,8 +192,12 @@ def test_the_generated_task_set_is_solved_by_the_scripted_rollouts(tmp_path):
 
     suite = generate("wide", tmp_path, tasks=3)
     assert generate("wide", tmp_path, tasks=3) == suite  # idempotent: a rerun keeps the files
-    images = {(suite / f"wide-{i:02d}" / "environment" / "Dockerfile").read_text() for i in range(3)}
-    assert len(images) == 3  # a distinct image per task
+    images = {
+        tuple((suite / f"wide-{i:02d}" / "environment" / name).read_bytes() for name in ("Dockerfile", "task-name", "data.bin"))
+        for i in range(3)
+    }
+    assert len(images) == 3 and len({files[2] for files in images}) == 3  # a distinct image per task, data and all
+    assert all(b"RUN " not in files[0] for files in images)  # builds without a build network (dockerd --bridge=none)
     for implementation in ("trl", "shim"):
         run = run_grpo_steps(implementation, backend="local", batch=3, turns=2, steps=1, suite=str(suite))
         assert run.mean_reward == 1.0, implementation
