@@ -33,42 +33,51 @@ exit 0
 """
 
 
+def _write(path: Path, data: bytes | str) -> None:
+    """Write ``data`` unless ``path`` holds it already: an earlier release's file is replaced, an equal one kept."""
+    content = data.encode() if isinstance(data, str) else data
+    if not path.is_file() or path.read_bytes() != content:
+        path.write_bytes(content)
+
+
 def _wide_task(root: Path, index: int) -> None:
     task = root / f"wide-{index:02d}"
-    (task / "environment").mkdir(parents=True)
-    (task / "tests").mkdir()
+    (task / "environment").mkdir(parents=True, exist_ok=True)
+    (task / "tests").mkdir(exist_ok=True)
     # Distinct bytes per task: each image has a layer no other task shares.
     block = hashlib.sha256(f"wide-{index}".encode()).digest() * 32  # 1 KiB
     data = block * (8 * 1024)  # 8 MiB
-    (task / "environment" / "data.bin").write_bytes(data)
-    (task / "environment" / "Dockerfile").write_text(
+    _write(task / "environment" / "data.bin", data)
+    _write(
+        task / "environment" / "Dockerfile",
         # COPY, not RUN: a RUN step needs a build network, which a daemon without
         # a bridge (--bridge=none, as in CI's) cannot give; the layers stay distinct.
         "FROM debian:bookworm-slim\nWORKDIR /workdir\n"
         "COPY task-name /etc/task-name\n"
         "COPY data.bin /workdir/\n"
     )
-    (task / "environment" / "task-name").write_text(f"wide-{index}\n")
+    _write(task / "environment" / "task-name", f"wide-{index}\n")
     answer = hashlib.sha256(data).hexdigest()[:16]
-    (task / "tests" / "test.sh").write_text(_TEST_SH)
-    (task / "tests" / "expected.txt").write_text(answer + "\n")
+    _write(task / "tests" / "test.sh", _TEST_SH)
+    _write(task / "tests" / "expected.txt", answer + "\n")
     for extra in range(4):  # several files to upload with every verify
-        (task / "tests" / f"fixture-{extra}.txt").write_text(f"fixture {extra} of task {index}\n" * 200)
-    (task / "instruction.md").write_text(
+        _write(task / "tests" / f"fixture-{extra}.txt", f"fixture {extra} of task {index}\n" * 200)
+    _write(
+        task / "instruction.md",
         "Write the first 16 hex digits of the SHA-256 of /workdir/data.bin to /workdir/answer.txt.\n"
     )
-    (task / "task.toml").write_text(
+    _write(
+        task / "task.toml",
         'schema_version = "1.4"\n\n[metadata]\n'
         f'gold_answer = "{answer}"\n\n[verifier]\ntimeout_sec = 60.0\n\n[agent]\ntimeout_sec = 120.0\n'
     )
 
 
 def generate(name: str, root: Path, tasks: int = 8) -> Path:
-    """Write the task set ``name`` (``tasks`` tasks) under ``root``; return the suite folder (idempotent)."""
+    """Write the task set ``name`` (``tasks`` tasks) under ``root``; return the suite folder (idempotent; stale files are rewritten)."""
     if name not in TASK_SETS:
         raise ValueError(f"unknown task set {name!r}; use one of {TASK_SETS}")
     suite = root / name
     for index in range(tasks):
-        if not (suite / f"wide-{index:02d}" / "task.toml").exists():
-            _wide_task(suite, index)
+        _wide_task(suite, index)
     return suite

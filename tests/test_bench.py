@@ -192,6 +192,10 @@ def test_the_generated_task_set_is_solved_by_the_scripted_rollouts(tmp_path):
 
     suite = generate("wide", tmp_path, tasks=3)
     assert generate("wide", tmp_path, tasks=3) == suite  # idempotent: a rerun keeps the files
+    stale = suite / "wide-00" / "environment" / "Dockerfile"
+    stale.write_text("FROM debian:bookworm-slim\nRUN echo an earlier release's > /etc/task-name\n")
+    generate("wide", tmp_path, tasks=3)
+    assert b"RUN" not in stale.read_bytes()  # an earlier release's generated file is replaced
     images = {
         tuple((suite / f"wide-{i:02d}" / "environment" / name).read_bytes() for name in ("Dockerfile", "task-name", "data.bin"))
         for i in range(3)
