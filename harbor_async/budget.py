@@ -38,6 +38,11 @@ class Budget(Protocol):
     def exec_slot(self) -> AbstractAsyncContextManager[Any]: ...
 
 
+#: The unlimited exec slot: one shared, stateless ``nullcontext``. A fresh one per exec lives as long as
+#: the command, long enough for CPython's collector to promote it to the generation its full collections walk.
+_NO_SLOT = nullcontext()
+
+
 class LocalBudget:
     """The limits of one process: a capacity limiter, a rate limiter, an exec limiter.
 
@@ -65,4 +70,4 @@ class LocalBudget:
 
     def exec_slot(self) -> AbstractAsyncContextManager[Any]:
         """An async context holding one concurrent-exec slot (a no-op when unlimited)."""
-        return self._execs if self._execs is not None else nullcontext()
+        return self._execs if self._execs is not None else _NO_SLOT

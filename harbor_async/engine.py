@@ -97,6 +97,7 @@ class Engine:
         self._close_requested: anyio.Event | None = None
         self._context: SandboxContext | None = None
         self._holds: dict[type, Callable[[], None]] = {}  # backend class -> release of what it keeps warm
+        self._specs: dict[str, BackendSpec] = {}  # backend name -> its spec, one shared by the sandboxes
 
     # ── lifecycle of the engine itself ──────────────────────────────────
 
@@ -209,7 +210,13 @@ class Engine:
 
             task = load_task(task)
         task = with_allowed_env(task, self.env_allow)  # raises TaskEnvError: nothing starts
-        spec = backend if isinstance(backend, BackendSpec) else resolve_backend(backend)
+        if isinstance(backend, BackendSpec):
+            spec = backend
+        else:
+            spec = self._specs.get(backend) if isinstance(backend, str) else None
+            if spec is None:
+                spec = resolve_backend(backend)
+                self._specs[backend] = spec
         spec.check_async_library()  # a bad import path or library fails here, not in the background
         options = {**self.backend_kwargs, **(backend_kwargs or {})}
         spec.check_options(options)  # so do options the backend does not take

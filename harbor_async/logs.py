@@ -110,6 +110,17 @@ _LEVELS = {name: logging.getLevelNamesMapping()[name.upper()] for name in ("crit
 _LEVELS |= {"exception": logging.ERROR, "warn": logging.WARNING}
 
 
+_ROOT = logging.getLogger(ROOT_LOGGER)
+
+
+def enabled_for(method_name: str) -> bool:
+    """Whether a logger of :func:`get_logger`'s default name would log an event of level ``method_name`` now.
+
+    The check of ``is_enabled_for`` without a bound logger: for code that makes its logger only once it logs.
+    """
+    return not _ROOT.disabled and _LEVELS[method_name] >= _ROOT.getEffectiveLevel()
+
+
 def get_logger(name: str = ROOT_LOGGER, **context: Any) -> Any:
     """A structlog logger of the library, bound to ``context``, carried by stdlib logger ``name``.
 

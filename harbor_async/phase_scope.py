@@ -31,6 +31,7 @@ from typing import Any
 import anyio
 
 from harbor_async.errors import EpisodeDeadlineError, Phase
+from harbor_async.logs import enabled_for
 
 #: Seconds before its deadline that a long phase's own timer is armed; shorter budgets arm theirs at once.
 ARM_AHEAD = 1.0
@@ -96,7 +97,7 @@ class PhaseScope:
     loosely: this module must not import :mod:`harbor_async.sandbox`.
     """
 
-    __slots__ = ("_begin", "_budget", "_bucket", "_deadline", "_limit", "_phase", "_sandbox", "_scope", "_wrap")
+    __slots__ = ("_begin", "_budget", "_buckets", "_deadline", "_key", "_limit", "_phase", "_sandbox", "_scope", "_wrap")
 
     def __init__(self, sandbox: Any, phase: Phase, budget: float | None, wrap: bool) -> None:
         self._sandbox = sandbox
@@ -107,11 +108,15 @@ class PhaseScope:
         self._begin = 0.0
         self._scope: anyio.CancelScope | None = None
         self._deadline = math.inf  # a long phase's deadline, before its bucket arms it on the scope
-        self._bucket: tuple[_DeadlineBuckets, int] | None = None
+        self._buckets: _DeadlineBuckets | None = None  # the bucket it waits in: ``_buckets.buckets[_key]``
+        self._key = 0
 
     def elapsed(self) -> float:
         """Seconds since the phase began."""
         return now() - self._begin
+
+    # What ``async with`` yields: the scope itself (no bound method to allocate and keep per exec).
+    __call__ = elapsed
 
     async def __aenter__(self) -> Callable[[], float]:
         sandbox, phase = self._sandbox, self._phase
@@ -125,7 +130,10 @@ class PhaseScope:
                 )  # fmt: skip
             else:
                 exc = TimeoutError(f"the {phase.value} budget is {limit:.3g} s")
-            self._finish(exc)  # raises
+            try:
+                self._finish(exc)  # raises
+            finally:
+                exc = None  # no cycle through this frame (see __aexit__)
         deadline = begin + limit
         loop = asyncio._get_running_loop() if limit > 2 * ARM_AHEAD and phase is not Phase.START else None
         if loop is None:  # a short budget, a start (its deadline can be renewed on the scope), or not asyncio
@@ -138,10 +146,11 @@ class PhaseScope:
             if buckets is None:
                 buckets = _buckets[loop] = _DeadlineBuckets()
             self._deadline = deadline
-            self._bucket = (buckets, buckets.add(loop, self, deadline))
+            self._key = buckets.add(loop, self, deadline)
+            self._buckets = buckets
         if phase is Phase.START:
             sandbox._start_phase = (scope, begin, self._budget)
-        return self.elapsed
+        return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -150,29 +159,33 @@ class PhaseScope:
             self._sandbox._start_phase = None
         scope = self._scope
         assert scope is not None
-        if self._bucket is not None:
-            buckets, key = self._bucket
-            buckets.discard(self, key)
-            self._bucket = None
+        if self._buckets is not None:
+            self._buckets.discard(self, self._key)
+            self._buckets = None
         try:
-            swallowed = bool(scope.__exit__(exc_type, exc, tb))
-        except BaseException as raised:  # what the scope's exit raised replaces the body's exception
-            self._finish(raised)
-            raise
-        error = exc
-        if swallowed:  # the scope caught its own cancellation: past its deadline, that is the timeout
-            deadline = min(scope.deadline, self._deadline)
-            error = TimeoutError() if scope.cancelled_caught and now() >= deadline else None
-        self._finish(error)  # raises the typed error when it wraps
-        if error is None:
-            return swallowed
-        if error is not exc:
-            raise error
-        return False
+            try:
+                swallowed = bool(scope.__exit__(exc_type, exc, tb))
+            except BaseException as raised:  # what the scope's exit raised replaces the body's exception
+                self._finish(raised)
+                raise
+            error = exc
+            if swallowed:  # the scope caught its own cancellation: past its deadline, that is the timeout
+                deadline = min(scope.deadline, self._deadline)
+                error = TimeoutError() if scope.cancelled_caught and now() >= deadline else None
+            self._finish(error)  # raises the typed error when it wraps
+            if error is None:
+                return swallowed
+            if error is not exc:
+                raise error
+            return False
+        finally:
+            # An exception raised through here has this frame on its traceback: were the frame to keep
+            # it (or its cause) in a local, that cycle would wait for the collector, its frames with it.
+            exc = error = tb = None
 
     def _arm(self) -> None:
         """The bucket's timer: put the exact deadline on the scope (anyio arms its timer, or cancels if past)."""
-        self._bucket = None
+        self._buckets = None
         if self._scope is not None:
             self._scope.deadline = self._deadline
 
@@ -198,11 +211,11 @@ class PhaseScope:
             sandbox.times.add(phase, seconds)
             if outcome != "cancelled":
                 sandbox.context.stats.record(phase.value, seconds, outcome == "ok")
-            log = sandbox._log
             if outcome in ("ok", "cancelled"):
-                if log.is_enabled_for("debug"):  # the exec path's event: build it only when it is kept
-                    log.debug("phase", phase=phase.value, start_attempt=max(sandbox.start_attempts, 1),
-                              seconds=round(seconds, 4), outcome=outcome)  # fmt: skip
+                if enabled_for("debug"):  # the exec path's event: build it (and the sandbox's logger) only when kept
+                    sandbox._log.debug("phase", phase=phase.value, start_attempt=max(sandbox.start_attempts, 1),
+                                       seconds=round(seconds, 4), outcome=outcome)  # fmt: skip
             else:
-                log.warning("phase", phase=phase.value, start_attempt=max(sandbox.start_attempts, 1),
-                            seconds=round(seconds, 4), outcome=outcome)  # fmt: skip
+                sandbox._log.warning("phase", phase=phase.value, start_attempt=max(sandbox.start_attempts, 1),
+                                     seconds=round(seconds, 4), outcome=outcome)  # fmt: skip
+            error = typed = None  # what this raises must not be kept by its own traceback's frame (see __aexit__)

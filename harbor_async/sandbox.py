@@ -83,9 +83,16 @@ class SandboxContext:
     trial_names: TrialDirNames | None = None
     strict_verify: bool = False
 
+    _timeouts_seen: dict[Timeouts, Timeouts] = field(default_factory=dict, init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         if self.trial_names is None:
             object.__setattr__(self, "trial_names", TrialDirNames(self.run_label))
+
+    def timeouts_for(self, task: Task) -> Timeouts:
+        """``timeouts.for_task(task)``, one shared (frozen) copy per value: not one per live sandbox for the GC."""
+        timeouts = self.timeouts.for_task(task)
+        return self._timeouts_seen.setdefault(timeouts, timeouts)
 
 
 class SandboxState(StrEnum):
@@ -116,7 +123,7 @@ class Sandbox:
         episode_timeout: float | None = None,
     ) -> None:
         self.context = context
-        self.timeouts = context.timeouts.for_task(task)
+        self.timeouts = context.timeouts_for(task)
         self.task = task
         self.task_name: str = task.name
         self.backend = backend
@@ -136,12 +143,14 @@ class Sandbox:
         self._env: BaseEnvironment | None = None
         self._oracle: Any = None  # Harbor's oracle agent, once run
         self._trial_dir: Path | None = None
-        self._started = anyio.Event()
-        self._stopped = anyio.Event()
+        # Whether the start is over (up or failed) and the stop done; an event (three objects for the
+        # collector to walk, per live sandbox) exists only while someone waits for one (see _until).
+        self._is_started = self._is_stopped = False
+        self._change: anyio.Event | None = None
         self._stop_claimed = False
         self._holds_slot = False
         self._start_scope: anyio.CancelScope | None = None
-        self._log = get_logger(task=self.task_name, sandbox=self.id, backend=backend.name)
+        self._logger: Any = None  # see _log
 
     # ── public API ──────────────────────────────────────────────────────
 
@@ -160,7 +169,7 @@ class Sandbox:
     @property
     def done(self) -> bool:
         """Whether the sandbox is stopped (or failed to start and holds nothing)."""
-        return self._stopped.is_set()
+        return self._is_stopped
 
     @property
     def deadline_left(self) -> float | None:
@@ -186,8 +195,8 @@ class Sandbox:
 
     async def wait_started(self) -> None:
         """Wait until the start finished; raise its error if it failed."""
-        if not self._started.is_set():  # skip the checkpoint on the hot path
-            await self._started.wait()
+        if not self._is_started:  # skip the checkpoint on the hot path
+            await self._until("started")
         if self.start_error is not None:
             raise self.start_error
         if self.state is not SandboxState.RUNNING:
@@ -209,7 +218,8 @@ class Sandbox:
         (default: the engine's exec budget) raises :class:`SandboxTimeout`; the
         command is never retried.
         """
-        await self.wait_started()
+        if not self._is_started or self.start_error is not None or self.state is not SandboxState.RUNNING:
+            await self.wait_started()  # raises; up and running, the hot path makes no coroutine for it
         environment = self.environment
         limit = self.context.max_output if max_output == "default" else max_output
         budget = timeout if timeout is not None else self.timeouts.exec
@@ -352,15 +362,15 @@ class Sandbox:
         """
         with anyio.CancelScope(shield=True):
             if self._stop_claimed:
-                await self._stopped.wait()
+                await self._until("stopped")
                 return
             self._stop_claimed = True
             try:
-                if not self._started.is_set():
+                if not self._is_started:
                     # Stopped before it was up: cancel the start; it cleans up after itself.
                     if self._start_scope is not None:
                         self._start_scope.cancel()
-                    await self._started.wait()
+                    await self._until("started")
                 if self._env is not None:
                     self.state = SandboxState.STOPPING
                     try:
@@ -376,7 +386,7 @@ class Sandbox:
             finally:
                 self._remove_trial_dir()
                 self._release()
-                self._stopped.set()
+                self._set("stopped")
 
     # ── the start: a live slot, a create turn, retries ────────────────────
 
@@ -452,13 +462,29 @@ class Sandbox:
         else:
             self.state = SandboxState.RUNNING
         finally:
-            self._started.set()
+            self._set("started")
 
     def _abandon_start(self, exc: BaseException) -> None:
         """Mark a start that never began (cancelled while waiting for a slot)."""
         self.state = SandboxState.FAILED
         self.start_error = self._as_error(Phase.START, exc)
-        self._started.set()
+        self._set("started")
+
+    def _set(self, what: str) -> None:
+        """Mark ``_is_started`` or ``_is_stopped`` (``what``) and wake whoever waits (see _until)."""
+        setattr(self, f"_is_{what}", True)
+        event, self._change = self._change, None
+        if event is not None:
+            event.set()
+
+    async def _until(self, what: str) -> None:
+        """Wait for ``_is_started`` or ``_is_stopped`` (a checkpoint if set already, as a set ``Event``'s wait)."""
+        if getattr(self, f"_is_{what}"):
+            await anyio.lowlevel.checkpoint()
+        while not getattr(self, f"_is_{what}"):  # woken by either: the other goes back to waiting
+            if self._change is None:
+                self._change = anyio.Event()
+            await self._change.wait()
 
     async def _start_once(self) -> None:
         await self.context.budget.create_turn()
@@ -497,6 +523,14 @@ class Sandbox:
             self._remove_trial_dir()
 
     # ── helpers ─────────────────────────────────────────────────────────
+
+    @property
+    def _log(self) -> Any:
+        """The sandbox's logger, made on its first event: most sandboxes never log one."""
+        log = self._logger
+        if log is None:
+            log = self._logger = get_logger(task=self.task_name, sandbox=self.id, backend=self.backend.name)
+        return log
 
     def _trial_paths(self):
         from harbor.models.trial.paths import TrialPaths

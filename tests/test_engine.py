@@ -228,6 +228,38 @@ async def test_stop_right_after_launch_returns_at_once(example_tasks, queued):
             await blocker.stop()
 
 
+async def test_waiters_on_a_start_and_a_stop_all_wake_and_live_sandboxes_share_their_settings(example_tasks):
+    async with engine(backend_kwargs=dict(start_latency=0.2, stop_latency=0.2)) as eng:
+        sandboxes = [eng.launch(example_tasks[0], "simulated") for _ in range(2)]
+        first = sandboxes[0]
+        woke: list[str] = []
+
+        async def started() -> None:
+            await first.wait_started()
+            woke.append("started")
+
+        async def stopped() -> None:
+            await first.stop()
+            woke.append("stopped")
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                for _ in range(2):  # waiting for the start and for a stop at once: each wakes at its own
+                    tg.start_soon(started)
+                await sandboxes[1].wait_started()
+                for _ in range(3):  # the first of these stops it, the others wait for that stop
+                    tg.start_soon(stopped)
+        assert woke == ["started"] * 2 + ["stopped"] * 3 and first.done
+        starting = eng.launch(example_tasks[0], "simulated")
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:  # one stop waits for the start it cancels, one for that stop
+                tg.start_soon(starting.stop)
+                tg.start_soon(starting.stop)
+        assert starting.done
+        # Per live sandbox, only what is its own: its budgets and backend are one shared object.
+        assert sandboxes[1].timeouts is first.timeouts and sandboxes[1].backend is first.backend
+
+
 async def test_unknown_backend_is_a_clear_error(example_tasks):
     async with engine() as eng:
         with pytest.raises(BackendError, match="unknown backend 'dockr'"):

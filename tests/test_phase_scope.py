@@ -154,3 +154,36 @@ async def test_a_long_phase_armed_by_its_bucket_still_times_out_on_its_deadline(
     assert seen == [1]  # it waited in a bucket ...
     assert 0.5 <= took < 5  # ... and still timed out at its own deadline, as a typed timeout
     assert isinstance(info.value.__cause__, TimeoutError) and phase_scope.waiting_phases(loop) == 0
+
+
+async def test_execs_that_end_timed_out_or_cancelled_leave_no_garbage_for_the_cycle_collector(example_tasks):
+    # At 10,000 live sandboxes the loop thread's time goes to CPython's full collections: an exec must
+    # free what it made by reference counting, its typed timeout (frames, tracebacks, scopes) included.
+    import gc
+
+    async with Engine(backend_kwargs={"exec_latency": 0.02}) as eng:
+        async with eng.episode(example_tasks[0], "simulated") as sandbox:
+            outcomes = {"ok": 0, "timeout": 0, "cancelled": 0}
+
+            async def execs() -> None:
+                for _ in range(5):
+                    await sandbox.exec("true")  # a long budget: its deadline waits in a bucket
+                    outcomes["ok"] += 1
+                    try:
+                        await sandbox.exec("true", timeout=0.005)  # its own timer, then a typed timeout
+                    except SandboxTimeout:  # not pytest.raises: its ExceptionInfo would keep a cycle of its own
+                        outcomes["timeout"] += 1
+                    with anyio.move_on_after(0.005) as scope:  # the caller gives up
+                        await sandbox.exec("true")
+                    outcomes["cancelled"] += scope.cancelled_caught
+
+            await execs()  # first calls fill caches
+            gc.collect()
+            gc.disable()
+            try:
+                await execs()
+                found = gc.collect()
+            finally:
+                gc.enable()
+    assert outcomes == {"ok": 10, "timeout": 10, "cancelled": 10}
+    assert found == 0
