@@ -8,7 +8,8 @@ here change that one thing and nothing else: while *their own* ``_start`` runs,
 Harbor's ``EnvironmentFactory.create_environment_from_config`` receives the
 backend as an import path (plus ``backend_kwargs``). Everything else is TRL's
 code: its loop per env, its sequential reset, its output formatting, its
-verifier call, its ``__del__``.
+verifier call, its ``__del__`` (skipped only at interpreter exit, where it
+would wait for ever on a loop thread the interpreter has frozen).
 
 How: a context variable set around ``super()._start()`` (asyncio gives each
 task its own context, so concurrent envs never see each other's backend), and
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -104,6 +106,14 @@ class _AnyBackend:
         super().__init__(environment_type=placeholder, **kwargs)  # type: ignore[call-arg]
         self._backend_override = override
         self._backend_name = environment_type
+
+    def __del__(self) -> None:
+        # TRL's __del__ waits for its loop thread; at interpreter exit that daemon thread is
+        # frozen and the wait never ends (a benchmark that failed mid-step hung there for
+        # good). close_reference_env stops the sandbox before then.
+        if sys.is_finalizing():
+            return
+        super().__del__()  # type: ignore[misc]
 
     async def _start(self, task_dir: str) -> str:
         token = _OVERRIDE.set(self._backend_override)

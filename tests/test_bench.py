@@ -205,3 +205,16 @@ def test_the_generated_task_set_is_solved_by_the_scripted_rollouts(tmp_path):
     for implementation in ("trl", "shim"):
         run = run_grpo_steps(implementation, backend="local", batch=3, turns=2, steps=1, suite=str(suite))
         assert run.mean_reward == 1.0, implementation
+
+
+def test_a_process_exits_with_trls_env_still_referenced():
+    """TRL's ``__del__`` waits for its loop thread; at interpreter exit it must not (a failed benchmark hung there)."""
+    script = (
+        "from benchmarks.reference import ReferenceHarborBashEnv\n"
+        "from harbor_async.tasks import load_suite\n"
+        "env = ReferenceHarborBashEnv(environment_type='simulated')\n"  # a global: collected only at exit
+        "env.reset(task_dir=str(load_suite(None).tasks[0].task_dir))\n"
+        "print('started', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert (done.returncode, done.stdout) == (0, "started\n"), done.stderr[-2000:]
