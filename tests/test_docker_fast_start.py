@@ -168,3 +168,50 @@ def test_sandboxes_prune_removes_the_task_images_runs_kept(example_tasks):
     anyio.run(one)
     assert any(image.startswith("hb__") for image in task_images())
 
+
+
+@pytest.mark.anyio
+async def test_the_daemons_os_is_asked_once_off_the_loop_and_still_checked(example_tasks, monkeypatch):
+    """Harbor asks ``docker info`` synchronously at every start, on the loop (every other sandbox's command waited):
+    here it is asked once per process, in a worker thread, and Harbor's OS check still uses the answer."""
+    import threading
+
+    from harbor.environments.docker.docker import DockerEnvironment
+
+    from harbor_async.backends.docker import confined
+    from harbor_async.errors import StartError
+    from harbor_async.policy import RetryPolicy
+
+    asked: list[int] = []
+    harbors = DockerEnvironment._detect_daemon_os.__func__
+
+    def recording(cls):
+        asked.append(threading.get_ident())
+        return harbors(cls)
+
+    monkeypatch.setattr(DockerEnvironment, "_detect_daemon_os", classmethod(recording))
+    monkeypatch.setattr(confined, "_DAEMON_OS", {})
+    task = next(t for t in example_tasks if t.name.endswith("csv-column-sum"))
+    async with Engine() as engine:
+        loop_thread = threading.get_ident()
+
+        async def one() -> None:
+            async with engine.episode(task, "docker") as sandbox:
+                assert (await sandbox.exec("echo ok")).output.strip() == "ok"
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(one)
+        await one()
+    assert 1 <= len(asked) <= 3 and loop_thread not in asked  # three at once may each ask before the first answer
+    assert list(confined._DAEMON_OS.values())[0][1] == "linux"
+
+    # The cached answer is the one Harbor's check reads: a daemon said to run Windows containers refuses the task.
+    (endpoint,) = confined._DAEMON_OS
+    confined._DAEMON_OS[endpoint] = (0.0, "windows")
+    async with Engine(retry=RetryPolicy(attempts=1)) as engine:
+        with pytest.raises(StartError) as info:
+            async with engine.episode(task, "docker"):
+                pass
+    assert "'windows' container mode" in str(info.value)
+    assert docker_leftovers(OUR_PREFIX) == {}

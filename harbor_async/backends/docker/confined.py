@@ -16,7 +16,12 @@ then follows to a host file. Here:
   and checks for cancellation between chunks;
 - a task whose every phase is ``no-network`` runs with Compose's
   ``network_mode: none`` where Harbor's egress-control sidecar is not
-  available (its images come from Docker Hub): the policy is honoured, not refused.
+  available (its images come from Docker Hub): the policy is honoured, not refused;
+- the daemon's OS (Harbor's check that the task's OS matches it) is asked
+  once per process and Docker endpoint, in a worker thread: Harbor runs
+  ``docker info`` synchronously at every start, on the event loop, so under a
+  batch of starts every other sandbox's command waited for it (0.1-0.3 s a
+  start on a busy daemon, one start after another).
 
 The engine uses this class for the ``docker`` type and ``docker-fast``.
 """
@@ -29,6 +34,7 @@ import os
 import posixpath
 import subprocess
 import tarfile
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -50,6 +56,10 @@ from harbor_async.transfer_budget import MAX_DEPTH, Budget
 DEFAULT_TRANSFER_LIMIT_MB = 512
 DEFAULT_OUTPUT_LIMIT = 1024 * 1024
 _CHUNK = 1 << 20
+#: The daemon's OS per Docker endpoint (``DOCKER_HOST``, ``DOCKER_CONTEXT``): (when asked, answer or None).
+_DAEMON_OS: dict[tuple[str, str], tuple[float, str | None]] = {}
+#: Seconds an unanswered ``docker info`` stands before the next start asks again.
+_DAEMON_OS_RETRY = 30.0
 
 
 class ConfinedDockerEnvironment(DockerEnvironment):
@@ -87,6 +97,23 @@ class ConfinedDockerEnvironment(DockerEnvironment):
             Path(environment_dir) / "docker-compose.yaml"
         ).exists()  # one container: no service to reach
         super().__init__(environment_dir, environment_name, session_id, trial_paths, task_env_config, *args, **options)
+
+    # -- the daemon's OS: asked once, off the loop ---------------------------------
+
+    async def start(self, force_build: bool) -> None:
+        if _known_daemon_os() is None:
+            await anyio.to_thread.run_sync(type(self)._detect_daemon_os)
+        await super().start(force_build)
+
+    @classmethod
+    def _detect_daemon_os(cls) -> str | None:
+        """Harbor's ``docker info`` query, answered from the per-process cache once asked."""
+        known = _known_daemon_os()
+        if known is not None:
+            return known[1]
+        found = super()._detect_daemon_os()
+        _DAEMON_OS[_daemon_endpoint()] = (time.monotonic(), found)
+        return found
 
     # -- a static no-network policy without the egress sidecar -------------------
 
@@ -193,6 +220,18 @@ class ConfinedDockerEnvironment(DockerEnvironment):
                 return None  # not exactly one: not ours to guess
             self._main_container = ids[0]
         return self._main_container
+
+
+def _daemon_endpoint() -> tuple[str, str]:
+    return os.environ.get("DOCKER_HOST", ""), os.environ.get("DOCKER_CONTEXT", "")
+
+
+def _known_daemon_os() -> tuple[float, str | None] | None:
+    """The cached answer for this endpoint: an OS for good, no answer for :data:`_DAEMON_OS_RETRY` seconds."""
+    known = _DAEMON_OS.get(_daemon_endpoint())
+    if known is None or (known[1] is None and time.monotonic() - known[0] >= _DAEMON_OS_RETRY):
+        return None
+    return known
 
 
 def _copy_stream(argv: list[str], target: Path, single: bool, budget: Budget) -> None:
