@@ -215,3 +215,43 @@ async def test_the_daemons_os_is_asked_once_off_the_loop_and_still_checked(examp
                 pass
     assert "'windows' container mode" in str(info.value)
     assert docker_leftovers(OUR_PREFIX) == {}
+
+
+@pytest.mark.anyio
+async def test_up_waits_only_for_an_image_with_a_healthcheck(tmp_path):
+    """Compose's ``up --wait`` polls on a half-second tick: it is dropped for an image with no HEALTHCHECK (the
+    container runs when ``up`` returns) and kept for one with a HEALTHCHECK, whose start returns healthy only."""
+    import json
+
+    from harbor.models.task.task import Task
+
+    from tests.test_local_escape import make_task
+
+    healthy_after_two = (
+        "FROM debian:bookworm-slim\nWORKDIR /app\n"  # the first check fails (and marks), the second passes
+        "HEALTHCHECK --interval=1s --retries=5 CMD test -f /tmp/checked || { touch /tmp/checked; exit 1; }\n"
+    )
+    plain = Task(make_task(tmp_path / "suite", "plain-image"))
+    checked_dir = make_task(tmp_path / "suite", "checked-image")
+    (checked_dir / "environment" / "Dockerfile").write_text(healthy_after_two)
+    checked = Task(checked_dir)
+    FastStartDockerEnvironment.forget_images()
+    seen: dict[str, tuple[list[tuple[str, bool]], str]] = {}
+    images = []
+    try:
+        async with Engine() as engine:
+            for task in (plain, checked):
+                async with engine.episode(task, "docker") as sandbox:
+                    environment = sandbox.environment
+                    images.append(environment._main_image_name)
+                    container = await environment._find_main_container()
+                    state = await anyio.run_process(["docker", "inspect", "--format", "{{json .State}}", container])
+                    health = (json.loads(state.stdout).get("Health") or {}).get("Status", "none")
+                    calls = [(t.call, t.skipped) for t in environment.call_profile if t.call.startswith("compose up")]
+                    seen[task.name] = (calls, health)
+    finally:
+        for image in images:
+            await anyio.run_process(["docker", "rmi", "-f", image], check=False)
+    assert seen["plain-image"] == ([("compose up --wait", True), ("compose up", False)], "none")
+    assert seen["checked-image"] == ([("compose up", False)], "healthy")  # waited for it, as Harbor's start does
+    assert docker_leftovers(OUR_PREFIX) == {}
