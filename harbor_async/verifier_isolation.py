@@ -31,12 +31,13 @@ async def end_agent_processes(environment: Any, timeout_sec: int = 30) -> None:
     """Kill every process of the sandbox but its init and main command (``strict_verify``), as its root.
 
     Raises:
-        AgentProcessesSurvivedError: some survived (a fork bomb outpacing 20 rounds), or the script failed.
+        AgentProcessesSurvivedError: some survived (a fork bomb outpacing 10 s of rounds), or the script failed.
     """
     result = await environment.exec(_SCRIPT.read_text(), timeout_sec=timeout_sec, user="root")
     if result.return_code not in (0, None):
         raise AgentProcessesSurvivedError(
-            f"ending the agent's processes failed (exit {result.return_code}): {(result.stderr or '').strip()[-500:]}"
+            f"ending the agent's processes failed (exit {result.return_code}): "
+            f"{(result.stderr or result.stdout or '').strip()[-500:]}"  # docker's exec merges stderr into stdout
         )
 
 

@@ -2,7 +2,10 @@
 # Ends every process of the sandbox but its init (PID 1), the init's oldest child and its
 # descendants (a container's main command, `sh -c "sleep infinity"`, which Docker's init
 # exits with) and this shell. Each round stops them all first (nothing can fork away),
-# then kills them; until none is left but the dead (zombies no signal can reach). Only the shell's builtins and /proc: any image.
+# then kills them; until none is left but the dead (zombies no signal can reach). Only the shell's builtins and /proc: any image
+# (no `sleep`: a binary the agent planted would run as root, as this shell's child). A killed process leaves only once the
+# kernel has run its exit (freeing a large memory takes a while, longer on a loaded machine), which can outlast many
+# rounds: rounds go on for 10 s by /proc/uptime (at least 20 rounds), well inside the exec's 30 s timeout.
 me=$$
 oldest=""
 oldest_start=""
@@ -26,8 +29,10 @@ while [ -n "$oldest" ] && [ "$grown" = 1 ]; do  # the main command's descendants
     done
 done
 keep=" 1 $me$main"
+read -r began _ < /proc/uptime
+began=${began%.*}
 round=0
-while [ "$round" -lt 20 ]; do
+while :; do
     round=$((round + 1))
     others=""
     for stat in /proc/[0-9]*/stat; do
@@ -46,6 +51,8 @@ while [ "$round" -lt 20 ]; do
     [ -z "$others" ] && exit 0
     kill -STOP $others 2>/dev/null
     kill -KILL $others 2>/dev/null
+    read -r now _ < /proc/uptime
+    [ "$round" -ge 20 ] && [ "${now%.*}" -ge $((began + 10)) ] && break
 done
 echo "processes still running after $round rounds:$others" >&2
 exit 1
