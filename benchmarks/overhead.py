@@ -8,13 +8,16 @@
   holds, each with an agent issuing about one exec per second, while a probe
   call through the portal from another thread (as a trainer's) stays under the
   bound **at its p99** (20 ms by default; the p50 is recorded beside it): a
-  median hides the stalls a trainer waits on.
+  median hides the stalls a trainer waits on. Each size also records why it
+  held or missed: how busy the loop thread was during the probe window and
+  the collector's pauses there (:mod:`benchmarks.window`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -25,6 +28,8 @@ from harbor_async.policy import Limits
 from harbor_async.sandbox import Sandbox
 from harbor_async.stats import percentile
 from harbor_async.tasks import load_suite
+
+from benchmarks.window import UsageWindow
 
 
 #: The probe's p99 bound (µs) and the live-sandbox counts the capacity ramp tries, smallest first.
@@ -58,6 +63,12 @@ class CapacityStep:
     probe_p50_us: float
     probe_p99_us: float
     under_bound: bool
+    #: During the probe window: the loop thread's CPU seconds per second, and CPython's collections
+    #: (how many, the longest pause, how many paused longer than the bound).
+    loop_busy: float = 0.0
+    collections: int = 0
+    longest_collection_ms: float = 0.0
+    collections_over_bound: int = 0
 
 
 @dataclass
@@ -154,6 +165,10 @@ def measure_capacity(
     loop: LoopThread, probe: Sandbox, tasks, sizes: list[int], probe_calls: int = 300, bound_us: float = 20_000.0
 ) -> list[CapacityStep]:
     """For each size, hold that many live sandboxes under agent-like load and probe the portal; stop at the first miss."""
+    async def loop_thread_id() -> int:
+        return threading.get_native_id()
+
+    native_id = loop.call(loop_thread_id)
     steps = []
     for size in sizes:
         engine = loop.open_engine(
@@ -187,11 +202,16 @@ def measure_capacity(
         handle: list = []  # the stop event, created on the loop
         future = loop.submit(load, handle)
         time.sleep(1.5)  # let the agents spread out
-        times = _time_portal_calls(loop, probe, probe_calls, pause=0.002)
+        with UsageWindow(native_id, bound_us / 1e6) as window:
+            times = _time_portal_calls(loop, probe, probe_calls, pause=0.002)
         loop.call(handle[0].set)
         future.result(60)
         loop.close_engine(engine, timeout=TEARDOWN_S)
-        step = CapacityStep(size, _us(times, 50), _us(times, 99), _us(times, 99) <= bound_us)  # judged on the tail
+        usage = window.usage
+        step = CapacityStep(
+            size, _us(times, 50), _us(times, 99), _us(times, 99) <= bound_us,  # judged on the tail
+            usage.busy, usage.collections, usage.longest_collection_ms, usage.collections_over_bound,
+        )  # fmt: skip
         steps.append(step)
         if not step.under_bound:
             break

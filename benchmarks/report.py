@@ -61,13 +61,18 @@ def overhead_table(result: OverheadResult) -> Table:
     table.add_column("measure")
     table.add_column("p50 µs", justify="right")
     table.add_column("p99 µs", justify="right")
+    table.add_column("loop busy", justify="right")
+    table.add_column("GC pauses (longest ms, over bound)", justify="right")
     table.add_row("exec awaited on the loop", f"{rt.direct_p50_us:.1f}", f"{rt.direct_p99_us:.1f}")
     table.add_row("exec through the portal (a shim call)", f"{rt.portal_p50_us:.1f}", f"{rt.portal_p99_us:.1f}")
     table.add_row("portal overhead", f"{rt.overhead_p50_us:.1f}", f"{rt.overhead_p99_us:.1f}")
     table.add_row("asyncio's bare hand-off, no engine (this machine's floor)", f"{rt.floor_p50_us:.1f}", f"{rt.floor_p99_us:.1f}")
     for step in result.capacity:
         mark = "" if step.under_bound else f"  (over {result.bound_us:g} µs)"
-        table.add_row(f"probe with {step.sandboxes} live sandboxes{mark}", f"{step.probe_p50_us:.1f}", f"{step.probe_p99_us:.1f}")
+        table.add_row(
+            f"probe with {step.sandboxes} live sandboxes{mark}", f"{step.probe_p50_us:.1f}", f"{step.probe_p99_us:.1f}",
+            f"{step.loop_busy:.0%}", f"{step.collections} ({step.longest_collection_ms:.1f}, {step.collections_over_bound})",
+        )  # fmt: skip
     return table
 
 

@@ -73,6 +73,9 @@ def test_overhead_reports_the_round_trip_and_capacity(tmp_path):
     assert [s["sandboxes"] for s in capacity] == [20, 40]
     for step in capacity:  # each step's verdict is its own p99, and the probe ran under load
         assert step["under_bound"] is True and 0 < step["probe_p50_us"] <= step["probe_p99_us"]
+        # why it held: the loop thread's share of the window (it served the probe's calls) and the collector's pauses
+        assert 0 < step["loop_busy"] < 1.5
+        assert step["collections_over_bound"] <= step["collections"] and step["longest_collection_ms"] >= 0
     assert data["max_sandboxes_under_bound"] == 40
     # Which event loop the loop thread ran: the figures depend on it.
     assert data["event_loop"] == "asyncio.unix_events._UnixSelectorEventLoop"
@@ -218,3 +221,48 @@ def test_a_process_exits_with_trls_env_still_referenced():
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
     assert (done.returncode, done.stdout) == (0, "started\n"), done.stderr[-2000:]
+
+
+def test_usage_window_measures_the_thread_it_names_and_the_collector():
+    import gc
+    import threading
+    import time
+
+    from benchmarks.window import UsageWindow
+
+    def spin(seconds: float, tid: list) -> None:
+        tid.append(threading.get_native_id())
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    # A thread that only sleeps through the window is idle there; one that spins is busy.
+    sleeper_id: list = []
+    sleeper = threading.Thread(target=lambda: (sleeper_id.append(threading.get_native_id()), time.sleep(1.0)))
+    sleeper.start()
+    while not sleeper_id:
+        time.sleep(0.01)
+    with UsageWindow(sleeper_id[0], bound_s=1.0) as idle:
+        time.sleep(0.3)
+    sleeper.join()
+    assert idle.usage.busy < 0.2 and idle.usage.seconds >= 0.3
+
+    spinner_id: list = []
+    spinner = threading.Thread(target=spin, args=(1.0, spinner_id))
+    spinner.start()
+    while not spinner_id:
+        time.sleep(0.01)
+    with UsageWindow(spinner_id[0], bound_s=0.0) as busy:
+        time.sleep(0.3)
+        garbage = [[] for _ in range(1000)]
+        for a, b in zip(garbage, garbage[1:]):  # cycles only the collector frees
+            a.append(b)
+            b.append(a)
+        del garbage, a, b
+        assert gc.collect() > 0
+    spinner.join()
+    assert busy.usage.busy > max(0.25, 3 * idle.usage.busy)  # a loaded runner shares the cores: not 1.0
+    # the collection above, timed; a zero bound counts every pause as over it
+    assert busy.usage.collections >= 1 and busy.usage.longest_collection_ms > 0
+    assert busy.usage.collections_over_bound == busy.usage.collections
+    assert busy._on_collection not in gc.callbacks  # the callback leaves with the window
