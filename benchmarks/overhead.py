@@ -166,9 +166,9 @@ def measure_capacity(
 ) -> list[CapacityStep]:
     """For each size, hold that many live sandboxes under agent-like load and probe the portal; stop at the first miss."""
     async def loop_thread_id() -> int:
-        return threading.get_native_id()
+        return threading.get_ident()
 
-    native_id = loop.call(loop_thread_id)
+    loop_ident = loop.call(loop_thread_id)
     steps = []
     for size in sizes:
         engine = loop.open_engine(
@@ -202,7 +202,7 @@ def measure_capacity(
         handle: list = []  # the stop event, created on the loop
         future = loop.submit(load, handle)
         time.sleep(1.5)  # let the agents spread out
-        with UsageWindow(native_id, bound_us / 1e6) as window:
+        with UsageWindow(loop_ident, bound_us / 1e6) as window:
             times = _time_portal_calls(loop, probe, probe_calls, pause=0.002)
         loop.call(handle[0].set)
         future.result(60)

@@ -3,8 +3,10 @@
 The capacity ramp judges a size on the probe's p99; this says why a size
 missed: a loop thread busy most of the window (every call queues behind the
 load) or collector pauses longer than the bound (every thread waits, the GIL
-held). The thread's CPU time comes from the kernel's per-thread counters
-(psutil), the pauses from ``gc.callbacks``.
+held). The thread's CPU time is read from its own CPU-time clock
+(``pthread_getcpuclockid``: nanoseconds, where the kernel's per-thread tick
+counters would read a short window's few milliseconds as zero), the pauses
+from ``gc.callbacks``.
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ import gc
 import time
 from dataclasses import dataclass
 from types import TracebackType
-
-import psutil
 
 
 @dataclass
@@ -30,18 +30,11 @@ class WindowUsage:
     collections_over_bound: int = 0
 
 
-def _thread_cpu(native_id: int) -> float:
-    for thread in psutil.Process().threads():
-        if thread.id == native_id:
-            return thread.user_time + thread.system_time
-    raise LookupError(f"no thread {native_id} in this process")
-
-
 class UsageWindow:
-    """``with UsageWindow(thread.native_id, bound_s) as window: ...``, then ``window.usage``."""
+    """``with UsageWindow(thread.ident, bound_s) as window: ...``, then ``window.usage``."""
 
-    def __init__(self, native_id: int, bound_s: float) -> None:
-        self._native_id = native_id
+    def __init__(self, ident: int, bound_s: float) -> None:
+        self._clock = time.pthread_getcpuclockid(ident)  # the thread's CPU time, readable from any thread
         self._bound_s = bound_s
         self._began_at = 0.0
         self._cpu_at = 0.0
@@ -59,7 +52,7 @@ class UsageWindow:
         usage.collections_over_bound += pause > self._bound_s
 
     def __enter__(self) -> UsageWindow:
-        self._cpu_at = _thread_cpu(self._native_id)
+        self._cpu_at = time.clock_gettime(self._clock)
         gc.callbacks.append(self._on_collection)
         self._began_at = time.perf_counter()
         return self
@@ -70,4 +63,4 @@ class UsageWindow:
         seconds = time.perf_counter() - self._began_at
         gc.callbacks.remove(self._on_collection)
         self.usage.seconds = round(seconds, 3)
-        self.usage.busy = round((_thread_cpu(self._native_id) - self._cpu_at) / seconds, 3) if seconds > 0 else 0.0
+        self.usage.busy = round((time.clock_gettime(self._clock) - self._cpu_at) / seconds, 3) if seconds > 0 else 0.0

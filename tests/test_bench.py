@@ -231,14 +231,14 @@ def test_usage_window_measures_the_thread_it_names_and_the_collector():
     from benchmarks.window import UsageWindow
 
     def spin(seconds: float, tid: list) -> None:
-        tid.append(threading.get_native_id())
+        tid.append(threading.get_ident())
         end = time.thread_time() + seconds
         while time.thread_time() < end:
             pass
 
     # A thread that only sleeps through the window is idle there; one that spins is busy.
     sleeper_id: list = []
-    sleeper = threading.Thread(target=lambda: (sleeper_id.append(threading.get_native_id()), time.sleep(1.0)))
+    sleeper = threading.Thread(target=lambda: (sleeper_id.append(threading.get_ident()), time.sleep(1.0)))
     sleeper.start()
     while not sleeper_id:
         time.sleep(0.01)
