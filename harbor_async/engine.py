@@ -222,7 +222,7 @@ class Engine:
         spec.check_options(options)  # so do options the backend does not take
         cls = spec.environment_class()
         if cls not in self._holds and hasattr(cls, "engine_hold"):  # e.g. the local backend's ready sandboxes
-            self._holds[cls] = cls.engine_hold()
+            self._holds[cls] = cls.engine_hold(self.run_label)
         sandbox = Sandbox(
             self._context,
             task,

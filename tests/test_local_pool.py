@@ -1,8 +1,9 @@
 """The local backend's ready sandboxes (harbor_async.backends.local.pool) and the throughput floor.
 
-A start takes a never-used sandbox made ahead while an engine is open; nothing
-one sandbox wrote reaches the next, and closing the engine (also by
-cancellation) removes every piece not taken.
+A start takes a never-used sandbox made ahead while an engine is open (the
+default; ``HARBOR_ASYNC_LOCAL_POOL=0`` turns it off); nothing one sandbox wrote
+reaches the next, and closing the engine (also by cancellation) removes every
+piece of its run not taken, whatever other engines hold.
 """
 
 from __future__ import annotations
@@ -26,12 +27,6 @@ pytestmark = [pytest.mark.range, pytest.mark.skipif(shutil.which("bwrap") is Non
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture(autouse=True)
-def pool_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pool is opt-in (``HARBOR_ASYNC_LOCAL_POOL=1``); these tests are about it."""
-    monkeypatch.setenv("HARBOR_ASYNC_LOCAL_POOL", "1")
 
 
 def _task():
@@ -101,15 +96,46 @@ async def test_closing_the_engine_removes_every_pooled_piece_even_when_cancelled
 
 
 @pytest.mark.anyio
-async def test_the_pool_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv("HARBOR_ASYNC_LOCAL_POOL")
-    monkeypatch.setenv("HARBOR_ASYNC_LOCAL_ROOT", str(tmp_path))
+async def test_the_pool_is_on_by_default_and_off_when_asked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("HARBOR_ASYNC_LOCAL_POOL", raising=False)
+    async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "on")}) as engine:
+        async with engine.episode(_task(), "local") as sandbox:
+            assert POOL.held
+        await _wait_ready(1)
+        assert {p.folder.parent for p in POOL.ready()} == {tmp_path / "on"}
+    monkeypatch.setenv("HARBOR_ASYNC_LOCAL_POOL", "0")
     taken = POOL.taken
-    async with Engine() as engine:
+    async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "off")}) as engine:
         async with engine.episode(_task(), "local") as sandbox:
             assert (await sandbox.exec("echo ok")).output.strip() == "ok"
         assert not POOL.held and POOL.ready() == []  # no engine hold: nothing made ahead
+        async with engine.episode(_task(), "local") as sandbox:
+            await sandbox.exec("true")
     assert POOL.taken == taken
+
+
+@pytest.mark.anyio
+async def test_closing_one_run_removes_its_pieces_and_leaves_another_runs(tmp_path: Path) -> None:
+    """The pieces of a closed engine's run go with it, also while another engine (a shim's, open until
+    exit) holds the pool; none is made for it afterwards."""
+    async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "kept")}) as kept:
+        async with kept.episode(_task(), "local") as sandbox:
+            await sandbox.exec("true")
+        async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "closed")}) as closed:
+            async with closed.episode(_task(), "local") as sandbox:
+                await sandbox.exec("true")
+            await _wait_ready(4)
+            mine = [p for p in POOL.ready() if p.folder.parent == tmp_path / "closed"]
+            keepers = [p.keeper.process.pid for p in mine if p.keeper is not None]
+            assert mine and all(_alive(pid) for pid in keepers)
+        assert POOL.held  # the first engine still holds its run's
+        left = POOL.ready(settle=10.0)
+        assert left and {p.folder.parent for p in left} == {tmp_path / "kept"}
+        assert not [p.folder for p in mine if p.folder.exists()] and not [pid for pid in keepers if _alive(pid)]
+        await anyio.sleep(0.5)  # the pool's thread had time to make more, for the closed run too if it would
+        assert {p.folder.parent for p in POOL.ready(settle=10.0)} == {tmp_path / "kept"}
+        assert not list((tmp_path / "closed").iterdir())
+    assert POOL.ready() == [] and not POOL.held and not list((tmp_path / "kept").iterdir())
 
 
 def test_without_an_engine_nothing_is_made_ahead(tmp_path: Path) -> None:

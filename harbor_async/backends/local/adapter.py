@@ -66,7 +66,7 @@ from harbor_async.backends.local.transfers import DEFAULT_TRANSFER_LIMIT_MB, San
 from harbor_async.backends.local.verifier_ns import VerifierNamespace
 from harbor_async.naming import DEFAULT_LOCAL_ROOT, LOCAL_ROOT_ENV, MARKER_NAME, local_folder_name
 
-#: Set to 1 to let an open engine keep local sandboxes ready ahead of starts (see ``engine_hold``).
+#: Set to 0 to stop open engines keeping local sandboxes ready ahead of starts (see ``engine_hold``).
 POOL_ENV = "HARBOR_ASYNC_LOCAL_POOL"
 
 
@@ -329,17 +329,17 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             chown_made(self._fs, made, uid)
 
     @classmethod
-    def engine_hold(cls) -> Callable[[], None]:
-        """Keep sandboxes ready ahead of starts until the returned function is called (an engine's lifetime).
+    def engine_hold(cls, run_label: str) -> Callable[[], None]:
+        """Keep sandboxes of ``run_label`` ready ahead of starts until the returned function is called.
 
-        Only with ``HARBOR_ASYNC_LOCAL_POOL=1``: the pool left pieces behind
-        under load in CI (its keepers and folders outlived the tests that
-        made them), so it stays opt-in until that is found; without it each
-        start builds its sandbox itself from the per-process base tree.
+        An engine holds its run's label while open (:mod:`.pool`): a start then
+        takes a sandbox made ahead (folder, uid, cgroups, tmpfs, keeper) and
+        applies only its task's files. ``HARBOR_ASYNC_LOCAL_POOL=0`` turns it
+        off: each start then builds its sandbox itself.
         """
-        if os.environ.get(POOL_ENV, "").strip().lower() not in ("1", "true", "yes"):
+        if os.environ.get(POOL_ENV, "").strip().lower() in ("0", "false", "no", "off"):
             return lambda: None
-        return POOL.hold()
+        return POOL.hold(run_label)
 
     async def _end_keeper(self) -> None:
         """Kill the sandbox's PID 1 (the kernel then kills every process in its PID namespace)."""

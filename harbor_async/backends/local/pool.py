@@ -13,10 +13,12 @@ meanwhile.
 
 A piece is used by one sandbox, once: nothing is ever given back, so nothing
 one sandbox wrote can reach another; ``stop()`` removes it all as before.
-Pieces are made per (base folder, run label, limits); the last holder's release
-removes every piece not taken (keepers killed, cgroups, mounts, folders and
-uids freed), and waits for one being built. Each piece has the marker of a
-sandbox (its owner pid): a killed process's pieces are reaped like its sandboxes.
+Pieces are made per (base folder, run label, limits), and only for a run
+label an engine holds: the release of a label's last holder removes every
+piece of that label not taken (keepers killed, cgroups, mounts, folders and
+uids freed), and waits for one being built, while the engines of other runs
+in the process keep theirs. Each piece has the marker of a sandbox (its owner
+pid): a killed process's pieces are reaped like its sandboxes.
 """
 
 from __future__ import annotations
@@ -241,40 +243,41 @@ Key = tuple[str, str, ResourceLimits, bool]  # base folder, run label, limits, l
 
 
 class RootPool:
-    """Ready pieces per :data:`Key`, refilled by one thread while someone holds the pool."""
+    """Ready pieces per :data:`Key`, refilled by one thread for the run labels engines hold."""
 
     def __init__(self) -> None:
         self._lock = threading.Condition()
         self._ready: dict[Key, list[Piece]] = {}
         self._target: dict[Key, int] = {}
         self._tools: Tools | None = None
-        self._holders = 0
-        self._building = False
+        self._holders: dict[str, int] = {}  # run label -> engines holding it
+        self._building: Key | None = None  # the kind of the piece being built
         self._thread: threading.Thread | None = None
         self.taken = self.missed = 0
 
-    def hold(self) -> Callable[[], None]:
-        """Keep pieces ready until the returned function is called (once); an engine holds it while open."""
+    def hold(self, run_label: str) -> Callable[[], None]:
+        """Keep pieces of ``run_label`` ready until the returned function is called (once); an engine holds
+        its run's label while open."""
         with self._lock:
-            self._holders += 1
+            self._holders[run_label] = self._holders.get(run_label, 0) + 1
         released = threading.Event()
 
         def release() -> None:
             if not released.is_set():
                 released.set()
-                self._release()
+                self._release(run_label)
 
         return release
 
     @property
     def held(self) -> bool:
         """Whether an engine holds the pool (tasks' trees are then read once, see :mod:`.template`)."""
-        return self._holders > 0
+        return bool(self._holders)
 
     def take(self, key: Key, tools: Tools) -> Piece | None:
-        """A ready piece of ``key`` (None: none ready, or nobody holds the pool); asks for more."""
+        """A ready piece of ``key`` (None: none ready, or nobody holds its run label); asks for more."""
         with self._lock:
-            if self._holders == 0:
+            if key[1] not in self._holders:
                 return None
             self._tools = tools
             pieces = self._ready.setdefault(key, [])
@@ -291,7 +294,7 @@ class RootPool:
     def ready(self, settle: float = 0.0) -> list[Piece]:
         """The pieces ready now (for tests and diagnostics), after waiting up to ``settle`` s for one being built."""
         with self._lock:
-            self._lock.wait_for(lambda: not self._building, timeout=settle)
+            self._lock.wait_for(lambda: self._building is None, timeout=settle)
             return [piece for pieces in self._ready.values() for piece in pieces]
 
     def _wake(self) -> None:
@@ -309,10 +312,10 @@ class RootPool:
     def _refill(self) -> None:
         while True:
             with self._lock:
-                while self._holders == 0 or self._next_key() is None:
+                while self._next_key() is None:
                     self._lock.wait()
                 key, tools = self._next_key(), self._tools
-                self._building = True
+                self._building = key
             assert key is not None and tools is not None
             base, label, limits, require = key
             session = f"{POOL_SESSION_PREFIX}{os.getpid()}-{next(_numbers)}"
@@ -323,35 +326,40 @@ class RootPool:
                 log.debug("local sandbox pool: cannot make %s: %s", folder.name, exc)
                 piece = None
             with self._lock:
-                if piece is not None and self._holders > 0:
+                if piece is not None and label in self._holders:
                     self._ready.setdefault(key, []).append(piece)
                     piece = None
-                elif piece is None:
+                elif piece is None and key in self._target:
                     self._target[key] = 0  # this kind fails: starts build their own (and say why)
-            if piece is not None:  # released meanwhile: gone before the release returns
+            if piece is not None:  # its label released meanwhile: gone before that release returns
                 with contextlib.suppress(OSError):
                     discard_piece(piece)
             with self._lock:
-                self._building = False
+                self._building = None
                 self._lock.notify_all()
 
     def close(self) -> None:
         """Remove every ready piece now, whoever holds the pool (at interpreter exit)."""
         with self._lock:
-            self._holders = 1
-        self._release()
+            labels = list(self._holders)
+            self._holders = {label: 1 for label in labels}
+        for label in labels:
+            self._release(label)
 
-    def _release(self) -> None:
+    def _release(self, run_label: str) -> None:
         with self._lock:
-            self._holders -= 1
-            if self._holders > 0:
+            self._holders[run_label] -= 1
+            if self._holders[run_label] > 0:
                 return
-            while self._building:  # its piece is discarded by the thread itself, before this wait ends
-                self._lock.wait()
-            pieces = [piece for pieces in self._ready.values() for piece in pieces]
-            self._ready.clear()
-            self._target.clear()
-            forget()  # the next run reads the host's /etc and the tasks' files again
+            del self._holders[run_label]
+            keys = [key for key in {*self._ready, *self._target} if key[1] == run_label]
+            pieces = [piece for key in keys for piece in self._ready.pop(key, [])]
+            for key in keys:  # before the wait: the thread must not begin another of them
+                self._target.pop(key, None)
+            # A piece of this run being made is discarded by the thread itself, before this wait ends.
+            self._lock.wait_for(lambda: self._building is None or self._building[1] != run_label)
+            if not self._holders:
+                forget()  # the next run reads the host's /etc and the tasks' files again
         for piece in pieces:
             try:
                 discard_piece(piece)
