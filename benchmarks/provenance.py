@@ -1,4 +1,4 @@
-"""How a benchmark result came to be: commit, command line, machine, load before and after.
+"""How a benchmark result came to be: commit, command line and settings, machine, load before and after.
 
 Every result file written under ``benchmarks/results/`` or ``--out`` carries
 this block (:func:`provenance`), so a figure can be traced to the code that made
@@ -61,13 +61,22 @@ def command_line(argv: list[str] | None = None) -> str:
     return shlex.join(first + argv[1:])
 
 
+def settings(environ: dict[str, str] | None = None) -> str:
+    """The ``HARBOR_ASYNC_*`` variables the run saw, as ``NAME=value`` words (they change what is measured,
+    e.g. ``HARBOR_ASYNC_LOCAL_POOL=0``); empty when none is set."""
+    environ = os.environ if environ is None else environ
+    return shlex.join(f"{name}={value}" for name, value in sorted(environ.items()) if name.startswith("HARBOR_ASYNC_"))
+
+
 def provenance(argv: list[str] | None = None) -> dict:
-    """The commit (and whether the tree differs from it), the command, the start and end, the load before and after."""
+    """The commit (and whether the tree differs from it), the command and the settings it ran with, the start and
+    end, the load before and after."""
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {
         "commit": _git("rev-parse", "HEAD"),
         "dirty": None if status is None else bool(status),
         "command": command_line(argv),
+        "settings": settings(),
         "cwd": os.getcwd(),
         "started": _started["time"],
         "finished": _now(),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,14 +18,14 @@ pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or whe
 REPO = Path(__file__).resolve().parents[1]
 
 
-def bench(*args: str, out: Path) -> dict:
+def bench(*args: str, out: Path, env: dict[str, str] | None = None) -> dict:
     result = subprocess.run(
         [sys.executable, "-m", "harbor_async", "bench", *args, "--out", str(out)],
         capture_output=True,
         text=True,
         cwd=REPO,
         timeout=600,
-        env={**__import__("os").environ, "TRL_EXPERIMENTAL_SILENCE": "1"},
+        env={**(os.environ if env is None else env), "TRL_EXPERIMENTAL_SILENCE": "1"},
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return {"stdout": result.stdout, "stderr": result.stderr}
@@ -115,6 +116,19 @@ def test_every_result_file_records_commit_command_machine_and_load(tmp_path):
     machine = data["machine"]
     assert machine["cpus"] >= 1 and machine["memory_gib"] > 0 and machine["python"] and machine["platform"]
     assert machine["packages"]["harbor-async"] and machine["packages"]["harbor"]
+
+
+def test_the_settings_a_run_saw_are_recorded_beside_its_command(tmp_path):
+    from benchmarks.provenance import settings
+
+    assert settings({"HARBOR_ASYNC_LOCAL_POOL": "0", "HOME": "/root", "HARBOR_ASYNC_LOG_LEVEL": "a b"}) == (
+        "HARBOR_ASYNC_LOCAL_POOL=0 'HARBOR_ASYNC_LOG_LEVEL=a b'"
+    )
+    assert settings({"PATH": "/bin"}) == ""
+    env = {**os.environ, "HARBOR_ASYNC_LOCAL_POOL": "0"}
+    bench("throughput", "-e", "simulated", "--latency", "zero", "--episodes", "2", "-n", "1", out=tmp_path, env=env)
+    prov = json.loads((tmp_path / "throughput-simulated.json").read_text())["provenance"]
+    assert "HARBOR_ASYNC_LOCAL_POOL=0" in prov["settings"].split()
 
 
 def test_command_line_is_written_as_the_user_typed_it():
