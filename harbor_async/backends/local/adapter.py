@@ -272,7 +272,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             piece = POOL.take(key, tools)
             if piece is None:
                 # Shielded: a cancelled start must not leave a sandbox being built behind.
-                with anyio.CancelScope(shield=True):
+                with anyio.CancelScope(shield=True), POOL.building_own():
                     piece = await anyio.to_thread.run_sync(
                         build_piece, self._root, self.run_label, limits, self._require_limits, tools, self.session_id
                     )
@@ -311,13 +311,14 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
     def _apply_task(self) -> None:
         """The task's part of the root: its WORKDIR and COPY lines, given to the sandbox's uid.
 
-        While an engine holds the pool, that part is read once per task
-        (:func:`.template.task_entries`, as Docker builds a task's image once
-        per run) and written by plain calls; else it is copied here.
+        While an engine holds the pool, that part is read once per task from
+        its second start on (:func:`.template.task_entries`, as Docker builds a
+        task's image once per run) and written by plain calls; else it is
+        copied here.
         """
         uid = self._sandbox_uid()
-        if POOL.held:
-            entries = task_entries(self.environment_dir, self._spec.copies, self._workdir)
+        entries = task_entries(self.environment_dir, self._spec.copies, self._workdir) if POOL.held else None
+        if entries is not None:
             write_entries(self._mount or self._fs, entries, uid)
             return
         made = [host_path(self._fs, "/", self._workdir, writable=True)]

@@ -34,7 +34,7 @@ import subprocess
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -252,6 +252,7 @@ class RootPool:
         self._tools: Tools | None = None
         self._holders: dict[str, int] = {}  # run label -> engines holding it
         self._building: Key | None = None  # the kind of the piece being built
+        self._own_builds = 0  # starts that found none ready, building their own now
         self._thread: threading.Thread | None = None
         self.taken = self.missed = 0
 
@@ -291,6 +292,24 @@ class RootPool:
             self._wake()
         return piece
 
+    @contextlib.contextmanager
+    def building_own(self) -> Iterator[None]:
+        """Around a start's own build (it found none ready): the thread makes none meanwhile.
+
+        Pieces are made ahead with time the starts leave over; while starts
+        build their own the machine is busy with them, and a piece made then
+        competes with them for the CPU (at a burst of starts, most such pieces
+        would wait for starts that never come).
+        """
+        with self._lock:
+            self._own_builds += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._own_builds -= 1
+                self._lock.notify_all()
+
     def ready(self, settle: float = 0.0) -> list[Piece]:
         """The pieces ready now (for tests and diagnostics), after waiting up to ``settle`` s for one being built."""
         with self._lock:
@@ -312,7 +331,7 @@ class RootPool:
     def _refill(self) -> None:
         while True:
             with self._lock:
-                while self._next_key() is None:
+                while self._own_builds or self._next_key() is None:
                     self._lock.wait()
                 key, tools = self._next_key(), self._tools
                 self._building = key

@@ -28,6 +28,7 @@ _lock = threading.Lock()
 Entry = tuple[int, str, int, bytes | str]  # kind, path relative to the root, mode, content or link target
 _entries: list[Entry] | None = None
 _tasks: dict[tuple[str, str, tuple[CopyStep, ...]], list[Entry]] = {}
+_seen: set[tuple[str, str, tuple[CopyStep, ...]]] = set()  # tasks started once, their part not yet read
 
 
 def base_entries() -> list[Entry]:
@@ -50,8 +51,14 @@ def _scratch() -> Path:
     return Path(tempfile.mkdtemp(prefix="harbor-async-template-", dir=shm))
 
 
-def task_entries(environment_dir: Path, copies: list[CopyStep], workdir: str) -> list[Entry]:
-    """What a task adds to the base tree (its WORKDIR, its COPY lines), cached until :func:`forget`.
+def task_entries(environment_dir: Path, copies: list[CopyStep], workdir: str) -> list[Entry] | None:
+    """What a task adds to the base tree (its WORKDIR, its COPY lines), from its second start on (cached until
+    :func:`forget`); ``None`` at its first, which applies its lines itself.
+
+    Reading a task's part costs a whole base tree written and read back
+    (tens of milliseconds, more with starts beside it), worth paying for a
+    task that starts again (a GRPO group, a second attempt), not for one
+    that runs once (an eval of many tasks).
 
     Applied with :func:`~.rootfs.apply_copy` to a scratch copy of the base tree,
     so the rules (symlinks, folders, escapes refused) are the same; then only the
@@ -63,6 +70,9 @@ def task_entries(environment_dir: Path, copies: list[CopyStep], workdir: str) ->
     key = (str(environment_dir), workdir, tuple(copies))
     with _lock:
         found = _tasks.get(key)
+        if found is None and key not in _seen:
+            _seen.add(key)
+            return None
     if found is not None:
         return found
     base = {(kind, relative, mode, content) for kind, relative, mode, content in base_entries()}
@@ -86,6 +96,7 @@ def forget() -> None:
     with _lock:
         _entries = None
         _tasks.clear()
+        _seen.clear()
 
 
 def _read(top: Path) -> list[Entry]:
