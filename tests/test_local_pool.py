@@ -170,3 +170,51 @@ async def test_throughput_measures_the_bwrap_floor_in_the_same_run() -> None:
     assert f"{busy.start_over_concurrent_floor:g}" in section.tables[-1].rows[0]
     simulated = await run_throughput(episodes=1, concurrency=1, backend="simulated", sample_memory=False)
     assert simulated.bwrap_floor_p50_ms is None and simulated.start_over_floor is None  # the floor is local's
+
+
+@pytest.mark.anyio
+async def test_no_piece_is_made_while_a_start_builds_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Pieces are made with time starts leave over: while one builds its own, the pool's thread waits."""
+    from harbor_async.backends.local.pool import discard_piece
+
+    asked: list = []
+    take = POOL.take
+    monkeypatch.setattr(POOL, "take", lambda key, tools: asked.append((key, tools)) or take(key, tools))
+    async with Engine(backend_kwargs={"sandbox_root": str(tmp_path)}) as engine:
+        async with engine.episode(_task(), "local") as sandbox:
+            await sandbox.exec("true")
+        key, tools = asked[0]
+        await _wait_ready(1)
+        POOL.ready(settle=10.0)
+        with POOL.building_own():
+            taken = []
+            while (piece := take(key, tools)) is not None:  # each miss asks the thread for more
+                taken.append(piece)
+            for piece in taken:
+                await anyio.to_thread.run_sync(discard_piece, piece)
+            await anyio.sleep(1.0)
+            assert POOL.ready(settle=1.0) == []  # asked, and none made
+        await _wait_ready(1)  # made once no start builds its own
+
+
+@pytest.mark.anyio
+async def test_a_tasks_part_is_read_ahead_from_its_second_start(tmp_path: Path) -> None:
+    """A task that runs once applies its own lines; one that starts again has its part read once, then written."""
+    from harbor_async.backends.local import template
+
+    task = _task()
+    async with Engine(backend_kwargs={"sandbox_root": str(tmp_path)}) as engine:
+        async with engine.episode(task, "local") as sandbox:
+            assert (await sandbox.exec("pwd")).exit_code == 0
+        assert template._tasks == {} and len(template._seen) == 1
+        for _ in range(2):
+            async with engine.episode(task, "local") as sandbox:
+                listed = await sandbox.exec("pwd; ls -A")
+        assert len(template._tasks) == 1
+        (entries,) = template._tasks.values()
+        assert entries  # the WORKDIR at least
+    assert template._tasks == {} and template._seen == set()  # forgotten with the last hold
+    async with Engine(backend_kwargs={"sandbox_root": str(tmp_path)}) as engine:
+        async with engine.episode(task, "local") as sandbox:
+            first = await sandbox.exec("pwd; ls -A")
+    assert first.output == listed.output  # the same tree either way
