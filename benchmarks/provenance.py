@@ -13,6 +13,7 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -61,11 +62,20 @@ def command_line(argv: list[str] | None = None) -> str:
     return shlex.join(first + argv[1:])
 
 
-def settings(environ: dict[str, str] | None = None) -> str:
+#: Parts of a variable's name that mark a secret: its value is never written into a result file.
+SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
+
+
+def settings(environ: Mapping[str, str] | None = None) -> str:
     """The ``HARBOR_ASYNC_*`` variables the run saw, as ``NAME=value`` words (they change what is measured,
-    e.g. ``HARBOR_ASYNC_LOCAL_POOL=0``); empty when none is set."""
+    e.g. ``HARBOR_ASYNC_LOCAL_POOL=0``), a secret's value as ``<redacted>``; empty when none is set."""
     environ = os.environ if environ is None else environ
-    return shlex.join(f"{name}={value}" for name, value in sorted(environ.items()) if name.startswith("HARBOR_ASYNC_"))
+    words = []
+    for name, value in sorted(environ.items()):
+        if name.startswith("HARBOR_ASYNC_"):
+            secret = any(word in name.upper() for word in SECRET_WORDS)
+            words.append(f"{name}={'<redacted>' if secret else value}")
+    return shlex.join(words)
 
 
 def provenance(argv: list[str] | None = None) -> dict:

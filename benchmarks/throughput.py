@@ -204,6 +204,9 @@ async def run_throughput(
         if concurrency > 1:
             concurrent = await anyio.to_thread.run_sync(bwrap_floor, floor_samples, concurrency)
     start = stats.phases.get("start")
+    # Ratios from the floors as written: a reader dividing the file's own figures gets its ratios.
+    floor_ms = round(floor[0], 3) if floor else None
+    concurrent_ms = round(concurrent[0], 3) if concurrent else None
     # The warm-up episode is in the engine's counters; the rate and failures are not.
     return ThroughputResult(
         backend=backend,
@@ -220,12 +223,12 @@ async def run_throughput(
             name: {"p50": p.p50, "p95": p.p95, "p99": p.p99, "count": p.count}
             for name, p in stats.phases.items()
         },
-        bwrap_floor_p50_ms=round(floor[0], 3) if floor else None,
-        start_over_floor=round(start.p50 * 1e3 / floor[0], 2) if floor and start is not None and floor[0] > 0 else None,
+        bwrap_floor_p50_ms=floor_ms,
+        start_over_floor=round(start.p50 * 1e3 / floor_ms, 2) if floor_ms and start is not None else None,
         bwrap_floor_argv=floor[1] if floor else None,
-        bwrap_floor_concurrent_p50_ms=round(concurrent[0], 3) if concurrent else None,
+        bwrap_floor_concurrent_p50_ms=concurrent_ms,
         start_over_concurrent_floor=(
-            round(start.p50 * 1e3 / concurrent[0], 2) if concurrent and start is not None and concurrent[0] > 0 else None
+            round(start.p50 * 1e3 / concurrent_ms, 2) if concurrent_ms and start is not None else None
         ),
     )
 

@@ -96,7 +96,7 @@ class Engine:
         self._drained = anyio.Event()
         self._close_requested: anyio.Event | None = None
         self._context: SandboxContext | None = None
-        self._holds: dict[type, Callable[[], None]] = {}  # backend class -> release of what it keeps warm
+        self._holds: dict[tuple[type, str], Callable[[], None]] = {}  # (backend class, run label) -> its release
         self._specs: dict[str, BackendSpec] = {}  # backend name -> its spec, one shared by the sandboxes
 
     # ── lifecycle of the engine itself ──────────────────────────────────
@@ -163,16 +163,18 @@ class Engine:
             sandboxes = list(self._ledger.values())
             if sandboxes:
                 self._log.info("engine.close", live=len(sandboxes))
-            async with anyio.create_task_group() as tg:
-                for sandbox in sandboxes:
-                    tg.start_soon(sandbox.stop)
-            holds, self._holds = list(self._holds.values()), {}
-            for release in holds:
-                try:
-                    await anyio.to_thread.run_sync(release)
-                except RuntimeError:  # no new threads at interpreter shutdown
-                    release()
-            self._drained.set()
+            try:
+                async with anyio.create_task_group() as tg:
+                    for sandbox in sandboxes:
+                        tg.start_soon(sandbox.stop)
+                holds, self._holds = list(self._holds.values()), {}
+                for release in holds:
+                    try:
+                        await anyio.to_thread.run_sync(release)
+                    except RuntimeError:  # no new threads at interpreter shutdown
+                        release()
+            finally:  # a second close waits for this one: it must never wait for ever
+                self._drained.set()
         self.request_close()
 
     @property
@@ -221,8 +223,11 @@ class Engine:
         options = {**self.backend_kwargs, **(backend_kwargs or {})}
         spec.check_options(options)  # so do options the backend does not take
         cls = spec.environment_class()
-        if cls not in self._holds and hasattr(cls, "engine_hold"):  # e.g. the local backend's ready sandboxes
-            self._holds[cls] = cls.engine_hold(self.run_label)
+        # What the backend keeps warm for this run (e.g. the local backend's ready sandboxes), under the label
+        # its sandboxes get (the user's ``run_label`` option, if given, else the engine's).
+        label = str(options.get("run_label") or self.run_label)
+        if (cls, label) not in self._holds and hasattr(cls, "engine_hold"):
+            self._holds[(cls, label)] = cls.engine_hold(label)
         sandbox = Sandbox(
             self._context,
             task,

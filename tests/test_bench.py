@@ -125,6 +125,7 @@ def test_the_settings_a_run_saw_are_recorded_beside_its_command(tmp_path):
         "HARBOR_ASYNC_LOCAL_POOL=0 'HARBOR_ASYNC_LOG_LEVEL=a b'"
     )
     assert settings({"PATH": "/bin"}) == ""
+    assert settings({"HARBOR_ASYNC_API_KEY": "sk-live"}) == "'HARBOR_ASYNC_API_KEY=<redacted>'"
     env = {**os.environ, "HARBOR_ASYNC_LOCAL_POOL": "0"}
     bench("throughput", "-e", "simulated", "--latency", "zero", "--episodes", "2", "-n", "1", out=tmp_path, env=env)
     prov = json.loads((tmp_path / "throughput-simulated.json").read_text())["provenance"]

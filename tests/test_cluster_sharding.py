@@ -226,3 +226,31 @@ def test_run_eval_a_cluster_worker_and_the_shim_write_one_record_shape(ray_clust
     # eval on the driver and on a worker: the same conversation
     assert [m["role"] for m in local.transcript] == [m["role"] for m in worker.transcript]
     assert local.agent == worker.agent == shim.agent == "bash" and ran.agent == "oracle"
+
+
+def test_a_worker_opens_one_engine_for_the_episodes_that_arrive_together() -> None:
+    """The actor's first episodes arrive at once: one engine serves them all and close() closes it."""
+    from harbor_async.cluster.sharding import EpisodeWorker
+
+    engines: list[Engine] = []
+
+    class Record:
+        def to_dict(self) -> dict:
+            return {}
+
+    async def episode(engine: Engine, item: int) -> Record:
+        engines.append(engine)
+        await anyio.sleep(0.01)
+        return Record()
+
+    async def main() -> None:
+        worker = EpisodeWorker(episode, {})
+        async with anyio.create_task_group() as tg:
+            for i in range(8):
+                tg.start_soon(worker.run, i)
+        assert len(engines) == 8 and len({id(e) for e in engines}) == 1
+        assert not engines[0].closed
+        await worker.close()
+        assert engines[0].closed
+
+    anyio.run(main)

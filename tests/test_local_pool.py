@@ -33,9 +33,15 @@ def _task():
     return load_suite(None).tasks[0]
 
 
-async def _wait_ready(count: int, timeout: float = 20.0) -> None:
+def _mine(root: Path) -> list:
+    """The ready pieces under the sandbox root ``root`` (other tests' engines, a shim's open until exit, may
+    hold the pool for their runs too)."""
+    return [piece for piece in POOL.ready() if piece.folder.parent == root]
+
+
+async def _wait_ready(root: Path, count: int = 1, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
-    while len(POOL.ready()) < count:
+    while len(_mine(root)) < count:
         assert time.monotonic() < deadline, "the pool made no sandbox ahead"
         await anyio.sleep(0.02)
 
@@ -55,7 +61,7 @@ async def test_a_pooled_sandbox_never_sees_what_an_earlier_one_wrote(tmp_path: P
         async with engine.episode(_task(), "local") as first:
             assert (await first.exec(plant)).exit_code == 0
             first_root = first.environment.root
-        await _wait_ready(1)
+        await _wait_ready(tmp_path / "sb")
         taken = POOL.taken
         async with engine.episode(_task(), "local") as second:
             assert POOL.taken == taken + 1  # this one came from the pool
@@ -75,8 +81,9 @@ async def test_closing_the_engine_removes_every_pooled_piece_even_when_cancelled
         async with Engine(backend_kwargs={"sandbox_root": str(base)}) as engine:
             async with engine.episode(_task(), "local") as sandbox:
                 await sandbox.exec("true")
-            await _wait_ready(2)
-            pieces = POOL.ready()
+            await _wait_ready(base, 2)
+            pieces = _mine(base)
+            label = engine.run_label
             folders = [p.folder for p in pieces]
             mounts = [p.mount for p in pieces if p.mount is not None]
             cgroups = [f for p in pieces if p.confinement.cgroups is not None for f in p.confinement.cgroups.folders]
@@ -87,7 +94,7 @@ async def test_closing_the_engine_removes_every_pooled_piece_even_when_cancelled
                 scope.cancel()  # the engine closes by cancellation, a sandbox running
                 await sandbox.exec("sleep 30")
     assert scope.cancelled_caught
-    assert POOL.ready() == [] and not POOL.held
+    assert _mine(base) == [] and not POOL.holds(label)
     assert not [f for f in folders if f.exists()]
     assert not [m for m in mounts if os.path.lexists(m)]
     assert not [c for c in cgroups if c.exists()]
@@ -100,15 +107,14 @@ async def test_the_pool_is_on_by_default_and_off_when_asked(monkeypatch: pytest.
     monkeypatch.delenv("HARBOR_ASYNC_LOCAL_POOL", raising=False)
     async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "on")}) as engine:
         async with engine.episode(_task(), "local") as sandbox:
-            assert POOL.held
-        await _wait_ready(1)
-        assert {p.folder.parent for p in POOL.ready()} == {tmp_path / "on"}
+            assert POOL.holds(engine.run_label)
+        await _wait_ready(tmp_path / "on")
     monkeypatch.setenv("HARBOR_ASYNC_LOCAL_POOL", "0")
     taken = POOL.taken
     async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "off")}) as engine:
         async with engine.episode(_task(), "local") as sandbox:
             assert (await sandbox.exec("echo ok")).output.strip() == "ok"
-        assert not POOL.held and POOL.ready() == []  # no engine hold: nothing made ahead
+        assert not POOL.holds(engine.run_label) and _mine(tmp_path / "off") == []  # no hold: nothing made ahead
         async with engine.episode(_task(), "local") as sandbox:
             await sandbox.exec("true")
     assert POOL.taken == taken
@@ -124,23 +130,24 @@ async def test_closing_one_run_removes_its_pieces_and_leaves_another_runs(tmp_pa
         async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "closed")}) as closed:
             async with closed.episode(_task(), "local") as sandbox:
                 await sandbox.exec("true")
-            await _wait_ready(4)
-            mine = [p for p in POOL.ready() if p.folder.parent == tmp_path / "closed"]
+            await _wait_ready(tmp_path / "closed")
+            mine = _mine(tmp_path / "closed")
             keepers = [p.keeper.process.pid for p in mine if p.keeper is not None]
             assert mine and all(_alive(pid) for pid in keepers)
-        assert POOL.held  # the first engine still holds its run's
-        left = POOL.ready(settle=10.0)
-        assert left and {p.folder.parent for p in left} == {tmp_path / "kept"}
+        assert POOL.holds(kept.run_label) and not POOL.holds(closed.run_label)
+        POOL.ready(settle=10.0)
+        await _wait_ready(tmp_path / "kept")  # the open run keeps (and gets) its pieces
+        assert _mine(tmp_path / "closed") == []
         assert not [p.folder for p in mine if p.folder.exists()] and not [pid for pid in keepers if _alive(pid)]
         await anyio.sleep(0.5)  # the pool's thread had time to make more, for the closed run too if it would
-        assert {p.folder.parent for p in POOL.ready(settle=10.0)} == {tmp_path / "kept"}
-        assert not list((tmp_path / "closed").iterdir())
-    assert POOL.ready() == [] and not POOL.held and not list((tmp_path / "kept").iterdir())
+        POOL.ready(settle=10.0)
+        assert _mine(tmp_path / "closed") == [] and not list((tmp_path / "closed").iterdir())
+    assert _mine(tmp_path / "kept") == [] and not POOL.holds(kept.run_label) and not list((tmp_path / "kept").iterdir())
 
 
 def test_without_an_engine_nothing_is_made_ahead(tmp_path: Path) -> None:
     assert POOL.take((str(tmp_path), "x", None, True), None) is None  # type: ignore[arg-type]
-    assert POOL.ready() == []
+    assert _mine(tmp_path) == [] and not POOL.holds("x")
 
 
 @pytest.mark.anyio
@@ -184,7 +191,7 @@ async def test_no_piece_is_made_while_a_start_builds_its_own(monkeypatch: pytest
         async with engine.episode(_task(), "local") as sandbox:
             await sandbox.exec("true")
         key, tools = asked[0]
-        await _wait_ready(1)
+        await _wait_ready(tmp_path)
         POOL.ready(settle=10.0)
         with POOL.building_own():
             taken = []
@@ -193,28 +200,97 @@ async def test_no_piece_is_made_while_a_start_builds_its_own(monkeypatch: pytest
             for piece in taken:
                 await anyio.to_thread.run_sync(discard_piece, piece)
             await anyio.sleep(1.0)
-            assert POOL.ready(settle=1.0) == []  # asked, and none made
-        await _wait_ready(1)  # made once no start builds its own
+            POOL.ready(settle=1.0)
+            assert _mine(tmp_path) == []  # asked, and none made
+        await _wait_ready(tmp_path)  # made once no start builds its own
 
 
 @pytest.mark.anyio
 async def test_a_tasks_part_is_read_ahead_from_its_second_start(tmp_path: Path) -> None:
-    """A task that runs once applies its own lines; one that starts again has its part read once, then written."""
+    """A task that runs once applies its own lines; one that starts again has its part read once per run, then
+    written; a later run reads it again (its files may have changed)."""
     from harbor_async.backends.local import template
+
+    def parts(label: str) -> tuple[list, list]:
+        return [k for k in template._tasks if k[0] == label], [k for k in template._seen if k[0] == label]
 
     task = _task()
     async with Engine(backend_kwargs={"sandbox_root": str(tmp_path)}) as engine:
+        label = engine.run_label
         async with engine.episode(task, "local") as sandbox:
             assert (await sandbox.exec("pwd")).exit_code == 0
-        assert template._tasks == {} and len(template._seen) == 1
+        read, seen = parts(label)
+        assert read == [] and len(seen) == 1
         for _ in range(2):
             async with engine.episode(task, "local") as sandbox:
                 listed = await sandbox.exec("pwd; ls -A")
-        assert len(template._tasks) == 1
-        (entries,) = template._tasks.values()
-        assert entries  # the WORKDIR at least
-    assert template._tasks == {} and template._seen == set()  # forgotten with the last hold
+        read, seen = parts(label)
+        assert len(read) == 1 and template._tasks[read[0]]  # the WORKDIR at least
+    assert parts(label) == ([], [])  # forgotten with the run
     async with Engine(backend_kwargs={"sandbox_root": str(tmp_path)}) as engine:
         async with engine.episode(task, "local") as sandbox:
             first = await sandbox.exec("pwd; ls -A")
     assert first.output == listed.output  # the same tree either way
+
+
+def test_a_release_after_the_exit_close_is_a_no_op() -> None:
+    """At exit the pool's own close runs before the loop's engines release their holds: they must not fail."""
+    from harbor_async.backends.local.pool import RootPool
+
+    pool = RootPool()
+    first, second = pool.hold("run-a"), pool.hold("run-b")
+    pool.close()
+    assert not pool.held
+    first()
+    second()
+    assert not pool.holds("run-a") and not pool.held
+
+
+def test_a_kind_that_could_not_be_made_is_tried_again_after_a_while(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A failed piece turns the pool off for its kind (starts build their own, and say why), not for the run."""
+    from harbor_async.backends.local import pool as pool_module
+    from harbor_async.backends.local.keeper import find_tools
+    from harbor_async.backends.local.limits import ResourceLimits
+
+    tried: list[Path] = []
+    real = pool_module.build_piece
+    monkeypatch.setattr(pool_module, "build_piece", lambda folder, *rest: tried.append(folder) or real(folder, *rest))
+    blocked = tmp_path / "base"
+    blocked.write_text("a file where the sandbox folders go: every piece fails")
+    pool = pool_module.RootPool()
+    release = pool.hold("run-f")
+    key = (str(blocked), "run-f", ResourceLimits(), False)
+    try:
+        assert pool.take(key, find_tools()) is None
+        deadline = time.monotonic() + 20
+        while not pool._failed:
+            assert time.monotonic() < deadline, "the pool never tried"
+            time.sleep(0.02)
+        pool.ready(settle=10.0)
+        attempts = len(tried)
+        assert pool.take(key, find_tools()) is None  # within the wait: not tried again
+        time.sleep(0.3)
+        assert len(tried) == attempts and pool.ready(settle=10.0) == []
+        monkeypatch.setattr(pool_module, "RETRY_FAILED_AFTER", 0.0)
+        assert pool.take(key, find_tools()) is None  # past it: tried again
+        deadline = time.monotonic() + 20
+        while len(tried) == attempts:
+            assert time.monotonic() < deadline, "the pool did not try the kind again"
+            time.sleep(0.02)
+    finally:
+        release()
+    assert not [p for p in tmp_path.iterdir() if p != blocked]
+
+
+@pytest.mark.anyio
+async def test_the_pool_holds_the_run_label_the_sandboxes_get(tmp_path: Path) -> None:
+    """A ``run_label`` backend option names the sandboxes' run: the pool keeps pieces for that label."""
+    async with Engine(backend_kwargs={"sandbox_root": str(tmp_path), "run_label": "my-run"}) as engine:
+        async with engine.episode(_task(), "local") as sandbox:
+            await sandbox.exec("true")
+            assert POOL.holds("my-run") and not POOL.holds(engine.run_label)
+        await _wait_ready(tmp_path)
+        taken = POOL.taken
+        async with engine.episode(_task(), "local") as sandbox:
+            assert POOL.taken == taken + 1
+    assert not POOL.holds("my-run") and _mine(tmp_path) == []

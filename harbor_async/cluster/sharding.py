@@ -19,10 +19,10 @@ task folders at the same paths (a shared file system, or the same image).
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,17 +47,41 @@ class EpisodeWorker:
     def __init__(self, episode_fn: EpisodeFn, engine_kwargs: Mapping[str, Any]) -> None:
         self._fn = episode_fn
         self._engine_kwargs = dict(engine_kwargs)
-        self._stack: AsyncExitStack | None = None
         self._engine: Any = None
+        self._holder: asyncio.Task | None = None  # the task the engine is open in, until close()
+        self._closing: asyncio.Event | None = None
+        self._opening: asyncio.Lock | None = None  # made on the actor's loop
 
     async def _ensure_engine(self) -> Any:
-        if self._engine is None:
-            from harbor_async.engine import Engine
-
-            stack = AsyncExitStack()
-            self._engine = await stack.enter_async_context(Engine(**self._engine_kwargs))
-            self._stack = stack
+        # The actor runs several episodes at once: the first ones arrive together, and each must not
+        # open an engine of its own (only the last would be closed; the others' warm sandboxes would
+        # outlive the worker). Each call is a task of its own, so the engine is entered and left in
+        # one task of its own (a task group is left in the task that entered it).
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if self._engine is None:
+                opened: asyncio.Future = asyncio.get_running_loop().create_future()
+                self._closing = asyncio.Event()
+                self._holder = asyncio.create_task(self._hold_engine(opened, self._closing))
+                try:
+                    self._engine = await opened
+                except BaseException:
+                    self._holder = None
+                    raise
         return self._engine
+
+    async def _hold_engine(self, opened: asyncio.Future, closing: asyncio.Event) -> None:
+        from harbor_async.engine import Engine
+
+        try:
+            async with Engine(**self._engine_kwargs) as engine:
+                opened.set_result(engine)
+                await closing.wait()
+        except BaseException as exc:
+            if opened.done():
+                raise  # to close(), which waits for this task
+            opened.set_exception(exc)
 
     async def run(self, item: Any) -> dict[str, Any]:
         """Run one episode; its record as plain JSON."""
@@ -67,9 +91,13 @@ class EpisodeWorker:
 
     async def close(self) -> None:
         """Stop the engine's sandboxes."""
-        stack, self._stack, self._engine = self._stack, None, None
-        if stack is not None:
-            await stack.aclose()
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:  # an engine being opened is closed too
+            holder, self._holder, self._engine = self._holder, None, None
+            if holder is not None and self._closing is not None:
+                self._closing.set()
+                await holder
 
     def pid(self) -> int:
         """The worker's process id (tests kill it)."""

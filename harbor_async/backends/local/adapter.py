@@ -269,13 +269,14 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
                 self.logger.warning("removing stale local sandbox %s", self._root)
                 await anyio.to_thread.run_sync(remove_sandbox_folder, self._root, stale_mount(self._root))
             key = (str(self._base), self.run_label, limits, self._require_limits)
-            piece = POOL.take(key, tools)
-            if piece is None:
-                # Shielded: a cancelled start must not leave a sandbox being built behind.
-                with anyio.CancelScope(shield=True), POOL.building_own():
-                    piece = await anyio.to_thread.run_sync(
-                        build_piece, self._root, self.run_label, limits, self._require_limits, tools, self.session_id
-                    )
+            with POOL.building_own():
+                piece = POOL.take(key, tools)
+                if piece is None:
+                    # Shielded: a cancelled start must not leave a sandbox being built behind.
+                    with anyio.CancelScope(shield=True):
+                        piece = await anyio.to_thread.run_sync(
+                            build_piece, self._root, self.run_label, limits, self._require_limits, tools, self.session_id
+                        )
             self._adopt(piece)  # no await since the build: from here on stop() removes it
             await anyio.to_thread.run_sync(self._apply_task)
         except BaseException:
@@ -311,13 +312,13 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
     def _apply_task(self) -> None:
         """The task's part of the root: its WORKDIR and COPY lines, given to the sandbox's uid.
 
-        While an engine holds the pool, that part is read once per task from
-        its second start on (:func:`.template.task_entries`, as Docker builds a
+        While an engine holds the pool for this run, that part is read once
+        per task from its second start on (:func:`.template.task_entries`, as Docker builds a
         task's image once per run) and written by plain calls; else it is
         copied here.
         """
         uid = self._sandbox_uid()
-        entries = task_entries(self.environment_dir, self._spec.copies, self._workdir) if POOL.held else None
+        entries = task_entries(self.run_label, self.environment_dir, self._spec.copies, self._workdir) if POOL.holds(self.run_label) else None
         if entries is not None:
             write_entries(self._mount or self._fs, entries, uid)
             return

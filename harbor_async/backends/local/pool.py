@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 #: Pieces kept ready per kind at first; a take that finds none doubles it, up to the cap.
 POOL_START, POOL_CAP = 2, 8
+#: Seconds after a kind's piece could not be made before a start's miss lets the thread try that kind again.
+RETRY_FAILED_AFTER = 30.0
 #: Session ids of pieces not yet taken (a reaper lists them with the run; a start renames them).
 POOL_SESSION_PREFIX = "pool-"
 _numbers = itertools.count()
@@ -253,6 +255,7 @@ class RootPool:
         self._holders: dict[str, int] = {}  # run label -> engines holding it
         self._building: Key | None = None  # the kind of the piece being built
         self._own_builds = 0  # starts that found none ready, building their own now
+        self._failed: dict[Key, float] = {}  # kinds whose last piece could not be made: when
         self._thread: threading.Thread | None = None
         self.taken = self.missed = 0
 
@@ -272,8 +275,12 @@ class RootPool:
 
     @property
     def held(self) -> bool:
-        """Whether an engine holds the pool (tasks' trees are then read once, see :mod:`.template`)."""
+        """Whether any engine holds the pool."""
         return bool(self._holders)
+
+    def holds(self, run_label: str) -> bool:
+        """Whether an engine holds ``run_label`` (its tasks' parts are then read once, see :mod:`.template`)."""
+        return run_label in self._holders
 
     def take(self, key: Key, tools: Tools) -> Piece | None:
         """A ready piece of ``key`` (None: none ready, or nobody holds its run label); asks for more."""
@@ -286,7 +293,11 @@ class RootPool:
             piece = pieces.pop(0) if pieces else None
             if piece is None:
                 self.missed += 1
-                self._target[key] = min(POOL_CAP, target * 2)
+                failed = self._failed.get(key)
+                if failed is not None and time.monotonic() - failed >= RETRY_FAILED_AFTER:
+                    del self._failed[key]
+                    target = POOL_START  # its failure may have been passing (bwrap slow under load): try again
+                self._target[key] = 0 if key in self._failed else min(POOL_CAP, target * 2)
             else:
                 self.taken += 1
             self._wake()
@@ -294,12 +305,13 @@ class RootPool:
 
     @contextlib.contextmanager
     def building_own(self) -> Iterator[None]:
-        """Around a start's own build (it found none ready): the thread makes none meanwhile.
+        """Around a start's :meth:`take` and, if it found none ready, its own build: the thread makes none meanwhile.
 
         Pieces are made ahead with time the starts leave over; while starts
         build their own the machine is busy with them, and a piece made then
         competes with them for the CPU (at a burst of starts, most such pieces
-        would wait for starts that never come).
+        would wait for starts that never come). Entered before the take, so
+        the thread its miss wakes already sees it.
         """
         with self._lock:
             self._own_builds += 1
@@ -335,27 +347,37 @@ class RootPool:
                     self._lock.wait()
                 key, tools = self._next_key(), self._tools
                 self._building = key
-            assert key is not None and tools is not None
-            base, label, limits, require = key
-            session = f"{POOL_SESSION_PREFIX}{os.getpid()}-{next(_numbers)}"
-            folder = Path(base) / local_folder_name(label, session)
             try:
-                piece: Piece | None = build_piece(folder, label, limits, require, tools, session)
-            except Exception as exc:  # noqa: BLE001 - starts then build their own, and report the error
-                log.debug("local sandbox pool: cannot make %s: %s", folder.name, exc)
+                self._make(key, tools)
+            except BaseException:  # noqa: BLE001 - the pool must outlive one bad piece; releases wait on it
+                log.exception("local sandbox pool: making a piece failed")
+            finally:
+                with self._lock:
+                    self._building = None
+                    self._lock.notify_all()
+
+    def _make(self, key: Key | None, tools: Tools | None) -> None:
+        assert key is not None and tools is not None
+        base, label, limits, require = key
+        session = f"{POOL_SESSION_PREFIX}{os.getpid()}-{next(_numbers)}"
+        folder = Path(base) / local_folder_name(label, session)
+        try:
+            piece: Piece | None = build_piece(folder, label, limits, require, tools, session)
+        except Exception as exc:  # noqa: BLE001 - starts then build their own, and report the error
+            log.warning("local sandbox pool: cannot make %s (starts build their own): %s", folder.name, exc)
+            piece = None
+        with self._lock:
+            if piece is not None and label in self._holders:
+                self._ready.setdefault(key, []).append(piece)
                 piece = None
-            with self._lock:
-                if piece is not None and label in self._holders:
-                    self._ready.setdefault(key, []).append(piece)
-                    piece = None
-                elif piece is None and key in self._target:
-                    self._target[key] = 0  # this kind fails: starts build their own (and say why)
-            if piece is not None:  # its label released meanwhile: gone before that release returns
-                with contextlib.suppress(OSError):
-                    discard_piece(piece)
-            with self._lock:
-                self._building = None
-                self._lock.notify_all()
+            elif piece is None and key in self._target:
+                self._target[key] = 0  # this kind fails: starts build their own, and a later miss tries again
+                self._failed[key] = time.monotonic()
+        if piece is not None:  # its label released meanwhile: gone before that release returns
+            try:
+                discard_piece(piece)
+            except OSError as exc:
+                log.warning("local sandbox pool: cannot remove %s: %s", piece.folder, exc)
 
     def close(self) -> None:
         """Remove every ready piece now, whoever holds the pool (at interpreter exit)."""
@@ -367,18 +389,26 @@ class RootPool:
 
     def _release(self, run_label: str) -> None:
         with self._lock:
-            self._holders[run_label] -= 1
-            if self._holders[run_label] > 0:
+            count = self._holders.get(run_label, 0)  # 0: close() at exit released it already
+            if count > 1:
+                self._holders[run_label] = count - 1
+                return
+            if count == 0:
                 return
             del self._holders[run_label]
             keys = [key for key in {*self._ready, *self._target} if key[1] == run_label]
             pieces = [piece for key in keys for piece in self._ready.pop(key, [])]
             for key in keys:  # before the wait: the thread must not begin another of them
                 self._target.pop(key, None)
-            # A piece of this run being made is discarded by the thread itself, before this wait ends.
-            self._lock.wait_for(lambda: self._building is None or self._building[1] != run_label)
+                self._failed.pop(key, None)
+            # A piece of this run being made is discarded by the thread itself, before this wait ends
+            # (kept, if an engine of the same label holds the pool again meanwhile).
+            self._lock.wait_for(
+                lambda: self._building is None or self._building[1] != run_label or run_label in self._holders
+            )
+            forget(run_label)  # its tasks' parts are read again by a later run (their files may have changed)
             if not self._holders:
-                forget()  # the next run reads the host's /etc and the tasks' files again
+                forget()  # and the host's /etc
         for piece in pieces:
             try:
                 discard_piece(piece)

@@ -27,8 +27,9 @@ _DIR, _FILE, _LINK = 0, 1, 2
 _lock = threading.Lock()
 Entry = tuple[int, str, int, bytes | str]  # kind, path relative to the root, mode, content or link target
 _entries: list[Entry] | None = None
-_tasks: dict[tuple[str, str, tuple[CopyStep, ...]], list[Entry]] = {}
-_seen: set[tuple[str, str, tuple[CopyStep, ...]]] = set()  # tasks started once, their part not yet read
+TaskKey = tuple[str, str, str, tuple[CopyStep, ...]]  # run label, environment folder, WORKDIR, COPY lines
+_tasks: dict[TaskKey, list[Entry]] = {}
+_seen: set[TaskKey] = set()  # tasks started once in their run, their part not yet read
 
 
 def base_entries() -> list[Entry]:
@@ -51,9 +52,10 @@ def _scratch() -> Path:
     return Path(tempfile.mkdtemp(prefix="harbor-async-template-", dir=shm))
 
 
-def task_entries(environment_dir: Path, copies: list[CopyStep], workdir: str) -> list[Entry] | None:
-    """What a task adds to the base tree (its WORKDIR, its COPY lines), from its second start on (cached until
-    :func:`forget`); ``None`` at its first, which applies its lines itself.
+def task_entries(run_label: str, environment_dir: Path, copies: list[CopyStep], workdir: str) -> list[Entry] | None:
+    """What a task adds to the base tree (its WORKDIR, its COPY lines), from its second start in a run on
+    (cached until :func:`forget` of the run, as Docker builds a task's image once per run); ``None`` at its
+    first, which applies its lines itself.
 
     Reading a task's part costs a whole base tree written and read back
     (tens of milliseconds, more with starts beside it), worth paying for a
@@ -67,7 +69,7 @@ def task_entries(environment_dir: Path, copies: list[CopyStep], workdir: str) ->
     Raises:
         TaskPathEscapeError, TaskDefinitionError: as :func:`~.rootfs.apply_copy`.
     """
-    key = (str(environment_dir), workdir, tuple(copies))
+    key = (run_label, str(environment_dir), workdir, tuple(copies))
     with _lock:
         found = _tasks.get(key)
         if found is None and key not in _seen:
@@ -90,13 +92,16 @@ def task_entries(environment_dir: Path, copies: list[CopyStep], workdir: str) ->
     return entries
 
 
-def forget() -> None:
-    """Drop the cached trees: the next sandbox reads the host's ``/etc`` and the task's files again."""
+def forget(run_label: str | None = None) -> None:
+    """Drop the tasks' parts read for ``run_label``'s run; without one, every cached tree: the next sandbox
+    reads the host's ``/etc`` and the task's files again."""
     global _entries
     with _lock:
-        _entries = None
-        _tasks.clear()
-        _seen.clear()
+        if run_label is None:
+            _entries = None
+        for key in [key for key in {*_tasks, *_seen} if run_label is None or key[0] == run_label]:
+            _tasks.pop(key, None)
+            _seen.discard(key)
 
 
 def _read(top: Path) -> list[Entry]:
