@@ -240,10 +240,10 @@ def test_a_release_after_the_exit_close_is_a_no_op() -> None:
     pool = RootPool()
     first, second = pool.hold("run-a"), pool.hold("run-b")
     pool.close()
-    assert not pool.held
+    assert not pool.holds("run-a") and not pool.holds("run-b")
     first()
     second()
-    assert not pool.holds("run-a") and not pool.held
+    assert not pool.holds("run-a") and not pool.holds("run-b")
 
 
 def test_a_kind_that_could_not_be_made_is_tried_again_after_a_while(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -50,15 +50,13 @@ class EpisodeWorker:
         self._engine: Any = None
         self._holder: asyncio.Task | None = None  # the task the engine is open in, until close()
         self._closing: asyncio.Event | None = None
-        self._opening: asyncio.Lock | None = None  # made on the actor's loop
+        self._opening = asyncio.Lock()  # bound to the actor's loop at its first use
 
     async def _ensure_engine(self) -> Any:
         # The actor runs several episodes at once: the first ones arrive together, and each must not
         # open an engine of its own (only the last would be closed; the others' warm sandboxes would
         # outlive the worker). Each call is a task of its own, so the engine is entered and left in
         # one task of its own (a task group is left in the task that entered it).
-        if self._opening is None:
-            self._opening = asyncio.Lock()
         async with self._opening:
             if self._engine is None:
                 opened: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -91,8 +89,6 @@ class EpisodeWorker:
 
     async def close(self) -> None:
         """Stop the engine's sandboxes."""
-        if self._opening is None:
-            self._opening = asyncio.Lock()
         async with self._opening:  # an engine being opened is closed too
             holder, self._holder, self._engine = self._holder, None, None
             if holder is not None and self._closing is not None:

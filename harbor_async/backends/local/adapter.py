@@ -275,8 +275,9 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
                     # Shielded: a cancelled start must not leave a sandbox being built behind.
                     with anyio.CancelScope(shield=True):
                         piece = await anyio.to_thread.run_sync(
-                            build_piece, self._root, self.run_label, limits, self._require_limits, tools, self.session_id
-                        )
+                            build_piece, self._root, self.run_label, limits, self._require_limits, tools,
+                            self.session_id,
+                        )  # fmt: skip
             self._adopt(piece)  # no await since the build: from here on stop() removes it
             await anyio.to_thread.run_sync(self._apply_task)
         except BaseException:
@@ -318,7 +319,9 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         copied here.
         """
         uid = self._sandbox_uid()
-        entries = task_entries(self.run_label, self.environment_dir, self._spec.copies, self._workdir) if POOL.holds(self.run_label) else None
+        entries = None
+        if POOL.holds(self.run_label):
+            entries = task_entries(self.run_label, self.environment_dir, self._spec.copies, self._workdir)
         if entries is not None:
             write_entries(self._mount or self._fs, entries, uid)
             return

@@ -273,11 +273,6 @@ class RootPool:
 
         return release
 
-    @property
-    def held(self) -> bool:
-        """Whether any engine holds the pool."""
-        return bool(self._holders)
-
     def holds(self, run_label: str) -> bool:
         """Whether an engine holds ``run_label`` (its tasks' parts are then read once, see :mod:`.template`)."""
         return run_label in self._holders
