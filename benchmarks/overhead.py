@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import threading
 import time
@@ -69,6 +70,8 @@ class CapacityStep:
     collections: int = 0
     longest_collection_ms: float = 0.0
     collections_over_bound: int = 0
+    #: CPython's young-generation threshold during the window (raised with the live count: harbor_async.collector).
+    young_threshold: int = 0
 
 
 @dataclass
@@ -204,13 +207,14 @@ def measure_capacity(
         time.sleep(1.5)  # let the agents spread out
         with UsageWindow(loop_ident, bound_us / 1e6) as window:
             times = _time_portal_calls(loop, probe, probe_calls, pause=0.002)
+        young = gc.get_threshold()[0]  # read before the sandboxes' stop gives the earlier one back
         loop.call(handle[0].set)
         future.result(60)
         loop.close_engine(engine, timeout=TEARDOWN_S)
         usage = window.usage
         step = CapacityStep(
             size, _us(times, 50), _us(times, 99), _us(times, 99) <= bound_us,  # judged on the tail
-            usage.busy, usage.collections, usage.longest_collection_ms, usage.collections_over_bound,
+            usage.busy, usage.collections, usage.longest_collection_ms, usage.collections_over_bound, young,
         )  # fmt: skip
         steps.append(step)
         if not step.under_bound:

@@ -63,6 +63,7 @@ def overhead_table(result: OverheadResult) -> Table:
     table.add_column("p99 µs", justify="right")
     table.add_column("loop busy", justify="right")
     table.add_column("GC pauses (longest ms, over bound)", justify="right")
+    table.add_column("GC young threshold", justify="right")
     table.add_row("exec awaited on the loop", f"{rt.direct_p50_us:.1f}", f"{rt.direct_p99_us:.1f}")
     table.add_row("exec through the portal (a shim call)", f"{rt.portal_p50_us:.1f}", f"{rt.portal_p99_us:.1f}")
     table.add_row("portal overhead", f"{rt.overhead_p50_us:.1f}", f"{rt.overhead_p99_us:.1f}")
@@ -72,6 +73,7 @@ def overhead_table(result: OverheadResult) -> Table:
         table.add_row(
             f"probe with {step.sandboxes} live sandboxes{mark}", f"{step.probe_p50_us:.1f}", f"{step.probe_p99_us:.1f}",
             f"{step.loop_busy:.0%}", f"{step.collections} ({step.longest_collection_ms:.1f}, {step.collections_over_bound})",
+            f"{step.young_threshold}",
         )  # fmt: skip
     return table
 
