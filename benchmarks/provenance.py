@@ -78,6 +78,18 @@ def settings(environ: Mapping[str, str] | None = None) -> str:
     return shlex.join(words)
 
 
+def working_folder(cwd: Path | None = None) -> str:
+    """Where the command ran, relative to the repository (``.``: its root): what its relative paths mean.
+
+    A folder outside the repository is not named: a result file must not carry this machine's paths.
+    """
+    folder = Path.cwd() if cwd is None else cwd
+    try:
+        return folder.resolve().relative_to(REPO).as_posix()
+    except ValueError:
+        return "(outside the repository)"
+
+
 def provenance(argv: list[str] | None = None) -> dict:
     """The commit (and whether the tree differs from it), the command and the settings it ran with, the start and
     end, the load before and after."""
@@ -87,7 +99,7 @@ def provenance(argv: list[str] | None = None) -> dict:
         "dirty": None if status is None else bool(status),
         "command": command_line(argv),
         "settings": settings(),
-        "cwd": os.getcwd(),
+        "cwd": working_folder(),
         "started": _started["time"],
         "finished": _now(),
         "load_before": list(_started["load"]),

@@ -103,6 +103,13 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
 
 
+def test_the_working_folder_is_named_relative_to_the_repository(tmp_path):
+    from benchmarks.provenance import REPO, working_folder
+
+    assert working_folder(REPO) == "." and working_folder(REPO / "benchmarks") == "benchmarks"
+    assert working_folder(tmp_path) == "(outside the repository)"
+
+
 def test_every_result_file_records_commit_command_machine_and_load(tmp_path):
     """The honest-method block: a figure can be traced to its code, its command and how busy the machine was."""
     bench("throughput", "-e", "simulated", "--latency", "zero", "--episodes", "4", "-n", "2", out=tmp_path)
@@ -116,6 +123,7 @@ def test_every_result_file_records_commit_command_machine_and_load(tmp_path):
     for key in ("load_before", "load_after"):
         assert len(prov[key]) == 3 and all(isinstance(x, float | int) and x >= 0 for x in prov[key])
     assert prov["started"] <= prov["finished"]
+    assert prov["cwd"] == "."  # the repository's root (bench() runs there), never this machine's path to it
     machine = data["machine"]
     assert machine["cpus"] >= 1 and machine["memory_gib"] > 0 and machine["python"] and machine["platform"]
     assert machine["packages"]["harbor-async"] and machine["packages"]["harbor"]
