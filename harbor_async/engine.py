@@ -88,7 +88,6 @@ class Engine:
         self.trials_dir = Path(trials_dir) if trials_dir is not None else None
         self._budget_factory = budget
         self._ledger: dict[str, Sandbox] = {}
-        self._counted = 0  # ledger entries counted in the collector's tuning (harbor_async.collector)
         self._stats = StatsRecorder()
         self._log = get_logger(run=self.run_label)
         self._tg: TaskGroup | None = None
@@ -140,9 +139,6 @@ class Engine:
                 self._tg.cancel_scope.cancel()
             if stack is not None:
                 await stack.__aexit__(*exc_info)
-            if self._counted:  # sandboxes never confirmed stopped: the ledger keeps them, the count does not
-                TUNING.remove(self._counted)
-                self._counted = 0
             if self._closed is not None:
                 self._closed.set()
 
@@ -241,8 +237,7 @@ class Engine:
             episode_timeout=episode_timeout,
         )
         self._ledger[sandbox.id] = sandbox
-        TUNING.add()  # the collector's young threshold follows the live count (harbor_async.collector)
-        self._counted += 1
+        TUNING.add()  # the collector's young threshold follows the ledger (harbor_async.collector)
         self._stats.launched += 1
         self._tg.start_soon(sandbox.run_start, name=f"start {sandbox.id}")
         return sandbox
@@ -289,6 +284,5 @@ class Engine:
         return self._stats.snapshot()
 
     def _forget(self, sandbox: Sandbox) -> None:
-        if self._ledger.pop(sandbox.id, None) is not None and self._counted:
+        if self._ledger.pop(sandbox.id, None) is not None:  # once per sandbox: its stop runs once
             TUNING.remove()
-            self._counted -= 1

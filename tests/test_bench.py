@@ -68,19 +68,19 @@ def test_overhead_reports_the_round_trip_and_capacity(tmp_path):
     data = json.loads((tmp_path / "loose" / "overhead.json").read_text())
     rt = data["round_trip"]
     assert rt["calls"] == 200
-    assert 0 < rt["direct_p50_us"] < rt["portal_p50_us"]  # the portal adds a thread hand-off
-    assert 0 < rt["floor_p50_us"] < rt["portal_p50_us"]  # a bare hand-off of nothing costs less than one of an exec
+    assert 0 < rt["direct_p50_us"] < rt["portal_p50_us"], rt  # the portal adds a thread hand-off
+    assert 0 < rt["floor_p50_us"] < rt["portal_p50_us"], rt  # a bare hand-off of nothing costs less than one of an exec
     capacity = data["capacity"]
     assert [s["sandboxes"] for s in capacity] == [20, 100]
     for step in capacity:  # each step's verdict is its own p99, and the probe ran under load
-        assert step["under_bound"] is True and 0 < step["probe_p50_us"] <= step["probe_p99_us"]
+        assert step["under_bound"] is True and 0 < step["probe_p50_us"] <= step["probe_p99_us"], step
         # why it held: the loop thread's share of the window (it served the probe's calls) and the collector's pauses
-        assert 0 < step["loop_busy"] < 1.5
-        assert step["collections_over_bound"] <= step["collections"] and step["longest_collection_ms"] >= 0
+        assert 0 < step["loop_busy"] < 1.5, step
+        assert step["collections_over_bound"] <= step["collections"] and step["longest_collection_ms"] >= 0, step
     assert data["max_sandboxes_under_bound"] == 100
     # The collector's young threshold in the window: CPython's 700 until the live count asks more (the probe's one
     # sandbox beside the load's; harbor_async.collector).
-    assert [s["young_threshold"] for s in capacity] == [700, 101 * 10]
+    assert [s["young_threshold"] for s in capacity] == [700, 101 * 10], capacity
     # Which event loop the loop thread ran: the figures depend on it.
     assert data["event_loop"] == "asyncio.unix_events._UnixSelectorEventLoop"
 
