@@ -163,6 +163,14 @@ def _phase_stats(phases: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     }
 
 
+def portable(text: str, scratch: Path | str) -> str:
+    """``text`` without this machine's paths: the round's scratch folder as ``$SCRATCH``, the checkout's
+    as relative, the environment's scripts by name (a result file is committed; it must read the same anywhere)."""
+    text = text.replace(str(scratch), "$SCRATCH")
+    text = text.replace(f"{Path(sys.executable).parent}/", "")  # the venv's bin: harbor-async, harbor
+    return text.replace(f"{REPO}/", "").replace(str(REPO), ".")
+
+
 def _spread(values: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
 
@@ -180,7 +188,7 @@ def compare(
             jobs = scratch / "jobs"
             jobs.mkdir(parents=True)
             built = commands(suite, env, agent, n, n_tasks, jobs, scratch)
-            shown = {cli: shlex.join(c) for cli, c in built.items()}
+            shown = {cli: portable(shlex.join(c), tmp) for cli, c in built.items()}
             order = CLIS if i % 2 == 0 else CLIS[::-1]
             sides = {}
             for cli in order:
@@ -203,13 +211,13 @@ def compare(
             "phases": _phase_stats(pooled),
         }
     return {
-        "suite": str(suite),
+        "suite": portable(str(suite), "$SCRATCH"),
         "env": env,
         "agent": agent,
         "n_concurrent": n,
         "n_tasks": n_tasks,
         "repeats": repeats,
-        "commands": shown,  # the last round's; earlier rounds differ only in their scratch folders
+        "commands": shown,  # the last round's; earlier rounds differ only in their scratch folders (round-N)
         "clis": per_cli,
         "ratio_episodes_per_second": {"of": "harbor-async / harbor", **_spread(ratios)},
         "rounds": [

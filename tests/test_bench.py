@@ -10,6 +10,7 @@ import pytest
 import json
 import os
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -160,6 +161,12 @@ def test_harbor_bench_runs_both_clis_on_the_same_tasks(tmp_path):
     assert "harbor-async bench harbor -e local -l 2 --repeats 1 -n 2" in data["provenance"]["command"]
     assert (data["env"], data["agent"], data["n_concurrent"], data["n_tasks"], data["repeats"]) == ("local", "oracle", 2, 2, 1)
     assert " run -y " in data["commands"]["harbor"] and "harbor_async.backends.local:LocalEnvironment" in data["commands"]["harbor"]
+    # as they ran, without this machine's paths: the checkout's relative, the scratch folder named, the scripts by name
+    assert data["suite"] == "harbor_async/suites/example"
+    assert data["commands"]["harbor-async"].startswith("harbor-async run -p harbor_async/suites/example -e local ")
+    assert data["commands"]["harbor"].startswith("harbor run -y -p harbor_async/suites/example/tasks ")
+    assert "-o $SCRATCH/round-0/jobs/harbor " in data["commands"]["harbor"] + " "
+    assert str(REPO) not in json.dumps(data["commands"]) and tempfile.gettempdir() not in json.dumps(data["commands"])
     for cli in ("harbor-async", "harbor"):
         side = data["clis"][cli]
         assert side["episodes"] == side["reward_one"] == 2 and side["errors"] == 0  # every episode ran, reward 1
