@@ -163,10 +163,11 @@ def _phase_stats(phases: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     }
 
 
-def portable(text: str, scratch: Path | str) -> str:
+def portable(text: str, scratch: Path | str | None = None) -> str:
     """``text`` without this machine's paths: the round's scratch folder as ``$SCRATCH``, the checkout's
     as relative, the environment's scripts by name (a result file is committed; it must read the same anywhere)."""
-    text = text.replace(str(scratch), "$SCRATCH")
+    if scratch is not None:
+        text = text.replace(str(scratch), "$SCRATCH")
     text = text.replace(f"{Path(sys.executable).parent}/", "")  # the venv's bin: harbor-async, harbor
     return text.replace(f"{REPO}/", "").replace(str(REPO), ".")
 
@@ -211,7 +212,7 @@ def compare(
             "phases": _phase_stats(pooled),
         }
     return {
-        "suite": portable(str(suite), "$SCRATCH"),
+        "suite": portable(str(suite)),
         "env": env,
         "agent": agent,
         "n_concurrent": n,

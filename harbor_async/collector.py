@@ -51,16 +51,16 @@ class CollectorTuning:
         """Live sandboxes counted."""
         return self._live
 
-    def add(self, count: int = 1) -> None:
-        """Count ``count`` more live sandboxes."""
+    def add(self) -> None:
+        """Count one more live sandbox."""
         with self._lock:
-            self._live += count
+            self._live += 1
             self._apply()
 
-    def remove(self, count: int = 1) -> None:
-        """Count ``count`` fewer live sandboxes."""
+    def remove(self) -> None:
+        """Count one fewer live sandbox."""
         with self._lock:
-            self._live = max(0, self._live - count)
+            self._live = max(0, self._live - 1)
             self._apply()
 
     def _apply(self) -> None:
@@ -70,15 +70,9 @@ class CollectorTuning:
         base = self._base if self._base is not None else young
         tuned = base != 0 and os.environ.get(ENV, "1") != "0"  # a threshold of 0: automatic collection is off
         wanted = max(base, PER_SANDBOX * self._live) if tuned else base
-        if wanted == young:
-            if wanted == base:
-                self._base = self._ours = None
-            return
-        gc.set_threshold(wanted, *older)
-        if wanted == base:
-            self._base = self._ours = None
-        else:
-            self._base, self._ours = base, wanted
+        if wanted != young:
+            gc.set_threshold(wanted, *older)
+        self._base, self._ours = (None, None) if wanted == base else (base, wanted)
 
 
 #: The process's one tuning, shared by every engine.
