@@ -29,6 +29,9 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from harbor.environments.base import BaseEnvironment, ExecResult
+from harbor.models.trial.paths import EnvironmentPaths
+from harbor.models.verifier.result import VerifierResult
 from harbor.verifier.verifier import RewardFileEmptyError, Verifier, VerifierOutputParseError
 
 #: Largest reward file read (bytes, apparent size: a sparse file counts in full).
@@ -134,27 +137,84 @@ def parse_reward_json(text: str) -> dict[str, float | int]:
     return {str(key): _checked(str(key)[:40], value) for key, value in rewards.items()}
 
 
+class VerifierFolderResetError(VerifierOutputParseError):
+    """The sandbox's verifier folder could not be emptied (or its test script made executable) before the tests.
+
+    What the sandbox left there would be read as the reward, so the verdict is
+    the verifier's failure (graded 0), as a malformed reward file is.
+    """
+
+
+class _ResettingEnvironment:
+    """The sandbox as Harbor's verifier sees it: its first exec also empties the verifier folder.
+
+    Harbor's ``verify`` uploads the tests, makes the test script executable as
+    root, then runs it. The reset joins that ``chmod`` (one round trip, not two:
+    every rollout of a GRPO batch waits for its verdict); where Harbor makes no
+    ``chmod`` (a script that needs none), the reset is its own exec before the
+    first. Everything else is the sandbox's own.
+    """
+
+    def __init__(self, environment: BaseEnvironment) -> None:
+        self._environment = environment
+        self._reset_pending = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._environment, name)
+
+    async def exec(self, command: str, *args: Any, user: str | int | None = None, **kwargs: Any) -> ExecResult:
+        environment = self._environment
+        if not self._reset_pending:
+            return await environment.exec(command, *args, user=user, **kwargs)
+        self._reset_pending = False
+        # Harbor's own `empty_dirs` command: the folder made if missing, emptied, writable for the verifier's user.
+        reset = environment._empty_dirs_command([EnvironmentPaths.for_os(environment.os).verifier_dir], chmod=True)
+        reset_user = environment._reset_dirs_user()
+        if user == reset_user and command.startswith("chmod +x "):  # Harbor's chmod of the test script
+            return _checked_reset(await environment.exec(f"{reset} && {command}", *args, user=user, **kwargs))
+        _checked_reset(await environment.exec(reset, user=reset_user))
+        return await environment.exec(command, *args, user=user, **kwargs)
+
+
+def _checked_reset(result: ExecResult) -> ExecResult:
+    if result.return_code != 0:
+        output = (result.stderr or result.stdout or "").strip()[-500:]
+        raise VerifierFolderResetError(f"the verifier folder reset failed (exit code {result.return_code}): {output}")
+    return result
+
+
 class BoundedVerifier(Verifier):
     """Harbor's verifier, reading the reward files with bounds (see the module doc).
 
     Args:
-        verifier_dir_emptied: the caller emptied the sandbox's verifier folder
-            just before (``Sandbox.verify`` does), so Harbor's removal of the
-            stale reward files there is skipped; the trial folder's copies are
-            still removed. Every other argument is Harbor's.
+        reset_verifier_dir: empty the sandbox's verifier folder (Harbor's
+            ``empty_dirs``) after the tests are uploaded and before they run,
+            in the same exec as Harbor's ``chmod`` of the test script, so that
+            nothing the agent left there is read as its reward; Harbor's
+            removal of the stale reward files there is then skipped (the trial
+            folder's copies still go). A failed reset raises
+            :class:`VerifierFolderResetError`. Every other argument is Harbor's.
     """
 
-    def __init__(self, *args: Any, verifier_dir_emptied: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, reset_verifier_dir: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._verifier_dir_emptied = verifier_dir_emptied
+        self._reset_verifier_dir = reset_verifier_dir
+
+    async def verify(self) -> VerifierResult:
+        if not self._reset_verifier_dir:
+            return await super().verify()
+        environment = self.environment
+        self.environment = _ResettingEnvironment(environment)  # type: ignore[assignment]
+        try:
+            return await super().verify()
+        finally:
+            self.environment = environment
 
     async def _remove_reward_files(self) -> None:
-        if not self._verifier_dir_emptied:
+        if not self._reset_verifier_dir:
             return await super()._remove_reward_files()
-        # Its `rm -f` in a folder emptied a moment ago removes nothing, and costs an exec round trip on the
-        # reward's critical path (every rollout of a GRPO batch waits for its verdict).
-        from harbor.models.trial.paths import EnvironmentPaths
-
+        # Its `rm -f` in a folder about to be emptied removes nothing the reset does not, and costs an exec round
+        # trip on the reward's critical path.
         env_paths = EnvironmentPaths.for_os(self.environment.os)
         if not self.environment.is_path_mounted(env_paths.verifier_dir, self.trial_paths.verifier_dir):
             self.trial_paths.reward_text_path.unlink(missing_ok=True)

@@ -289,12 +289,12 @@ class Sandbox:
                         await end_agent_processes(environment)
                     except AgentProcessesSurvivedError as exc:  # what the agent left outran the kill: its episode
                         raise VerifierFailure(Phase.VERIFY, self.task_name, self.id, str(exc)) from exc
-                # test.sh redirects into the verifier dir; the shell cannot create its parent.
                 env_paths = EnvironmentPaths.for_os(environment.os)
-                await environment.empty_dirs([env_paths.verifier_dir], chmod=True)
                 verifier = BoundedVerifier(  # Harbor's verifier, reading the reward files with bounds
                     task=self.task, trial_paths=self._trial_paths(), environment=environment,
-                    override_env=self.task.config.verifier.env or None, verifier_dir_emptied=True,  # just above
+                    # Emptied right before the tests (nothing the agent left there is read as its reward), made
+                    # if missing (test.sh redirects into it; the shell cannot create its parent).
+                    override_env=self.task.config.verifier.env or None, reset_verifier_dir=True,
                     verifier_env=step.verifier.env or None if step else None, step_name=step and step.name,
                     skip_tests_upload=tests_in_image,  # a verifier image with the tests built in (Harbor's rule)
                 )  # fmt: skip

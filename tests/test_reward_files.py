@@ -117,11 +117,11 @@ async def test_a_verifier_output_swapped_for_a_symlink_reads_nothing_of_the_host
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-@pytest.mark.parametrize("emptied", [True, False])
-async def test_a_verifier_after_the_folder_reset_removes_the_stale_rewards_without_a_round_trip(
-    tmp_path: Path, emptied: bool
+@pytest.mark.parametrize("reset", [True, False])
+async def test_a_verifier_that_resets_its_folder_removes_the_stale_rewards_without_a_round_trip(
+    tmp_path: Path, reset: bool
 ):
-    """Sandbox.verify empties the verifier folder first: Harbor's `rm -f` there would be one more exec per verdict.
+    """The folder reset replaces Harbor's `rm -f` of the stale rewards there (one exec more per verdict).
 
     The trial folder's stale copies still go; without the flag, Harbor's own removal runs.
     """
@@ -145,32 +145,95 @@ async def test_a_verifier_after_the_folder_reset_removes_the_stale_rewards_witho
     paths.reward_json_path.write_text('{"reward": 1}')
     task = load_task(example_suite_path() / "tasks" / "count-log-files")
     verifier = BoundedVerifier(
-        task=task, trial_paths=paths, environment=environment, verifier_dir_emptied=emptied  # type: ignore[arg-type]
+        task=task, trial_paths=paths, environment=environment, reset_verifier_dir=reset  # type: ignore[arg-type]
     )
     await verifier._remove_reward_files()
     assert not paths.reward_text_path.exists() and not paths.reward_json_path.exists()
-    assert commands == ([] if emptied else ["rm -f -- /logs/verifier/reward.txt /logs/verifier/reward.json"])
+    assert commands == ([] if reset else ["rm -f -- /logs/verifier/reward.txt /logs/verifier/reward.json"])
+
+
+class _RecordedExecs:
+    """The simulated backend's execs, recorded; a command containing ``fail`` exits 1 (fault injection)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: str | None = None) -> None:
+        from harbor.environments.base import ExecResult
+
+        from harbor_async.backends.simulated import SimulatedEnvironment
+
+        self.calls: list[tuple[str, object]] = []
+        real = SimulatedEnvironment.exec
+
+        async def exec_(sandbox, command, *args, user=None, **kwargs):
+            self.calls.append((command, user))
+            if fail is not None and fail in command:
+                return ExecResult(return_code=1, stdout="", stderr="mkdir: cannot create directory")
+            return await real(sandbox, command, *args, user=user, **kwargs)
+
+        monkeypatch.setattr(SimulatedEnvironment, "exec", exec_)
+
+    @property
+    def commands(self) -> list[str]:
+        return [command for command, _ in self.calls]
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_a_verdict_waits_on_no_exec_beyond_the_folder_reset_the_chmod_and_the_tests(monkeypatch):
-    """A batch's rewards wait for every verify: no stale-reward `rm`, no re-read of an output that came back empty."""
-    from harbor_async.backends.simulated import SimulatedEnvironment
+async def test_a_verdict_waits_on_one_exec_beyond_the_tests(monkeypatch):
+    """A batch's rewards wait for every verify: the folder reset and Harbor's chmod of the test script are one exec.
 
-    commands: list[str] = []
-    real = SimulatedEnvironment.exec
-
-    async def exec_(sandbox, command, *args, **kwargs):
-        commands.append(command)
-        return await real(sandbox, command, *args, **kwargs)
-
-    monkeypatch.setattr(SimulatedEnvironment, "exec", exec_)
+    No stale-reward `rm`, no re-read of an output that came back empty.
+    """
+    execs = _RecordedExecs(monkeypatch)
     async with Engine() as engine:
         (record,) = await run_suite(
             engine, [load_task(example_suite_path() / "tasks" / "count-log-files")], "simulated", agent="none"
         )
     assert record.reward == 1.0 and record.error is None
-    assert len(commands) == 3, commands
-    assert "mkdir -p /logs/verifier" in commands[0]
-    assert commands[1].startswith("chmod +x /tests/") and commands[2].startswith("(/tests/test.sh)")
+    assert len(execs.calls) == 2, execs.calls
+    (reset, user), (test, _) = execs.calls
+    assert user == "root"
+    assert reset.index("mkdir -p /logs/verifier") < reset.index("-exec rm -rf") < reset.index("chmod 777 /logs/verifier")
+    assert reset.index("chmod 777 /logs/verifier") < reset.index("chmod +x /tests/test.sh")
+    assert test.startswith("(/tests/test.sh)")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_failed_folder_reset_is_the_verifiers_failure_and_runs_no_test(monkeypatch):
+    """A verifier folder that could not be emptied may hold the agent's reward: graded 0, no test run, no retry."""
+    execs = _RecordedExecs(monkeypatch, fail="mkdir -p /logs/verifier")
+    async with Engine() as engine:
+        (record,) = await run_suite(
+            engine, [load_task(example_suite_path() / "tasks" / "count-log-files")], "simulated", agent="none"
+        )
+    assert (record.error_class, record.reward, record.rerun) == ("verifier", 0.0, False), record.error
+    assert "VerifierFolderResetError" in record.error and "cannot create directory" in record.error
+    assert not any(command.startswith("(/tests/") for command in execs.commands), execs.commands
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_test_script_without_chmod_gets_the_reset_as_an_exec_of_its_own():
+    """Where Harbor makes no `chmod` (a script that needs none), the reset runs, as root, before its first exec."""
+    from types import SimpleNamespace
+
+    from harbor.environments.base import BaseEnvironment
+    from harbor.models.task.config import TaskOS
+
+    from harbor_async.reward_files import _ResettingEnvironment
+
+    calls: list[tuple[str, object]] = []
+
+    async def exec_(command: str, user: object = None, **_: object):
+        calls.append((command, user))
+        return SimpleNamespace(return_code=0, stdout="", stderr="")
+
+    fake = SimpleNamespace(os=TaskOS.LINUX, exec=exec_, _reset_dirs_user=lambda: "root")
+    fake._empty_dirs_command = lambda dirs, chmod: BaseEnvironment._empty_dirs_command(fake, dirs, chmod=chmod)
+    environment = _ResettingEnvironment(fake)  # type: ignore[arg-type]
+    await environment.exec("python3 /tests/test.py", user="verifier")
+    await environment.exec("true")
+    assert [user for _, user in calls] == ["root", "verifier", None]
+    assert "mkdir -p /logs/verifier" in calls[0][0]
+    assert [command for command, _ in calls[1:]] == ["python3 /tests/test.py", "true"]
+    assert environment.os is TaskOS.LINUX  # everything else is the sandbox's
