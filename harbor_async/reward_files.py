@@ -25,7 +25,9 @@ import json
 import math
 import os
 import re
+import secrets
 import stat
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -145,19 +147,30 @@ class VerifierFolderResetError(VerifierOutputParseError):
     """
 
 
+#: Where the reset finds its tools whatever PATH the verifier's env sets.
+_SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+#: Per sandbox, the verifier users found not to be root (``None``: the image's own user).
+_NOT_ROOT: weakref.WeakKeyDictionary[Any, set[str | int | None]] = weakref.WeakKeyDictionary()
+
+
 class _ResettingEnvironment:
-    """The sandbox as Harbor's verifier sees it: its first exec also empties the verifier folder.
+    """The sandbox as Harbor's verifier sees it: the verifier folder is emptied before the tests run.
 
     Harbor's ``verify`` uploads the tests, makes the test script executable as
-    root, then runs it. The reset joins that ``chmod`` (one round trip, not two:
-    every rollout of a GRPO batch waits for its verdict); where Harbor makes no
-    ``chmod`` (a script that needs none), the reset is its own exec before the
-    first. Everything else is the sandbox's own.
+    root (one exec), then runs it (another). Every rollout of a GRPO batch waits
+    for its verdict, so the reset costs no round trip of its own: Harbor's
+    ``chmod`` is held back and run with the reset at the start of the test's
+    exec, when the test runs as root (the usual verifier user; an image's own
+    user is checked in that exec, and remembered for the sandbox). For another
+    user, the reset and the ``chmod`` are one exec as root before the test's.
+    Everything else is the sandbox's own.
     """
 
     def __init__(self, environment: BaseEnvironment) -> None:
         self._environment = environment
         self._reset_pending = True
+        self._chmod: str | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._environment, name)
@@ -166,21 +179,54 @@ class _ResettingEnvironment:
         environment = self._environment
         if not self._reset_pending:
             return await environment.exec(command, *args, user=user, **kwargs)
+        root = environment._reset_dirs_user()  # None where there is no root (Windows)
+        if root is not None and self._chmod is None and user == root and command.startswith("chmod +x "):
+            self._chmod = command  # Harbor's chmod of the test script, which it does not check
+            return ExecResult(return_code=0, stdout="", stderr="")
         self._reset_pending = False
         # Harbor's own `empty_dirs` command: the folder made if missing, emptied, writable for the verifier's user.
-        reset = environment._empty_dirs_command([EnvironmentPaths.for_os(environment.os).verifier_dir], chmod=True)
-        reset_user = environment._reset_dirs_user()
-        if user == reset_user and command.startswith("chmod +x "):  # Harbor's chmod of the test script
-            return _checked_reset(await environment.exec(f"{reset} && {command}", *args, user=user, **kwargs))
-        _checked_reset(await environment.exec(reset, user=reset_user))
+        prepare = environment._empty_dirs_command([EnvironmentPaths.for_os(environment.os).verifier_dir], chmod=True)
+        if self._chmod is not None:
+            prepare = f"{prepare} && {self._chmod}"
+        runs_as = user if user is not None else environment.default_user
+        if root is not None and runs_as in (None, root, 0) and runs_as not in _NOT_ROOT.get(environment, ()):
+            result = await self._exec_after_reset(prepare, command, args, user, kwargs)
+            if result is not None:
+                return result
+            _NOT_ROOT.setdefault(environment, set()).add(runs_as)
+        _checked_reset(await environment.exec(prepare, user=root))
         return await environment.exec(command, *args, user=user, **kwargs)
+
+    async def _exec_after_reset(
+        self, prepare: str, command: str, args: tuple[Any, ...], user: str | int | None, kwargs: dict[str, Any]
+    ) -> ExecResult | None:
+        """``command`` run after ``prepare`` in one exec, if it runs as root; None if it does not (nothing ran)."""
+        nonce = secrets.token_hex(8)
+        not_root, failed = f"harbor-async-not-root-{nonce}", f"harbor-async-reset-failed-{nonce}"
+        script = (
+            f'if ( PATH={_SYSTEM_PATH}; [ "$(id -u)" = 0 ] ); then\n'
+            f"( PATH={_SYSTEM_PATH}; {prepare} ) || {{ echo {failed}; exit 1; }}\n"
+            f"{command}\n"
+            f"else echo {not_root}; fi"
+        )
+        result = await self._environment.exec(script, *args, user=user, **kwargs)
+        printed = result.stdout or ""
+        if not_root in printed:
+            return None
+        if failed in printed:  # the test did not run
+            raise _reset_error(result.stderr or "")
+        return result
 
 
 def _checked_reset(result: ExecResult) -> ExecResult:
     if result.return_code != 0:
-        output = (result.stderr or result.stdout or "").strip()[-500:]
-        raise VerifierFolderResetError(f"the verifier folder reset failed (exit code {result.return_code}): {output}")
+        raise _reset_error(result.stderr or result.stdout or "", result.return_code)
     return result
+
+
+def _reset_error(output: str, exit_code: int | None = None) -> VerifierFolderResetError:
+    code = "" if exit_code is None else f" (exit code {exit_code})"
+    return VerifierFolderResetError(f"the verifier folder reset failed{code}: {output.strip()[-500:]}")
 
 
 class BoundedVerifier(Verifier):
@@ -189,11 +235,13 @@ class BoundedVerifier(Verifier):
     Args:
         reset_verifier_dir: empty the sandbox's verifier folder (Harbor's
             ``empty_dirs``) after the tests are uploaded and before they run,
-            in the same exec as Harbor's ``chmod`` of the test script, so that
-            nothing the agent left there is read as its reward; Harbor's
-            removal of the stale reward files there is then skipped (the trial
-            folder's copies still go). A failed reset raises
-            :class:`VerifierFolderResetError`. Every other argument is Harbor's.
+            so that nothing the agent left there is read as its reward: in the
+            tests' own exec where they run as root, else in one exec with
+            Harbor's ``chmod`` of the test script. Harbor's removal of the
+            stale reward files there is then skipped (the trial folder's
+            copies still go). A failed reset raises
+            :class:`VerifierFolderResetError`, and the tests do not run.
+            Every other argument is Harbor's.
     """
 
     def __init__(self, *args: Any, reset_verifier_dir: bool = False, **kwargs: Any) -> None:

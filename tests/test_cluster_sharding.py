@@ -229,8 +229,8 @@ def test_run_eval_a_cluster_worker_and_the_shim_write_one_record_shape(ray_clust
 
 
 def test_a_worker_opens_one_engine_for_the_episodes_that_arrive_together() -> None:
-    """The actor's first episodes arrive at once: one engine serves them all and close() closes it."""
-    from harbor_async.cluster.sharding import EpisodeWorker
+    """The actor's first episodes arrive at once: one engine serves them all, close() closes it, none opens later."""
+    from harbor_async.cluster.sharding import EpisodeWorker, WorkerClosedError
 
     engines: list[Engine] = []
 
@@ -252,5 +252,9 @@ def test_a_worker_opens_one_engine_for_the_episodes_that_arrive_together() -> No
         assert not engines[0].closed
         await worker.close()
         assert engines[0].closed
+        # an episode that arrives late opens no engine nothing would close
+        with pytest.raises(WorkerClosedError):
+            await worker.run(8)
+        assert len(engines) == 8 and worker._engine is None and worker._holder is None
 
     anyio.run(main)

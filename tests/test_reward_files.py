@@ -152,69 +152,165 @@ async def test_a_verifier_that_resets_its_folder_removes_the_stale_rewards_witho
     assert commands == ([] if reset else ["rm -f -- /logs/verifier/reward.txt /logs/verifier/reward.json"])
 
 
-class _RecordedExecs:
-    """The simulated backend's execs, recorded; a command containing ``fail`` exits 1 (fault injection)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: str | None = None) -> None:
-        from harbor.environments.base import ExecResult
-
-        from harbor_async.backends.simulated import SimulatedEnvironment
-
-        self.calls: list[tuple[str, object]] = []
-        real = SimulatedEnvironment.exec
-
-        async def exec_(sandbox, command, *args, user=None, **kwargs):
-            self.calls.append((command, user))
-            if fail is not None and fail in command:
-                return ExecResult(return_code=1, stdout="", stderr="mkdir: cannot create directory")
-            return await real(sandbox, command, *args, user=user, **kwargs)
-
-        monkeypatch.setattr(SimulatedEnvironment, "exec", exec_)
-
-    @property
-    def commands(self) -> list[str]:
-        return [command for command, _ in self.calls]
-
-
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_a_verdict_waits_on_one_exec_beyond_the_tests(monkeypatch):
-    """A batch's rewards wait for every verify: the folder reset and Harbor's chmod of the test script are one exec.
+async def test_a_verdict_waits_on_no_exec_beyond_the_tests(monkeypatch):
+    """A batch's rewards wait for every verify: the folder reset and Harbor's chmod of the test script run in the
+    tests' own exec (as root, the verifier's usual user). No stale-reward `rm`, no re-read of an empty output."""
+    from harbor_async.backends.simulated import SimulatedEnvironment
 
-    No stale-reward `rm`, no re-read of an output that came back empty.
-    """
-    execs = _RecordedExecs(monkeypatch)
+    calls: list[tuple[str, object]] = []
+    real = SimulatedEnvironment.exec
+
+    async def exec_(sandbox, command, *args, user=None, **kwargs):
+        calls.append((command, user))
+        return await real(sandbox, command, *args, user=user, **kwargs)
+
+    monkeypatch.setattr(SimulatedEnvironment, "exec", exec_)
     async with Engine() as engine:
         (record,) = await run_suite(
             engine, [load_task(example_suite_path() / "tasks" / "count-log-files")], "simulated", agent="none"
         )
     assert record.reward == 1.0 and record.error is None
-    assert len(execs.calls) == 2, execs.calls
-    (reset, user), (test, _) = execs.calls
-    assert user == "root"
-    assert reset.index("mkdir -p /logs/verifier") < reset.index("-exec rm -rf") < reset.index("chmod 777 /logs/verifier")
-    assert reset.index("chmod 777 /logs/verifier") < reset.index("chmod +x /tests/test.sh")
-    assert test.startswith("(/tests/test.sh)")
+    assert len(calls) == 1, calls
+    ((command, user),) = calls
+    assert user is None  # the verifier's user, as Harbor runs the tests
+    steps = ['[ "$(id -u)" = 0 ]', "mkdir -p /logs/verifier", "-exec rm -rf", "chmod 777 /logs/verifier"]
+    steps += ["chmod +x /tests/test.sh", "(/tests/test.sh) > /logs/verifier/test-stdout.txt"]
+    assert [command.index(step) for step in steps] == sorted(command.index(step) for step in steps), command
+
+
+def _user_task(tmp_path: Path, name: str, verifier_user: str | None, runs_as: str = "", dockerfile: str = "") -> Path:
+    """A task whose test writes 1 if it runs as ``runs_as`` (``verifier_user``, or root) and nothing was planted."""
+    task = tmp_path / name
+    shutil.copytree(example_suite_path() / "tasks" / "count-log-files", task)
+    if verifier_user is not None:
+        toml = (task / "task.toml").read_text().replace("[verifier]", f'[verifier]\nuser = "{verifier_user}"', 1)
+        assert f'user = "{verifier_user}"' in toml
+        (task / "task.toml").write_text(toml)
+    if dockerfile:
+        (task / "environment" / "Dockerfile").write_text(dockerfile)
+    (task / "tests" / "test.sh").write_text(
+        "#!/bin/sh\ntouch /tmp/tests-ran 2>/dev/null\n"
+        f'[ "$(id -un)" = {runs_as or verifier_user or "root"} ] && [ ! -e /logs/verifier/planted ] '
+        "&& echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n"
+    )
+    return task
+
+
+class _Spy:
+    """The backend's execs, recorded (they still run)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, cls: type) -> None:
+        self.calls: list[tuple[str, object]] = []
+        real = cls.exec
+
+        async def exec_(sandbox, command, *args, user=None, **kwargs):
+            self.calls.append((command, user))
+            return await real(sandbox, command, *args, user=user, **kwargs)
+
+        monkeypatch.setattr(cls, "exec", exec_)
+
+
+async def _plant_and_verify(engine: Engine, task: Path, backend: str, spy: _Spy, *, times: int = 1) -> list:
+    """Plant a file and a reward in the verifier folder, as the agent could, then verify ``times`` times.
+
+    Returns each verify's result and the execs it made.
+    """
+    sandbox = engine.launch(load_task(task), backend)
+    try:
+        await sandbox.wait_started()
+        plant = "mkdir -p /logs/verifier && touch /logs/verifier/planted && echo 1 > /logs/verifier/reward.txt"
+        planted = await sandbox.exec(plant)
+        assert planted.exit_code == 0, planted.output
+        verdicts = []
+        for _ in range(times):
+            spy.calls.clear()
+            verdicts.append((await sandbox.verify(), list(spy.calls)))
+        return verdicts
+    finally:
+        await sandbox.stop()
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_a_failed_folder_reset_is_the_verifiers_failure_and_runs_no_test(monkeypatch):
-    """A verifier folder that could not be emptied may hold the agent's reward: graded 0, no test run, no retry."""
-    execs = _RecordedExecs(monkeypatch, fail="mkdir -p /logs/verifier")
+async def test_on_a_real_sandbox_the_reset_runs_in_the_tests_exec_as_root_and_apart_for_another_user(
+    tmp_path: Path, monkeypatch
+):
+    """Local: the tests as root get the reset in their exec; for a `[verifier] user` of `nobody` (which the local
+    backend runs as root, with a warning) the reset is one exec as root before the tests'. Docker runs as `nobody`
+    below."""
+    from harbor_async.backends.local import LocalEnvironment
+
+    spy = _Spy(monkeypatch, LocalEnvironment)
+    async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "sandboxes")}) as engine:
+        ((as_root, calls),) = await _plant_and_verify(engine, _user_task(tmp_path, "as-root", None), "local", spy)
+        assert as_root.reward == 1.0, as_root.output
+        assert len(calls) == 1 and "mkdir -p /logs/verifier" in calls[0][0], calls
+        nobody = _user_task(tmp_path, "nobody", "nobody", runs_as="root")  # local runs every command as root
+        ((as_nobody, calls),) = await _plant_and_verify(engine, nobody, "local", spy)
+        assert as_nobody.reward == 1.0, as_nobody.output
+        (reset, reset_user), (test, test_user) = calls
+        assert reset_user == "root" and "mkdir -p /logs/verifier" in reset and "chmod +x /tests/test.sh" in reset
+        assert test_user is None and test.startswith("(/tests/test.sh)") and "id -u" not in test
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.usefixtures("docker_daemon")
+async def test_on_docker_an_image_user_that_is_not_root_is_found_once_and_gets_the_reset_apart(
+    tmp_path: Path, monkeypatch
+):
+    """An image whose USER is `nobody`: the first verify finds out in the tests' exec (nothing runs there), resets
+    as root, then runs the tests as `nobody`; the next verify of that sandbox goes straight to the reset."""
+    from harbor_async.backends.docker.confined import ConfinedDockerEnvironment
+
+    spy = _Spy(monkeypatch, ConfinedDockerEnvironment)
+    dockerfile = "FROM debian:bookworm-slim\nUSER nobody\n"  # no RUN: the test daemon builds without a network
+    task = _user_task(tmp_path, "image-user", None, runs_as="nobody", dockerfile=dockerfile + "WORKDIR /workdir\n")
     async with Engine() as engine:
-        (record,) = await run_suite(
-            engine, [load_task(example_suite_path() / "tasks" / "count-log-files")], "simulated", agent="none"
-        )
-    assert (record.error_class, record.reward, record.rerun) == ("verifier", 0.0, False), record.error
-    assert "VerifierFolderResetError" in record.error and "cannot create directory" in record.error
-    assert not any(command.startswith("(/tests/") for command in execs.commands), execs.commands
+        (first, probed), (second, known) = await _plant_and_verify(engine, task, "docker", spy, times=2)
+    assert first.reward == 1.0 and second.reward == 1.0, (first.output, second.output)
+    assert [user for _, user in probed] == [None, "root", None], probed
+    assert "id -u" in probed[0][0] and "mkdir -p /logs/verifier" in probed[1][0], probed
+    assert [user for _, user in known] == ["root", None], known  # no second probe
+    assert "mkdir -p /logs/verifier" in known[0][0] and known[1][0].startswith("(/tests/test.sh)"), known
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_a_test_script_without_chmod_gets_the_reset_as_an_exec_of_its_own():
-    """Where Harbor makes no `chmod` (a script that needs none), the reset runs, as root, before its first exec."""
+@pytest.mark.parametrize("verifier_user", [None, "nobody"])
+async def test_a_failed_folder_reset_is_the_verifiers_failure_and_runs_no_test(
+    tmp_path: Path, monkeypatch, verifier_user: str | None
+):
+    """A verifier folder that could not be emptied may hold the agent's reward: graded 0, the tests never run."""
+    from harbor_async.backends.local import LocalEnvironment
+    from harbor_async.errors import VerifierFailure
+
+    def failing_reset(self, dirs, *, chmod=True):  # fault injection: the reset's command fails in the real sandbox
+        return "echo no room for the verifier >&2; false"
+
+    monkeypatch.setattr(LocalEnvironment, "_empty_dirs_command", failing_reset)
+    spy = _Spy(monkeypatch, LocalEnvironment)
+    async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "sandboxes")}) as engine:
+        sandbox = engine.launch(load_task(_user_task(tmp_path, "task", verifier_user)), "local")
+        try:
+            await sandbox.wait_started()
+            with pytest.raises(VerifierFailure, match="VerifierFolderResetError.*no room for the verifier"):
+                await sandbox.verify()
+            assert (await sandbox.exec("ls /tmp/tests-ran")).exit_code != 0  # the tests did not run
+        finally:
+            await sandbox.stop()
+    assert spy.calls and not any(command.startswith("(/tests/") for command, _ in spy.calls), spy.calls
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_test_script_without_chmod_gets_the_reset_before_its_first_exec():
+    """Where Harbor makes no `chmod` (a script that needs none) the reset still comes first: for a user other
+    than root as an exec of its own, as root."""
     from types import SimpleNamespace
 
     from harbor.environments.base import BaseEnvironment
@@ -228,12 +324,12 @@ async def test_a_test_script_without_chmod_gets_the_reset_as_an_exec_of_its_own(
         calls.append((command, user))
         return SimpleNamespace(return_code=0, stdout="", stderr="")
 
-    fake = SimpleNamespace(os=TaskOS.LINUX, exec=exec_, _reset_dirs_user=lambda: "root")
+    fake = SimpleNamespace(os=TaskOS.LINUX, exec=exec_, _reset_dirs_user=lambda: "root", default_user="verifier")
     fake._empty_dirs_command = lambda dirs, chmod: BaseEnvironment._empty_dirs_command(fake, dirs, chmod=chmod)
     environment = _ResettingEnvironment(fake)  # type: ignore[arg-type]
-    await environment.exec("python3 /tests/test.py", user="verifier")
+    await environment.exec("python3 /tests/test.py")
     await environment.exec("true")
-    assert [user for _, user in calls] == ["root", "verifier", None]
-    assert "mkdir -p /logs/verifier" in calls[0][0]
+    assert [user for _, user in calls] == ["root", None, None]
+    assert "mkdir -p /logs/verifier" in calls[0][0] and "chmod +x" not in calls[0][0]
     assert [command for command, _ in calls[1:]] == ["python3 /tests/test.py", "true"]
     assert environment.os is TaskOS.LINUX  # everything else is the sandbox's

@@ -8,9 +8,9 @@ the same call order sees the same faults.
 Latencies are given as seconds (``0.5``) or as a distribution string:
 ``"uniform:LOW:HIGH"``, ``"lognormal:MEDIAN:SIGMA"`` or ``"exp:MEAN"``.
 
-The verifier's test script is recognised by its path under ``/tests/``: that
-exec takes the verify latency (and may fail), and the verifier then reads the
-configured ``reward``.
+The verifier's test script is recognised by Harbor's command that runs it,
+``(/tests/...)``: that exec takes the verify latency (and may fail), and the
+verifier then reads the configured ``reward``.
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ class SimulatedEnvironment(BaseEnvironment):
     ) -> ExecResult:
         if not self._running:
             raise RuntimeError("simulated sandbox is not running")
-        if "/tests/" in command and "chmod" not in command:
+        if "(/tests/" in command:  # Harbor's run of the test script (after the verifier's reset, in one exec)
             await self._sleep("verify")
             self._verified = not self._chance("verify")
             return ExecResult(stdout="", stderr="", return_code=0)

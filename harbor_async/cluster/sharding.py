@@ -41,6 +41,10 @@ class WorkersLostError(ClusterError):
     """Every worker was lost (and none could be started again) with episodes left to run."""
 
 
+class WorkerClosedError(ClusterError):
+    """An episode sent to a worker after its ``close()``: its engine is gone, and a new one would outlive it."""
+
+
 class EpisodeWorker:
     """One node's engine, as a Ray async actor; episodes run concurrently on the actor's loop."""
 
@@ -51,6 +55,7 @@ class EpisodeWorker:
         self._holder: asyncio.Task | None = None  # the task the engine is open in, until close()
         self._closing: asyncio.Event | None = None
         self._opening = asyncio.Lock()  # bound to the actor's loop at its first use
+        self._closed = False
 
     async def _ensure_engine(self) -> Any:
         # The actor runs several episodes at once: the first ones arrive together, and each must not
@@ -58,6 +63,8 @@ class EpisodeWorker:
         # outlive the worker). Each call is a task of its own, so the engine is entered and left in
         # one task of its own (a task group is left in the task that entered it).
         async with self._opening:
+            if self._closed:
+                raise WorkerClosedError("this worker was closed; its episodes go to a live one")
             if self._engine is None:
                 opened: asyncio.Future = asyncio.get_running_loop().create_future()
                 self._closing = asyncio.Event()
@@ -88,8 +95,9 @@ class EpisodeWorker:
         return record.to_dict()
 
     async def close(self) -> None:
-        """Stop the engine's sandboxes."""
+        """Stop the engine's sandboxes; later episodes raise :class:`WorkerClosedError`."""
         async with self._opening:  # an engine being opened is closed too
+            self._closed = True
             holder, self._holder, self._engine = self._holder, None, None
             if holder is not None and self._closing is not None:
                 self._closing.set()
