@@ -34,10 +34,11 @@ test script cannot hide: the loss needs the rewards, and the rollouts end
 together). A rollout's T commands must follow each other, so no trainer beats
 that step + T × exec latency: the summary reports each trainer's later-step
 wall time over that limit (``.../over_limit``). What the limit does not
-forgive is every other exec round trip on the path: the harness's base setup
-before the first command, and the verifier's folder reset joined with Harbor's
-``chmod`` of the test script (each costs the exec latency on the simulated
-backend).
+forgive is every other exec round trip on the path (each costs the exec
+latency on the simulated backend): the harness's base setup before the first
+command (run ahead with prefetch), and any exec of the verifier's besides the
+tests' own (the folder reset and Harbor's ``chmod`` of the test script run in
+that one).
 With ``--repeats N`` every run (the zero-exec ones too) is made N times, in
 turn, and the summary takes medians.
 """
