@@ -140,10 +140,11 @@ def parse_reward_json(text: str) -> dict[str, float | int]:
 
 
 class VerifierFolderResetError(VerifierOutputParseError):
-    """The sandbox's verifier folder could not be emptied (or its test script made executable) before the tests.
+    """The sandbox's verifier folder was not emptied before the tests: the reset failed, or its shell died first.
 
-    What the sandbox left there would be read as the reward, so the verdict is
-    the verifier's failure (graded 0), as a malformed reward file is.
+    What the sandbox left there would be read as the reward, so the tests do
+    not run and the verdict is the verifier's failure (graded 0), as a
+    malformed reward file is.
     """
 
 
@@ -164,7 +165,9 @@ class _ResettingEnvironment:
     exec, when the test runs as root (the usual verifier user; an image's own
     user is checked in that exec, and remembered for the sandbox). For another
     user, the reset and the ``chmod`` are one exec as root before the test's.
-    Everything else is the sandbox's own.
+    Either way the shell goes on only once the reset has printed that it
+    finished, and the verdict fails unless it did. Everything else is the
+    sandbox's own.
     """
 
     def __init__(self, environment: BaseEnvironment) -> None:
@@ -184,49 +187,66 @@ class _ResettingEnvironment:
             self._chmod = command  # Harbor's chmod of the test script, which it does not check
             return ExecResult(return_code=0, stdout="", stderr="")
         self._reset_pending = False
-        # Harbor's own `empty_dirs` command: the folder made if missing, emptied, writable for the verifier's user.
-        prepare = environment._empty_dirs_command([EnvironmentPaths.for_os(environment.os).verifier_dir], chmod=True)
-        if self._chmod is not None:
-            prepare = f"{prepare} && {self._chmod}"
+        if root is None:  # Harbor's own reset, as Harbor runs it there
+            reset = environment._empty_dirs_command([self._verifier_dir()], chmod=True)
+            _reset_finished(await environment.exec(reset, user=root), None)
+            return await environment.exec(command, *args, user=user, **kwargs)
+        done, not_root = _markers()
+        prepare = self._prepare(done)
         runs_as = user if user is not None else environment.default_user
-        if root is not None and runs_as in (None, root, 0) and runs_as not in _NOT_ROOT.get(environment, ()):
-            result = await self._exec_after_reset(prepare, command, args, user, kwargs)
-            if result is not None:
-                return result
-            _NOT_ROOT.setdefault(environment, set()).add(runs_as)
-        _checked_reset(await environment.exec(prepare, user=root))
+        if runs_as in (None, root, 0) and runs_as not in _NOT_ROOT.get(environment, ()):
+            script = (
+                f'if ( PATH={_SYSTEM_PATH}; [ "$(id -u)" = 0 ] ); then\n{prepare}\n{command}\n'
+                f"else echo {not_root}; fi"
+            )
+            result = await environment.exec(script, *args, user=user, **kwargs)
+            if not_root not in (result.stdout or ""):
+                return _reset_finished(result, done)
+            _NOT_ROOT.setdefault(environment, set()).add(runs_as)  # nothing ran
+        _reset_finished(await environment.exec(prepare, user=root), done)
         return await environment.exec(command, *args, user=user, **kwargs)
 
-    async def _exec_after_reset(
-        self, prepare: str, command: str, args: tuple[Any, ...], user: str | int | None, kwargs: dict[str, Any]
-    ) -> ExecResult | None:
-        """``command`` run after ``prepare`` in one exec, if it runs as root; None if it does not (nothing ran)."""
-        nonce = secrets.token_hex(8)
-        not_root, failed = f"harbor-async-not-root-{nonce}", f"harbor-async-reset-failed-{nonce}"
-        script = (
-            f'if ( PATH={_SYSTEM_PATH}; [ "$(id -u)" = 0 ] ); then\n'
-            f"( PATH={_SYSTEM_PATH}; {prepare} ) || {{ echo {failed}; exit 1; }}\n"
-            f"{command}\n"
-            f"else echo {not_root}; fi"
+    def _verifier_dir(self) -> Any:
+        return EnvironmentPaths.for_os(self._environment.os).verifier_dir
+
+    def _prepare(self, done: str) -> str:
+        """The reset (Harbor's own ``empty_dirs`` command), then ``done`` printed, then Harbor's chmod.
+
+        The tests must not run on a folder that was not emptied, so the shell
+        stops where the reset fails; the chmod's result is not checked, as
+        Harbor does not check it (a read-only test script may already be
+        executable).
+        """
+        reset = self._environment._empty_dirs_command([self._verifier_dir()], chmod=True)
+        lines = [f"( PATH={_SYSTEM_PATH}; {reset} ) || exit 1", f"echo {done}"]
+        if self._chmod is not None:
+            lines.append(self._chmod)
+        return "\n".join(lines)
+
+
+#: What the verifier's reset prints once the folder is empty (then a nonce): a backend that runs no shell (the
+#: simulated one) prints it back for a command that has it.
+RESET_DONE = "harbor-async-verifier-reset-done"
+
+
+def _markers() -> tuple[str, str]:
+    nonce = secrets.token_hex(8)
+    return f"{RESET_DONE}-{nonce}", f"harbor-async-not-root-{nonce}"
+
+
+def _reset_finished(result: ExecResult, done: str | None) -> ExecResult:
+    """``result`` if the reset finished (``done`` printed; without a marker, exit code 0), else the error.
+
+    A shell that died before the reset (killed, out of memory) printed nothing: the folder may hold what the
+    agent left there, so the verdict fails rather than read it.
+    """
+    finished = done in (result.stdout or "") if done is not None else result.return_code == 0
+    if not finished:
+        output = (result.stderr or "").strip()[-500:]
+        raise VerifierFolderResetError(
+            f"the verifier folder reset did not finish (exit code {result.return_code}): {output}"
         )
-        result = await self._environment.exec(script, *args, user=user, **kwargs)
-        printed = result.stdout or ""
-        if not_root in printed:
-            return None
-        if failed in printed:  # the test did not run
-            raise _reset_error(result.stderr or "")
-        return result
-
-
-def _checked_reset(result: ExecResult) -> ExecResult:
-    if result.return_code != 0:
-        raise _reset_error(result.stderr or result.stdout or "", result.return_code)
     return result
-
-
-def _reset_error(output: str, exit_code: int | None = None) -> VerifierFolderResetError:
-    code = "" if exit_code is None else f" (exit code {exit_code})"
-    return VerifierFolderResetError(f"the verifier folder reset failed{code}: {output.strip()[-500:]}")
 
 
 class BoundedVerifier(Verifier):

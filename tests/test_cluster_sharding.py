@@ -230,7 +230,8 @@ def test_run_eval_a_cluster_worker_and_the_shim_write_one_record_shape(ray_clust
 
 def test_a_worker_opens_one_engine_for_the_episodes_that_arrive_together() -> None:
     """The actor's first episodes arrive at once: one engine serves them all, close() closes it, none opens later."""
-    from harbor_async.cluster.sharding import EpisodeWorker, WorkerClosedError
+    from harbor_async.cluster import WorkerClosedError
+    from harbor_async.cluster.sharding import EpisodeWorker
 
     engines: list[Engine] = []
 

@@ -7,6 +7,7 @@ writes a hostile reward file run through the engine on the local backend.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -282,28 +283,52 @@ async def test_on_docker_an_image_user_that_is_not_root_is_found_once_and_gets_t
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize("verifier_user", [None, "nobody"])
-async def test_a_failed_folder_reset_is_the_verifiers_failure_and_runs_no_test(
-    tmp_path: Path, monkeypatch, verifier_user: str | None
+@pytest.mark.parametrize(
+    "fault, says",
+    [("echo no room for the verifier >&2; false", "no room for the verifier"), ("kill -9 $$", "exit code 137")],
+    ids=["fails", "shell-killed"],
+)
+async def test_a_reset_that_did_not_finish_is_the_verifiers_failure_and_runs_no_test(
+    tmp_path: Path, monkeypatch, verifier_user: str | None, fault: str, says: str
 ):
-    """A verifier folder that could not be emptied may hold the agent's reward: graded 0, the tests never run."""
+    """A verifier folder that was not emptied may hold the agent's reward: graded 0, the tests never run.
+
+    Also when the shell died before the reset (killed, out of memory): nothing said it finished."""
     from harbor_async.backends.local import LocalEnvironment
     from harbor_async.errors import VerifierFailure
 
-    def failing_reset(self, dirs, *, chmod=True):  # fault injection: the reset's command fails in the real sandbox
-        return "echo no room for the verifier >&2; false"
-
-    monkeypatch.setattr(LocalEnvironment, "_empty_dirs_command", failing_reset)
+    monkeypatch.setattr(LocalEnvironment, "_empty_dirs_command", lambda self, dirs, *, chmod=True: fault)
     spy = _Spy(monkeypatch, LocalEnvironment)
     async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "sandboxes")}) as engine:
         sandbox = engine.launch(load_task(_user_task(tmp_path, "task", verifier_user)), "local")
         try:
             await sandbox.wait_started()
-            with pytest.raises(VerifierFailure, match="VerifierFolderResetError.*no room for the verifier"):
+            with pytest.raises(VerifierFailure, match=f"VerifierFolderResetError.*{says}"):
                 await sandbox.verify()
             assert (await sandbox.exec("ls /tmp/tests-ran")).exit_code != 0  # the tests did not run
         finally:
             await sandbox.stop()
     assert spy.calls and not any(command.startswith("(/tests/") for command, _ in spy.calls), spy.calls
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_failed_chmod_of_an_executable_test_script_is_ignored_as_harbor_ignores_it(tmp_path: Path, monkeypatch):
+    """Tests that are already executable where they cannot be changed (a read-only image) still run."""
+    from harbor_async.backends.local import LocalEnvironment
+
+    real = LocalEnvironment.exec
+
+    async def chmod_fails(sandbox, command, *args, **kwargs):  # fault injection: Harbor's chmod fails
+        command = command.replace("chmod +x /tests/test.sh", "chmod +x /tests/none.sh")
+        return await real(sandbox, command, *args, **kwargs)
+
+    monkeypatch.setattr(LocalEnvironment, "exec", chmod_fails)
+    task = _user_task(tmp_path, "task", None)
+    (task / "tests" / "test.sh").chmod(0o755)
+    async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "sandboxes")}) as engine:
+        ((verdict, _),) = await _plant_and_verify(engine, task, "local", _Spy(monkeypatch, LocalEnvironment))
+    assert verdict.reward == 1.0, verdict.output
 
 
 @pytest.mark.anyio
@@ -316,13 +341,14 @@ async def test_a_test_script_without_chmod_gets_the_reset_before_its_first_exec(
     from harbor.environments.base import BaseEnvironment
     from harbor.models.task.config import TaskOS
 
-    from harbor_async.reward_files import _ResettingEnvironment
+    from harbor_async.reward_files import RESET_DONE, _ResettingEnvironment
 
     calls: list[tuple[str, object]] = []
 
     async def exec_(command: str, user: object = None, **_: object):
         calls.append((command, user))
-        return SimpleNamespace(return_code=0, stdout="", stderr="")
+        printed = re.findall(rf"{RESET_DONE}-[0-9a-f]+", command)  # what the shell would echo
+        return SimpleNamespace(return_code=0, stdout="\n".join(printed), stderr="")
 
     fake = SimpleNamespace(os=TaskOS.LINUX, exec=exec_, _reset_dirs_user=lambda: "root", default_user="verifier")
     fake._empty_dirs_command = lambda dirs, chmod: BaseEnvironment._empty_dirs_command(fake, dirs, chmod=chmod)

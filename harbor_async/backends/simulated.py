@@ -8,15 +8,18 @@ the same call order sees the same faults.
 Latencies are given as seconds (``0.5``) or as a distribution string:
 ``"uniform:LOW:HIGH"``, ``"lognormal:MEDIAN:SIGMA"`` or ``"exp:MEAN"``.
 
-The verifier's test script is recognised by Harbor's command that runs it,
-``(/tests/...)``: that exec takes the verify latency (and may fail), and the
-verifier then reads the configured ``reward``.
+The verifier's test script is recognised by Harbor's command that runs it
+(a script under ``/tests/``, its output redirected to ``test-stdout.txt``):
+that exec takes the verify latency (and may fail), and the verifier then reads
+the configured ``reward``. An exec prints nothing but the verifier reset's
+marker, as a shell would.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import re
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +34,7 @@ from harbor.environments.base import (
 from harbor.environments.capabilities import EnvironmentCapabilities
 
 from harbor_async.errors import BackendStartError
+from harbor_async.reward_files import RESET_DONE
 
 
 class SimulatedTransientError(BackendStartError, ConnectionError):
@@ -80,6 +84,8 @@ class Latency:
             return rng.expovariate(1.0 / self.a) if self.a else 0.0
         return self.a
 
+
+_RESET_DONE = re.compile(rf"{RESET_DONE}-[0-9a-f]+")
 
 #: Start times kept for tests and benchmarks.
 OBSERVATIONS_KEPT = 10_000
@@ -217,10 +223,12 @@ class SimulatedEnvironment(BaseEnvironment):
     ) -> ExecResult:
         if not self._running:
             raise RuntimeError("simulated sandbox is not running")
-        if "(/tests/" in command:  # Harbor's run of the test script (after the verifier's reset, in one exec)
+        # What a shell would print of it: only the verifier reset's marker (see harbor_async.reward_files).
+        printed = "\n".join(_RESET_DONE.findall(command)) if RESET_DONE in command else ""
+        if "/tests/" in command and "test-stdout" in command:  # Harbor's run of the tests (their output redirected)
             await self._sleep("verify")
             self._verified = not self._chance("verify")
-            return ExecResult(stdout="", stderr="", return_code=0)
+            return ExecResult(stdout=printed, stderr="", return_code=0)
         cls = type(self)
         cls.execs_now += 1
         cls.peak_execs = max(cls.peak_execs, cls.execs_now)
@@ -230,7 +238,7 @@ class SimulatedEnvironment(BaseEnvironment):
             await self._sleep("exec")
         finally:
             cls.execs_now -= 1
-        return ExecResult(stdout="", stderr="", return_code=0)
+        return ExecResult(stdout=printed, stderr="", return_code=0)
 
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
         """Uploads are accepted and dropped."""

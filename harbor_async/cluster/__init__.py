@@ -21,6 +21,7 @@ from harbor_async.cluster.errors import (
     LeaseExpiredError,
     RayNotInstalledError,
     WorldExceedsCapError,
+    WorkerClosedError,
     WorldRendezvousError,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "ClusterUnavailableError",
     "LeaseExpiredError",
     "RayNotInstalledError",
+    "WorkerClosedError",
     "WorldExceedsCapError",
     "WorldRendezvousError",
 ]

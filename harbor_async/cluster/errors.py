@@ -77,3 +77,7 @@ class WorldExceedsCapError(BatchExceedsCapError):
 
 class WorldRendezvousError(ClusterError):
     """Not every rank of the distributed run joined the cluster budget in time."""
+
+
+class WorkerClosedError(ClusterError):
+    """An episode sent to a cluster worker after its ``close()``: its engine is gone, and a new one would outlive it."""

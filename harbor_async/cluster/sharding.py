@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harbor_async.cluster.connect import DEFAULT_NAMESPACE, ensure_connected, import_ray
-from harbor_async.cluster.errors import ClusterError
+from harbor_async.cluster.errors import ClusterError, WorkerClosedError
 from harbor_async.jobs import JobFolder
 from harbor_async.logs import get_logger
 from harbor_async.records import EpisodeRecord
@@ -39,10 +39,6 @@ EpisodeFn = Callable[[Any, Any], Awaitable[EpisodeRecord]]
 
 class WorkersLostError(ClusterError):
     """Every worker was lost (and none could be started again) with episodes left to run."""
-
-
-class WorkerClosedError(ClusterError):
-    """An episode sent to a worker after its ``close()``: its engine is gone, and a new one would outlive it."""
 
 
 class EpisodeWorker:
@@ -64,7 +60,7 @@ class EpisodeWorker:
         # one task of its own (a task group is left in the task that entered it).
         async with self._opening:
             if self._closed:
-                raise WorkerClosedError("this worker was closed; its episodes go to a live one")
+                raise WorkerClosedError("this worker was closed: it opens no engine after close()")
             if self._engine is None:
                 opened: asyncio.Future = asyncio.get_running_loop().create_future()
                 self._closing = asyncio.Event()
