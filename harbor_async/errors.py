@@ -396,6 +396,26 @@ class SettingError(HarborAsyncError, ValueError):
         return (type(self), (self.name, self.value, self.requirement))
 
 
+class ResumeConflictError(HarborAsyncError, ValueError):
+    """A setting given to a resume differs from the one the job was started with (its ``harbor-async.json``).
+
+    Attributes:
+        name: the setting's name.
+        stored: the job's value.
+        given: the value given now.
+    """
+
+    def __init__(self, name: str, stored: Any, given: Any) -> None:
+        self.name, self.stored, self.given = name, stored, given
+        super().__init__(
+            f"the job was started with {name}={stored!r}, the resume was given {name}={given!r}: "
+            "a resume runs the job as it was started (drop the setting, or start a new job)"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.name, self.stored, self.given))
+
+
 class LogSettingError(HarborAsyncError, ValueError):
     """A log level or format that does not exist (from a flag or the environment)."""
 
@@ -427,6 +447,13 @@ class ModelServerError(HarborAsyncError):
         return (type(self), (str(self), self.status))
 
 
+class ModelServerConfigError(ModelServerError):
+    """The model server refused the request as misconfigured (a wrong key, model or URL): every episode would be.
+
+    The episode is ``model_server`` (not judged); the run stops at once (:class:`ModelServerRefusedError`).
+    """
+
+
 class ModelServerDownError(HarborAsyncError, RuntimeError):
     """The model server failed ``failures`` episodes in a row: the evaluation stopped instead of scoring them.
 
@@ -444,6 +471,22 @@ class ModelServerDownError(HarborAsyncError, RuntimeError):
 
     def __reduce__(self):
         return (type(self), (self.url, self.failures, self.cause, self.job_dir))
+
+
+class ModelServerRefusedError(ModelServerDownError):
+    """The model server refused a request as misconfigured (a wrong key, model or URL): the run stopped at once.
+
+    Another episode would be refused the same way, so one is enough (see
+    :class:`ModelServerConfigError`, the episode's error).
+    """
+
+    def __init__(self, url: str, cause: str, job_dir: Path) -> None:
+        super().__init__(url, 1, cause, job_dir)
+        first = (cause or "no detail").strip().splitlines()[0][:300]
+        self.args = (f"model server {url} refused the run's requests: {first}",)
+
+    def __reduce__(self):
+        return (type(self), (self.url, self.cause, self.job_dir))
 
 
 class InfrastructureBudgetError(HarborAsyncError, RuntimeError):

@@ -29,7 +29,7 @@ from harbor_async import serve as _serve
 from harbor_async.agent import Agent, AgentLimits, Sampling
 from harbor_async.backends import BackendSpec, resolve_backend
 from harbor_async.checkpoints import ModelSpec, ServerGroup, resolve_models, server_groups
-from harbor_async.errors import BackendError, EvalConfigError, FailureClass, HarborAsyncError, ModelServerDownError, SettingError
+from harbor_async.errors import BackendError, EvalConfigError, FailureClass, HarborAsyncError, ModelServerDownError, ModelServerRefusedError, SettingError
 from harbor_async.interrupts import Interrupts
 from harbor_async.jobs import JobFolder
 from harbor_async.logs import get_logger
@@ -42,7 +42,7 @@ from harbor_async.model_agent import (
     resolve_harness,
 )
 from harbor_async.records import EpisodeRecord, episode_key
-from harbor_async.runner import run_episode
+from harbor_async.runner import FailureBudget, PlannedEpisode, run_suite
 from harbor_async.scoring import summarize, sweep_summary
 from harbor_async.settings import JobSettings
 from harbor_async.task_support import check_tasks
@@ -96,7 +96,6 @@ class _Run:
         self.harness = None if self.harbor is not None else resolve_harness(settings.agent, settings.environment_type)
         self.backend: BackendSpec = resolve_backend(settings.environment_type)
         self.engine: Engine | None = None
-        self.sandbox_limiter = anyio.CapacityLimiter(settings.n_concurrent)
         self.tool_limiter = anyio.CapacityLimiter(settings.n_concurrent)
         self.request_limiter = anyio.CapacityLimiter(settings.max_concurrent_requests)
         self.sampling = Sampling(**settings.sampling)
@@ -104,7 +103,7 @@ class _Run:
         self.fatal: BaseException | None = None
         self.interrupted: int | None = None
         self.ran = 0
-        self.server_failures_in_a_row = 0  # model-server failures since the last episode the server served
+        self.arm: Callable[[Callable[[], None]], None] = lambda cancel: None  # the interrupt policy's (see evaluate)
 
     def api_key(self) -> str:
         return api_key(self.settings.api_key_name)
@@ -131,87 +130,71 @@ class _Run:
         if group.check_names:
             listed = await _serve.served_models(base_url, api_key=self.api_key())
             await _serve.check_models([s.name for s in group.models], listed, base_url, api_key=self.api_key())
+        budget = FailureBudget(self.settings.max_model_server_failures, base_url, self.job.path)
         if self.settings.ray:
-            await self._on_cluster(group, tasks, root, pending, base_url)
-            return
-        client = openai.AsyncOpenAI(
-            base_url=base_url, api_key=self.api_key(), max_retries=0, timeout=self.settings.request_timeout
-        )
-        try:
-            async with anyio.create_task_group() as tg:
-                for spec in group.models:
-                    agent: Agent | Any = Agent(
-                        client,
-                        spec.name,
-                        sampling=self.sampling,
-                        limits=self.limits,
-                        request_limiter=self.request_limiter,
-                        tool_limiter=self.tool_limiter,
-                    )
-                    if self.harbor is not None:  # a Harbor agent talks to the server with its own client
-                        agent = self.harbor.with_server(
-                            spec.name, base_url, api_key_name=self.settings.api_key_name, temperature=self.sampling.temperature
-                        )
-                    for task in tasks:
-                        for attempt in range(self.settings.n_attempts):
-                            if episode_key(suite_task_path(task, root), attempt, spec.name) in pending:
-                                tg.start_soon(self._episode, tg.cancel_scope, agent, spec, task, root, attempt, server)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await client.close()
+            await self._on_cluster(group, tasks, root, pending, base_url, budget)
+        else:
+            async with openai.AsyncOpenAI(
+                base_url=base_url, api_key=self.api_key(), max_retries=0, timeout=self.settings.request_timeout
+            ) as client:  # fmt: skip
+                await self._locally(group, tasks, root, pending, base_url, server, client, budget)
+        if self.fatal is None:
+            self.fatal = budget.error
         if self.fatal is not None:
             raise self.fatal
 
-    async def _on_cluster(self, group: ServerGroup, tasks, root: Path, pending: set[str], base_url: str) -> None:
-        """Shard the group's pending episodes over the Ray cluster; records come back into the job folder."""
-        from harbor_async.cluster.eval_items import eval_item, eval_items
-        from harbor_async.cluster.sharding import run_on_cluster
-
-        items = eval_items(self.settings, group.models, base_url, tasks, root, pending)
+    async def _locally(self, group, tasks, root, pending, base_url, server, client, budget: FailureBudget) -> None:
+        """The group's pending episodes on this evaluation's engine, through the one orchestration of ``run`` and ``eval``."""
+        assert self.engine is not None
+        planned: list[PlannedEpisode] = []
+        for spec in group.models:
+            agent: Agent | Any = Agent(
+                client, spec.name, sampling=self.sampling, limits=self.limits,
+                request_limiter=self.request_limiter, tool_limiter=self.tool_limiter,
+            )  # fmt: skip
+            if self.harbor is not None:  # a Harbor agent talks to the server with its own client
+                agent = self.harbor.with_server(
+                    spec.name, base_url, api_key_name=self.settings.api_key_name, temperature=self.sampling.temperature
+                )
+            for task in tasks:
+                path = suite_task_path(task, root)
+                for attempt in range(self.settings.n_attempts):
+                    if episode_key(path, attempt, spec.name) in pending:
+                        actor = eval_episode_agent(self.settings, agent, self.harness, attempt)
+                        planned.append(PlannedEpisode(task, attempt, spec.name, spec.checkpoint, actor, path))
+        cancel_batch: list[Any] = []
 
         def record(done: EpisodeRecord) -> None:
-            self.ran += 1
-            if self.on_record is not None:
-                self.on_record(done)
+            self._record(done)
+            if done.failure is FailureClass.MODEL_SERVER and server is not None and not server.alive and self.fatal is None:
+                try:  # the managed server is gone: every other episode would fail the same way
+                    server.check_alive()
+                except _serve.ServerDiedError as exc:
+                    self.fatal = exc
+                    cancel_batch[0]()
 
-        await anyio.to_thread.run_sync(
-            functools.partial(
-                run_on_cluster, eval_item, items, job=self.job, address=self.settings.ray_address,
-                concurrency=self.settings.n_concurrent, on_record=record,
-                engine_kwargs=self.settings.engine_kwargs(job_dir=self.job.path),
-            )  # fmt: skip
-        )
+        await run_suite(
+            self.engine, planned, self.backend, concurrency=self.settings.n_concurrent, on_done=record, budget=budget,
+            stop=cancel_batch.append,
+        )  # fmt: skip
 
-    async def _episode(self, scope, agent: Any, spec: ModelSpec, task, root: Path, attempt: int, server) -> None:
-        assert self.engine is not None
-        actor = eval_episode_agent(self.settings, agent, self.harness, attempt)
-        async with self.sandbox_limiter:
-            record = await run_episode(
-                self.engine, task, self.backend, actor, attempt=attempt, task_path=suite_task_path(task, root),
-                model=spec.name, checkpoint=spec.checkpoint,
-            )  # fmt: skip
-        if record.failure is FailureClass.MODEL_SERVER and server is not None and not server.alive:
-            # The server is gone: every other episode would fail the same way.
-            try:
-                server.check_alive()
-            except _serve.ServerDiedError as exc:
-                self.fatal = exc
-            scope.cancel()
-            return
-        self.job.append(record)
+    def _record(self, done: EpisodeRecord) -> None:
+        """One episode's record, from its own ``finally``: into the job folder, then to the caller."""
+        self.job.append(done)
         self.ran += 1
         if self.on_record is not None:
-            self.on_record(record)
-        if record.failure is FailureClass.MODEL_SERVER:
-            self.server_failures_in_a_row += 1
-            budget = self.settings.max_model_server_failures
-            if budget and self.server_failures_in_a_row >= budget and self.fatal is None:
-                # A broken server is not a bad model: stop, say why, keep what ran for --resume.
-                url = server.base_url if server is not None else str(self.settings.base_url)
-                self.fatal = ModelServerDownError(url, self.server_failures_in_a_row, record.error or "", self.job.path)
-                scope.cancel()
-        elif not record.rerun:
-            self.server_failures_in_a_row = 0
+            self.on_record(done)
+
+    async def _on_cluster(self, group: ServerGroup, tasks, root: Path, pending: set[str], base_url: str, budget: FailureBudget) -> None:
+        """Shard the group's pending episodes over the Ray cluster; records come back into the job folder."""
+        from harbor_async.cluster.eval_items import eval_item, eval_items
+        from harbor_async.cluster.sharding import run_on_cluster_async
+
+        items = eval_items(self.settings, group.models, base_url, tasks, root, pending)
+        await run_on_cluster_async(
+            eval_item, items, sink=self._record, budget=budget, stop=self.arm, address=self.settings.ray_address,
+            concurrency=self.settings.n_concurrent, engine_kwargs=self.settings.engine_kwargs(job_dir=self.job.path),
+        )  # fmt: skip
 
 
 def _discard_empty_job(folder: Path) -> None:
@@ -362,6 +345,8 @@ async def evaluate(
     try:
         with Interrupts() as interrupts, anyio.CancelScope() as scope:
             interrupts.arm(scope.cancel)
+            # The cluster's driver loop runs in a thread: a signal also stops its dispatch (it then drains).
+            run.arm = lambda stop: interrupts.arm(lambda: (stop(), scope.cancel()))
             try:
                 if config.ray:  # the cluster's nodes run the episodes on their own engines
                     error = await _run_groups(run, groups, tasks, root)
@@ -381,7 +366,9 @@ async def evaluate(
         summary["complete"] = len(latest) == len(all_keys) and not any(r.rerun for r in latest)
         if run.interrupted is not None:
             summary["interrupted_by"] = signal.Signals(run.interrupted).name
-        if isinstance(error, ModelServerDownError):
+        if isinstance(error, ModelServerRefusedError):
+            summary["stopped_by"] = "the model server refused the run's requests (a wrong key, model or URL)"
+        elif isinstance(error, ModelServerDownError):
             summary["stopped_by"] = f"the model server failed {error.failures} episodes in a row"
         job.write_summary(summary)
         if "sweep" in summary:

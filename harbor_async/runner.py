@@ -17,14 +17,22 @@ by a model server (:class:`harbor_async.model_agent.ModelAgent`, for ``eval``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
 from harbor_async.backends import BackendSpec, resolve_backend
 from harbor_async.episode import Episode
-from harbor_async.errors import FailureClass, SandboxError
+from harbor_async.errors import (
+    FailureClass,
+    ModelServerConfigError,
+    ModelServerDownError,
+    ModelServerRefusedError,
+    SandboxError,
+)
 from harbor_async.policy import failure_class
 from harbor_async.logs import get_logger
 from harbor_async.records import EpisodeRecord
@@ -81,10 +89,24 @@ class HarborAgent:
 
 @dataclass(frozen=True)
 class PlannedEpisode:
-    """One episode to run: a task and the index of its repetition (``-k``)."""
+    """One episode to run: a task and the index of its repetition (``-k``).
+
+    ``model``/``checkpoint`` go into the record (and its key); ``agent``, when
+    set, acts in this episode instead of the batch's (``eval``: one agent per
+    model); ``task_path`` is the task's path in its suite (the record's and the key's).
+    """
 
     task: Task
     attempt: int = 0
+    model: str | None = None
+    checkpoint: str | None = None
+    agent: str | EpisodeAgent | None = None
+    task_path: str | None = None
+
+
+#: Where the episode that runs in this context also hands its record (besides ``on_done``):
+#: a cluster worker sets it so that an episode it stops still returns its record.
+record_sink: ContextVar[Callable[[EpisodeRecord], None] | None] = ContextVar("record_sink", default=None)
 
 
 async def run_episode(
@@ -101,8 +123,10 @@ async def run_episode(
 ) -> EpisodeRecord:
     """Run one episode to its end and record it; failures are recorded, never raised.
 
-    Cancellation is recorded too (class ``cancelled``), handed to ``on_done``
-    once the sandbox is stopped, then re-raised. A string ``agent`` is one of
+    The record is handed to ``on_done`` (and to :data:`record_sink`) in a
+    ``finally``, once the sandbox is stopped: a cancelled, crashed or
+    interrupted episode has its record too (class ``cancelled`` for the first),
+    and the cancellation is then re-raised. A string ``agent`` is one of
     :data:`MODEL_FREE_AGENTS` (not checked here: the caller checks it once).
     """
     actor = HarborAgent(agent) if isinstance(agent, str) else agent
@@ -128,9 +152,42 @@ async def run_episode(
         episode.fail(FailureClass.INFRASTRUCTURE, exc, episode.phase)
     finally:
         record = await episode.stop()
-        if on_done is not None:
-            on_done(record)
+        for sink in (on_done, record_sink.get()):
+            if sink is not None:
+                sink(record)
     return record
+
+
+class FailureBudget:
+    """When a set of episodes stops because its model server fails: the same rule for ``run`` and ``eval``, local or over Ray.
+
+    ``limit`` model-server failures in a row (``0``/``None``: never) stop the
+    run with :class:`~harbor_async.errors.ModelServerDownError`; an episode whose
+    server refused the request as misconfigured (a wrong key, model or URL:
+    :class:`~harbor_async.errors.ModelServerConfigError`) stops it at once. An
+    episode the server served (judged) starts the count again. The error names
+    ``server`` and the job folder to resume.
+    """
+
+    def __init__(self, limit: int | None, server: str, job_dir: Path) -> None:
+        self.limit, self.server, self.job_dir = limit, server, job_dir
+        self.in_a_row = 0
+        self.error: ModelServerDownError | None = None
+
+    def observe(self, record: EpisodeRecord) -> bool:
+        """Count ``record``; ``True`` once, when the run must stop now (the error is then :attr:`error`)."""
+        if self.error is not None:
+            return False
+        if record.failure is not FailureClass.MODEL_SERVER:
+            if not record.rerun:
+                self.in_a_row = 0
+            return False
+        self.in_a_row += 1
+        if record.error_type == ModelServerConfigError.__name__:  # by type name: records come back from Ray as JSON
+            self.error = ModelServerRefusedError(self.server, record.error or "", self.job_dir)
+        elif self.limit and self.in_a_row >= self.limit:
+            self.error = ModelServerDownError(self.server, self.in_a_row, record.error or "", self.job_dir)
+        return self.error is not None
 
 
 async def run_suite(
@@ -143,18 +200,27 @@ async def run_suite(
     concurrency: int = 8,
     on_done: Callable[[EpisodeRecord], None] | None = None,
     model: str | None = None,
+    budget: FailureBudget | None = None,
+    stop: Callable[[Callable[[], None]], None] | None = None,
 ) -> list[EpisodeRecord]:
-    """Run ``episodes`` (tasks, or tasks with attempt indices), ``concurrency`` at a time.
+    """Run ``episodes`` (tasks, or planned episodes), ``concurrency`` at a time: the one orchestration of ``run`` and ``eval``.
 
     ``agent``: a model-free agent's name, an :class:`EpisodeAgent` that keeps no
     state between episodes, or a factory called once per episode (an agent that
     does, as a Harbor agent's :class:`~harbor_async.harbor_episode_agent.HarborEpisodeAgent`);
-    ``model``: the records' ``model`` (and their keys').
+    a :class:`PlannedEpisode`'s own ``agent`` wins. ``model``: the records'
+    ``model`` where the planned episode names none.
+
+    Each record goes to ``on_done`` from its episode's ``finally`` (a cancelled
+    episode's too), then to ``budget``: when the budget says stop, every episode
+    still running is cancelled (and recorded) and the batch ends; the caller
+    raises ``budget.error``. ``stop`` is given the batch's cancel function (an
+    interrupt policy arms it: :class:`harbor_async.interrupts.Interrupts`).
 
     This is the batch's one concurrency limit: an episode launches its sandbox
     only when it holds a slot, so its episode deadline starts then (give the
     engine no lower live-sandbox limit). The backend is resolved once here.
-    Returns the records in ``episodes`` order; ``on_done`` gets each as it ends.
+    Returns the records in ``episodes`` order.
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -163,15 +229,26 @@ async def run_suite(
     limiter = anyio.CapacityLimiter(concurrency)
     records: list[EpisodeRecord | None] = [None] * len(items)
 
-    async def one(index: int, episode: PlannedEpisode) -> None:
-        async with limiter:
-            actor = agent() if callable(agent) else agent
-            records[index] = await run_episode(
-                engine, episode.task, spec, actor, attempt=episode.attempt, on_done=on_done, model=model,
-                task_path=None if task_path is None else task_path(episode.task),
-            )  # fmt: skip
+    with anyio.CancelScope() as batch:
 
-    async with anyio.create_task_group() as tg:
-        for index, episode in enumerate(items):
-            tg.start_soon(one, index, episode)
+        def done(record: EpisodeRecord) -> None:
+            if on_done is not None:
+                on_done(record)
+            if budget is not None and budget.observe(record):
+                batch.cancel()
+
+        async def one(index: int, episode: PlannedEpisode) -> None:
+            async with limiter:
+                actor = episode.agent if episode.agent is not None else agent() if callable(agent) else agent
+                records[index] = await run_episode(
+                    engine, episode.task, spec, actor, attempt=episode.attempt, on_done=done,
+                    model=episode.model if episode.model is not None else model, checkpoint=episode.checkpoint,
+                    task_path=episode.task_path if episode.task_path is not None else None if task_path is None else task_path(episode.task),
+                )  # fmt: skip
+
+        if stop is not None:
+            stop(batch.cancel)
+        async with anyio.create_task_group() as tg:
+            for index, episode in enumerate(items):
+                tg.start_soon(one, index, episode)
     return [r for r in records if r is not None]

@@ -9,11 +9,14 @@ multipliers. Settings written by earlier releases (``config.json``: nested for
 
 from __future__ import annotations
 
+import json
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from harbor_async.errors import ResumeConflictError
 from harbor_async.policy import Limits, Timeouts
 from harbor_async.scoring import DEFAULT_SUCCESS_THRESHOLD
 from harbor_async.serve import DEFAULT_ERROR_TIMEOUT, DEFAULT_READY_TIMEOUT
@@ -33,6 +36,14 @@ RENAMED = {
 }
 
 SETTINGS_VERSION = 2
+
+#: Where a job's model server is, not what the job runs: a resume may give them anew.
+SERVER_LOCATION = frozenset({"base_url", "serve_cmd", "api_key_name"})
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as its JSON form reads back (tuples as lists, paths as text): how a stored value compares."""
+    return json.loads(json.dumps(value, default=str))
 
 
 def _now() -> str:
@@ -145,6 +156,34 @@ class JobSettings:
                 raise TypeError(f"unknown setting {name!r}; settings are: {', '.join(sorted(known))}")
             values[name] = value
         return cls(**values)
+
+    def resumed(self, given: Mapping[str, Any]) -> JobSettings:
+        """These stored settings for a resume given ``given`` (settings by name; earlier names work).
+
+        A resume runs the job whole as it was started: a given value equal to the
+        stored one is accepted, one that differs is refused
+        (:class:`~harbor_async.errors.ResumeConflictError`, naming both), except
+        where the job's model server is now (:data:`SERVER_LOCATION`: a server
+        restarted on another port, a key under another name), which replaces
+        the stored one. ``None`` means not given.
+
+        Raises:
+            ResumeConflictError: a value that differs from the stored one.
+            TypeError: a name that is no setting.
+        """
+        known = {f.name for f in fields(self)}
+        moved: dict[str, Any] = {}
+        for name, value in given.items():
+            name = RENAMED.get(name, name)
+            if name not in known:
+                raise TypeError(f"unknown setting {name!r}; settings are: {', '.join(sorted(known))}")
+            if value is None:
+                continue
+            if name in SERVER_LOCATION:
+                moved[name] = value
+            elif _plain(value) != _plain(getattr(self, name)):
+                raise ResumeConflictError(name, getattr(self, name), value)
+        return replace(self, **moved)
 
     def timeouts(self) -> Timeouts:
         """The engine's phase budgets for this job (each task's own are applied per sandbox)."""

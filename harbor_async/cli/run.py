@@ -40,8 +40,9 @@ from harbor_async.cli.common import (
     say,
     setup_logging,
 )
+from harbor_async.cli.eval import MODEL_SERVER_DOWN_EXIT
 from harbor_async.interrupts import Interrupts
-from harbor_async.errors import BackendError, SettingError
+from harbor_async.errors import BackendError, ResumeConflictError, SettingError
 from harbor_async.printing import escape_controls
 from harbor_async.task_support import RUN, MissingVariablesError, UnsupportedTaskError, check_tasks
 from harbor_async.cli.selection import (
@@ -55,7 +56,7 @@ from harbor_async.cli.selection import (
     RegistryUrlOpt,
 )
 from harbor_async.records import EpisodeRecord
-from harbor_async.runner import MODEL_FREE_AGENTS, PlannedEpisode
+from harbor_async.runner import MODEL_FREE_AGENTS, FailureBudget, PlannedEpisode
 from harbor_async.settings import JobSettings
 
 PHASES = ("start", "agent", "verify", "stop")
@@ -78,12 +79,28 @@ ExcludeOpt = Annotated[
 ]
 IndicesOpt = Annotated[str | None, typer.Option("--indices", help="Comma-separated task positions, as TRL's HarborSpec takes them.")]
 
-# Options that define a job: with --resume they come from the job's harbor-async.json.
-_JOB_OPTIONS = (
-    "suite", "path", "dataset", "registry_url", "registry_path", "env", "backend", "agent", "n_attempts", "n_tasks", "num_tasks", "include",
-    "exclude", "indices", "ek", "model", "ak", "base_url", "api_key_name", "env_allow", "timeout_multiplier", "agent_timeout_multiplier", "verifier_timeout_multiplier",
-    "environment_build_timeout_multiplier", "agent_setup_timeout_multiplier", "episode_timeout", "start_timeout", "jobs_dir", "job_name",
-)  # fmt: skip
+# With --resume the job's harbor-async.json is read whole; each option of `run` is one of these.
+#: Options of one invocation, not of the job: a resume takes them as given.
+_INVOCATION_OPTIONS = frozenset({"ctx", "resume", "json_path", "log_level", "debug", "quiet", "yes", "log_format"})
+#: Options that choose the job's tasks and folder: the job keeps its plan (the episodes) and its folder.
+_PLAN_OPTIONS = frozenset({
+    "suite", "path", "dataset", "registry_url", "registry_path", "n_tasks", "num_tasks", "include", "exclude", "indices",
+    "jobs_dir", "job_name",
+})  # fmt: skip
+#: Options that set one job setting (by its name): given on a resume, they must equal the stored value.
+_SETTING_OF = {
+    "env": "environment_type", "backend": "environment_type", "agent": "agent", "n_concurrent": "n_concurrent",
+    "concurrency": "n_concurrent", "n_attempts": "n_attempts", "env_allow": "env_allow", "strict_verify": "strict_verify",
+    "timeout_multiplier": "timeout_multiplier", "agent_timeout_multiplier": "agent_timeout_multiplier",
+    "verifier_timeout_multiplier": "verifier_timeout_multiplier",
+    "environment_build_timeout_multiplier": "environment_build_timeout_multiplier",
+    "agent_setup_timeout_multiplier": "agent_setup_timeout_multiplier", "episode_timeout": "episode_timeout",
+    "start_timeout": "start_timeout", "budget": "budget", "ray_address": "ray_address", "max_live": "cluster_max_live",
+    "creates_per_second": "cluster_creates_per_second", "on_ray": "ray",
+    "max_model_server_failures": "max_model_server_failures",
+}  # fmt: skip
+#: Options whose value is converted before it is compared (the agent's model and options, where its server is now; --ek).
+_CONVERTED_OPTIONS = frozenset({"model", "ak", "ek", "base_url", "api_key_name"})
 
 
 def run(
@@ -132,6 +149,7 @@ def run(
     max_live: cluster_opts.MaxLiveOpt = None,
     creates_per_second: cluster_opts.CreatesOpt = None,
     on_ray: cluster_opts.RayOpt = False,
+    max_model_server_failures: Annotated[int, typer.Option("--max-model-server-failures", min=0, help="Stop the run (exit 3) after this many episodes in a row failed for the agent's model server (0: never).")] = 5,
 ) -> None:
     """Run every task of a suite (k times each), concurrently, into a job folder; report rewards and timings.
 
@@ -144,17 +162,13 @@ def run(
     del yes  # harbor run's -y: harbor-async asks nothing
     concurrency = n_concurrent or concurrency or 8
     if resume is not None:
-        given = [name for name in _JOB_OPTIONS if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
-        if given:
-            flags = ", ".join("--" + name.replace("_", "-") for name in given)
-            raise fail(f"--resume takes the job's settings from its harbor-async.json; drop {flags}")
         try:
             job = JobFolder.open(resume)
-            config = job.config
-        except JobFolderError as exc:
+            settings = _resumed(ctx, JobSettings.from_dict(job.config))
+        except (JobFolderError, ResumeConflictError) as exc:
             raise fail(exc) from None
-        settings = JobSettings.from_dict(config)
         episodes = reload_episodes(settings.episodes)
+        concurrency, on_ray = settings.n_concurrent, settings.ray
     else:
         settings = _settings(
             suite_source(suite, path, dataset, registry_url, registry_path), env or backend or "local", agent, n_attempts, ek,
@@ -170,6 +184,7 @@ def run(
         settings.suite, settings.dataset = str(loaded.root), dataset
         settings.ray, settings.ray_address, settings.budget = on_ray, ray_address, budget
         settings.cluster_max_live, settings.cluster_creates_per_second = max_live, creates_per_second
+        settings.n_concurrent, settings.max_model_server_failures = concurrency, max_model_server_failures
         episodes = plan_episodes(loaded.tasks, n_attempts)
     spec, timeouts = _resolve(settings)
     for episode in episodes:  # checked before any sandbox starts: every budget finite
@@ -187,7 +202,9 @@ def run(
         except BackendError as exc:
             raise fail(exc) from None
     actor = _actor(settings)  # a Harbor agent is built once with its options, nothing started
-    budget_factory = cluster_opts.budget_from_options(budget, ray_address, max_live, creates_per_second)
+    budget_factory = cluster_opts.budget_from_options(
+        settings.budget, settings.ray_address, settings.cluster_max_live, settings.cluster_creates_per_second
+    )
     if on_ray:
         cluster_opts.require_ray()
 
@@ -213,20 +230,27 @@ def run(
         err.print(Text(escape_controls(f"job folder {job.path}")))
 
     interrupts = Interrupts()
-    new: list[EpisodeRecord] = []
-    with interrupts:
+    failures = FailureBudget(settings.max_model_server_failures, _server_url(settings), job.path)
+    with interrupts, _Progress(len(todo), quiet) as progress:
+
+        def sink(record: EpisodeRecord) -> None:  # from each episode's own finally
+            job.append(record)  # flushed before the next episode can end
+            progress.record(record)
+
         try:
             engine_kwargs = settings.engine_kwargs(budget_factory, job.path)  # the one Engine of run, eval and the cluster
-            if on_ray:
-                _on_cluster(todo, settings, concurrency, engine_kwargs, ray_address, job, new, root)
-            else:
-                anyio.run(_batch, todo, spec, actor, concurrency, engine_kwargs, job, new, interrupts, root, _model(settings), quiet)
+            if todo and on_ray:
+                _on_cluster(todo, settings, concurrency, engine_kwargs, job, sink, interrupts, root, failures)
+            elif todo:
+                anyio.run(_batch, todo, spec, actor, concurrency, engine_kwargs, sink, interrupts, root, _model(settings), failures)
         finally:
             job.close()
     latest = job.latest(root)
     records = [latest[key] for key in keys if key in latest]
     _print_table(records)
     summary = _summary(records, len(episodes), settings, interrupted=interrupts.name or None)
+    if failures.error is not None:
+        summary["stopped_by"] = str(failures.error)
     job.write_summary(summary)
     _print_summary(summary, records)
     if export is not None:
@@ -234,6 +258,9 @@ def run(
             for record in records:
                 export.write(json.dumps(record.to_dict(), ensure_ascii=False) + "\n")
         err.print(Text(f"exported {len(records)} records to {json_path}"))
+    if failures.error is not None:  # one line: the cause, then how to go on (as eval)
+        say("error:", f"{failures.error}; the run stopped (records kept). Fix the server, then: harbor-async run --resume {job.path}", "bold red")
+        raise typer.Exit(MODEL_SERVER_DOWN_EXIT)
     if interrupts.exit_code is not None:
         left = len(episodes) - sum(1 for r in records if not r.rerun)
         say(f"interrupted by {interrupts.name}:", f"{left} episodes to run; resume with `harbor-async run --resume {job.path}`")
@@ -243,6 +270,36 @@ def run(
         for r in broken:
             say(f"{r.error_class} failure", f"{r.task} (attempt {r.attempt}): {r.error}", "bold red")
         raise typer.Exit(1)
+
+
+def _resumed(ctx: typer.Context, stored: JobSettings) -> JobSettings:
+    """The stored settings of a job to resume, with the options given now checked against them (exit 2 on a conflict)."""
+    given = {
+        name: value for name, value in ctx.params.items()
+        if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"
+    }  # fmt: skip
+    plan = sorted(name for name in given if name in _PLAN_OPTIONS)
+    if plan:
+        flags = ", ".join("--" + name.replace("_", "-") for name in plan)
+        raise fail(f"--resume runs the job's stored plan in its own folder; drop {flags}")
+    settings = stored
+    for name, value in given.items():
+        if name in _SETTING_OF:
+            try:
+                settings = settings.resumed({_SETTING_OF[name]: value})
+            except ResumeConflictError as exc:  # named as the user typed it
+                raise ResumeConflictError(ctx.command.params[[p.name for p in ctx.command.params].index(name)].opts[0], exc.stored, exc.given) from None
+    if given.get("model") is not None and [given["model"]] != settings.models:
+        raise ResumeConflictError("model", _model(settings), given["model"])
+    if given.get("ek") is not None:
+        settings.resumed({"environment_kwargs": parse_kwargs(given["ek"])})
+    options = _agent_kwargs(settings.agent, None, given.get("ak"), given.get("base_url"), given.get("api_key_name"))
+    moved = {k: v for k, v in options.items() if k in ("api_base", "base_url", "model_api_key_name")}
+    for key, value in options.items():
+        if key not in moved and settings.agent_kwargs.get(key) != value:
+            raise ResumeConflictError(f"--ak {key}", settings.agent_kwargs.get(key), value)
+    settings.agent_kwargs = {**settings.agent_kwargs, **moved}  # where the agent's server is now
+    return settings
 
 
 def _settings(source, env, agent, k, ek, mult, agent_mult, verifier_mult, build_mult, episode_timeout, start_timeout, setup_mult=None) -> JobSettings:
@@ -289,50 +346,65 @@ def _open_export(path: Path | None) -> IO[str] | None:
         raise fail(f"cannot write --json {path}: {exc.strerror or exc}") from None
 
 
-def _on_cluster(todo, settings, concurrency, engine_kwargs, address, job, new: list[EpisodeRecord], root: str) -> None:
+def _on_cluster(todo, settings, concurrency, engine_kwargs, job, sink, interrupts: Interrupts, root: str, budget) -> None:
     """Shard the episodes over the Ray cluster: one engine per node, records appended here as they arrive."""
     from harbor_async.cluster.episodes import run_item, run_items
-    from harbor_async.cluster.sharding import run_on_cluster
+    from harbor_async.cluster.sharding import run_on_cluster_async
 
-    run_on_cluster(
-        run_item, run_items(todo, settings.environment_type, settings.agent, root), job=job, address=address,
-        concurrency=concurrency, engine_kwargs=engine_kwargs, on_record=new.append,
-    )  # fmt: skip
+    async def main() -> None:
+        await run_on_cluster_async(
+            run_item, run_items(todo, settings.environment_type, settings.agent, root), sink=sink, budget=budget,
+            stop=interrupts.arm, address=settings.ray_address, concurrency=concurrency, engine_kwargs=engine_kwargs,
+        )  # fmt: skip
+        interrupts.disarm()
+
+    anyio.run(main)
 
 
-async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, engine_kwargs: dict[str, Any], job, new: list[EpisodeRecord], interrupts: Interrupts, root: str = "", model: str | None = None, quiet: bool = False) -> None:
-    """Run the episodes into the job folder; a signal cancels the batch (records of cancelled episodes kept)."""
+async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, engine_kwargs: dict[str, Any], sink, interrupts: Interrupts, root: str = "", model: str | None = None, budget=None) -> None:
+    """Run the episodes on this process's engine; a signal cancels the batch (records of cancelled episodes kept)."""
     from harbor_async.engine import Engine
     from harbor_async.runner import run_suite
     from harbor_async.tasks import suite_task_path
 
-    if not todo:
-        return
-    with Progress(
-        TextColumn("[bold]episodes"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("reward sum {task.fields[score]:.1f}"), TimeElapsedColumn(),
-        console=err, transient=False, disable=quiet,
-    ) as progress:  # fmt: skip
-        bar = progress.add_task("episodes", total=len(todo), score=0.0)
-        score = 0.0
+    # run_suite's limiter is the batch's one concurrency limit (the engine gets none).
+    async with Engine(**engine_kwargs) as engine:
+        interrupts.leftovers = lambda: [s.id for s in engine.live_sandboxes()]
+        await run_suite(
+            engine, todo, spec, agent=agent, concurrency=concurrency, on_done=sink, model=model, budget=budget,
+            task_path=lambda task: suite_task_path(task, root), stop=interrupts.arm,
+        )  # fmt: skip
+    interrupts.disarm()
 
-        def done(record: EpisodeRecord) -> None:
-            nonlocal score
-            job.append(record)  # flushed before the next episode can end
-            new.append(record)
-            score += record.score
-            progress.update(bar, advance=1, score=score)
 
-        # run_suite's limiter is the batch's one concurrency limit (the engine gets none).
-        async with Engine(**engine_kwargs) as engine:
-            interrupts.leftovers = lambda: [s.id for s in engine.live_sandboxes()]
-            with anyio.CancelScope() as batch:
-                interrupts.arm(batch.cancel)
-                await run_suite(
-                    engine, todo, spec, agent=agent, concurrency=concurrency, on_done=done, model=model,
-                    task_path=lambda task: suite_task_path(task, root),
-                )  # fmt: skip
-        interrupts.disarm()
+class _Progress:
+    """The batch's progress bar: episodes done, the reward sum, the failures so far."""
+
+    def __init__(self, total: int, quiet: bool) -> None:
+        self.bar = Progress(
+            TextColumn("[bold]episodes"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("reward sum {task.fields[score]:.1f}"), TimeElapsedColumn(),
+            console=err, transient=False, disable=quiet or not total,
+        )  # fmt: skip
+        self.task = self.bar.add_task("episodes", total=total, score=0.0)
+        self.score = 0.0
+
+    def __enter__(self) -> _Progress:
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.__exit__(*exc)
+
+    def record(self, record: EpisodeRecord) -> None:
+        self.score += record.score
+        self.bar.update(self.task, advance=1, score=self.score)
+
+
+def _server_url(settings: JobSettings) -> str:
+    """The model server a Harbor agent's episodes call (its ``api_base``/``base_url``), else its model's name."""
+    options = settings.agent_kwargs
+    return str(options.get("api_base") or options.get("base_url") or _model(settings) or settings.agent)
 
 
 def _agent_kwargs(agent: str, model: str | None, ak: list[str] | None, base_url: str | None = None, api_key_name: str | None = None) -> dict[str, Any]:

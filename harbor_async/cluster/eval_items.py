@@ -57,30 +57,49 @@ def eval_items(
     return items
 
 
-async def eval_item(engine: Engine, item: EvalItem) -> EpisodeRecord:
-    """The worker's side: run one episode on the node's ``engine`` as a local ``eval`` does.
+#: This worker's model loops, one per (settings, model, server): their request limiter
+#: (``max_concurrent_requests``) and client are shared by the worker's episodes, as a local eval's are.
+_AGENTS: dict[tuple[str, str, str], Any] = {}
 
-    The model client lives for the episode and is closed with it.
-    """
+
+def _agent(settings: JobSettings, encoded: str, model: str, base_url: str) -> Any:
+    import anyio
     import openai
 
     from harbor_async.agent import Agent, AgentLimits, Sampling
+    from harbor_async.model_agent import api_key
+
+    key = (encoded, model, base_url)
+    if key not in _AGENTS:
+        client = openai.AsyncOpenAI(
+            base_url=base_url, api_key=api_key(settings.api_key_name), max_retries=0, timeout=settings.request_timeout
+        )
+        _AGENTS[key] = Agent(
+            client, model, sampling=Sampling(**settings.sampling), limits=AgentLimits(**settings.limits),
+            request_limiter=anyio.CapacityLimiter(settings.max_concurrent_requests),
+            tool_limiter=anyio.CapacityLimiter(settings.n_concurrent),
+        )  # fmt: skip
+    return _AGENTS[key]
+
+
+async def eval_item(engine: Engine, item: EvalItem) -> EpisodeRecord:
+    """The worker's side: run one episode on the node's ``engine`` as a local ``eval`` does.
+
+    The worker's episodes of one model share its model loop (client, request
+    limiter): ``max_concurrent_requests`` bounds each node's requests in flight.
+    """
     from harbor_async.harnesses import harness_factory
-    from harbor_async.model_agent import api_key, model_episode_agent
+    from harbor_async.model_agent import model_episode_agent
     from harbor_async.runner import run_episode
     from harbor_async.tasks import load_task
 
     settings = JobSettings.from_dict(json.loads(item.settings))
     task = load_task(item.task_dir)
-    async with openai.AsyncOpenAI(
-        base_url=item.base_url, api_key=api_key(settings.api_key_name), max_retries=0,
-        timeout=settings.request_timeout,
-    ) as client:  # fmt: skip
-        agent = Agent(client, item.model, sampling=Sampling(**settings.sampling), limits=AgentLimits(**settings.limits))
-        # The driver checked the harness (it loads, its tools have schemas): here it is only built.
-        harness = harness_factory(settings.agent, settings.environment_type)
-        actor = model_episode_agent(settings, agent, harness, item.attempt)
-        return await run_episode(
-            engine, task, settings.environment_type, actor, attempt=item.attempt, task_path=suite_task_path(task, item.root),
-            model=item.model, checkpoint=item.checkpoint,
-        )  # fmt: skip
+    agent = _agent(settings, item.settings, item.model, item.base_url)
+    # The driver checked the harness (it loads, its tools have schemas): here it is only built.
+    harness = harness_factory(settings.agent, settings.environment_type)
+    actor = model_episode_agent(settings, agent, harness, item.attempt)
+    return await run_episode(
+        engine, task, settings.environment_type, actor, attempt=item.attempt, task_path=suite_task_path(task, item.root),
+        model=item.model, checkpoint=item.checkpoint,
+    )  # fmt: skip

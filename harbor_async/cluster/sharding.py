@@ -20,7 +20,9 @@ task folders at the same paths (a shared file system, or the same image).
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -52,6 +54,8 @@ class EpisodeWorker:
         self._closing: asyncio.Event | None = None
         self._opening = asyncio.Lock()  # bound to the actor's loop at its first use
         self._closed = False
+        self._running: set[Any] = set()  # the cancel scopes of the episodes in flight
+        self._stopping = False
 
     async def _ensure_engine(self) -> Any:
         # The actor runs several episodes at once: the first ones arrive together, and each must not
@@ -85,10 +89,34 @@ class EpisodeWorker:
             opened.set_exception(exc)
 
     async def run(self, item: Any) -> dict[str, Any]:
-        """Run one episode; its record as plain JSON."""
+        """Run one episode; its record as plain JSON (an episode :meth:`stop` cancelled returns its record too)."""
+        import anyio
+
+        from harbor_async.runner import record_sink
+
         engine = await self._ensure_engine()
-        record = await self._fn(engine, item)
-        return record.to_dict()
+        kept: list[EpisodeRecord] = []
+        token = record_sink.set(kept.append)  # the episode's own finally hands its record here
+        try:
+            with anyio.CancelScope() as scope:
+                self._running.add(scope)
+                if self._stopping:
+                    scope.cancel()
+                try:
+                    kept.append(await self._fn(engine, item))
+                finally:
+                    self._running.discard(scope)
+        finally:
+            record_sink.reset(token)
+        if not kept:  # an episode function that records nothing when cancelled
+            raise WorkerClosedError("the episode was stopped before it had a record")
+        return kept[-1].to_dict()
+
+    async def stop(self) -> None:
+        """Cancel the episodes running here (each records itself as cancelled) and any sent later."""
+        self._stopping = True
+        for scope in list(self._running):
+            scope.cancel()
 
     async def close(self) -> None:
         """Stop the engine's sandboxes; later episodes raise :class:`WorkerClosedError`."""
@@ -208,8 +236,13 @@ class ShardedRunner:
         *,
         job: JobFolder | None = None,
         on_record: Callable[[EpisodeRecord], None] | None = None,
+        stop: threading.Event | None = None,
     ) -> dict[str, EpisodeRecord]:
         """Run every ``(key, item)`` once; records by key, appended to ``job`` as they arrive.
+
+        Once ``stop`` is set (a signal, a failure budget), nothing more is sent;
+        the episodes in flight are cancelled on their workers and their records
+        (cancelled) still come back before this returns.
 
         Raises :class:`WorkersLostError` when no worker is left and none can be
         started; the records that arrived are in the job folder (resume it).
@@ -224,7 +257,16 @@ class ShardedRunner:
         load = dict.fromkeys(self.workers, 0)
         done: dict[str, EpisodeRecord] = {}
         restarts = 0
+        stopping = False
         while queue or in_flight:
+            if stop is not None and stop.is_set() and not stopping:
+                stopping = True
+                queue.clear()
+                stops = [w.stop.remote() for w in self.workers.values()]
+                if stops:
+                    ray.wait(stops, num_returns=len(stops), timeout=30)
+                if not in_flight:
+                    break
             for wid in list(self.workers):  # fill every worker up to its concurrency, in turn
                 while queue and load.get(wid, 0) < self.concurrency:
                     key, item = queue.popleft()
@@ -236,13 +278,17 @@ class ShardedRunner:
                 restarts += 1
                 self._spawn(self._nodes()[0])
                 continue
-            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=5.0)
+            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=0.5)  # short: a stop is seen soon
             for ref in ready:
                 wid, key, item = in_flight.pop(ref)
                 load[wid] -= 1
                 try:
                     data = ray.get(ref)
-                except exceptions as exc:
+                except Exception as exc:
+                    if stopping:  # stopped before it had a record, or its worker went: a resume runs it
+                        continue
+                    if not isinstance(exc, exceptions):
+                        raise
                     queue.appendleft((key, item))  # never recorded: run it again, elsewhere
                     self.stats.rerun += 1
                     if wid in self.workers:
@@ -288,3 +334,47 @@ def run_on_cluster(
     """
     with ShardedRunner(episode_fn, engine_kwargs=engine_kwargs, address=address, concurrency=concurrency) as runner:
         return runner.run(items, job=job, on_record=on_record)
+
+
+async def run_on_cluster_async(
+    episode_fn: EpisodeFn,
+    items: Iterable[tuple[str, Any]],
+    *,
+    sink: Callable[[EpisodeRecord], None],
+    budget: Any = None,
+    stop: Callable[[Callable[[], None]], None] | None = None,
+    engine_kwargs: Mapping[str, Any] | None = None,
+    address: str | None = None,
+    concurrency: int = 8,
+) -> dict[str, EpisodeRecord]:
+    """:func:`run_on_cluster` from the driver's event loop, with the rules of a local batch.
+
+    Each record goes to ``sink`` (the job folder: ``run``'s and ``eval``'s own
+    writer) as it arrives, then to ``budget`` (a :class:`~harbor_async.runner.FailureBudget`):
+    when it says stop, nothing more is sent and the episodes in flight are
+    cancelled and recorded, as :func:`harbor_async.runner.run_suite` does on one
+    engine. ``stop`` is given the function that starts that stop (the interrupt policy arms it).
+    """
+    import anyio
+
+    stopping = threading.Event()
+    if stop is not None:
+        stop(stopping.set)
+
+    def on_record(record: EpisodeRecord) -> None:
+        sink(record)
+        if budget is not None and budget.observe(record):
+            stopping.set()
+
+    return await anyio.to_thread.run_sync(
+        functools.partial(
+            _run_until_stopped, episode_fn, items, engine_kwargs=engine_kwargs, address=address,
+            concurrency=concurrency, on_record=on_record, stop=stopping,
+        )  # fmt: skip
+    )
+
+
+def _run_until_stopped(episode_fn: EpisodeFn, items: Iterable[tuple[str, Any]], *, stop: threading.Event, **kwargs: Any) -> dict[str, EpisodeRecord]:
+    engine_kwargs, address, concurrency = kwargs.pop("engine_kwargs"), kwargs.pop("address"), kwargs.pop("concurrency")
+    with ShardedRunner(episode_fn, engine_kwargs=engine_kwargs, address=address, concurrency=concurrency) as runner:
+        return runner.run(items, stop=stop, **kwargs)

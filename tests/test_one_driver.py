@@ -1,0 +1,194 @@
+"""One orchestration for `run` and `eval`: records written from each episode's own finally, one failure
+budget, and a resume that runs the job as it was started.
+
+Real processes, real local sandboxes and the scripted OpenAI-compatible server on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import anyio
+import pytest
+
+from harbor_async.engine import Engine
+from harbor_async.errors import FailureClass, ModelServerDownError, ModelServerRefusedError, ResumeConflictError
+from harbor_async.jobs import JobFolder
+from harbor_async.records import EpisodeRecord
+from harbor_async.runner import FailureBudget, PlannedEpisode, run_suite
+from harbor_async.settings import JobSettings
+from harbor_async.tasks import load_suite
+from tests.scripted_server import ScriptedServer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "harbor_async", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+
+
+def _failed(model_server: bool, error_type: str = "ModelServerError") -> EpisodeRecord:
+    record = EpisodeRecord(task="t")
+    if model_server:
+        record.error_class, record.error_type, record.error = FailureClass.MODEL_SERVER.value, error_type, "HTTP 500"
+    return record
+
+
+def test_the_failure_budget_counts_model_server_failures_in_a_row(tmp_path: Path) -> None:
+    budget = FailureBudget(3, "http://server/v1", tmp_path)
+    assert not budget.observe(_failed(True)) and not budget.observe(_failed(True))
+    assert not budget.observe(_failed(False))  # a judged episode: the server served it
+    assert not budget.observe(_failed(True)) and not budget.observe(_failed(True))
+    cancelled = EpisodeRecord(task="t", error_class=FailureClass.CANCELLED.value)
+    assert not budget.observe(cancelled)  # not judged, not the server's: the count goes on
+    assert budget.observe(_failed(True))
+    assert isinstance(budget.error, ModelServerDownError) and budget.error.failures == 3
+    assert "http://server/v1" in str(budget.error)
+    assert not budget.observe(_failed(True))  # says stop once
+
+
+def test_a_refused_request_stops_at_once_and_never_is_off(tmp_path: Path) -> None:
+    budget = FailureBudget(0, "http://server/v1", tmp_path)
+    for _ in range(20):  # 0: transient failures never stop the run
+        assert not budget.observe(_failed(True))
+    assert budget.observe(_failed(True, "ModelServerConfigError"))  # a wrong key, model or URL: at once
+    assert isinstance(budget.error, ModelServerRefusedError) and "refused" in str(budget.error)
+
+
+def test_run_suite_stops_on_the_budget_and_records_the_episodes_it_cancelled(tmp_path: Path) -> None:
+    """The batch is cancelled when the budget says stop; every episode that began has its record."""
+    tasks = load_suite(None).tasks
+    seen: list[EpisodeRecord] = []
+
+    class ServerDown:
+        name = "down"
+
+        async def setup(self, episode) -> None:
+            pass
+
+        async def act(self, episode) -> None:
+            if episode.record.attempt == 0:
+                from harbor_async.errors import ModelServerError
+
+                episode.fail(FailureClass.MODEL_SERVER, ModelServerError("HTTP 500"), "model")
+            else:
+                await anyio.sleep(60)  # a slow episode, still running when the run stops
+
+    budget = FailureBudget(2, "http://server/v1", tmp_path)
+    planned = [PlannedEpisode(t, a) for t in tasks[:2] for a in range(3)]
+
+    async def main() -> float:
+        start = anyio.current_time()
+        async with Engine() as engine:
+            await run_suite(engine, planned, "simulated", agent=ServerDown(), concurrency=6, on_done=seen.append, budget=budget)
+        return anyio.current_time() - start
+
+    took = anyio.run(main)
+    assert took < 30  # not the slow episodes' 60 s
+    assert isinstance(budget.error, ModelServerDownError)
+    assert len(seen) == len(planned)  # each began (6 slots) and each has its record
+    classes = sorted(r.error_class for r in seen)
+    assert classes == ["cancelled"] * 4 + ["model_server"] * 2
+
+
+@pytest.mark.slow
+def test_sigint_during_eval_records_every_started_episode(tmp_path: Path) -> None:
+    """Ctrl-C mid-conversation: each started episode is recorded as cancelled and counted as not judged."""
+    with ScriptedServer(slow_seconds=20) as server:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "harbor_async", "eval", "-m", "slow", "--base-url", server.base_url, "-e", "local",
+             "-l", "4", "-n", "4", "-o", str(tmp_path), "--job-name", "j"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while server.requests["slow"] < 4:  # every episode is waiting on its first reply
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    records = JobFolder.open(tmp_path / "j").records()
+    assert len(records) == 4 and {r.error_class for r in records} == {"cancelled"}, [r.error_class for r in records]
+    summary = json.loads((tmp_path / "j" / "summary.json").read_text())
+    assert summary["not_judged"] == 4 and summary["interrupted_by"] == "SIGINT"
+
+
+def _overlap(records: list[EpisodeRecord]) -> int:
+    """The most episodes that were running at one moment."""
+    events = []
+    for r in records:
+        events += [(datetime.fromisoformat(r.started_at), 1), (datetime.fromisoformat(r.finished_at), -1)]
+    most = now = 0
+    for _, step in sorted(events):
+        now += step
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.slow
+def test_a_resume_with_no_flags_runs_the_rest_as_stored(tmp_path: Path) -> None:
+    """Started with -n 2 and --strict-verify, interrupted: the resume runs the rest two at a time, strictly."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harbor_async", "run", "-e", "simulated", "--ek", "start_latency=1.0", "-n", "2",
+         "--strict-verify", "-k", "3", "-o", str(tmp_path), "--job-name", "j", "-q"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    episodes = tmp_path / "j" / "episodes.jsonl"
+    deadline = time.monotonic() + 120
+    while not (episodes.exists() and len(episodes.read_text().splitlines()) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    before = {r.key for r in JobFolder.open(tmp_path / "j").records() if not r.rerun}
+
+    conflict = _cli("run", "--resume", str(tmp_path / "j"), "-n", "8")
+    assert conflict.returncode == 2 and conflict.stderr.count("\n") == 1, conflict.stderr
+    assert "--n-concurrent=2" in conflict.stderr and "--n-concurrent=8" in conflict.stderr
+    loose = _cli("run", "-e", "simulated", "-l", "1", "-o", str(tmp_path), "--job-name", "loose", "-q")
+    assert loose.returncode == 0, loose.stderr[-2000:]
+    stricter = _cli("run", "--resume", str(tmp_path / "loose"), "--strict-verify")  # was accepted and ignored
+    assert stricter.returncode == 2 and "--strict-verify=False" in stricter.stderr, stricter.stderr
+
+    same = _cli("run", "--resume", str(tmp_path / "j"), "-n", "2")  # equal to the stored value: accepted
+    assert same.returncode == 0, same.stderr[-2000:]
+    latest = JobFolder.open(tmp_path / "j").latest()
+    assert len(latest) == 30 and all(r.judged for r in latest.values())
+    resumed = [r for k, r in latest.items() if k not in before]
+    assert len(resumed) >= 10 and _overlap(resumed) == 2  # the stored -n 2 (the flag's default is 8)
+    assert JobSettings.from_dict(JobFolder.open(tmp_path / "j").config).strict_verify
+
+
+def test_stored_settings_refuse_a_conflicting_value_and_take_the_server_s_new_place() -> None:
+    stored = JobSettings(command="eval", n_concurrent=2, ray=True, base_url="http://old/v1", models=["m"])
+    assert stored.resumed({"n_concurrent": 2, "ray": True}) == stored
+    moved = stored.resumed({"base_url": "http://new/v1", "concurrency": 2})  # an earlier name works too
+    assert moved.base_url == "http://new/v1" and moved.ray
+    with pytest.raises(ResumeConflictError) as caught:
+        stored.resumed({"ray": False})
+    assert caught.value.stored is True and caught.value.given is False
+    with pytest.raises(TypeError):
+        stored.resumed({"no_such_setting": 1})
+
+
+def test_every_run_option_is_classified_for_a_resume() -> None:
+    """A new flag of `run` must say whether a resume stores it, compares it or takes it as given."""
+    import inspect
+
+    from harbor_async.cli import run as run_cli
+
+    classified = run_cli._INVOCATION_OPTIONS | run_cli._PLAN_OPTIONS | set(run_cli._SETTING_OF) | run_cli._CONVERTED_OPTIONS
+    assert set(inspect.signature(run_cli.run).parameters) <= classified
+    fields = set(JobSettings.__dataclass_fields__)
+    assert set(run_cli._SETTING_OF.values()) <= fields
