@@ -266,9 +266,12 @@ async def evaluate(
             server, or globs of them (``ckpts/checkpoint-*``).
         suite: a local task tree, a Hugging Face dataset id, or task folders (a registry dataset
             resolved by :func:`harbor_async.registry.resolve_dataset`); default: the bundled example suite.
-        resume: an existing job folder: its settings are reused (server
-            settings given here override it); only missing episodes and those
-            whose failure a resume reruns are run.
+        resume: an existing job folder: its stored settings are used whole; a
+            setting given here must equal the stored one
+            (:class:`~harbor_async.errors.ResumeConflictError` otherwise), except
+            where the server is now (``base_url``, ``serve_cmd``, ``api_key_name``),
+            which replaces it. Only missing episodes and those whose failure a
+            resume reruns are run.
         jobs_dir, job_name: where a new job folder goes (``jobs_dir/job_name``).
         on_record: called with each record as it is written (the CLI's progress bar).
         on_plan: called once with (episodes to run now, episodes of the job).
@@ -288,9 +291,15 @@ async def evaluate(
 
     if resume is not None:
         job = JobFolder.open(resume)
-        stored = JobSettings.from_dict(job.config)
-        overrides = {k: v for k, v in settings.items() if k in ("base_url", "serve_cmd", "api_key_name") and v}
-        config = JobSettings.from_dict({**stored.to_dict(), **overrides})
+        given = dict(settings)
+        if models is not None:
+            given["models"] = [models] if isinstance(models, str) else list(models)
+        if suite is not None:
+            given["suite"] = suite
+        try:  # the job whole, as it was started; only where its server is now may change
+            config = JobSettings.from_dict(job.config).resumed(given)
+        except TypeError as exc:
+            raise EvalConfigError(str(exc)) from None
     else:
         if models is None:
             raise EvalConfigError("no model to evaluate: pass at least one model")

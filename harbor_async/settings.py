@@ -183,6 +183,10 @@ class JobSettings:
                 moved[name] = value
             elif _plain(value) != _plain(getattr(self, name)):
                 raise ResumeConflictError(name, getattr(self, name), value)
+        if moved.get("base_url") and "serve_cmd" not in moved:  # the server is now at that address, not started
+            moved["serve_cmd"] = None
+        if moved.get("serve_cmd") and "base_url" not in moved:
+            moved["base_url"] = None
         return replace(self, **moved)
 
     def timeouts(self) -> Timeouts:
