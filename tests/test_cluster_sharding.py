@@ -259,3 +259,30 @@ def test_a_worker_opens_one_engine_for_the_episodes_that_arrive_together() -> No
         assert len(engines) == 8 and worker._engine is None and worker._holder is None
 
     anyio.run(main)
+
+
+def test_eval_over_the_cluster_stops_on_a_failing_model_server_as_a_local_eval_does(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+    """--max-model-server-failures over Ray: the same stop, the same error and summary as a local eval."""
+    from harbor_async.errors import ModelServerDownError
+    from harbor_async.evaluation import evaluate_sync
+    from tests.scripted_server import ScriptedServer
+
+    outcomes = {}
+    with ScriptedServer() as server:
+        common = dict(
+            base_url=server.base_url, jobs_dir=tmp_path, n_tasks=8, n_concurrent=2, max_model_server_failures=2,
+            limits={"retries": 1, "retry_max_wait": 0.1}, environment_type="simulated",
+        )  # fmt: skip
+        for name, where in (("local", {}), ("sharded", {"ray": True, "ray_address": ray_cluster.address})):
+            with pytest.raises(ModelServerDownError) as caught:
+                evaluate_sync(["always-500"], None, job_name=name, **common, **where)
+            assert caught.value.failures == 2 and server.base_url in str(caught.value)
+            import json
+
+            summary = json.loads((tmp_path / name / "summary.json").read_text())
+            records = JobFolder.open(tmp_path / name).records()
+            failed = sum(r.error_class == "model_server" for r in records)
+            assert {r.error_class for r in records} <= {"model_server", "cancelled"}
+            assert 2 <= failed < 8, failed  # it stopped: not every episode went to the dead server
+            outcomes[name] = (summary["stopped_by"], summary["completed"], summary["mean_reward"])
+    assert outcomes["sharded"] == outcomes["local"] == ("the model server failed 2 episodes in a row", 0, None)
