@@ -192,3 +192,22 @@ def test_every_run_option_is_classified_for_a_resume() -> None:
     assert set(inspect.signature(run_cli.run).parameters) <= classified
     fields = set(JobSettings.__dataclass_fields__)
     assert set(run_cli._SETTING_OF.values()) <= fields
+
+
+@pytest.mark.slow
+def test_eval_resume_checks_what_was_typed_against_the_stored_job(tmp_path: Path) -> None:
+    """Typed flags are checked (a conflict is one line, exit 2); untyped defaults do not override the job."""
+    with ScriptedServer() as server:
+        common = ("--base-url", server.base_url)
+        first = _cli("eval", "-m", "solver", *common, "-e", "simulated", "-l", "2", "-n", "2", "--temperature", "0.5",
+                     "-o", str(tmp_path), "--job-name", "j")  # fmt: skip
+        assert first.returncode == 0, first.stderr[-2000:]
+        job = str(tmp_path / "j")
+        for flags, stored, typed in ((["-n", "4"], "n_concurrent=2", "n_concurrent=4"), (["--temperature", "0.7"], "0.5", "0.7")):
+            refused = _cli("eval", "--resume", job, *flags)
+            assert refused.returncode == 2, refused.stderr[-2000:]
+            assert stored in refused.stderr and typed in refused.stderr and "Traceback" not in refused.stderr
+        again = _cli("eval", "--resume", job, "-n", "2", "--base-url", server.base_url)  # equal, and the server's place
+        assert again.returncode == 0, again.stderr[-2000:]
+    config = JobSettings.from_dict(JobFolder.open(job).config)
+    assert config.n_concurrent == 2 and config.sampling == {"temperature": 0.5}

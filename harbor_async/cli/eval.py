@@ -19,6 +19,7 @@ MODEL_SERVER_DOWN_EXIT = 3
 
 
 def eval_command(
+    ctx: typer.Context,
     path: Annotated[
         str | None,
         typer.Option(
@@ -184,6 +185,8 @@ def eval_command(
         ready_timeout=ready_timeout,
         ready_error_timeout=ready_error_timeout,
     )
+    if resume is not None:  # the job's stored settings, whole: only what was typed is checked against them
+        settings = _given_on_resume(ctx, settings, resume)
     progress = _Progress()
     try:
         with progress:
@@ -223,6 +226,41 @@ def eval_command(
     err.print(f"job folder: {result.job_dir}")
     if any(r.rerun for r in result.records):
         raise typer.Exit(1)
+
+
+#: The flags whose setting has another name.
+_SETTING_OF = {
+    "backend_kwarg": "environment_kwargs", "ak": "agent_kwargs", "env": "environment_type", "attempts": "n_attempts",
+    "concurrency": "n_concurrent", "num_tasks": "n_tasks", "on_ray": "ray", "max_live": "cluster_max_live",
+    "creates_per_second": "cluster_creates_per_second",
+}  # fmt: skip
+#: The flags that set one key of a setting's table (sampling, the agent loop's limits).
+_KEY_OF = {
+    "temperature": ("sampling", "temperature"), "top_p": ("sampling", "top_p"), "max_tokens": ("sampling", "max_tokens"),
+    "seed": ("sampling", "seed"), "max_turns": ("limits", "max_turns"), "max_total_tokens": ("limits", "max_total_tokens"),
+    "agent_timeout": ("limits", "timeout"), "model_retries": ("limits", "retries"),
+}  # fmt: skip
+
+
+def _given_on_resume(ctx: typer.Context, settings: dict[str, Any], resume: Path) -> dict[str, Any]:
+    """The settings typed on a resume's command line (``evaluate`` checks them against the stored ones)."""
+    from harbor_async.jobs import JobFolder, JobFolderError
+    from harbor_async.settings import JobSettings
+
+    typed = [n for n in ctx.params if getattr(ctx.get_parameter_source(n), "name", "") == "COMMANDLINE"]
+    given: dict[str, Any] = {}
+    for name in typed:
+        if name in _KEY_OF:
+            table, key = _KEY_OF[name]
+            if table not in given:
+                try:
+                    given[table] = dict(getattr(JobSettings.from_dict(JobFolder.open(resume).config), table))
+                except JobFolderError as exc:
+                    raise fail(exc) from None
+            given[table][key] = ctx.params[name]
+        elif _SETTING_OF.get(name, name) in settings:
+            given[_SETTING_OF.get(name, name)] = settings[_SETTING_OF.get(name, name)]
+    return given
 
 
 class _Progress:
