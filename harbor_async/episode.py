@@ -105,8 +105,11 @@ class Episode:
         model: str | None = None,
         checkpoint: str | None = None,
         backend_kwargs: dict[str, Any] | None = None,
+        on_done: Callable[[EpisodeRecord], None] | None = None,
     ) -> None:
         self.engine = engine
+        #: Where the finished record goes (a job folder, a progress bar), from :meth:`stop`'s ``finally``.
+        self.on_done = on_done
         self.task = task
         self.backend = backend
         self.backend_kwargs = backend_kwargs or {}
@@ -450,6 +453,8 @@ class Episode:
                 self.finish()
             finally:
                 self._stopped.set()
+                if self.on_done is not None:  # once, whatever ended the episode: it always has its record
+                    self.on_done(self.record)
         return self.record
 
     def finish(self) -> None:

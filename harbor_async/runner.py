@@ -131,9 +131,16 @@ async def run_episode(
     """
     actor = HarborAgent(agent) if isinstance(agent, str) else agent
     spec = backend if isinstance(backend, BackendSpec) else resolve_backend(backend)
+    sinks = [sink for sink in (on_done, record_sink.get()) if sink is not None]
+
+    def done(record: EpisodeRecord) -> None:
+        for sink in sinks:
+            sink(record)
+
     episode = Episode(
-        engine, task, spec, task_path=task_path, attempt=attempt, agent=actor.name, model=model, checkpoint=checkpoint
-    )
+        engine, task, spec, task_path=task_path, attempt=attempt, agent=actor.name, model=model, checkpoint=checkpoint,
+        on_done=done,
+    )  # fmt: skip
     try:
         episode.launch()
         if task.has_steps:  # each step's instruction, agent and verifier in turn (harbor_async.steps)
@@ -151,10 +158,7 @@ async def run_episode(
         log.exception("episode crashed", task=task.name, sandbox=episode.record.sandbox)
         episode.fail(FailureClass.INFRASTRUCTURE, exc, episode.phase)
     finally:
-        record = await episode.stop()
-        for sink in (on_done, record_sink.get()):
-            if sink is not None:
-                sink(record)
+        record = await episode.stop()  # hands the record to the sinks (Episode.on_done)
     return record
 
 

@@ -114,3 +114,24 @@ def live_sandbox_count() -> int:
         return sum(len(engine.live_sandboxes()) for engine in open_engines())
 
     return call(count)
+
+
+_job_folders: dict[str, Any] = {}
+
+
+def record_sink(options: EngineOptions) -> Callable[[Any], None] | None:
+    """Where a rollout's record goes when its sandbox stops: the options' ``job_dir`` (one folder per path), or nowhere."""
+    if options.job_dir is None:
+        return None
+    with _engines_lock:
+        folder = _job_folders.get(options.job_dir)
+        if folder is None:
+            from pathlib import Path
+
+            from harbor_async.jobs import JobFolder
+
+            path = Path(options.job_dir)
+            exists = (path / "harbor-async.json").is_file()
+            folder = JobFolder.open(path) if exists else JobFolder.create(path.parent, path.name, {"command": "shim"})
+            _job_folders[options.job_dir] = folder
+    return folder.append

@@ -108,6 +108,7 @@ class HarborEnv(Harness):
         # typo or a missing vendor SDK fails at construction, not in the middle of a batch.
         self._backend.check_options(self._backend_kwargs)
         self._episode: Episode | None = None
+        self._record: EpisodeRecord | None = None
         # Episodes whose sandbox may still be alive; shared with the finalizer,
         # which must not hold the env itself.
         self._episodes: list[Episode] = []
@@ -158,7 +159,10 @@ class HarborEnv(Harness):
             if refusals := driver_refusals(task, TRL):  # a task from outside HarborSpec's checked suite
                 raise UnsupportedTaskError(refusals, self._backend.name)
             engine = engines.engine_for(self._options)
-            episode = Episode(task, engine, self._backend, self._backend_kwargs, guard, agent=self._name())
+            episode = Episode(
+                task, engine, self._backend, self._backend_kwargs, guard, agent=self._name(),
+                on_done=engines.record_sink(self._options),
+            )  # fmt: skip
             if not self._owns_reward():
                 episode.count_rollout()
         except BaseException:
@@ -167,7 +171,7 @@ class HarborEnv(Harness):
             raise
         episode.owner = weakref.ref(self)
         with self._state_lock:
-            self._episode = episode
+            self._episode, self._record = episode, episode.record
             self._episodes.append(episode)
         future = engines.submit(episode.run, previous, self._prepare_rollout)
         future.add_done_callback(_report_unexpected)
@@ -252,6 +256,16 @@ class HarborEnv(Harness):
         """
         episode = self._episode
         return None if episode is None else episode.record
+
+    @property
+    def record(self) -> EpisodeRecord | None:
+        """The latest rollout's record, as ``run`` and ``eval`` write theirs (kept after ``close()``).
+
+        Final once the rollout's sandbox is stopped (after ``close()``, or in
+        the background after the reward); the same object fills in, and then
+        goes to the ``job_dir`` folder when one is set.
+        """
+        return self._record
 
     @property
     def sandbox_error(self) -> str | None:

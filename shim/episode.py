@@ -73,8 +73,9 @@ class Episode(core.Episode):
         guard: RolloutGuard | None = None,
         *,
         agent: str = "",
+        on_done: Callable[[core.EpisodeRecord], None] | None = None,
     ) -> None:
-        super().__init__(engine, task, backend, backend_kwargs=backend_kwargs, agent=agent)
+        super().__init__(engine, task, backend, backend_kwargs=backend_kwargs, agent=agent, on_done=on_done)
         self.reward: float | None = None
         self.guard = guard
         self._counted = False  # counted by the guard as awaiting its batch reward

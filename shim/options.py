@@ -15,6 +15,8 @@ across the whole batch, not per env.
 
 from __future__ import annotations
 
+import os
+
 import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, TypedDict
@@ -100,6 +102,11 @@ class EngineOptions:
         reap_stale: when the engine opens, remove what killed runs left on this
             machine (sandboxes, mounts, cgroups, containers of dead owners only;
             logged). Default on.
+        job_dir: a job folder that every rollout's record is appended to when its
+            sandbox stops (``episodes.jsonl``, as ``run`` and ``eval`` write it;
+            made if missing, appended to if it exists). ``None``: records are
+            kept in memory only (``env.record``). Under several ranks give each
+            rank its own folder.
     """
 
     max_live_sandboxes: int | None = None
@@ -126,8 +133,11 @@ class EngineOptions:
     env_allow: tuple[str, ...] = ()
     strict_verify: bool = False
     reap_stale: bool = True
+    job_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.job_dir is not None:
+            object.__setattr__(self, "job_dir", os.fspath(self.job_dir))
         names = (self.env_allow,) if isinstance(self.env_allow, str) else tuple(self.env_allow)
         object.__setattr__(self, "env_allow", names)  # hashable: option sets key the shared engines
         if self.budget not in ("local", "ray"):
@@ -242,6 +252,7 @@ def renamed_kwargs(environment_kwargs: Any, backend_kwargs: Any) -> Any:
 class EngineOptionsKwargs(TypedDict, total=False):
     """The keyword arguments :class:`EngineOptions` accepts (for type checkers)."""
 
+    job_dir: str | os.PathLike[str] | None
     max_live_sandboxes: int | None
     creates_per_second: float | None
     concurrent_execs: int | None

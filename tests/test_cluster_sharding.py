@@ -286,3 +286,14 @@ def test_eval_over_the_cluster_stops_on_a_failing_model_server_as_a_local_eval_d
             assert 2 <= failed < 8, failed  # it stopped: not every episode went to the dead server
             outcomes[name] = (summary["stopped_by"], summary["completed"], summary["mean_reward"])
     assert outcomes["sharded"] == outcomes["local"] == ("the model server failed 2 episodes in a row", 0, None)
+
+
+@pytest.mark.parametrize("fault", ["start fails for good", "verifier fails", "verifier times out"])
+def test_a_fault_on_a_cluster_worker_gives_the_record_of_a_local_run(ray_cluster, tmp_path: Path, fault: str) -> None:  # noqa: F811
+    """The cluster's side of tests/test_fault_parity.py: `run --ray` records the fault as run, eval and the shim do."""
+    from tests.test_fault_parity import FAULTS, outcome, run_record
+
+    backend, timeouts, expected = FAULTS[fault]
+    record = run_record(tmp_path, backend, timeouts, "--ray", "--ray-address", ray_cluster.address)
+    assert outcome(record) == expected
+    assert record.phases[0].phase == "start" and record.phases[-1].phase == "stop"

@@ -61,16 +61,18 @@ def budget_from_options(
     ray_address: str | None = None,
     max_live: int | None = None,
     creates_per_second: float | None = None,
+    on_ray: bool = False,
 ) -> Callable[[Any], Any] | None:
     """The ``Engine(budget=...)`` factory the options ask for (``None``: the process-local default).
 
+    ``on_ray``: the episodes run on the Ray cluster (``--ray``), whose address ``ray_address`` is then too.
     Raises ``typer.Exit(2)`` on a bad combination, and when Ray is not installed.
     """
     warn_renamed_flags(RENAMED_FLAGS)
     if budget not in ("local", "ray"):
         raise fail(f"--budget must be 'local' or 'ray', got {budget!r}")
     if budget == "local":
-        if max_live is not None or creates_per_second is not None or ray_address is not None:
+        if max_live is not None or creates_per_second is not None or (ray_address is not None and not on_ray):
             raise fail(
                 "--cluster-max-live, --cluster-creates-per-second and --ray-address are cluster caps: add --budget ray"
             )

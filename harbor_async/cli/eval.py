@@ -135,7 +135,7 @@ def eval_command(
     from harbor_async.logs import configure_logging
 
     configure_logging(log_level, "console", force=True)
-    cluster_opts.budget_from_options(budget, ray_address, max_live, creates_per_second)  # checks the combination
+    cluster_opts.budget_from_options(budget, ray_address, max_live, creates_per_second, on_ray)  # checks the combination
     if on_ray:
         cluster_opts.require_ray()
     if path and dataset:

@@ -203,7 +203,7 @@ def run(
             raise fail(exc) from None
     actor = _actor(settings)  # a Harbor agent is built once with its options, nothing started
     budget_factory = cluster_opts.budget_from_options(
-        settings.budget, settings.ray_address, settings.cluster_max_live, settings.cluster_creates_per_second
+        settings.budget, settings.ray_address, settings.cluster_max_live, settings.cluster_creates_per_second, on_ray
     )
     if on_ray:
         cluster_opts.require_ray()
