@@ -46,7 +46,7 @@ from harbor_async.runner import FailureBudget, PlannedEpisode, run_suite
 from harbor_async.scoring import summarize, sweep_summary
 from harbor_async.settings import JobSettings
 from harbor_async.task_support import check_tasks
-from harbor_async.tasks import matches_names, suite_task_path
+from harbor_async.tasks import suite_task_path
 
 if TYPE_CHECKING:
     from harbor_async.engine import Engine
@@ -316,13 +316,9 @@ async def evaluate(
         raise EvalConfigError("attempts, concurrency and max concurrent requests must be at least 1")
     specs = resolve_models(config.models)
     config.models = [s.name for s in specs]
-    filtered = bool(config.include or config.exclude)  # globs first, then the first N (as harbor run)
-    loaded = load_suite(config.suite, num_tasks=None if filtered else config.n_tasks, indices=config.indices)
-    if filtered:
-        kept = [t for t in loaded.tasks if matches_names(t.name, config.include, config.exclude)]
-        if not kept:
-            raise EvalConfigError(f"no task of {loaded.root} matches the -i/-x globs")
-        loaded.tasks = kept[: config.n_tasks] if config.n_tasks is not None else kept
+    loaded = load_suite(
+        config.suite, num_tasks=config.n_tasks, indices=config.indices, include=config.include, exclude=config.exclude
+    )
     timeouts = config.timeouts()
     for task in loaded.tasks:  # checked before any server or sandbox: every budget finite
         try:

@@ -405,8 +405,14 @@ def load_suite(
     *,
     num_tasks: int | None = None,
     indices: Sequence[int] | None = None,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
 ) -> TaskSuite:
-    """Load a task suite and validate its tasks with Harbor's ``Task`` model.
+    """Load a task suite, select its tasks and validate them with Harbor's ``Task`` model.
+
+    The one task selection of ``run``, ``eval`` and the shim: ``indices``, or
+    ``harbor run``'s globs on task names (``include``/``exclude``) first and
+    then the first ``num_tasks`` of what they kept.
 
     Args:
         source: ``None`` for the bundled example suite; a local folder laid out as
@@ -424,6 +430,9 @@ def load_suite(
         indices: keep the task folders at these positions, in this order
             (repeats allowed, negative positions count from the end).
             Mutually exclusive with ``num_tasks``.
+        include, exclude: keep only the tasks whose name matches one of the
+            ``include`` globs and none of the ``exclude`` ones (``-i``/``-x``);
+            then ``num_tasks`` counts the tasks kept.
 
     Positions refer to the task folders (those with a ``task.toml``) sorted by
     folder name, exactly as in TRL's ``HarborSpec``; only the selected folders are
@@ -442,7 +451,8 @@ def load_suite(
         SuiteNotFoundError: the local path does not exist, or the Hub download failed;
             :class:`~harbor_async.errors.RegistryError` for a registry dataset.
         EmptySuiteError: no valid task in the (selected part of the) suite; the
-            message lists each invalid task's reason.
+            message lists each invalid task's reason. :class:`NoMatchingTaskError`
+            when valid tasks exist but none matches the globs.
     """
     if num_tasks is not None and indices is not None:
         raise ValueError("pass num_tasks or indices, not both")
@@ -455,7 +465,8 @@ def load_suite(
         candidates, invalid = _scan(tasks_root)
     if not candidates and not invalid:
         raise EmptySuiteError(tasks_root)
-    selected = _select(candidates, tasks_root, num_tasks, indices)
+    filtered = bool(include or exclude)  # every task folder is read for its name, then the first num_tasks kept
+    selected = _select(candidates, tasks_root, None if filtered else num_tasks, indices)
 
     tasks: list[Task] = []
     positions: list[int] = []
@@ -488,4 +499,23 @@ def load_suite(
         log.warning("invalid task left out of suite", path=str(bad.path), reason=bad.reason)
     if not tasks:
         raise EmptySuiteError(tasks_root, invalid)
+    if filtered:
+        kept = [(t, p) for t, p in zip(tasks, positions, strict=True) if matches_names(t.name, include, exclude)]
+        if not kept:
+            raise NoMatchingTaskError(tasks_root, include, exclude)
+        kept = kept[:num_tasks] if num_tasks is not None else kept
+        tasks, positions = [t for t, _ in kept], [p for _, p in kept]
     return TaskSuite(root=tasks_root, tasks=tasks, invalid=invalid, positions=positions)
+
+
+class NoMatchingTaskError(EmptySuiteError):
+    """The suite has valid tasks, but none whose name the ``include``/``exclude`` globs keep."""
+
+    def __init__(self, root: Path, include: Sequence[str] | None, exclude: Sequence[str] | None) -> None:
+        super().__init__(root)
+        globs = " ".join([f"-i {p!r}" for p in include or ()] + [f"-x {p!r}" for p in exclude or ()])
+        self.include, self.exclude = list(include or ()), list(exclude or ())
+        self.args = (f"no task of {root} matches {globs}",)
+
+    def __reduce__(self):
+        return (type(self), (self.root, self.include, self.exclude))

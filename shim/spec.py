@@ -159,6 +159,9 @@ class HarborSpec:
         num_tasks: keep the first ``num_tasks`` tasks (sorted by folder name).
         indices: keep the tasks at these positions. Exclusive with ``num_tasks``
             (``ValueError``).
+        include, exclude: keep only the tasks whose name matches an ``include``
+            glob and no ``exclude`` glob (``harbor run``'s ``-i``/``-x``); then
+            ``num_tasks`` counts the tasks kept. The same selection as ``run`` and ``eval``.
         include_metadata: fold ``task.toml`` metadata (``gold_answer``,
             ``reward_mode``, ``difficulty_level``, ``kaggle_dataset``) into the rows.
         env_reward: ``True`` makes the factory's envs own their reward through
@@ -176,8 +179,9 @@ class HarborSpec:
             ``creates_per_second``, ``concurrent_execs``, ``start_timeout``,
             ``exec_timeout``, ``verify_timeout``, ``stop_timeout``,
             ``episode_timeout``, ``start_attempts``), rank awareness
-            (``per_rank_limits``) and the cluster budget (``budget="ray"``,
-            ``ray_address``, ``cluster_max_live``, ``cluster_creates_per_second``).
+            (``per_rank_limits``), the cluster budget (``budget="ray"``,
+            ``ray_address``, ``cluster_max_live``, ``cluster_creates_per_second``)
+            and ``job_dir`` (every rollout's record appended there, as ``run`` writes it).
     """
 
     def __init__(
@@ -188,6 +192,8 @@ class HarborSpec:
         environment_type: str = "docker",
         num_tasks: int | None = None,
         indices: list[int] | None = None,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
         include_metadata: bool = True,
         env_reward: bool | None = None,
         environment_kwargs: Mapping[str, Any] | None = None,
@@ -201,6 +207,7 @@ class HarborSpec:
         self._environment_type = environment_type
         self._num_tasks = num_tasks
         self._indices = indices
+        self._globs = (list(include or ()), list(exclude or ()))
         self._include_metadata = include_metadata
         agent_cls = _resolve_agent(agent)
         self._agent_ref = _agent_reference(agent, agent_cls)  # what the factory pickles
@@ -233,7 +240,8 @@ class HarborSpec:
         (TRL would keep it and fail at its ``reset``); ``task_index`` stays its
         position in the suite. Task folders are absolute.
         """
-        suite = load_suite(self._dataset, num_tasks=self._num_tasks, indices=self._indices)
+        include, exclude = self._globs
+        suite = load_suite(self._dataset, num_tasks=self._num_tasks, indices=self._indices, include=include, exclude=exclude)
         # refused now, not at a reset mid-training: a ${VAR} not allowed, a feature TRL's loop cannot honour
         check_tasks(
             suite.tasks, resolve_backend(self._environment_type), driver=TRL, env_allow=self._options.env_allow,

@@ -154,10 +154,15 @@ def test_unwritable_jobs_folder_or_export_fails_before_any_sandbox_starts(tmp_pa
         assert not sandboxes.exists() and not list(trials.iterdir()), "a sandbox was started"
 
 
-def test_resume_refuses_job_defining_flags(tmp_path):
+def test_resume_refuses_job_defining_flags_that_differ(tmp_path):
     run_job(tmp_path, "-e", "simulated", "-l", "1")
     result = harbor_async("run", "--resume", str(tmp_path / "jobs" / "j"), "-e", "local", "-k", "2")
-    assert result.returncode == 2 and "drop --env, --n-attempts" in result.stderr
+    assert result.returncode == 2
+    assert "started with --env='simulated', the resume was given --env='local'" in result.stderr
+    same = harbor_async("run", "--resume", str(tmp_path / "jobs" / "j"), "-e", "simulated", "-k", "1")
+    assert same.returncode == 0, same.stderr  # the stored values, given again: accepted
+    plan = harbor_async("run", "--resume", str(tmp_path / "jobs" / "j"), "-l", "1")
+    assert plan.returncode == 2 and "drop --n-tasks" in plan.stderr
     missing = harbor_async("run", "--resume", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and "not a job folder" in missing.stderr
 

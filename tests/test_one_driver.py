@@ -211,3 +211,23 @@ def test_eval_resume_checks_what_was_typed_against_the_stored_job(tmp_path: Path
         assert again.returncode == 0, again.stderr[-2000:]
     config = JobSettings.from_dict(JobFolder.open(job).config)
     assert config.n_concurrent == 2 and config.sampling == {"temperature": 0.5}
+
+
+def test_one_task_selection_for_run_eval_and_the_shim(tmp_path: Path) -> None:
+    """Globs first, then the first N: the same tasks whichever entry point selects them."""
+    import shim
+    from harbor_async.suites import example_suite_path
+    from harbor_async.tasks import NoMatchingTaskError
+
+    names = [t.name for t in load_suite(None).tasks]
+    pick = dict(include=["c*", "*-*"], exclude=["csv-*"], num_tasks=2)
+    expected = [n for n in names if not n.startswith("csv-")][:2]
+    assert [t.name for t in load_suite(None, **pick).tasks] == expected
+    spec = shim.HarborSpec(example_suite_path(), environment_type="simulated", preflight=False, **pick)
+    assert [Path(row["task_dir"]).name for row in spec.train_dataset] == expected
+    done = _cli("tasks", "-i", "c*", "-i", "*-*", "-x", "csv-*", "-l", "2")
+    assert done.returncode == 0 and all(name in done.stdout for name in expected), done.stderr
+    with pytest.raises(NoMatchingTaskError, match="no task of"):
+        load_suite(None, include=["no-such-*"])
+    refused = _cli("run", "-e", "simulated", "-i", "no-such-*", "-o", str(tmp_path))
+    assert refused.returncode == 2 and "no task of" in refused.stderr and "no-such-*" in refused.stderr

@@ -80,31 +80,20 @@ def load_tasks(
 
     Invalid tasks are reported once each, on stderr. Exits 2 on any bad input.
     """
-    from harbor_async.tasks import load_suite, matches_names
+    from harbor_async.tasks import load_suite
 
     if n_tasks is not None and indices is not None:
         raise fail("pass -l/--n-tasks or --indices, not both")
-    filtered = bool(include or exclude)
     try:
         # Without globs only the first n task folders are validated (fast on big suites).
         # Invalid tasks are reported below, once each: not also as the suite's log warnings.
         with quieter("error"):
-            loaded = load_suite(source, num_tasks=None if filtered else n_tasks, indices=indices)
+            loaded = load_suite(source, num_tasks=n_tasks, indices=indices, include=include, exclude=exclude)
     except (HarborAsyncError, ValueError, FileNotFoundError, IndexError, TypeError) as exc:
         raise fail(exc) from None
     for bad in loaded.invalid:
         say("skipped invalid task", f"{bad.path}: {bad.reason}")
-    if filtered:
-        kept = [t for t in loaded.tasks if matches_names(t.name, include, exclude)]
-        if not kept:
-            raise fail(f"no task of {loaded.root} matches {_describe(include, exclude)}")
-        loaded.tasks = kept[:n_tasks] if n_tasks is not None else kept
     return loaded
-
-
-def _describe(include: list[str] | None, exclude: list[str] | None) -> str:
-    parts = [f"-i {p!r}" for p in include or ()] + [f"-x {p!r}" for p in exclude or ()]
-    return " ".join(parts)
 
 
 def plan_episodes(tasks: list[Task], attempts: int) -> list[PlannedEpisode]:
