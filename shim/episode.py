@@ -198,6 +198,8 @@ class Episode(core.Episode):
         """End the episode: cancel a start or setup in progress, stop the sandbox in the background."""
         self._retired = True
         self.uncount_rollout()
+        if not self._verified and self.record.failure is None:  # no verdict: said now, before the stop writes the record
+            self.interrupted()
         if self._scope is not None:
             self._scope.cancel()
         self._stop_soon()

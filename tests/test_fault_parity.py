@@ -87,3 +87,59 @@ def test_a_fault_gives_one_record_through_run_eval_and_the_shim(fault: str, tmp_
     phases = {name: [s.phase for s in r.phases] for name, r in records.items()}
     assert phases["run"][0] == phases["eval"][0] == phases["shim"][0] == "start"
     assert {p[-1] for p in phases.values()} == {"stop"}
+
+
+def _interrupt_when(proc: subprocess.Popen, ready, what: str) -> str:
+    import signal
+    import time
+
+    deadline = time.monotonic() + 120
+    while not ready():
+        assert proc.poll() is None and time.monotonic() < deadline, f"{what}: {proc.communicate()[1][-2000:]}"
+        time.sleep(0.05)
+    time.sleep(2.0)  # into the agent phase (the simulated start takes no time); the record's phases show it
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    return err
+
+
+@pytest.mark.slow
+def test_an_interruption_mid_agent_gives_one_record_through_run_eval_and_the_shim(tmp_path: Path) -> None:
+    """SIGINT to `run` and `eval`, close() to the shim, while the agent is at work: cancelled, not judged, everywhere."""
+    import threading
+
+    import shim
+    from tests.scripted_server import ScriptedServer
+
+    base = [sys.executable, "-m", "harbor_async"]
+    where = ["-p", str(example_suite_path()), "-i", TASK.name, "-e", "simulated", "--ek", "exec_latency=60", "-o", str(tmp_path)]
+    proc = subprocess.Popen([*base, "run", *where, "--job-name", "run", "-q"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _interrupt_when(proc, lambda: (tmp_path / "run" / "harbor-async.json").exists(), "run")
+    records = {"run": JobFolder.open(tmp_path / "run").records()[0]}
+
+    with ScriptedServer(slow_seconds=60) as server:
+        proc = subprocess.Popen(
+            [*base, "eval", "-m", "slow", "--base-url", server.base_url, *where, "--job-name", "eval"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        _interrupt_when(proc, lambda: server.requests["slow"] >= 1, "eval")
+    records["eval"] = JobFolder.open(tmp_path / "eval").records()[0]
+
+    # The shim's harness prepares the sandbox with commands of its own: the slow command is the tool call's.
+    env = shim.HarborBashEnv("local", job_dir=tmp_path / "shim")
+    env.reset(task_dir=str(TASK.task_dir))
+    assert env.bash(command="true") == "(empty output, rc=0)"  # the sandbox is ready: the agent is at work
+    answers: list[str] = []
+    tool = threading.Thread(target=lambda: answers.append(env.bash(command="sleep 60")))
+    tool.start()
+    tool.join(timeout=2.0)
+    assert tool.is_alive()  # mid-command
+    env.close()  # what a trainer stopped mid-rollout does
+    tool.join(timeout=60)
+    assert answers and not tool.is_alive()
+    records["shim"] = env.record
+    assert JobFolder.open(tmp_path / "shim").records()[0].to_dict() == env.record.to_dict()
+
+    assert {name: outcome(r) for name, r in records.items()} == dict.fromkeys(records, ("cancelled", None, False))
+    assert all("agent" in [s.phase for s in r.phases] for r in records.values()), "interrupted before the agent ran"
