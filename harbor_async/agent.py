@@ -14,9 +14,14 @@ harness as ``environment_factory``):
 
 Tool calls of one reply run one after another (tools may share state);
 sync tool methods run in worker threads under the caller's limiter, never on
-the event loop. Transient model-server errors (429, 5xx, timeouts, connection
-resets) are retried with tenacity; when the retries run out the episode ends
-with :class:`ModelServerError` (a model-server failure, rerun by a resume).
+the event loop. A failed request is judged by :mod:`harbor_async.model_server`
+(by type and HTTP status, as for Harbor's agents): a transient error (408, 409,
+429, 5xx, timeouts, connection resets) is retried with tenacity, and when the
+retries run out the episode ends with :class:`ModelServerError` (a model-server
+failure, rerun by a resume); a refused configuration (401, 403, 404, another
+4xx) ends it at once with :class:`~harbor_async.errors.ModelServerConfigError`
+(the run stops); the model's own refusal (its context outgrown, its malformed
+tool call) ends the loop and the episode is scored.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from harbor_async.errors import ModelServerError
 from harbor_async.harnesses.toolset import Toolset, build_toolset
+from harbor_async.model_server import ServerVerdict, classify, is_context_overflow, model_server_error
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -87,9 +93,12 @@ class AgentResult:
     ``finish_reason``: ``stop`` (a reply without tool calls), ``length`` (a
     reply cut by ``max_tokens`` without tool calls), ``max_turns``,
     ``max_total_tokens``, ``context_length`` (the server refused the prompt as
-    too long; the episode is scored), ``agent_timeout``, ``episode_deadline`` (set by the
-    caller when the engine's episode deadline was the tighter bound) or ``model_server``
-    (retries ran out: see ``error``).
+    too long; the episode is scored), ``invalid_tool_call`` (the server refused a
+    conversation holding a tool call of the model's whose arguments are no JSON
+    object; scored), ``agent_timeout``, ``episode_deadline`` (set by the caller
+    when the engine's episode deadline was the tighter bound) or ``model_server``
+    (retries ran out, or the server refused its configuration: see ``error``, a
+    :class:`~harbor_async.errors.ModelServerConfigError` then).
     """
 
     messages: list[dict[str, Any]]
@@ -104,26 +113,16 @@ class AgentResult:
 
 
 def _retryable(exc: BaseException) -> bool:
-    if isinstance(exc, openai.APIConnectionError):  # includes APITimeoutError, connection resets
-        return True
-    if isinstance(exc, openai.APIStatusError):
-        return exc.status_code in (408, 409, 429) or exc.status_code >= 500
-    return False
+    # Only what may work on another try: a refused key or request would be refused again.
+    return classify(exc) is ServerVerdict.TRANSIENT
 
 
-_CONTEXT_MARKERS = ("context length", "context_length", "maximum context", "too long", "prompt is too long")
+class _ModelRefusal(Exception):
+    """The server refused the request for the model's own doing: the loop ends with ``reason``, scored."""
 
-
-def is_context_overflow(exc: BaseException) -> bool:
-    """Whether the server refused the request because the conversation outgrew the context."""
-    if not isinstance(exc, openai.BadRequestError):
-        return False
-    text = f"{getattr(exc, 'code', '') or ''} {exc.message} {exc.body}".lower()
-    return any(marker in text for marker in _CONTEXT_MARKERS)
-
-
-class _ContextOverflow(Exception):
-    pass
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Agent:
@@ -184,8 +183,8 @@ class Agent:
             started = time.perf_counter()
             try:
                 response = await self._complete(result.messages, toolset.schemas, usage, sampling)
-            except _ContextOverflow:
-                result.finish_reason = "context_length"
+            except _ModelRefusal as refusal:
+                result.finish_reason = refusal.reason
                 return
             except ModelServerError as exc:
                 result.finish_reason, result.error = "model_server", exc
@@ -257,11 +256,11 @@ class Agent:
                             model=self.model, messages=wire, tools=tools, **sampling.request_kwargs()
                         )
         except openai.APIError as exc:
-            if is_context_overflow(exc):
-                raise _ContextOverflow from exc
-            status = getattr(exc, "status_code", None)
-            what = f"HTTP {status}" if status else type(exc).__name__
-            raise ModelServerError(f"model {self.model!r}: {what}: {exc}", status=status) from exc
+            verdict = classify(exc, wire)
+            if verdict is ServerVerdict.MODEL:
+                raise _ModelRefusal("context_length" if is_context_overflow(exc) else "invalid_tool_call") from exc
+            # transient after its retries (ModelServerError), or a refused configuration (ModelServerConfigError)
+            raise model_server_error(exc, self.model, verdict) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _call_tool(self, toolset: Toolset, name: str, arguments: str | None) -> tuple[str, bool]:

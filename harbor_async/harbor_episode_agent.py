@@ -9,9 +9,14 @@ runs it. Its token counts and cost (Harbor's ``AgentContext``) go into the
 record's ``usage``, summed over the steps of a multi-step task.
 
 Blame: a setup that fails (an install, a terminal) is the start's, rerun by a
-resume; an error reaching the model server is ``model_server`` (no verdict, as
-for ``eval``'s harnesses); anything else the agent does, or its running out of
-time, is the agent's (the verifier still judges what it left, as in Harbor).
+resume; a model-server error is judged by :mod:`harbor_async.model_server`, as
+for ``eval``'s harnesses: a transient one (unreachable, 408, 409, 429, 5xx) is
+``model_server`` (no verdict, rerun), a refused configuration (401, 403, 404,
+another 4xx) is ``model_server`` with
+:class:`~harbor_async.errors.ModelServerConfigError` (the run stops), and the
+model's own refusal (its context outgrown) is the agent's; anything else the
+agent does, or its running out of time, is the agent's (the verifier still
+judges what it left, as in Harbor).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from harbor_async.errors import FailureClass, Phase, SandboxError
 from harbor_async.harbor_agents import HarborAgentSpec
+from harbor_async.model_server import ServerVerdict, classify, model_server_error
 from harbor_async.policy import failure_class
 
 if TYPE_CHECKING:
@@ -28,8 +34,6 @@ if TYPE_CHECKING:
 
 #: Harbor's ``AgentContext`` counts kept in a record's ``usage`` (summed over the steps of a task).
 USAGE_KEYS = ("n_input_tokens", "n_cache_tokens", "n_output_tokens", "cost_usd")
-#: HTTP statuses of a model server that failed, not of a model's bad request.
-_SERVER_STATUSES = frozenset({401, 403, 404, 408, 429})
 
 
 @dataclass
@@ -81,11 +85,14 @@ class HarborEpisodeAgent:
                 async with sandbox.context.budget.exec_slot(), sandbox.bounded_phase(Phase.AGENT, budget=episode.agent_budget):
                     await self._agent.run(episode.instruction, environment, context)
         except SandboxError as exc:
-            server = _server_error(exc)
-            if server is not None:  # the model server failed, not the model: no verdict (as eval's harnesses)
+            # The agent keeps its own conversation: only context overflow can be the model's refusal here.
+            verdict = classify(exc)
+            if verdict in (ServerVerdict.TRANSIENT, ServerVerdict.CONFIGURATION):
+                # the model server failed or refused its setup, not the model: no verdict (as eval's harnesses)
+                server = model_server_error(exc, self.spec.model_name, verdict)
                 episode.fail(FailureClass.MODEL_SERVER, server, "model")
                 episode.error = server
-            else:
+            else:  # no server error, or the model's own refusal (its context outgrown): the agent's
                 episode.fail(failure_class(exc), exc)
         finally:
             if context.is_empty():  # an installed agent's counts come from its logs (Harbor's post-run step)
@@ -103,21 +110,3 @@ def _add_usage(usage: dict[str, Any], context: Any) -> None:
         if value is not None:
             usage[key] = usage.get(key, 0) + value
 
-
-def _server_error(exc: BaseException) -> BaseException | None:
-    """The model-server error (unreachable, 5xx, refused key or model, rate limit) behind ``exc``, if any.
-
-    LiteLLM's errors derive from the ``openai`` client's: typed, never read from their text.
-    """
-    import openai
-
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if isinstance(cause, openai.APIConnectionError):
-            return cause
-        if isinstance(cause, openai.APIStatusError) and (cause.status_code >= 500 or cause.status_code in _SERVER_STATUSES):
-            return cause
-        cause = cause.__cause__ or cause.__context__
-    return None
