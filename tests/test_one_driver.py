@@ -231,3 +231,28 @@ def test_one_task_selection_for_run_eval_and_the_shim(tmp_path: Path) -> None:
         load_suite(None, include=["no-such-*"])
     refused = _cli("run", "-e", "simulated", "-i", "no-such-*", "-o", str(tmp_path))
     assert refused.returncode == 2 and "no task of" in refused.stderr and "no-such-*" in refused.stderr
+
+
+@pytest.mark.slow
+def test_run_with_a_harbor_agent_stops_on_a_refused_key_as_eval_does(tmp_path: Path) -> None:
+    """`run -a terminus-2` whose server refuses the key: one episode, then the run stops (exit 3), records kept."""
+    import shutil
+
+    from harbor_async.suites import example_suite_path
+
+    if shutil.which("tmux") is None:  # terminus-2 on local drives the host's tmux (.ci/setup installs it)
+        pytest.fail("terminus-2 on local needs tmux on the host: bash .ci/setup", pytrace=False)
+    with ScriptedServer(api_key="right") as server:
+        done = _cli(
+            "run", "-p", str(example_suite_path()), "-l", "4", "-n", "1", "-e", "local", "-a", "terminus-2",
+            "-m", "hosted_vllm/terminus", "--ak", f"api_base={server.base_url}", "--ak", 'llm_kwargs={"api_key": "wrong"}',
+            "-o", str(tmp_path), "--job-name", "j",
+        )  # fmt: skip
+        asked = server.requests["terminus"]
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "refused" in done.stderr and server.base_url in done.stderr and "--resume" in done.stderr
+    records = JobFolder.open(tmp_path / "j").records()
+    assert [r.error_type for r in records if r.error_class == "model_server"] == ["ModelServerConfigError"]
+    assert len(records) < 4 and asked >= 1  # it stopped: the other tasks never reached the server
+    summary = json.loads((tmp_path / "j" / "summary.json").read_text())
+    assert "refused" in summary["stopped_by"] and summary["completed"] == 0
