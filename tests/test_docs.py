@@ -137,3 +137,19 @@ def test_the_version_table_states_pyprojects_ranges() -> None:
             assert sorted(stated.split(",")) == sorted(declared[name].split(",")), f"{name}: {stated} vs {declared[name]}"
             checked += 1
     assert checked >= 10
+
+
+def test_the_architecture_page_names_every_module() -> None:
+    """The module map of docs/architecture.md lists every module and folder of the two packages."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    page = (root / "docs" / "architecture.md").read_text(encoding="utf-8")
+    mapped = page[: page.index("```\n", page.index("```\nharbor_async/") + 4)]
+    for package in ("harbor_async", "shim"):
+        for entry in sorted((root / package).iterdir()):
+            name = entry.name if entry.is_dir() else entry.stem
+            if name.startswith("__pycache__") or (entry.is_file() and entry.suffix != ".py"):
+                continue
+            shown = f"{name}/" if entry.is_dir() else f"{name}.py"
+            assert re.search(rf"(?<![\w/]){re.escape(shown)}", mapped), f"{package}/{shown} is missing from docs/architecture.md's module map"
