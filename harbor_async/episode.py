@@ -29,8 +29,11 @@ import anyio.lowlevel
 
 from harbor_async.backends import enter_network_phase
 from harbor_async.errors import (
+    AgentSetupError,
     EpisodeDeadlineError,
+    EpisodeInterruptedError,
     FailureClass,
+    NetworkPhaseError,
     Phase,
     SandboxClosedError,
     SandboxError,
@@ -57,6 +60,7 @@ if TYPE_CHECKING:
 log = get_logger()
 
 T = TypeVar("T")
+E = TypeVar("E", bound=BaseException)
 
 #: Where Harbor's verifier writes the test script's stdout and stderr, in the sandbox.
 VERIFIER_OUTPUT_PATH = "/logs/verifier/test-stdout.txt"
@@ -167,8 +171,19 @@ class Episode:
             self.record.phases.append(PhaseSpan(phase.value, round(start, 4), round(self._elapsed(), 4)))
             self._open = None
 
+    def fail_with(self, exc: BaseException, phase: Phase | str | None = None) -> None:
+        """Record ``exc`` as the episode's failure, blamed as the error policy's table says (the first kept).
+
+        ``phase``: the phase recorded, when not the error's own (a sandbox error carries its phase).
+        """
+        self.fail(failure_class(exc), exc, phase)
+
     def fail(self, failure: FailureClass, exc: BaseException | str, phase: Phase | str | None = None) -> None:
-        """Record a failure (the first one recorded is kept: the right blame)."""
+        """Record a failure of class ``failure`` (the first one recorded is kept: the right blame).
+
+        Use :meth:`fail_with`: the class is the table's to decide
+        (:data:`harbor_async.policy.ERROR_POLICY`). Kept for the callers that still name one.
+        """
         value = phase.value if isinstance(phase, Phase) else phase
         self.record.set_error(failure, exc, value)
 
@@ -183,7 +198,7 @@ class Episode:
         if record.failure is not None and record.failure.scored:
             record.error_class = record.error_phase = record.error_type = record.error = None
             record.reward, record.rewards = None, {}
-        self.fail(FailureClass.CANCELLED, "the episode was interrupted before it finished", self.phase)
+        self.fail_with(EpisodeInterruptedError(), self.phase)
 
     # ── start ─────────────────────────────────────────────────────────────
 
@@ -215,7 +230,7 @@ class Episode:
         except SandboxError as exc:
             self._started(exc)
             self.error = exc
-            self.fail(failure_class(exc), exc)
+            self.fail_with(exc)
             return False
         self._started(None)
         budget = anyio.CancelScope()
@@ -225,16 +240,16 @@ class Episode:
                     await setup()
         except SandboxError as exc:
             self.error = exc
-            self.fail(failure_class(exc), exc)
+            self.fail_with(exc)
         except TimeoutError as exc:
             self.error = exc
             if budget.cancelled_caught:
-                self.fail(FailureClass.AGENT, "the harness setup ran past the start budget", Phase.START)
+                self.fail_with(_caused(AgentSetupError("the harness setup ran past the start budget"), exc), Phase.START)
             else:  # the setup's own timeout (a command it bounded itself)
-                self.fail(FailureClass.AGENT, exc, Phase.START)
+                self.fail_with(_caused(AgentSetupError(_described(exc)), exc), Phase.START)
         except Exception as exc:  # the harness's own code failed: the agent's failure, not the sandbox's
             self.error = exc
-            self.fail(FailureClass.AGENT, exc, Phase.START)
+            self.fail_with(_caused(AgentSetupError(_described(exc)), exc), Phase.START)
             log.warning("harness setup failed", task=self.task.name, error=repr(exc))
         if self.error is None:
             environment = self.sandbox.environment
@@ -243,7 +258,7 @@ class Episode:
                 await enter_network_phase(environment, self.task, "agent")
             except Exception as exc:  # noqa: BLE001 - the backend could not apply it: no agent runs unconfined
                 self.error = exc
-                self.fail(FailureClass.INFRASTRUCTURE, exc, Phase.START)
+                self.fail_with(_caused(NetworkPhaseError(_described(exc)), exc), Phase.START)
                 return False
             self.enter(Phase.AGENT)
             return True
@@ -337,7 +352,7 @@ class Episode:
                 self.verify_error = exc
                 found = exc.output if isinstance(exc, VerifierFailure) else None
                 self.record.verifier_output = found or await self._verifier_output()
-                self.fail(failure_class(exc), exc)
+                self.fail_with(exc)
             else:
                 # No output and the test's stdout file came back with the verifier folder: it was empty, and reading
                 # it again from the sandbox would put a round trip between the verdict and the waiting trainer.
@@ -467,7 +482,7 @@ class Episode:
             record.start_attempts = sandbox.start_attempts
             record.seconds.update({k: round(v, 4) for k, v in sandbox.times.seconds.items()})
             if sandbox.stop_error is not None:  # a leaked sandbox is the infrastructure's, unless blamed earlier
-                self.fail(FailureClass.INFRASTRUCTURE, sandbox.stop_error)  # a verdict already given stays
+                self.fail_with(sandbox.stop_error)  # a stop's error (phase stop): infrastructure; a verdict given stays
         record.seconds["total"] = round(self._elapsed(), 4)
         record.finished_at = now_iso()
         if record.failure is not None and record.failure.scored and record.reward is None:
@@ -482,6 +497,17 @@ class Episode:
             error_phase=record.error_phase,
             seconds=record.seconds["total"],
         )
+
+
+def _caused(error: E, cause: BaseException) -> E:
+    """``error``, raised from ``cause`` (its ``__cause__``), without raising it."""
+    error.__cause__ = cause
+    return error
+
+
+def _described(exc: BaseException) -> str:
+    """An error's type and message, for the typed error that wraps it."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def describe_unavailable(error: BaseException) -> str:

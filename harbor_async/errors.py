@@ -507,3 +507,71 @@ class SandboxLimitError(HarborAsyncError, ValueError):
 
 class PreflightError(HarborAsyncError, RuntimeError):
     """The backend could not start and stop one sandbox before the run: a configuration problem."""
+
+
+# ── Outcomes the engine reaches itself, typed so that the error policy's table decides them ──────
+# (harbor_async.policy.ERROR_POLICY): a caller raises or records one of these, and names no failure class
+
+
+class EpisodeInterruptedError(HarborAsyncError):
+    """The episode was interrupted before it finished (a signal, a cancelled batch): ``cancelled``, not judged."""
+
+    def __init__(self, message: str = "the episode was interrupted before it finished") -> None:
+        super().__init__(message)
+
+
+class AgentSetupError(HarborAsyncError):
+    """The agent's harness setup failed (its own code, a command it bounded itself, or the start budget): ``agent``.
+
+    The harness is the model's side of the episode: scored 0 without a reward.
+    Raised from the original error (its ``__cause__``).
+    """
+
+
+class NetworkPhaseError(HarborAsyncError):
+    """The backend could not apply the task's network policy for a phase (no agent runs unconfined): ``infrastructure``.
+
+    Raised from the backend's error (its ``__cause__``).
+    """
+
+
+class LaunchError(HarborAsyncError):
+    """A sandbox's start could not be scheduled (an unknown backend, a closed engine): ``infrastructure``.
+
+    Raised from the original error (its ``__cause__``).
+    """
+
+
+class EpisodeClosedError(SandboxClosedError, SandboxCancelledError):
+    """The episode was closed, or ended, before its sandbox was ready: ``cancelled``, no one's failure.
+
+    A :class:`SandboxClosedError` to a command that asks for the sandbox (it is not there).
+    """
+
+
+class FinalStepRewardError(VerifierFailure):
+    """A multi-step task scored by its final step (``multi_step_reward_strategy = "final"``) whose final step has
+    no reward: ``verifier``, scored 0."""
+
+    def __reduce__(self):
+        return (_rebuild_final_step_error, (self.phase, self.task, self.sandbox_id, self.detail, self.start_attempt, self.output))
+
+
+def _rebuild_final_step_error(phase, task, sandbox_id, detail, start_attempt, output):
+    return FinalStepRewardError(phase, task, sandbox_id, detail, start_attempt=start_attempt, output=output)
+
+
+class VerifierPathError(HarborAsyncError):
+    """A folder the verifier uses in the sandbox (``/tests``, ``/logs/verifier``) is not a folder there: the agent
+    replaced it (a file, a dangling link). Raised by a backend; the sandbox turns it into a :class:`VerifierFailure`.
+
+    Attributes:
+        path: the sandbox path.
+    """
+
+    def __init__(self, path: str, detail: str = "") -> None:
+        super().__init__(f"{path} in the sandbox is not a folder" + (f": {detail}" if detail else ""))
+        self.path, self.detail = path, detail
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.detail))

@@ -22,12 +22,16 @@ from tenacity import (
 from harbor.environments.base import SandboxBuildFailedError
 
 from harbor_async.errors import (
+    AgentSetupError,
     BackendError,
     BackendStartError,
     EpisodeDeadlineError,
+    EpisodeInterruptedError,
     FailureClass,
     InvalidTaskError,
+    LaunchError,
     ModelServerError,
+    NetworkPhaseError,
     Phase,
     SandboxCancelledError,
     SandboxError,
@@ -155,27 +159,61 @@ def _scaled(value: float | None, factor: float) -> float | None:
 
 @dataclass(frozen=True)
 class ErrorRule:
-    """What an error means for its episode (as Harbor's ``ErrorPolicy``).
+    """What an error means for its episode (Harbor's ``ErrorPolicy``: cause, retry, grade).
 
     Attributes:
-        failure: who the episode's failure is blamed on.
+        failure: who the episode's failure is blamed on (Harbor's ``cause``).
         retry: whether a sandbox start that failed with it is worth another attempt.
         graded: whether the episode still counts as the model's (scored, 0
-            without a reward) or is left out and rerun by a resume.
+            without a reward) or is left out and rerun by a resume (Harbor's
+            ``grade``). A record keeps only the class, so the two must agree
+            (:attr:`FailureClass.scored`): a rule that says otherwise is refused.
     """
 
     failure: FailureClass
     retry: bool
+    graded: bool
 
-    @property
-    def graded(self) -> bool:
-        """Whether the episode is the model's (see :attr:`FailureClass.scored`)."""
-        return self.failure.scored
+    def __post_init__(self) -> None:
+        if self.graded is not self.failure.scored:
+            raise ValueError(f"a {self.failure.value} failure is {'' if self.failure.scored else 'not '}graded")
 
 
-_INFRA_RETRY = ErrorRule(FailureClass.INFRASTRUCTURE, retry=True)
-_INFRA = ErrorRule(FailureClass.INFRASTRUCTURE, retry=False)
-_INVALID_TASK = ErrorRule(FailureClass.INVALID_TASK, retry=False)
+@dataclass(frozen=True)
+class ErrorRow:
+    """One row of :data:`ERROR_POLICY`: the errors it covers and the rule for them.
+
+    Attributes:
+        kind: the exception type(s) the row covers (a subclass's row comes before its base's).
+        rule: what such an error means.
+        phase: for a :class:`~harbor_async.errors.SandboxError`, the phase it
+            happened in (``None``: any phase, or not a sandbox error).
+        when: a typed predicate the error must also meet (an attribute its type
+            declares, an ``errno``); never its text.
+    """
+
+    kind: type[BaseException] | tuple[type[BaseException], ...]
+    rule: ErrorRule
+    phase: Phase | None = None
+    when: Callable[[BaseException], bool] | None = None
+
+    def covers(self, exc: BaseException, phase: Phase | None) -> bool:
+        """Whether this row decides ``exc`` (raised in ``phase``, for a sandbox error)."""
+        return (
+            isinstance(exc, self.kind)
+            and (self.phase is None or self.phase is phase)
+            and (self.when is None or self.when(exc))
+        )
+
+
+_CANCELLED = ErrorRule(FailureClass.CANCELLED, retry=False, graded=False)
+_MODEL_SERVER = ErrorRule(FailureClass.MODEL_SERVER, retry=False, graded=False)
+_VERIFIER = ErrorRule(FailureClass.VERIFIER, retry=False, graded=True)
+_AGENT = ErrorRule(FailureClass.AGENT, retry=False, graded=True)
+_INVALID_TASK = ErrorRule(FailureClass.INVALID_TASK, retry=False, graded=False)
+_INFRA = ErrorRule(FailureClass.INFRASTRUCTURE, retry=False, graded=False)
+_INFRA_RETRY = ErrorRule(FailureClass.INFRASTRUCTURE, retry=True, graded=False)
+
 #: A start failing with one of these fails the same way again: the task, image, configuration or
 #: host is wrong, or the code has a bug.
 _PERMANENT: tuple[type[BaseException], ...] = (
@@ -184,52 +222,103 @@ _PERMANENT: tuple[type[BaseException], ...] = (
     AssertionError, RecursionError, SyntaxError,
 )  # fmt: skip
 
-#: The one error-policy table: the first row whose type (and phase, for sandbox
-#: errors; ``None`` matches any) fits the error decides (a subclass's row comes
-#: before its base's). Types only: a backend whose library raises an untyped
-#: error turns it into a typed one in its own adapter
-#: (:meth:`harbor_async.backends.BackendSpec.typed_error`), never here.
-ERROR_POLICY: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], Phase | None, ErrorRule], ...] = (
-    # Not errors of the episode: an interruption, an exit, a superseded start.
-    (SandboxCancelledError, None, ErrorRule(FailureClass.CANCELLED, retry=False)),
-    # The model's episode.
-    (ModelServerError, None, ErrorRule(FailureClass.MODEL_SERVER, retry=False)),
-    (VerifierFailure, None, ErrorRule(FailureClass.VERIFIER, retry=False)),
-    (EpisodeDeadlineError, Phase.START, _INFRA),
-    (EpisodeDeadlineError, None, ErrorRule(FailureClass.AGENT, retry=False)),
-    # The task cannot be built as written (its Dockerfile, a COPY source that is not there).
-    ((InvalidTaskError, TaskDefinitionError), None, _INVALID_TASK),
-    (SandboxError, Phase.AGENT, ErrorRule(FailureClass.AGENT, retry=False)),
-    # Sandbox errors of the other phases were already retried where that was safe.
-    (SandboxError, None, _INFRA),
-    # Raised by a backend while starting: permanent when the task, image,
-    # configuration or host is wrong, or the code has a bug.
-    (BackendStartError, None, _INFRA),  # its own ``transient`` decides, see rule_for
-    (_PERMANENT, None, _INFRA),
-    # Anything else from a backend: a network blip, a daemon hiccup, a slow provider.
-    (Exception, None, _INFRA_RETRY),
-    # Not an Exception: KeyboardInterrupt, SystemExit, a cancellation.
-    (BaseException, None, ErrorRule(FailureClass.CANCELLED, retry=False)),
-)
-
 #: ``OSError`` numbers of a full disk or quota: the next attempt would fail the same way.
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
+def _says_transient(exc: BaseException) -> bool:
+    """A :class:`BackendStartError` whose type says another attempt may work (its ``transient``, True by default)."""
+    return bool(getattr(exc, "transient", True))
+
+
+def _declared_transient(exc: BaseException) -> bool:
+    """Another backend's error whose type declares ``transient = True`` (typed metadata, not its text)."""
+    return getattr(exc, "transient", None) is True
+
+
+def _declared_permanent(exc: BaseException) -> bool:
+    """Another backend's error whose type declares ``transient = False``."""
+    return getattr(exc, "transient", None) is False
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """An ``OSError`` of a full disk or quota (``ENOSPC``, ``EDQUOT``)."""
+    return isinstance(exc, OSError) and exc.errno in _DISK_FULL
+
+
+#: The one error-policy table, and the only place that maps an error to a failure class, a retry and a grade:
+#: :func:`rule_for` walks it in order and the first row that covers the error decides (type, and phase for
+#: sandbox errors, and a typed predicate where a row has one). Types only: a backend whose library raises an
+#: untyped error turns it into a typed one in its own adapter
+#: (:meth:`harbor_async.backends.BackendSpec.typed_error`), never here; an outcome the engine reaches itself
+#: (an interrupted episode, a harness setup that failed, a final step without a reward) is raised as one of the
+#: typed errors of :mod:`harbor_async.errors` and comes through here too.
+#:
+#: Where the rows differ from Harbor's ``models/trial/error_policy.py`` (keyed by exception type name, with
+#: a cause, a retry and a grade per name), on purpose:
+#:
+#: - Harbor retries ``AddTestsDirError`` and ``DownloadVerifierDirError`` as ``sandbox_failed`` (retried, not
+#:   graded). Here a ``/tests`` or ``/logs/verifier`` the sandbox no longer has as a folder after the agent ran
+#:   (:class:`~harbor_async.errors.VerifierPathError`, raised by the local backend), or a verifier folder the
+#:   sandbox filled past the transfer bounds or emptied, is the sandbox's own doing: the sandbox raises a
+#:   :class:`~harbor_async.errors.VerifierFailure` for it, a failed verification scored 0 (an agent cannot void
+#:   its own episode by breaking the folders). Any other failure of those transfers (an ``AddTestsDirError``
+#:   from a backend's copy) is the backend's: infrastructure, not graded, and not retried (a verify is never
+#:   repeated behind the caller's back; a resume reruns the episode).
+#: - Harbor grades model-provider errors (``MODEL_PROVIDER_FAILED``, ``grade=True`` for rate limits, server
+#:   errors, bad requests) and retries the transient ones. Here a
+#:   :class:`~harbor_async.errors.ModelServerError` is ``model_server``: not graded (the model was not
+#:   judged), rerun by a resume, never retried inside the episode.
+#: - Harbor retries ``SandboxBuildFailedError``; here a build that failed is not retried (it fails the same
+#:   way again), and an environment the backend found wrong as written
+#:   (:class:`~harbor_async.errors.TaskDefinitionError`) is ``invalid_task``, a category Harbor does not have.
+#: - Harbor's unknown errors are ``unclassified``, retried and graded; here an unknown error is
+#:   infrastructure: retried at a start, never graded.
+ERROR_POLICY: tuple[ErrorRow, ...] = (
+    # The task's own definition, whatever the backend (before the backends' start errors it may also be).
+    ErrorRow(TaskDefinitionError, _INVALID_TASK),
+    # A backend's start error: its type says whether another attempt may work (transient = True by default;
+    # the permanent subclasses set it False: a missing image, a failed build, a refused container).
+    ErrorRow(BackendStartError, _INFRA_RETRY, when=_says_transient),
+    ErrorRow(BackendStartError, _INFRA),
+    # Another backend's typed error that declares the same attribute.
+    ErrorRow(BaseException, _INFRA_RETRY, when=_declared_transient),
+    ErrorRow(BaseException, _INFRA, when=_declared_permanent),
+    # A full disk or quota: the next attempt fails the same way.
+    ErrorRow(OSError, _INFRA, when=_disk_full),
+    # Not errors of the episode: an interruption, an exit, a superseded start, a closed episode.
+    ErrorRow((SandboxCancelledError, EpisodeInterruptedError), _CANCELLED),
+    # The model's server failed: the model was not judged.
+    ErrorRow(ModelServerError, _MODEL_SERVER),
+    # The model's episode.
+    ErrorRow(VerifierFailure, _VERIFIER),
+    ErrorRow(EpisodeDeadlineError, _INFRA, phase=Phase.START),
+    ErrorRow(EpisodeDeadlineError, _AGENT),
+    ErrorRow(AgentSetupError, _AGENT),
+    # The task cannot be built as written (its Dockerfile, a COPY source that is not there).
+    ErrorRow(InvalidTaskError, _INVALID_TASK),
+    ErrorRow(SandboxError, _AGENT, phase=Phase.AGENT),
+    # Sandbox errors of the other phases were already retried where that was safe.
+    ErrorRow(SandboxError, _INFRA),
+    # The engine could not schedule the start, or apply the network policy: not worth another attempt.
+    ErrorRow((LaunchError, NetworkPhaseError), _INFRA),
+    # Raised by a backend while starting: permanent when the task, image, configuration or host is wrong, or
+    # the code has a bug.
+    ErrorRow(_PERMANENT, _INFRA),
+    # Anything else from a backend: a network blip, a daemon hiccup, a slow provider.
+    ErrorRow(Exception, _INFRA_RETRY),
+    # Not an Exception: KeyboardInterrupt, SystemExit, a cancellation.
+    ErrorRow(BaseException, _CANCELLED),
+)
+
+
 def rule_for(exc: BaseException) -> ErrorRule:
-    """The :data:`ERROR_POLICY` row that decides ``exc``."""
-    transient = getattr(exc, "transient", None)  # typed metadata a backend's error carries, not its text
-    if isinstance(exc, TaskDefinitionError):  # the task's own definition, whatever the backend
-        return _INVALID_TASK
-    if isinstance(exc, BackendStartError) or isinstance(transient, bool):
-        return _INFRA_RETRY if transient else _INFRA
-    if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
-        return _INFRA
+    """The rule of the first :data:`ERROR_POLICY` row that covers ``exc``."""
     phase = exc.phase if isinstance(exc, SandboxError) else None
-    for kind, when, rule in ERROR_POLICY:
-        if isinstance(exc, kind) and (when is None or when is phase):
-            return rule
-    raise AssertionError("unreachable: the table ends with BaseException and Exception rows")  # pragma: no cover
+    for row in ERROR_POLICY:
+        if row.covers(exc, phase):
+            return row.rule
+    raise AssertionError("unreachable: the table ends with a BaseException row")  # pragma: no cover
 
 
 def failure_class(exc: BaseException) -> FailureClass:
@@ -240,6 +329,16 @@ def failure_class(exc: BaseException) -> FailureClass:
 def is_transient(exc: BaseException) -> bool:
     """Whether a start that failed with ``exc`` is worth retrying."""
     return rule_for(exc).retry
+
+
+def is_invalid_task(exc: BaseException) -> bool:
+    """Whether the table blames ``exc`` on the task's own definition (``invalid_task``)."""
+    return rule_for(exc).failure is FailureClass.INVALID_TASK
+
+
+def is_infrastructure(exc: BaseException) -> bool:
+    """Whether the table blames ``exc`` on the infrastructure (the backend, the host, a sandbox limit)."""
+    return rule_for(exc).failure is FailureClass.INFRASTRUCTURE
 
 
 def _stop_at(deadline: Callable[[], float]) -> Callable[[Any], bool]:

@@ -26,7 +26,6 @@ from harbor_async.errors import (
     PHASE_ERRORS,
     BackendExecTimeout,
     EpisodeDeadlineError,
-    FailureClass,
     InvalidTaskError,
     Phase,
     SandboxCancelledError,
@@ -35,11 +34,12 @@ from harbor_async.errors import (
     SandboxTimeout,
     TransferLimitError,
     VerifierFailure,
+    VerifierPathError,
 )
 from harbor_async.logs import get_logger
 from harbor_async.naming import TRIAL_MARKER_NAME, TrialDirNames, new_sandbox_id
 from harbor_async.phase_scope import PhaseScope, now
-from harbor_async.policy import RetryPolicy, Timeouts, failure_class
+from harbor_async.policy import RetryPolicy, Timeouts, is_invalid_task
 from harbor_async.reward_files import verifier_output
 from harbor_async.results import ExecOutput, PhaseTimes, VerifyResult, scalar_reward, truncate_output
 from harbor_async.stats import StatsRecorder
@@ -313,6 +313,8 @@ class Sandbox:
                         Phase.VERIFY, self.task_name, self.id, f"{type(exc).__name__}: {exc}",
                         output=self._verifier_output(),
                     ) from exc  # fmt: skip
+                except VerifierPathError as exc:  # the agent left a file where the verifier's folder goes: its episode
+                    raise VerifierFailure(Phase.VERIFY, self.task_name, self.id, str(exc)) from exc
                 except DownloadVerifierDirError as exc:
                     if not isinstance(exc.__cause__, (TransferLimitError, FileNotFoundError)):
                         raise
@@ -581,7 +583,7 @@ class Sandbox:
             error = SandboxCancelledError(phase, self.task_name, self.id, "cancelled before it finished", start_attempt=attempt)
         else:
             detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            kind = InvalidTaskError if phase is Phase.START and failure_class(exc) is FailureClass.INVALID_TASK else None
+            kind = InvalidTaskError if phase is Phase.START and is_invalid_task(exc) else None
             error = (kind or PHASE_ERRORS[phase])(phase, self.task_name, self.id, detail, start_attempt=attempt)
         error.__cause__ = exc
         return error

@@ -23,8 +23,7 @@ import shlex
 from typing import TYPE_CHECKING, Any
 
 from harbor_async.backends import enter_network_phase
-from harbor_async.errors import FailureClass, Phase, SandboxError, VerifierFailure
-from harbor_async.policy import failure_class
+from harbor_async.errors import FinalStepRewardError, Phase, SandboxError, VerifierFailure
 
 if TYPE_CHECKING:
     from harbor.models.task.config import StepConfig
@@ -57,7 +56,7 @@ async def run_steps(episode: Episode, actor: Any) -> None:
             entry["error"] = str(failed)
             break
         except SandboxError as exc:
-            episode.fail(failure_class(exc), exc)
+            episode.fail_with(exc)
             entry["error"] = str(exc)
             return
         await actor.act(episode)
@@ -71,10 +70,10 @@ async def run_steps(episode: Episode, actor: Any) -> None:
             entry["error"] = str(exc)
             episode.record.verifier_output = exc.output or episode.record.verifier_output
             if not judged:  # no step has a reward: the episode's verifier failed
-                episode.fail(FailureClass.VERIFIER, exc)
+                episode.fail_with(exc)
             break
         except SandboxError as exc:
-            episode.fail(failure_class(exc), exc)
+            episode.fail_with(exc)
             entry["error"] = str(exc)
             return
         entry["reward"], entry["rewards"] = result.reward, dict(result.rewards)
@@ -149,6 +148,8 @@ def _settle(episode: Episode, judged: list[dict[str, float | int]]) -> None:
         keys = {key for rewards in judged for key in rewards}
         rewards = {key: sum(r.get(key, 0) for r in judged) / len(judged) for key in keys}
     if not rewards:  # "final", and the last step that ran has no reward
-        episode.fail(FailureClass.VERIFIER, f"step {record.steps[-1]['name']!r}, the final one, has no reward", Phase.VERIFY)
+        sandbox = record.sandbox or "-"
+        detail = f"step {record.steps[-1]['name']!r}, the final one, has no reward"
+        episode.fail_with(FinalStepRewardError(Phase.VERIFY, record.task, sandbox, detail))
         return
     record.rewards, record.reward = rewards, scalar_reward(rewards)

@@ -26,13 +26,14 @@ import sniffio
 from harbor_async import episode as core
 from harbor_async.errors import (
     EngineClosedError,
+    EpisodeClosedError,
     FailureClass,
+    LaunchError,
     Phase,
-    SandboxClosedError,
     SandboxError,
 )
 from harbor_async.logs import get_logger
-from harbor_async.policy import failure_class
+from harbor_async.policy import is_infrastructure
 from shim import engines, prefetch
 
 if TYPE_CHECKING:
@@ -155,8 +156,8 @@ class Episode(core.Episode):
             if previous is not None:
                 previous.retire()
             if self._retired:  # closed before the loop got here
-                self.error = SandboxClosedError(Phase.START, self.task.name, "-", "the episode was closed")
-                self.fail(FailureClass.CANCELLED, self.error, Phase.START)
+                self.error = EpisodeClosedError(Phase.START, self.task.name, "-", "the episode was closed")
+                self.fail_with(self.error)
                 return
             try:
                 # No await before the claim: prefetch.release() relies on every reset handed to the loop
@@ -164,7 +165,7 @@ class Episode(core.Episode):
                 self.launch(prefetch.claim(self.engine, self.task, self.backend, self.backend_kwargs))
             except Exception as exc:  # noqa: BLE001 - bad backend, closed engine: the start never began
                 self.error = exc
-                self.fail(FailureClass.INFRASTRUCTURE, exc, Phase.START)
+                self.fail_with(_launch_error(exc), Phase.START)
                 log.warning("sandbox launch failed", task=self.task.name, error=str(exc))
                 return
 
@@ -179,15 +180,15 @@ class Episode(core.Episode):
                 if not await self.start(setup):
                     self._stop_soon()  # an unusable sandbox gives its slot back now, not at the reward
             if self._scope.cancelled_caught and self.error is None:
-                self.error = SandboxClosedError(
+                self.error = EpisodeClosedError(
                     Phase.START, self.task.name, self.record.sandbox or "-", "the episode ended before its sandbox was ready"
                 )
-                self.fail(FailureClass.CANCELLED, self.error, Phase.START)
+                self.fail_with(self.error)
         finally:
             ready.set()
 
     def _started(self, error: SandboxError | None) -> None:
-        if self.guard is not None and (error is None or failure_class(error) is FailureClass.INFRASTRUCTURE):
+        if self.guard is not None and (error is None or is_infrastructure(error)):
             self.guard.record_start(error)
 
     async def wait_ready(self) -> None:
@@ -289,3 +290,10 @@ async def await_loop(future: Any) -> Any:
         # Cancelling the awaiting task cancels the future, hence the work on the loop thread.
         return await asyncio.wrap_future(future)
     return await anyio.to_thread.run_sync(future.result)
+
+
+def _launch_error(exc: BaseException) -> LaunchError:
+    """The typed error of a sandbox whose start could not be scheduled (a bad backend, a closed engine), from ``exc``."""
+    error = LaunchError(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+    error.__cause__ = exc
+    return error

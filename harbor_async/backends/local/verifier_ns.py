@@ -33,7 +33,10 @@ from harbor_async.backends.local import hostfs
 from harbor_async.backends.local.enter_server import open_join
 from harbor_async.backends.local.layout import KEEPER_START_TIMEOUT
 from harbor_async.backends.local.sandboxing import join_spec
-from harbor_async.errors import HarborAsyncError
+from harbor_async.errors import HarborAsyncError, VerifierPathError
+
+#: ``enter.py``'s ``hold`` exit status when a path to hold is not a folder in the sandbox (``helpers/enter.py``).
+NOT_A_FOLDER = 123
 
 #: The folders the verifier gets fresh and to itself.
 PRIVATE_DIRS = ("/logs/verifier", "/tests")
@@ -57,7 +60,8 @@ class VerifierNamespace:
         """Run the body (the verifier's execs and transfers) in the verifier's own mount namespace.
 
         Raises:
-            VerifierNamespaceError: the holder failed (e.g. a private folder's path is not a folder).
+            VerifierPathError: a private folder's path is not a folder in the sandbox (the agent replaced it).
+            VerifierNamespaceError: the holder failed otherwise.
         """
         if self._keeper is None or self._confinement is None:
             raise RuntimeError(f"local sandbox {self.session_id} is not started")
@@ -67,8 +71,10 @@ class VerifierNamespace:
         opened: list[int] = []
         try:
             assert process.stdout is not None and process.stderr is not None
+            line = b""
             with anyio.move_on_after(KEEPER_START_TIMEOUT):
-                line = await process.stdout.receive()
+                with contextlib.suppress(anyio.EndOfStream):  # the holder exited without a word
+                    line = await process.stdout.receive()
             if not line.startswith(b"ready"):
                 with anyio.move_on_after(5):
                     await process.wait()
@@ -76,6 +82,8 @@ class VerifierNamespace:
                 with contextlib.suppress(anyio.EndOfStream, anyio.ClosedResourceError):
                     with anyio.move_on_after(1):
                         detail = await process.stderr.receive()
+                if process.returncode == NOT_A_FOLDER:
+                    raise VerifierPathError(" or ".join(PRIVATE_DIRS), detail.decode(errors="replace").strip())
                 raise VerifierNamespaceError(
                     f"local sandbox {self.session_id}: the verifier's namespace could not be made: "
                     f"{detail.decode(errors='replace').strip() or f'exit {process.returncode}'}"

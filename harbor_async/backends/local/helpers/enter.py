@@ -19,6 +19,8 @@ mount namespace, say ``ready``, and wait for stdin to close; no command is run).
 
 Exit codes (as ``env`` and ``nsenter``): 125 could not enter or confine,
 126 not executable, 127 not found; else the command's (128 + N for signal N).
+``hold`` exits 123 (:data:`NOT_A_FOLDER`) when one of its paths is something
+else than a folder in the sandbox (a file, a dangling link: what the agent left).
 """
 
 import _json  # json's C scanner alone: the json package imports re, a third of this helper's start-up per exec
@@ -33,6 +35,8 @@ _NAMESPACE_FLAGS = {
 }  # fmt: skip
 PR_SET_NAME, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE = 15, 24, 38, 47, 2
 MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
+NOT_A_FOLDER = 123  # hold's exit status: a path to hold is not a folder in the sandbox
+_EEXIST, _ENOTDIR = 17, 20  # errno's values on Linux (no import once joined)
 _CAPABILITY_VERSION_3 = 0x20080522
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -78,7 +82,12 @@ def hold(paths: list[str], size_mb: int) -> None:
     check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "making mounts private")
     options = f"mode=0755,size={size_mb}m".encode()
     for path in paths:
-        os.makedirs(path, exist_ok=True)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:  # a file or a dangling link there (EEXIST), a file above it (ENOTDIR): the sandbox's
+            if exc.errno in (_EEXIST, _ENOTDIR):
+                fail(f"{path}: {exc.strerror}", NOT_A_FOLDER)
+            raise
         check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options), f"mounting {path}")
     os.write(1, b"ready\n")
     while os.read(0, 4096):
