@@ -43,6 +43,8 @@ DEFAULT_MODEL_INFO = {
 }
 #: Host programs an agent needs in ``local`` sandboxes (which run the host's ``/usr``), by agent class name.
 HOST_TOOLS = {"Terminus2": ("tmux",)}
+#: Providers (Harbor's parse of ``-m``) whose server speaks OpenAI's API when no API format is chosen.
+_OPENAI_PROVIDERS = frozenset({None, "openai", "hosted_vllm"})
 #: Names LiteLLM's ``hosted_vllm/`` provider takes (one path segment); others go through ``openai/``.
 _HOSTED_VLLM_NAME = re.compile(r"[A-Za-z0-9._-]{1,63}")
 
@@ -185,6 +187,40 @@ class HarborAgentSpec:
             text = " ".join(str(exc).split()) or type(exc).__name__
             raise AgentConfigError(f"agent {self.name!r} refuses its options: {text}") from exc
 
+    def model_endpoint(self) -> tuple[str, str | None] | None:
+        """(base URL, API key) of the OpenAI-compatible model server this agent calls, as Harbor resolves them.
+
+        Harbor's own connection resolution (the one its agent runs with) gives the
+        URL the user supplied (``--ak api_base``, ``--base-url``, an
+        ``OPENAI_BASE_URL``-style variable; never a provider's inferred default)
+        and the key (``--api-key-name``'s variable, ``llm_kwargs.api_key``, the
+        provider's variable). An agent Harbor resolves no connection for falls back
+        to its ``api_base``/``base_url`` option. ``None``: no URL of its own, or a
+        server of another API (Anthropic's messages, Gemini, Bedrock: no
+        ``/models`` of OpenAI's to ask). Raises :class:`AgentConfigError`.
+        """
+        import tempfile
+
+        try:
+            with tempfile.TemporaryDirectory(prefix="harbor-async-agent-check-") as scratch:
+                connection = getattr(self.build(Path(scratch)), "model_connection", None)
+        except AgentConfigError:
+            raise
+        except Exception as exc:  # the agent's own validation of its connection options
+            text = " ".join(str(exc).split()) or type(exc).__name__
+            raise AgentConfigError(f"agent {self.name!r} refuses its model connection: {text}") from exc
+        url = getattr(connection, "user_supplied_base_url", None)
+        key = getattr(connection, "api_key", None)
+        api = str(getattr(connection, "model_api_format", None) or "")
+        provider = getattr(connection, "provider", None)
+        if url and not (api.startswith("openai_") or (not api and provider in _OPENAI_PROVIDERS)):
+            return None  # another API than OpenAI's
+        if not url:
+            options = self.options()
+            url = options.get("api_base") or options.get("base_url")
+            key = key or (options.get("llm_kwargs") or {}).get("api_key")
+        return (str(url), key) if url else None
+
     def with_server(self, served_name: str, base_url: str, *, api_key_name: str | None = None,
                     temperature: float | None = None) -> HarborAgentSpec:  # fmt: skip
         """This agent pointed at ``served_name`` on the OpenAI-compatible server ``base_url`` (``eval``).
@@ -199,6 +235,38 @@ class HarborAgentSpec:
         if temperature is not None and _accepts(cls, "temperature"):
             options["temperature"] = temperature
         return HarborAgentSpec(self.name, model, {**options, **self.kwargs})
+
+
+#: Seconds the preflight gives the agent's model server to answer ``GET {base}/models``.
+SERVER_PROBE_TIMEOUT = 5.0
+
+
+def check_model_server(spec: HarborAgentSpec, *, timeout: float = SERVER_PROBE_TIMEOUT) -> str | None:
+    """Probe the model server agent ``spec`` calls before any sandbox starts; its URL, or ``None`` when there is none to probe.
+
+    ``GET {base}/models`` with the agent's API key (:func:`harbor_async.serve.served_models`,
+    the probe ``eval`` runs on ``--base-url``), bounded by ``timeout``. An agent
+    with no base URL of its own (a hosted provider such as ``openai/gpt-x``, at
+    the provider's default endpoint) is not probed: there is nothing local to check.
+    For synchronous callers (it runs its own event loop).
+
+    Raises:
+        harbor_async.serve.ServerUnreachableError: no answer, or an answer other than a model list (404, 5xx, ...).
+        harbor_async.serve.ServerAuthError: the server refused the agent's key (401, 403).
+        AgentConfigError: Harbor cannot resolve the agent's connection.
+    """
+    from functools import partial
+
+    import anyio
+
+    from harbor_async.serve import served_models
+
+    endpoint = spec.model_endpoint()
+    if endpoint is None:  # the provider's default endpoint: nothing local to check
+        return None
+    url, key = endpoint
+    anyio.run(partial(served_models, url, api_key=key, timeout=timeout))
+    return url
 
 
 def endpoint_options(cls: type, base_url: str | None, api_key_name: str | None = None) -> dict[str, Any]:

@@ -9,6 +9,8 @@ A job folder holds:
   appended and flushed as each episode finishes (a resume appends again; the
   last record of an episode wins);
 - ``summary.json``: written at the end (and again after a resume);
+- ``harbor-async.log``: LiteLLM's own log lines (a Harbor agent's model client),
+  when a command (which configures logging) runs the job and LiteLLM logs;
 - Harbor's own layout beside these (``config.json``, ``result.json`` and one
   trial folder per episode, :mod:`harbor_async.harbor_jobs`), so Harbor's tools
   (``harbor view``, ``harbor job regrade``) read the job.
@@ -25,7 +27,7 @@ from typing import Any
 
 from harbor_async.errors import JobFolderError
 from harbor_async.harbor_jobs import HarborJob
-from harbor_async.logs import get_logger
+from harbor_async.logs import get_logger, log_to_job
 from harbor_async.records import EpisodeRecord
 
 log = get_logger()
@@ -69,6 +71,7 @@ class JobFolder:
             (job.path / EPISODES_NAME).touch()
         except OSError as exc:
             raise JobFolderError(f"cannot write the job folder {job.path}: {exc.strerror or exc}") from exc
+        log_to_job(job.path)  # LiteLLM's own output: in harbor-async.log, not over the progress bar (the commands')
         return job
 
     @classmethod
@@ -81,6 +84,7 @@ class JobFolder:
             (job.path / EPISODES_NAME).touch()
         except OSError as exc:
             raise JobFolderError(f"cannot write the job folder {job.path}: {exc.strerror or exc}") from exc
+        log_to_job(job.path)
         return job
 
     @property

@@ -10,6 +10,9 @@ Applications that want this project's console or JSON lines call
 handler on the ``harbor_async`` logger and picks the renderer. Each setting is
 taken from the argument (a command-line flag), else ``HARBOR_ASYNC_LOG_LEVEL``
 / ``HARBOR_ASYNC_LOG_FORMAT``, else the default (``warning``, ``console``).
+After it, each job folder opened (:func:`log_to_job`) takes LiteLLM's own
+output (a Harbor agent's model client) into its ``harbor-async.log``, off the
+progress bar.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -33,6 +37,10 @@ DEFAULT_LEVEL = "warning"
 DEFAULT_FORMAT = "console"
 LEVELS = ("debug", "info", "warning", "error", "critical")
 FORMATS = ("console", "json")
+#: LiteLLM's loggers (terminus-2's model client): in a command's job, they write to the job's log, not the terminal.
+LITELLM_LOGGERS = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy")
+#: The job folder's log of LiteLLM's records (made only when one is logged).
+JOB_LOG_NAME = "harbor-async.log"
 
 
 class _CurrentStderrHandler(logging.StreamHandler):
@@ -171,15 +179,17 @@ def quieter(level: str = "error") -> Iterator[None]:
 def configure_logging(level: str | None = None, fmt: str | None = None, *, force: bool = False) -> None:
     """Send the library's events to stderr as console text or JSON lines (for applications).
 
+    From then on each job folder opened sends LiteLLM's own output to its log (see :func:`log_to_job`).
     A no-op when already configured, unless ``force``.
 
     Raises:
         LogSettingError: an unknown level or format.
     """
-    global _handler
+    global _handler, _job_logs
     if _handler is not None and not force:
         return
     level, fmt = log_settings(level, fmt)
+    _job_logs = True
     _renderer.use(fmt)
     logger = logging.getLogger(ROOT_LOGGER)
     if _handler is not None:
@@ -189,3 +199,67 @@ def configure_logging(level: str | None = None, fmt: str | None = None, *, force
     logger.addHandler(_handler)
     logger.setLevel(level.upper())
     logger.propagate = False
+
+
+# ── LiteLLM's output, in the job's log ─────────────────────────────────────
+
+_job_logs = False  # set by configure_logging: a program that configures its own logging keeps LiteLLM's as it is
+_job_handler: logging.FileHandler | None = None
+
+
+def _is_console(handler: logging.Handler) -> bool:
+    return isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+
+
+class _OffTheConsole(logging.Filter):
+    """On a LiteLLM logger: takes off the console handler LiteLLM adds when it is imported after :func:`log_to_job`."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self.logger = logger
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for handler in [h for h in self.logger.handlers if _is_console(h)]:
+            self.logger.removeHandler(handler)
+        _quiet_litellm()
+        return True
+
+
+def _quiet_litellm() -> None:
+    """LiteLLM's "Give Feedback / Get Help" lines and verbose prints are ``print()`` calls, not records: off (once imported)."""
+    litellm = sys.modules.get("litellm")
+    if litellm is not None:
+        litellm.suppress_debug_info = True
+        litellm.set_verbose = False
+
+
+def log_to_job(job_dir: str | os.PathLike[str]) -> Path | None:
+    """Send LiteLLM's log records to ``job_dir/harbor-async.log`` instead of stderr, where they would print over the progress bar.
+
+    Called as a job folder is made or opened (:mod:`harbor_async.jobs`); a
+    no-op (``None``) unless :func:`configure_logging` ran, as the commands run
+    it: the library never configures logging for a program of its own. LiteLLM's
+    loggers (:data:`LITELLM_LOGGERS`) lose their console handler (also one that
+    a later import of LiteLLM adds) and stop propagating; LiteLLM's own printed
+    hints are turned off (``litellm.suppress_debug_info``). The file is made at
+    the first record. A later job replaces an earlier one's file. Returns the log's path.
+    """
+    global _job_handler
+    if not _job_logs:
+        return None
+    path = Path(job_dir) / JOB_LOG_NAME
+    handler = logging.FileHandler(path, encoding="utf-8", delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in LITELLM_LOGGERS:
+        logger = logging.getLogger(name)
+        for old in [h for h in logger.handlers if h is _job_handler or _is_console(h)]:
+            logger.removeHandler(old)
+        logger.addHandler(handler)
+        logger.propagate = False
+        if not any(isinstance(f, _OffTheConsole) for f in logger.filters):
+            logger.addFilter(_OffTheConsole(logger))
+    if _job_handler is not None:
+        _job_handler.close()
+    _job_handler = handler
+    _quiet_litellm()
+    return path

@@ -10,7 +10,7 @@ from rich.text import Text
 
 from harbor_async.cli import cluster as cluster_opts
 from harbor_async.cli.agents import AgentKwargOpt, parsed_agent_kwargs
-from harbor_async.cli.common import StrictVerifyOpt, checked_backend, err, fail, out, parse_kwargs
+from harbor_async.cli.common import StrictVerifyOpt, checked_backend, err, fail, out, parse_kwargs, setup_logging
 from harbor_async.cli.selection import DatasetOpt, RegistryPathOpt, RegistryUrlOpt, suite_source
 from harbor_async.printing import escape_controls
 
@@ -113,7 +113,12 @@ def eval_command(
     backend_kwarg: Annotated[
         list[str] | None, typer.Option("--ek", help="Backend constructor argument KEY=VALUE (repeatable).")
     ] = None,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
+    log_level: Annotated[
+        str | None, typer.Option(help="debug, info, warning or error.", show_default="$HARBOR_ASYNC_LOG_LEVEL or warning")
+    ] = None,
+    log_format: Annotated[
+        str | None, typer.Option(help="console or json.", show_default="$HARBOR_ASYNC_LOG_FORMAT or console")
+    ] = None,
     budget: cluster_opts.BudgetOpt = "local",
     ray_address: cluster_opts.RayAddressOpt = None,
     max_live: cluster_opts.MaxLiveOpt = None,
@@ -132,9 +137,8 @@ def eval_command(
 
     from harbor_async.errors import HarborAsyncError
     from harbor_async.evaluation import evaluate
-    from harbor_async.logs import configure_logging
 
-    configure_logging(log_level, "console", force=True)
+    setup_logging(log_level, log_format)  # the flag, else $HARBOR_ASYNC_LOG_LEVEL/_FORMAT; a bad one: one line, exit 2
     cluster_opts.budget_from_options(budget, ray_address, max_live, creates_per_second, on_ray)  # checks the combination
     if on_ray:
         cluster_opts.require_ray()

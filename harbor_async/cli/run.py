@@ -202,6 +202,15 @@ def run(
         except BackendError as exc:
             raise fail(exc) from None
     actor = _actor(settings)  # a Harbor agent is built once with its options, nothing started
+    if settings.agent not in MODEL_FREE_AGENTS:  # its model server answers GET /models, else one line before any job folder
+        from harbor_async.errors import AgentConfigError
+        from harbor_async.harbor_agents import HarborAgentSpec, check_model_server
+        from harbor_async.serve import ServeError
+
+        try:  # an agent without a base URL of its own (openai/gpt-x) calls its provider: nothing local to probe
+            check_model_server(HarborAgentSpec(settings.agent, _model(settings), settings.agent_kwargs))
+        except (ServeError, AgentConfigError) as exc:
+            raise fail(f"-a {settings.agent}: {exc}") from None
     budget_factory = cluster_opts.budget_from_options(
         settings.budget, settings.ray_address, settings.cluster_max_live, settings.cluster_creates_per_second, on_ray
     )
