@@ -24,10 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harbor_async.errors import FailureClass, Phase, SandboxError
+from harbor_async.errors import Phase, SandboxError
 from harbor_async.harbor_agents import HarborAgentSpec
 from harbor_async.model_server import ServerVerdict, classify, model_server_error
-from harbor_async.policy import failure_class
 
 if TYPE_CHECKING:
     from harbor_async.episode import Episode
@@ -90,10 +89,10 @@ class HarborEpisodeAgent:
             if verdict in (ServerVerdict.TRANSIENT, ServerVerdict.CONFIGURATION):
                 # the model server failed or refused its setup, not the model: no verdict (as eval's harnesses)
                 server = model_server_error(exc, self.spec.model_name, verdict)
-                episode.fail(FailureClass.MODEL_SERVER, server, "model")
+                episode.fail_with(server, "model")
                 episode.error = server
             else:  # no server error, or the model's own refusal (its context outgrown): the agent's
-                episode.fail(failure_class(exc), exc)
+                episode.fail_with(exc)
         finally:
             if context.is_empty():  # an installed agent's counts come from its logs (Harbor's post-run step)
                 try:

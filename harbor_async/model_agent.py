@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harbor_async.backends import resolve_backend
-from harbor_async.errors import AgentConfigError, EvalConfigError, FailureClass, HarnessError, Phase
+from harbor_async.errors import AgentConfigError, EpisodeDeadlineError, EvalConfigError, HarnessError, Phase, SandboxTimeout
 from harbor_async.harbor_agents import HarborAgentSpec, agent_class, agent_names, is_harbor_agent
 from harbor_async.harnesses import HARNESSES, Harness, harness_factory
 from harbor_async.harnesses.toolset import build_toolset
@@ -93,17 +93,18 @@ class ModelAgent:
         record.usage = usage
         record.finish_reason = result.finish_reason
         record.seconds.update(model=round(result.model_seconds, 4), tools=round(result.tool_seconds, 4))
+        where = (episode.task.name, record.sandbox or "-")
         if result.error is not None:
-            episode.fail(FailureClass.MODEL_SERVER, result.error, "model")
+            episode.fail_with(result.error, "model")
             episode.error = result.error  # no verdict: the model was not judged
         elif episode.exec_errors:  # the model saw "could not be run": not a fair episode to score
-            episode.fail(FailureClass.INFRASTRUCTURE, episode.exec_errors[0])
+            episode.fail_with(episode.exec_errors[0])
             episode.error = episode.exec_errors[0]
         elif result.finish_reason == "agent_timeout":
-            episode.fail(FailureClass.AGENT, f"the agent ran past its {budget:g} s budget", Phase.AGENT)
+            episode.fail_with(SandboxTimeout(Phase.AGENT, *where, f"the agent ran past its {budget:g} s budget"))
         elif result.finish_reason == "episode_deadline":
             deadline = episode.sandbox.timeouts.episode
-            episode.fail(FailureClass.AGENT, f"the episode reached its {deadline:g} s deadline", Phase.AGENT)
+            episode.fail_with(EpisodeDeadlineError(Phase.AGENT, *where, f"the episode reached its {deadline:g} s deadline"))
 
 
 def model_episode_agent(settings: JobSettings, agent: Agent, harness: Callable[[], Harness], attempt: int) -> ModelAgent:

@@ -33,7 +33,6 @@ from harbor_async.errors import (
     ModelServerRefusedError,
     SandboxError,
 )
-from harbor_async.policy import failure_class
 from harbor_async.logs import get_logger
 from harbor_async.records import EpisodeRecord
 from harbor_async.steps import run_steps
@@ -84,7 +83,7 @@ class HarborAgent:
         try:
             await episode.sandbox.run_agent(self.name, step=episode.step)
         except SandboxError as exc:
-            episode.fail(failure_class(exc), exc)
+            episode.fail_with(exc)
 
 
 @dataclass(frozen=True)
@@ -156,7 +155,7 @@ async def run_episode(
         raise
     except Exception as exc:  # a bug or an unexpected Harbor error: record it, keep the batch
         log.exception("episode crashed", task=task.name, sandbox=episode.record.sandbox)
-        episode.fail(FailureClass.INFRASTRUCTURE, exc, episode.phase)
+        episode.fail_with(exc, episode.phase)
     finally:
         record = await episode.stop()  # hands the record to the sinks (Episode.on_done)
     return record

@@ -158,7 +158,9 @@ def test_a_wrong_api_key_stops_the_eval_in_one_line_and_scores_nothing(tmp_path:
     summary = json.loads((tmp_path / "j" / "summary.json").read_text())
     assert summary["complete"] is False and summary["planned_episodes"] == 10
     assert summary["mean_reward"] is None and summary["completed"] == 0  # nothing judged: no 0.000 headline
-    assert summary["not_judged_by_class"]["model_server"] >= 3
+    # A refused key is a configuration error: the first one stops the eval (the other slot's episode is cancelled).
+    assert summary["not_judged_by_class"]["model_server"] >= 1 and "refused" in summary["stopped_by"]
+    assert chats <= 2
 
 
 def test_a_killed_server_stops_the_eval_and_keeps_the_judged_episodes(tmp_path: Path) -> None:
