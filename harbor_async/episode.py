@@ -110,6 +110,7 @@ class Episode:
         checkpoint: str | None = None,
         backend_kwargs: dict[str, Any] | None = None,
         on_done: Callable[[EpisodeRecord], None] | None = None,
+        agent_timeout: float | None = None,
     ) -> None:
         self.engine = engine
         #: Where the finished record goes (a job folder, a progress bar), from :meth:`stop`'s ``finally``.
@@ -134,7 +135,9 @@ class Episode:
         self.verify_error: SandboxError | None = None
         self.exec_errors: list[SandboxError] = []
         self.tool_seconds = 0.0
-        self.agent_budget: float | None = engine.timeouts.for_task(task).agent
+        #: The agent's own budget (eval's ``--agent-timeout``), which replaces the task's (each step's).
+        self.agent_timeout = agent_timeout
+        self.agent_budget: float | None = self.agent_budget_for(None)
         self.step: StepConfig | None = None  # the step in progress of a multi-step task (harbor_async.steps)
         self._begin: float | None = None
         self._token: anyio.lowlevel.EventLoopToken | None = None
@@ -170,6 +173,18 @@ class Episode:
             phase, start = self._open
             self.record.phases.append(PhaseSpan(phase.value, round(start, 4), round(self._elapsed(), 4)))
             self._open = None
+
+    def agent_budget_for(self, step: StepConfig | None) -> float | None:
+        """The one agent-time budget of the episode (of ``step``, for a multi-step task).
+
+        The agent's own timeout when it has one, else the task's (the step's)
+        ``[agent] timeout_sec`` with Harbor's multipliers, else the engine's
+        ``Timeouts.agent``. Every agent (the oracle, a harness's tool time, a
+        model loop, a Harbor agent) is bounded by it.
+        """
+        if self.agent_timeout is not None:
+            return self.agent_timeout
+        return self.engine.timeouts.for_step(self.task, step).agent
 
     def fail_with(self, exc: BaseException, phase: Phase | str | None = None) -> None:
         """Record ``exc`` as the episode's failure, blamed as the error policy's table says (the first kept).

@@ -62,8 +62,6 @@ class HarborEpisodeAgent:
         assert sandbox is not None and sandbox.trial_dir is not None
         cls = self.spec.agent_class
         self._agent = self.spec.build(TrialPaths(trial_dir=sandbox.trial_dir).agent_dir, episode.task)
-        if self.timeout is not None:
-            episode.agent_budget = self.timeout
         timeouts = episode.engine.timeouts
         budget = cls.DEFAULT_SETUP_TIMEOUT_SEC * (timeouts.agent_setup_timeout_multiplier or timeouts.timeout_multiplier)  # Harbor's rule
         environment = sandbox.environment

@@ -39,6 +39,8 @@ LEVELS = ("debug", "info", "warning", "error", "critical")
 FORMATS = ("console", "json")
 #: LiteLLM's loggers (terminus-2's model client): in a command's job, they write to the job's log, not the terminal.
 LITELLM_LOGGERS = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy")
+#: Harbor's own loggers (its agents' "Unknown Error in LLM interaction", ...): in the job's log too, at INFO and above.
+HARBOR_LOGGERS = ("harbor",)
 #: The job folder's log of LiteLLM's records (made only when one is logged).
 JOB_LOG_NAME = "harbor-async.log"
 
@@ -234,12 +236,12 @@ def _quiet_litellm() -> None:
 
 
 def log_to_job(job_dir: str | os.PathLike[str]) -> Path | None:
-    """Send LiteLLM's log records to ``job_dir/harbor-async.log`` instead of stderr, where they would print over the progress bar.
+    """Send LiteLLM's and Harbor's log records to ``job_dir/harbor-async.log`` instead of stderr, where they would print over the progress bar.
 
     Called as a job folder is made or opened (:mod:`harbor_async.jobs`); a
     no-op (``None``) unless :func:`configure_logging` ran, as the commands run
     it: the library never configures logging for a program of its own. LiteLLM's
-    loggers (:data:`LITELLM_LOGGERS`) lose their console handler (also one that
+    and Harbor's loggers (:data:`LITELLM_LOGGERS`, :data:`HARBOR_LOGGERS`; INFO and above) lose their console handler (also one that
     a later import of LiteLLM adds) and stop propagating; LiteLLM's own printed
     hints are turned off (``litellm.suppress_debug_info``). The file is made at
     the first record. A later job replaces an earlier one's file. Returns the log's path.
@@ -250,7 +252,8 @@ def log_to_job(job_dir: str | os.PathLike[str]) -> Path | None:
     path = Path(job_dir) / JOB_LOG_NAME
     handler = logging.FileHandler(path, encoding="utf-8", delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    for name in LITELLM_LOGGERS:
+    handler.setLevel(logging.INFO)  # Harbor sets its loggers to DEBUG: its debug records would fill the file
+    for name in (*LITELLM_LOGGERS, *HARBOR_LOGGERS):
         logger = logging.getLogger(name)
         for old in [h for h in logger.handlers if h is _job_handler or _is_console(h)]:
             logger.removeHandler(old)

@@ -62,8 +62,6 @@ class ModelAgent:
         """Build the harness, bind it to the episode and prepare the sandbox (base folders, ``_setup``)."""
         self._bound = self.harness()
         self._bound._bind(episode)
-        if self.timeout is not None:  # the tools' time is bounded as the loop's is
-            episode.agent_budget = self.timeout
         await self._bound._prepare()
 
     async def act(self, episode: Episode) -> None:
@@ -71,7 +69,7 @@ class ModelAgent:
         harness, record = self._bound, episode.record
         assert harness is not None and episode.sandbox is not None
         harness._bind(episode)  # again for each step of a multi-step task
-        budget = episode.agent_budget  # the task's or the engine's, or our own timeout (set up in setup)
+        budget = episode.agent_budget  # the one budget: our own timeout, else the task's or the engine's
         left = episode.sandbox.deadline_left
         by_deadline = left is not None and (budget is None or left < budget)
         sampling: Sampling = self.agent.sampling

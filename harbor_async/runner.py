@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+from weakref import WeakKeyDictionary
 
 import anyio
 
@@ -31,6 +32,7 @@ from harbor_async.errors import (
     ModelServerConfigError,
     ModelServerDownError,
     ModelServerRefusedError,
+    Phase,
     SandboxError,
 )
 from harbor_async.logs import get_logger
@@ -38,9 +40,11 @@ from harbor_async.records import EpisodeRecord
 from harbor_async.steps import run_steps
 
 if TYPE_CHECKING:
+    from harbor.models.task.config import StepConfig
     from harbor.models.task.task import Task
 
     from harbor_async.engine import Engine
+    from harbor_async.sandbox import Sandbox
 
 log = get_logger()
 
@@ -56,7 +60,10 @@ class EpisodeAgent(Protocol):
     start phase once the sandbox is up (a harness's preparation; it counts
     against the start budget); :meth:`act` is the agent phase. Both record
     their outcome on the episode (:meth:`Episode.fail`, the record's
-    transcript and usage) and raise only for cancellation or a bug.
+    transcript and usage) and raise only for cancellation or a bug. An agent
+    with a ``timeout`` attribute (not ``None``) gives the episode its agent-time
+    budget, instead of the task's or each step's
+    (:meth:`~harbor_async.episode.Episode.agent_budget_for`).
     """
 
     name: str
@@ -77,13 +84,35 @@ class HarborAgent:
 
     async def act(self, episode: Episode) -> None:
         """Run the agent; its failure is recorded and the verifier still judges what it left."""
-        if self.name in ("none", "nop"):
+        if self.name in ("none", "nop"):  # Harbor's nop: nothing runs
             return
         assert episode.sandbox is not None
         try:
-            await episode.sandbox.run_agent(self.name, step=episode.step)
+            await run_oracle(episode.sandbox, episode.step, episode.agent_budget)
         except SandboxError as exc:
             episode.fail_with(exc)
+
+
+#: Harbor's oracle of each sandbox: one per sandbox, as it counts the steps of a multi-step task it solved.
+_ORACLES: WeakKeyDictionary[Sandbox, Any] = WeakKeyDictionary()
+
+
+async def run_oracle(sandbox: Sandbox, step: StepConfig | None, budget: float | None) -> None:
+    """Harbor's oracle (the task's, or the step's, ``solution/solve.sh``) as ``sandbox``'s agent phase, within ``budget``."""
+    from harbor.agents.oracle import OracleAgent
+    from harbor.models.agent.context import AgentContext
+    from harbor.models.trial.paths import TrialPaths
+
+    await sandbox.wait_started()
+    oracle = _ORACLES.get(sandbox)
+    if oracle is None:
+        paths = TrialPaths(trial_dir=sandbox.trial_dir)
+        oracle = _ORACLES[sandbox] = OracleAgent(
+            logs_dir=paths.agent_dir, task_dir=sandbox.task.paths.task_dir, trial_paths=paths, agent_timeout_sec=budget
+        )
+    instruction = sandbox.task.step_instruction(step.name) if step is not None else sandbox.task.instruction
+    async with sandbox.context.budget.exec_slot(), sandbox.bounded_phase(Phase.AGENT, budget=budget):
+        await oracle.run(instruction, sandbox.environment, AgentContext())
 
 
 @dataclass(frozen=True)
@@ -138,7 +167,7 @@ async def run_episode(
 
     episode = Episode(
         engine, task, spec, task_path=task_path, attempt=attempt, agent=actor.name, model=model, checkpoint=checkpoint,
-        on_done=done,
+        on_done=done, agent_timeout=getattr(actor, "timeout", None),
     )  # fmt: skip
     try:
         episode.launch()

@@ -141,7 +141,6 @@ class Sandbox:
         self._deadline = math.inf
         self.renew_deadline()
         self._env: BaseEnvironment | None = None
-        self._oracle: Any = None  # Harbor's oracle agent, once run
         self._trial_dir: Path | None = None
         # Whether the start is over (up or failed) and the stop done; an event (three objects for the
         # collector to walk, per live sandbox) exists only while someone waits for one (see _until).
@@ -334,27 +333,6 @@ class Sandbox:
     def _verifier_output(self) -> str | None:
         """The verifier's stdout and stderr as Harbor saved them in the trial folder (the tail of each)."""
         return None if self._trial_dir is None else verifier_output(self._trial_paths().verifier_dir)
-
-    async def run_agent(self, agent: str = "oracle", *, step: StepConfig | None = None) -> None:
-        """Run one of Harbor's agents that needs no model (``oracle`` or ``nop``); for a step, that step's part."""
-        from harbor.agents.nop import NopAgent
-        from harbor.agents.oracle import OracleAgent
-        from harbor.models.agent.context import AgentContext
-
-        await self.wait_started()
-        paths, budget = self._trial_paths(), self.context.timeouts.for_step(self.task, step).agent
-        if agent == "oracle":  # one per sandbox: Harbor's oracle counts the steps it solved
-            self._oracle = self._oracle or OracleAgent(
-                logs_dir=paths.agent_dir, task_dir=self.task.paths.task_dir, trial_paths=paths, agent_timeout_sec=budget
-            )
-            runner: Any = self._oracle
-        elif agent in ("nop", "none"):
-            runner = NopAgent(logs_dir=paths.agent_dir)
-        else:
-            raise ValueError(f"unknown agent {agent!r}; use 'oracle' or 'none'")
-        instruction = self.task.step_instruction(step.name) if step is not None else self.task.instruction
-        async with self.context.budget.exec_slot(), self._phase(Phase.AGENT, budget=budget):
-            await runner.run(instruction, self.environment, AgentContext())
 
     async def stop(self) -> None:
         """Stop the sandbox and remove its trial directory; idempotent.

@@ -118,7 +118,7 @@ async def _prepare(episode: Episode, step: StepConfig, paths: Any) -> None:
             raise _StepFailed(f"step {step.name!r}: healthcheck failed: {exc}") from exc
     await enter_network_phase(sandbox.environment, task, "agent", step)
     episode.tool_seconds = 0.0  # each step has its own agent budget
-    episode.agent_budget = sandbox.context.timeouts.for_step(task, step).agent
+    episode.agent_budget = episode.agent_budget_for(step)
 
 
 def _below_min_reward(rewards: dict[str, float | int], min_reward: float | dict[str, float] | None) -> str | None:

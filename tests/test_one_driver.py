@@ -256,3 +256,31 @@ def test_run_with_a_harbor_agent_stops_on_a_refused_key_as_eval_does(tmp_path: P
     assert len(records) < 4 and asked >= 1  # it stopped: the other tasks never reached the server
     summary = json.loads((tmp_path / "j" / "summary.json").read_text())
     assert "refused" in summary["stopped_by"] and summary["completed"] == 0
+
+
+def test_one_agent_budget_for_every_agent_and_every_step(tmp_path: Path) -> None:
+    """An agent's own timeout bounds each step of a multi-step task; without one, each step's [agent] budget does."""
+    from tests.test_harbor_agents import echo_suite
+
+    task = load_suite(echo_suite(tmp_path, multi_step=True)).tasks[0]  # [agent] timeout_sec = 120
+
+    class Seen:
+        def __init__(self, name: str, timeout: float | None) -> None:
+            self.name, self.timeout, self.budgets = name, timeout, []
+
+        async def setup(self, episode) -> None:
+            pass
+
+        async def act(self, episode) -> None:
+            self.budgets.append(episode.agent_budget)
+
+    own, tasks = Seen("own", 7.0), Seen("tasks", None)
+
+    async def main() -> None:
+        async with Engine() as engine:
+            for agent in (own, tasks):
+                await run_suite(engine, [task], "simulated", agent=agent)
+
+    anyio.run(main)
+    assert own.budgets == [7.0, 7.0]  # not replaced by the steps' own
+    assert tasks.budgets == [120.0, 120.0]

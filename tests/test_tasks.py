@@ -28,6 +28,7 @@ from harbor_async.harnesses.bash import PROMPT_SUFFIX
 from harbor_async.engine import Engine
 from harbor_async.sandbox import Sandbox
 from harbor_async.suites import example_suite_path
+from harbor_async.runner import run_oracle
 from harbor_async.tasks import (
     HUB_ALLOW_PATTERNS,
     EmptySuiteError,
@@ -158,7 +159,7 @@ def test_bundled_task_content_follows_the_suite_rules(name):
 async def test_bundled_task_solution_scores_one(name, tmp_path):
     async with local_sandbox(name, tmp_path) as sandbox:
         where = await sandbox.exec("pwd")  # commands run in the Dockerfile's WORKDIR, as the agent's would
-        await sandbox.run_agent("oracle")  # Harbor's oracle: the task's solution/solve.sh
+        await run_oracle(sandbox, None, None)  # Harbor's oracle: the task's solution/solve.sh
         rewards = await _verify(sandbox)
         answer = await sandbox.exec("cat /workdir/answer.txt 2>/dev/null")
     assert where.output.strip() == "/workdir"
