@@ -483,9 +483,14 @@ class Episode:
                 self.finish()
             finally:
                 self._stopped.set()
-                if self.on_done is not None:  # once, whatever ended the episode: it always has its record
-                    self.on_done(self.record)
+                self.hand_over()
         return self.record
+
+    def hand_over(self) -> None:
+        """Give the finished record to :attr:`on_done`, once, whatever ended the episode: it always has its record."""
+        sink, self.on_done = self.on_done, None
+        if sink is not None:
+            sink(self.record)
 
     def finish(self) -> None:
         """Fill in what the sandbox knows and log the episode's line (once)."""

@@ -292,8 +292,8 @@ async def evaluate(
     if resume is not None:
         job = JobFolder.open(resume)
         given = dict(settings)
-        if models is not None:
-            given["models"] = [models] if isinstance(models, str) else list(models)
+        if models is not None:  # as stored: globs and checkpoint folders resolved to the models' names
+            given["models"] = [s.name for s in resolve_models([models] if isinstance(models, str) else list(models))]
         if suite is not None:
             given["suite"] = suite
         try:  # the job whole, as it was started; only where its server is now may change

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harbor_async.errors import Phase, SandboxError
+from harbor_async.errors import Phase, SandboxError, SandboxTimeout
 from harbor_async.harbor_agents import HarborAgentSpec
 from harbor_async.model_server import ServerVerdict, classify, model_server_error
 
@@ -83,7 +83,8 @@ class HarborEpisodeAgent:
                     await self._agent.run(episode.instruction, environment, context)
         except SandboxError as exc:
             # The agent keeps its own conversation: only context overflow can be the model's refusal here.
-            verdict = classify(exc)
+            # A phase that ran out of time is the agent's, even while a request of its was failing.
+            verdict = None if isinstance(exc, SandboxTimeout) else classify(exc)
             if verdict in (ServerVerdict.TRANSIENT, ServerVerdict.CONFIGURATION):
                 # the model server failed or refused its setup, not the model: no verdict (as eval's harnesses)
                 server = model_server_error(exc, self.spec.model_name, verdict)

@@ -9,7 +9,7 @@ A job folder holds:
   appended and flushed as each episode finishes (a resume appends again; the
   last record of an episode wins);
 - ``summary.json``: written at the end (and again after a resume);
-- ``harbor-async.log``: LiteLLM's own log lines (a Harbor agent's model client),
+- ``harbor-async.log``: LiteLLM's and Harbor's own log lines (a Harbor agent and its model client),
   when a command (which configures logging) runs the job and LiteLLM logs;
 - Harbor's own layout beside these (``config.json``, ``result.json`` and one
   trial folder per episode, :mod:`harbor_async.harbor_jobs`), so Harbor's tools

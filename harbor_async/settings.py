@@ -35,7 +35,7 @@ RENAMED = {
     "source": "suite",
 }
 
-SETTINGS_VERSION = 2
+SETTINGS_VERSION = 3  # 3: run stores its -n (n_concurrent)
 
 #: Where a job's model server is, not what the job runs: a resume may give them anew.
 SERVER_LOCATION = frozenset({"base_url", "serve_cmd", "api_key_name"})

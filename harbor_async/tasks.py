@@ -465,6 +465,8 @@ def load_suite(
         candidates, invalid = _scan(tasks_root)
     if not candidates and not invalid:
         raise EmptySuiteError(tasks_root)
+    include = [include] if isinstance(include, str) else include  # one glob, not its characters
+    exclude = [exclude] if isinstance(exclude, str) else exclude
     filtered = bool(include or exclude)  # every task folder is read for its name, then the first num_tasks kept
     selected = _select(candidates, tasks_root, None if filtered else num_tasks, indices)
 

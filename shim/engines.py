@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from harbor_async import loop as _loop
 from harbor_async.engine import Engine
+from harbor_async.logs import get_logger
 from shim.guard import RolloutGuard
 from shim.options import EngineOptions
 
@@ -117,6 +118,7 @@ def live_sandbox_count() -> int:
 
 
 _job_folders: dict[str, Any] = {}
+log = get_logger("harbor_async.shim")
 
 
 def record_sink(options: EngineOptions) -> Callable[[Any], None] | None:
@@ -134,4 +136,12 @@ def record_sink(options: EngineOptions) -> Callable[[Any], None] | None:
             exists = (path / "harbor-async.json").is_file()
             folder = JobFolder.open(path) if exists else JobFolder.create(path.parent, path.name, {"command": "shim"})
             _job_folders[options.job_dir] = folder
-    return folder.append
+
+    def append(record: Any) -> None:
+        try:
+            folder.append(record)
+            folder.close()  # a rollout at a time: no file left open between rollouts (or at exit)
+        except (OSError, ValueError) as exc:  # a full disk must not end the engine every rollout runs on
+            log.error("rollout record not written", job_dir=options.job_dir, task=record.task, error=repr(exc))
+
+    return append

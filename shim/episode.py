@@ -206,13 +206,13 @@ class Episode(core.Episode):
         self._stop_soon()
 
     def _stop_soon(self) -> None:
-        if self.sandbox is None:
-            return
+        # The core's stop, also with no sandbox (a launch that failed): it finishes the record and hands it to
+        # its sink. A background stop must not retire (and uncount) an episode awaiting its reward.
         try:
-            # The core's stop: a background stop must not retire (and uncount) an episode awaiting its reward.
-            self.engine.start_soon(core.Episode.stop, self, name=f"stop episode {self.sandbox.id}")
+            self.engine.start_soon(core.Episode.stop, self, name=f"stop episode {self.record.sandbox or self.task.name}")
         except EngineClosedError:
             self.finish()  # the engine's own close stops (or stopped) every sandbox it holds
+            self.hand_over()
 
     async def stop(self) -> core.EpisodeRecord:
         """Retire the episode and wait until its sandbox is stopped (shielded, bounded by the stop budget)."""

@@ -207,7 +207,7 @@ class HarborSpec:
         self._environment_type = environment_type
         self._num_tasks = num_tasks
         self._indices = indices
-        self._globs = (list(include or ()), list(exclude or ()))
+        self._globs = (include, exclude)  # load_suite reads a string as one glob
         self._include_metadata = include_metadata
         agent_cls = _resolve_agent(agent)
         self._agent_ref = _agent_reference(agent, agent_cls)  # what the factory pickles

@@ -354,7 +354,8 @@ async def test_a_final_step_without_a_reward_is_the_verifiers(tmp_path: Path, la
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize(
     "solve",
-    ["rm -rf /tests; echo x > /tests", "rm -rf /tests; ln -s /nowhere /tests", "rm -rf /logs/verifier; echo x > /logs/verifier"],
+    ["rm -rf /tests; echo x > /tests", "rm -rf /tests; ln -s /nowhere /tests", "rm -rf /logs/verifier; echo x > /logs/verifier",
+     "rm -rf /logs; ln -s /nowhere /logs", "rm -rf /logs; ln -s /logs /logs"],
 )
 async def test_a_verifier_folder_the_agent_replaced_is_a_failed_verification(tmp_path: Path, solve: str):
     """Not the infrastructure's (rerun, never scored): the agent cannot void its own episode by breaking /tests."""

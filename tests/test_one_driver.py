@@ -284,3 +284,30 @@ def test_one_agent_budget_for_every_agent_and_every_step(tmp_path: Path) -> None
     anyio.run(main)
     assert own.budgets == [7.0, 7.0]  # not replaced by the steps' own
     assert tasks.budgets == [120.0, 120.0]
+
+
+def test_every_shim_rollout_reaches_its_job_folder_even_one_whose_launch_failed(tmp_path: Path) -> None:
+    """A rollout whose sandbox never launched (a task variable not allowed) is recorded in job_dir too."""
+    import shim
+    from tests.test_task_env import _task
+
+    bare = _task(tmp_path / "suite", "needs-secret", "${HARBOR_TEST_SECRET}")  # not allowed: the launch fails
+    good = _task(tmp_path / "suite", "fine", "${HARBOR_TEST_SECRET:-fallback}")
+    env = shim.HarborBashEnv("simulated", job_dir=tmp_path / "shim")
+    try:
+        rewards = []
+        for task in (bare, good, bare):
+            env.reset(task_dir=str(task))
+            rewards.append(env.reward)
+    finally:
+        env.close()
+    records = JobFolder.open(tmp_path / "shim").records()
+    assert [(r.task, r.error_class) for r in records] == [
+        ("needs-secret", "infrastructure"), ("fine", None), ("needs-secret", "infrastructure")
+    ]
+    assert rewards == [None, 1.0, None]
+
+
+def test_a_glob_given_as_one_string_is_one_glob() -> None:
+    names = [t.name for t in load_suite(None, include="csv-*").tasks]
+    assert names and all(n.startswith("csv-") for n in names)

@@ -252,6 +252,8 @@ def _given_on_resume(ctx: typer.Context, settings: dict[str, Any], resume: Path)
     from harbor_async.settings import JobSettings
 
     typed = [n for n in ctx.params if getattr(ctx.get_parameter_source(n), "name", "") == "COMMANDLINE"]
+    if folder := [n for n in typed if n in ("jobs_dir", "job_name")]:
+        raise fail(f"--resume runs the job in its own folder; drop {', '.join('--' + n.replace('_', '-') for n in folder)}")
     given: dict[str, Any] = {}
     for name in typed:
         if name in _KEY_OF:

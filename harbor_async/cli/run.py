@@ -10,6 +10,7 @@ runs what a job is missing. Signals stop the batch cleanly (see
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from collections import Counter
 from pathlib import Path
 from typing import IO, Annotated, Any
@@ -291,6 +292,8 @@ def _resumed(ctx: typer.Context, stored: JobSettings) -> JobSettings:
     if plan:
         flags = ", ".join("--" + name.replace("_", "-") for name in plan)
         raise fail(f"--resume runs the job's stored plan in its own folder; drop {flags}")
+    if stored.command == "run" and stored.version < 3:  # run stored no -n before: it is this invocation's
+        stored = replace(stored, n_concurrent=given.pop("n_concurrent", None) or given.pop("concurrency", None) or 8)
     settings = stored
     for name, value in given.items():
         if name in _SETTING_OF:

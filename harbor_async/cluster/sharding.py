@@ -286,6 +286,8 @@ class ShardedRunner:
                     data = ray.get(ref)
                 except Exception as exc:
                     if stopping:  # stopped before it had a record, or its worker went: a resume runs it
+                        if not isinstance(exc, exceptions) and not isinstance(getattr(exc, "cause", None), WorkerClosedError):
+                            log.warning("cluster.episode_failed_while_stopping", episode=key, error=repr(exc)[:300])
                         continue
                     if not isinstance(exc, exceptions):
                         raise

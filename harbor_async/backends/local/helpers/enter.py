@@ -36,7 +36,7 @@ _NAMESPACE_FLAGS = {
 PR_SET_NAME, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE = 15, 24, 38, 47, 2
 MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
 NOT_A_FOLDER = 123  # hold's exit status: a path to hold is not a folder in the sandbox
-_EEXIST, _ENOTDIR = 17, 20  # errno's values on Linux (no import once joined)
+_ENOENT, _EEXIST, _ENOTDIR, _ELOOP = 2, 17, 20, 40  # errno's values on Linux (no import once joined)
 _CAPABILITY_VERSION_3 = 0x20080522
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -84,8 +84,8 @@ def hold(paths: list[str], size_mb: int) -> None:
     for path in paths:
         try:
             os.makedirs(path, exist_ok=True)
-        except OSError as exc:  # a file or a dangling link there (EEXIST), a file above it (ENOTDIR): the sandbox's
-            if exc.errno in (_EEXIST, _ENOTDIR):
+        except OSError as exc:  # a file or a dangling link there or above it, a link loop: the sandbox's doing
+            if exc.errno in (_ENOENT, _EEXIST, _ENOTDIR, _ELOOP):
                 fail(f"{path}: {exc.strerror}", NOT_A_FOLDER)
             raise
         check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options), f"mounting {path}")
