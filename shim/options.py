@@ -24,6 +24,8 @@ from typing import Any, TypedDict
 from harbor_async.errors import SettingError
 from harbor_async.policy import Limits, RetryPolicy, Timeouts
 
+_TIMEOUTS, _RETRY = Timeouts(), RetryPolicy()
+
 #: The engine's names of the settings an option sets (for errors in the option's name).
 _OPTION_NAMES = {
     "live_sandboxes": "max_live_sandboxes",
@@ -112,14 +114,15 @@ class EngineOptions:
     max_live_sandboxes: int | None = None
     creates_per_second: float | None = None
     concurrent_execs: int | None = None
-    start_timeout: float | None = 600.0
-    exec_timeout: float | None = 180.0
-    verify_timeout: float | None = 600.0
-    stop_timeout: float | None = 120.0
-    episode_timeout: float | None = None
-    start_attempts: int = 3
-    agent_timeout: float | None = None
-    timeout_multiplier: float = 1.0
+    # The engine's own defaults, declared once (harbor_async.policy): the shim names them as TRL's users expect.
+    start_timeout: float | None = _TIMEOUTS.start
+    exec_timeout: float | None = _TIMEOUTS.exec
+    verify_timeout: float | None = _TIMEOUTS.verify
+    stop_timeout: float | None = _TIMEOUTS.stop
+    episode_timeout: float | None = _TIMEOUTS.episode
+    start_attempts: int = _RETRY.attempts
+    agent_timeout: float | None = _TIMEOUTS.agent
+    timeout_multiplier: float = _TIMEOUTS.timeout_multiplier
     agent_timeout_multiplier: float | None = None
     verifier_timeout_multiplier: float | None = None
     environment_build_timeout_multiplier: float | None = None
