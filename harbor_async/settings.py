@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from harbor_async.errors import ResumeConflictError
-from harbor_async.policy import Limits, Timeouts
+from harbor_async.policy import Limits, RetryPolicy, Timeouts
 from harbor_async.scoring import DEFAULT_SUCCESS_THRESHOLD
 from harbor_async.serve import DEFAULT_ERROR_TIMEOUT, DEFAULT_READY_TIMEOUT
 
@@ -84,6 +84,12 @@ class JobSettings:
     exclude: list[str] | None = None
     episode_timeout: float | None = None
     start_timeout: float | None = None
+    # The engine's own defaults (harbor_async.policy), declared there once.
+    slot_timeout: float | None = Timeouts.slot
+    start_attempts: int = RetryPolicy.attempts
+    start_retry_wait: float = RetryPolicy.initial_wait
+    start_retry_max_wait: float = RetryPolicy.max_wait
+    start_retry_max_total: float | None = RetryPolicy.max_total
     timeout_multiplier: float = 1.0
     agent_timeout_multiplier: float | None = None
     verifier_timeout_multiplier: float | None = None
@@ -194,6 +200,7 @@ class JobSettings:
         base = Timeouts()
         return Timeouts(
             start=self.start_timeout or base.start,
+            slot=self.slot_timeout,
             episode=self.episode_timeout,
             timeout_multiplier=self.timeout_multiplier or 1.0,
             agent_timeout_multiplier=self.agent_timeout_multiplier,
@@ -224,6 +231,10 @@ class JobSettings:
             "trials_dir": None if job_dir is None else str(job_dir),
             "limits": Limits(live_sandboxes=None),
             "timeouts": self.timeouts(),
+            "retry": RetryPolicy(
+                attempts=self.start_attempts, initial_wait=self.start_retry_wait,
+                max_wait=self.start_retry_max_wait, max_total=self.start_retry_max_total,
+            ),
             "backend_kwargs": dict(self.environment_kwargs),
             "budget": budget if budget is not None else self.budget_factory(),
             "env_allow": list(self.env_allow),

@@ -36,6 +36,10 @@ _OPTION_NAMES = {
     "episode": "episode_timeout",
     "agent": "agent_timeout",
     "attempts": "start_attempts",
+    "slot": "slot_timeout",
+    "initial_wait": "start_retry_wait",
+    "max_wait": "start_retry_max_wait",
+    "max_total": "start_retry_max_total",
 }
 
 
@@ -65,6 +69,10 @@ class EngineOptions:
             past the episode deadline.
         episode_timeout: seconds from ``reset()`` to the reward, bounding every
             phase but the stop. ``None``: no episode deadline.
+        slot_timeout: seconds a start may wait for a live-sandbox slot (``max_live_sandboxes``).
+        start_retry_wait, start_retry_max_wait, start_retry_max_total: the
+            backoff between start attempts (first wait, longest wait) and the
+            most seconds all attempts of one start may take (``None``: no cap).
         start_attempts: start attempts for transient failures (jittered
             exponential backoff); a permanent failure is not retried.
         agent_timeout: seconds of tool time a rollout may use (the sum of its
@@ -121,6 +129,10 @@ class EngineOptions:
     stop_timeout: float | None = _TIMEOUTS.stop
     episode_timeout: float | None = _TIMEOUTS.episode
     start_attempts: int = _RETRY.attempts
+    slot_timeout: float | None = _TIMEOUTS.slot
+    start_retry_wait: float = _RETRY.initial_wait
+    start_retry_max_wait: float = _RETRY.max_wait
+    start_retry_max_total: float | None = _RETRY.max_total
     agent_timeout: float | None = _TIMEOUTS.agent
     timeout_multiplier: float = _TIMEOUTS.timeout_multiplier
     agent_timeout_multiplier: float | None = None
@@ -180,6 +192,7 @@ class EngineOptions:
             exec=self.exec_timeout,
             verify=self.verify_timeout,
             stop=self.stop_timeout,
+            slot=self.slot_timeout,
             episode=self.episode_timeout,
             agent=self.agent_timeout,
             timeout_multiplier=self.timeout_multiplier,
@@ -190,7 +203,10 @@ class EngineOptions:
 
     def retry(self) -> RetryPolicy:
         """The engine's :class:`~harbor_async.policy.RetryPolicy`."""
-        return RetryPolicy(attempts=self.start_attempts)
+        return RetryPolicy(
+            attempts=self.start_attempts, initial_wait=self.start_retry_wait, max_wait=self.start_retry_max_wait,
+            max_total=self.start_retry_max_total,
+        )
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineOptions:
@@ -265,6 +281,10 @@ class EngineOptionsKwargs(TypedDict, total=False):
     stop_timeout: float | None
     episode_timeout: float | None
     start_attempts: int
+    slot_timeout: float | None
+    start_retry_wait: float
+    start_retry_max_wait: float
+    start_retry_max_total: float | None
     agent_timeout: float | None
     timeout_multiplier: float
     agent_timeout_multiplier: float | None

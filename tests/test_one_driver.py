@@ -311,3 +311,17 @@ def test_every_shim_rollout_reaches_its_job_folder_even_one_whose_launch_failed(
 def test_a_glob_given_as_one_string_is_one_glob() -> None:
     names = [t.name for t in load_suite(None, include="csv-*").tasks]
     assert names and all(n.startswith("csv-") for n in names)
+
+
+def test_the_slot_wait_and_the_start_retries_are_settable_as_every_other_limit() -> None:
+    """The shim's options and a job's settings build the same engine knobs, with the engine's own defaults."""
+    from harbor_async.policy import RetryPolicy, Timeouts
+    from shim.options import EngineOptions
+
+    knobs = dict(slot_timeout=2.5, start_attempts=4, start_retry_wait=0.2, start_retry_max_wait=1.0, start_retry_max_total=None)
+    for built in (EngineOptions(**knobs).engine_kwargs(), JobSettings(**knobs).engine_kwargs()):
+        assert built["timeouts"].slot == 2.5 and built["retry"] == RetryPolicy(4, 0.2, 1.0, None)
+    for built in (EngineOptions().engine_kwargs(), JobSettings().engine_kwargs()):
+        assert built["timeouts"].slot == Timeouts().slot and built["retry"] == RetryPolicy()
+    with pytest.raises(Exception, match="start_retry_wait"):
+        EngineOptions(start_retry_wait=0)
