@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -211,3 +212,13 @@ def leak_probe():
     return types.SimpleNamespace(
         bwrap_pids=lambda: _bwrap_pids() - _pooled()[0], sandbox_dirs=lambda: _sandbox_dirs() - _pooled()[1]
     )
+
+
+@pytest.fixture
+def host_tmux() -> None:
+    """terminus-2 on ``local`` runs the host's tmux (``bash .ci/setup`` installs it); CI must have it."""
+    if shutil.which("tmux") is None:
+        message = "terminus-2 on local needs tmux on the host: apt-get install tmux (or bash .ci/setup)"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes", "on"):
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)

@@ -10,8 +10,6 @@ resolves for the agent, and skips an agent with no base URL of its own.
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -26,14 +24,6 @@ from tests.scripted_server import ScriptedServer
 SUITE = example_suite_path()
 
 
-@pytest.fixture
-def host_tmux() -> None:
-    """terminus-2 on ``local`` needs the host's tmux (else it is refused, before the probe, for that)."""
-    if shutil.which("tmux") is None:
-        message = "terminus-2 on local needs tmux on the host: apt-get install tmux (or bash .ci/setup)"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes", "on"):
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
 
 
 def _run_terminus(tmp_path: Path, base_url: str, *extra: str, env: dict | None = None):

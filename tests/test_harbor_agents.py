@@ -10,8 +10,6 @@ that cannot run somewhere are refused before any sandbox starts, in one line.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import textwrap
 from dataclasses import replace
@@ -68,14 +66,6 @@ def echo_suite(root: Path, *, multi_step: bool = False, agent_network: str | Non
     return root
 
 
-@pytest.fixture
-def host_tmux() -> None:
-    """terminus-2 on ``local`` runs the host's tmux (``bash .ci/setup`` installs it); CI must have it."""
-    if shutil.which("tmux") is None:
-        message = "terminus-2 on local needs tmux on the host: apt-get install tmux (or bash .ci/setup)"
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes", "on"):
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
 
 
 def _job(root: Path) -> Path:

@@ -234,14 +234,9 @@ def test_one_task_selection_for_run_eval_and_the_shim(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_run_with_a_harbor_agent_stops_on_a_refused_key_as_eval_does(tmp_path: Path) -> None:
+def test_run_with_a_harbor_agent_stops_on_a_refused_key_as_eval_does(tmp_path: Path, host_tmux: None) -> None:
     """`run -a terminus-2` whose server refuses the key: one episode, then the run stops (exit 3), records kept."""
-    import shutil
-
     from harbor_async.suites import example_suite_path
-
-    if shutil.which("tmux") is None:  # terminus-2 on local drives the host's tmux (.ci/setup installs it)
-        pytest.fail("terminus-2 on local needs tmux on the host: bash .ci/setup", pytrace=False)
     with ScriptedServer(api_key="right") as server:
         done = _cli(
             "run", "-p", str(example_suite_path()), "-l", "4", "-n", "1", "-e", "local", "-a", "terminus-2",

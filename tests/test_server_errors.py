@@ -31,7 +31,7 @@ from harbor_async.model_server import (
 )
 from tests import scripted_server
 from tests.scripted_server import ScriptedServer
-from tests.test_harbor_agents import echo_suite, host_tmux  # noqa: F401 - the fixture task, and the fixture that needs tmux
+from tests.test_harbor_agents import echo_suite
 
 openai = pytest.importorskip("openai")  # the eval extra
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # as harbor_agents sets it: no network lookup at import
