@@ -297,3 +297,46 @@ def test_a_fault_on_a_cluster_worker_gives_the_record_of_a_local_run(ray_cluster
     record = run_record(tmp_path, backend, timeouts, "--ray", "--ray-address", ray_cluster.address)
     assert outcome(record) == expected
     assert record.phases[0].phase == "start" and record.phases[-1].phase == "stop"
+
+
+def test_a_ray_job_interrupted_then_resumed_with_no_flags_runs_on_the_cluster_again(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+    """SIGINT stops a `run --ray` (records kept); `--resume` alone runs the rest on the cluster, as stored."""
+    import subprocess
+    import sys
+    import time
+
+    from harbor_async.naming import owner_from_session
+    from tests.cluster_helpers import REPO, child_env
+
+    job = tmp_path / "j"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "harbor_async", "run", "-e", "simulated", "--ek", "start_latency=0.5", "-k", "3", "-n", "2",
+         "--ray", "--ray-address", ray_cluster.address, "-o", str(tmp_path), "--job-name", "j", "-q"],
+        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not ((job / "episodes.jsonl").exists() and len((job / "episodes.jsonl").read_text().splitlines()) >= 2):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+        time.sleep(0.1)
+    first.send_signal(signal.SIGINT)
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 130, err[-3000:]
+    kept = {r.key for r in JobFolder.open(job).records() if not r.rerun}
+    assert 2 <= len(kept) < 30
+
+    moved = subprocess.run(
+        [sys.executable, "-m", "harbor_async", "run", "--resume", str(job), "--ray-address", "127.0.0.1:1"],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert moved.returncode == 2 and ray_cluster.address in moved.stderr and "127.0.0.1:1" in moved.stderr
+
+    resumed = subprocess.Popen(
+        [sys.executable, "-m", "harbor_async", "run", "--resume", str(job), "-q"],
+        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    latest = JobFolder.open(job).latest()
+    assert len(latest) == 30 and all(r.judged for r in latest.values())
+    owners = {owner_from_session(r.sandbox)[1] for k, r in latest.items() if k not in kept}
+    assert owners and resumed.pid not in owners  # the resume's episodes ran on the cluster's workers, not in its own process
