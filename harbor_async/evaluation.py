@@ -32,6 +32,7 @@ from harbor_async.checkpoints import ModelSpec, ServerGroup, resolve_models, ser
 from harbor_async.errors import BackendError, EvalConfigError, FailureClass, HarborAsyncError, ModelServerDownError, ModelServerRefusedError, SettingError
 from harbor_async.interrupts import Interrupts
 from harbor_async.jobs import JobFolder
+from harbor_async.harbor_agents import probe_model_server
 from harbor_async.logs import get_logger
 from harbor_async.model_agent import (
     api_key,
@@ -156,6 +157,7 @@ class _Run:
                 agent = self.harbor.with_server(
                     spec.name, base_url, api_key_name=self.settings.api_key_name, temperature=self.sampling.temperature
                 )
+                await probe_model_server(agent)  # where it calls (an --ak api_base wins over --base-url): it answers
             for task in tasks:
                 path = suite_task_path(task, root)
                 for attempt in range(self.settings.n_attempts):

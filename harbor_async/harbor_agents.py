@@ -259,13 +259,18 @@ def check_model_server(spec: HarborAgentSpec, *, timeout: float = SERVER_PROBE_T
 
     import anyio
 
+    return anyio.run(partial(probe_model_server, spec, timeout=timeout))
+
+
+async def probe_model_server(spec: HarborAgentSpec, *, timeout: float = SERVER_PROBE_TIMEOUT) -> str | None:
+    """:func:`check_model_server` from a running event loop (``eval``: the server the agent calls, ``--ak`` included)."""
     from harbor_async.serve import served_models
 
     endpoint = spec.model_endpoint()
     if endpoint is None:  # the provider's default endpoint: nothing local to check
         return None
     url, key = endpoint
-    anyio.run(partial(served_models, url, api_key=key, timeout=timeout))
+    await served_models(url, api_key=key, timeout=timeout)
     return url
 
 

@@ -10,6 +10,9 @@ resolves for the agent, and skips an agent with no base URL of its own.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +25,7 @@ from tests.cli_helpers import harbor_async
 from tests.scripted_server import ScriptedServer
 
 SUITE = example_suite_path()
+REPO = Path(__file__).resolve().parent.parent
 
 
 
@@ -61,6 +65,20 @@ def test_run_refuses_a_model_server_that_answers_401_on_models(tmp_path: Path, h
     line = _one_line(result.stderr)
     assert server.base_url in line and "HTTP 401" in line, line
     assert not (tmp_path / "jobs").exists()
+
+
+def test_eval_probes_the_server_a_harbor_agent_calls_not_only_base_url(tmp_path: Path, host_tmux: None) -> None:
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # --ak api_base wins over --base-url: the agent would call this
+    with ScriptedServer() as server:
+        result = subprocess.run(
+            [sys.executable, "-m", "harbor_async", "eval", "-m", "terminus", "--base-url", server.base_url,
+             "-a", "terminus-2", "--ak", f"api_base={dead}", "-p", str(SUITE), "-l", "1", "-e", "local",
+             "-o", str(tmp_path / "jobs")],
+            capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "COLUMNS": "200"},
+        )  # fmt: skip
+        assert server.requests == {}  # no episode asked the server that does answer
+    assert result.returncode == 2, result.stderr
+    assert dead in result.stderr and "Traceback" not in result.stderr
 
 
 # ── in-process: the probe ──────────────────────────────────────────────────
