@@ -39,6 +39,8 @@ SETTINGS_VERSION = 3  # 3: run stores its -n (n_concurrent)
 
 #: Where a job's model server is, not what the job runs: a resume may give them anew.
 SERVER_LOCATION = frozenset({"base_url", "serve_cmd", "api_key_name"})
+#: What a resume may set anew besides (how many episodes at once: the results do not depend on it).
+RESUME_MAY_CHANGE = SERVER_LOCATION | {"n_concurrent"}
 
 
 def _plain(value: Any) -> Any:
@@ -170,8 +172,9 @@ class JobSettings:
         stored one is accepted, one that differs is refused
         (:class:`~harbor_async.errors.ResumeConflictError`, naming both), except
         where the job's model server is now (:data:`SERVER_LOCATION`: a server
-        restarted on another port, a key under another name), which replaces
-        the stored one. ``None`` means not given.
+        restarted on another port, a key under another name) and how many
+        episodes run at once (``n_concurrent``), which replace the stored ones
+        (:data:`RESUME_MAY_CHANGE`). ``None`` means not given.
 
         Raises:
             ResumeConflictError: a value that differs from the stored one.
@@ -185,7 +188,7 @@ class JobSettings:
                 raise TypeError(f"unknown setting {name!r}; settings are: {', '.join(sorted(known))}")
             if value is None:
                 continue
-            if name in SERVER_LOCATION:
+            if name in RESUME_MAY_CHANGE:
                 moved[name] = value
             elif _plain(value) != _plain(getattr(self, name)):
                 raise ResumeConflictError(name, getattr(self, name), value)

@@ -88,13 +88,15 @@ def test_resume_after_a_kill_matches_the_uninterrupted_run(tmp_path: Path) -> No
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 128 + signal.SIGTERM
         assert b"resume with --resume" in proc.stderr.read()  # stopped cleanly (the leak check confirms)
-        finished = [r.key for r in JobFolder(tmp_path / "killed").records()]
+        before = JobFolder(tmp_path / "killed").records()
+        finished = [r.key for r in before if not r.rerun]
         assert 2 <= len(finished) < 6, "the kill came after the run ended"
+        assert {r.error_class for r in before if r.rerun} <= {"cancelled"}  # the episodes in flight: recorded, cancelled
         requests_before = server.requests["slow"]
 
         resumed = _cli("--resume", str(tmp_path / "killed"), "--base-url", server.base_url)
         assert resumed.returncode == 0, resumed.stderr
-        keys = [r.key for r in JobFolder(tmp_path / "killed").records()]
+        keys = [r.key for r in JobFolder(tmp_path / "killed").records() if not r.rerun]
         assert len(keys) == len(set(keys)) == 6  # no finished episode ran again
         assert keys[: len(finished)] == finished
         assert server.requests["slow"] - requests_before == 2 * (6 - len(finished))  # two replies an episode
@@ -303,8 +305,10 @@ def test_a_managed_server_dying_mid_run_is_a_clear_error(tmp_path: Path) -> None
     assert "ServerDiedError" in result.stderr and "exited" in result.stderr
     assert _processes_with(marker) == []
     assert "scripted server on" in (tmp_path / "j" / "server.log").read_text()
-    # the episodes that finished before the crash are kept; a resume would run the rest
-    assert all(r.reward == 1.0 for r in JobFolder(tmp_path / "j").records())
+    # the episodes that finished before the crash are kept; the others are recorded, not judged: a resume runs them
+    records = JobFolder(tmp_path / "j").records()
+    assert all(r.reward == 1.0 for r in records if r.judged)
+    assert {r.error_class for r in records if not r.judged} <= {"model_server", "cancelled"}
 
 
 def test_transformers_serve_of_the_tiny_model_through_serve_cmd(tmp_path: Path) -> None:

@@ -153,15 +153,15 @@ def test_a_resume_with_no_flags_runs_the_rest_as_stored(tmp_path: Path) -> None:
     assert proc.returncode == 130, err[-2000:]
     before = {r.key for r in JobFolder.open(tmp_path / "j").records() if not r.rerun}
 
-    conflict = _cli("run", "--resume", str(tmp_path / "j"), "-n", "8")
+    conflict = _cli("run", "--resume", str(tmp_path / "j"), "-k", "2")
     assert conflict.returncode == 2 and conflict.stderr.count("\n") == 1, conflict.stderr
-    assert "--n-concurrent=2" in conflict.stderr and "--n-concurrent=8" in conflict.stderr
+    assert "--n-attempts=3" in conflict.stderr and "--n-attempts=2" in conflict.stderr
     loose = _cli("run", "-e", "simulated", "-l", "1", "-o", str(tmp_path), "--job-name", "loose", "-q")
     assert loose.returncode == 0, loose.stderr[-2000:]
     stricter = _cli("run", "--resume", str(tmp_path / "loose"), "--strict-verify")  # was accepted and ignored
     assert stricter.returncode == 2 and "--strict-verify=False" in stricter.stderr, stricter.stderr
 
-    same = _cli("run", "--resume", str(tmp_path / "j"), "-n", "2")  # equal to the stored value: accepted
+    same = _cli("run", "--resume", str(tmp_path / "j"), "-k", "3")  # equal to the stored value: accepted
     assert same.returncode == 0, same.stderr[-2000:]
     latest = JobFolder.open(tmp_path / "j").latest()
     assert len(latest) == 30 and all(r.judged for r in latest.values())
@@ -171,10 +171,10 @@ def test_a_resume_with_no_flags_runs_the_rest_as_stored(tmp_path: Path) -> None:
 
 
 def test_stored_settings_refuse_a_conflicting_value_and_take_the_server_s_new_place() -> None:
-    stored = JobSettings(command="eval", n_concurrent=2, ray=True, base_url="http://old/v1", models=["m"])
-    assert stored.resumed({"n_concurrent": 2, "ray": True}) == stored
-    moved = stored.resumed({"base_url": "http://new/v1", "concurrency": 2})  # an earlier name works too
-    assert moved.base_url == "http://new/v1" and moved.ray
+    stored = JobSettings(command="eval", n_attempts=2, ray=True, base_url="http://old/v1", models=["m"])
+    assert stored.resumed({"n_attempts": 2, "ray": True}) == stored
+    moved = stored.resumed({"base_url": "http://new/v1", "attempts": 2, "concurrency": 16})  # earlier names work too
+    assert moved.base_url == "http://new/v1" and moved.ray and moved.n_concurrent == 16  # -n may change: same results
     with pytest.raises(ResumeConflictError) as caught:
         stored.resumed({"ray": False})
     assert caught.value.stored is True and caught.value.given is False
@@ -203,7 +203,7 @@ def test_eval_resume_checks_what_was_typed_against_the_stored_job(tmp_path: Path
                      "-o", str(tmp_path), "--job-name", "j")  # fmt: skip
         assert first.returncode == 0, first.stderr[-2000:]
         job = str(tmp_path / "j")
-        for flags, stored, typed in ((["-n", "4"], "n_concurrent=2", "n_concurrent=4"), (["--temperature", "0.7"], "0.5", "0.7")):
+        for flags, stored, typed in ((["-k", "3"], "n_attempts=1", "n_attempts=3"), (["--temperature", "0.7"], "0.5", "0.7")):
             refused = _cli("eval", "--resume", job, *flags)
             assert refused.returncode == 2, refused.stderr[-2000:]
             assert stored in refused.stderr and typed in refused.stderr and "Traceback" not in refused.stderr

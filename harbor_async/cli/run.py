@@ -292,8 +292,8 @@ def _resumed(ctx: typer.Context, stored: JobSettings) -> JobSettings:
     if plan:
         flags = ", ".join("--" + name.replace("_", "-") for name in plan)
         raise fail(f"--resume runs the job's stored plan in its own folder; drop {flags}")
-    if stored.command == "run" and stored.version < 3:  # run stored no -n before: it is this invocation's
-        stored = replace(stored, n_concurrent=given.pop("n_concurrent", None) or given.pop("concurrency", None) or 8)
+    if stored.command == "run" and stored.version < 3:  # run stored no -n before: the default, unless given now
+        stored = replace(stored, n_concurrent=8)
     settings = stored
     for name, value in given.items():
         if name in _SETTING_OF:
