@@ -163,6 +163,8 @@ def test_resume_refuses_job_defining_flags_that_differ(tmp_path):
     assert same.returncode == 0, same.stderr  # the stored values, given again: accepted
     plan = harbor_async("run", "--resume", str(tmp_path / "jobs" / "j"), "-l", "1")
     assert plan.returncode == 2 and "drop --n-tasks" in plan.stderr
+    options = harbor_async("run", "--resume", str(tmp_path / "jobs" / "j"), "--ek", "start_latency=1")
+    assert options.returncode == 2 and "started with --ek={}" in options.stderr, options.stderr
     missing = harbor_async("run", "--resume", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and "not a job folder" in missing.stderr
 

@@ -294,17 +294,18 @@ def _resumed(ctx: typer.Context, stored: JobSettings) -> JobSettings:
         raise fail(f"--resume runs the job's stored plan in its own folder; drop {flags}")
     if stored.command == "run" and stored.version < 3:  # run stored no -n before: the default, unless given now
         stored = replace(stored, n_concurrent=8)
+    flag_of = {param.name: param.opts[0] for param in ctx.command.params}
     settings = stored
-    for name, value in given.items():
-        if name in _SETTING_OF:
-            try:
-                settings = settings.resumed({_SETTING_OF[name]: value})
-            except ResumeConflictError as exc:  # named as the user typed it
-                raise ResumeConflictError(ctx.command.params[[p.name for p in ctx.command.params].index(name)].opts[0], exc.stored, exc.given) from None
-    if given.get("model") is not None and [given["model"]] != settings.models:
-        raise ResumeConflictError("model", _model(settings), given["model"])
+    checks = [(name, _SETTING_OF[name], value) for name, value in given.items() if name in _SETTING_OF]
+    if given.get("model") is not None:
+        checks.append(("model", "models", [given["model"]]))
     if given.get("ek") is not None:
-        settings.resumed({"environment_kwargs": parse_kwargs(given["ek"])})
+        checks.append(("ek", "environment_kwargs", parse_kwargs(given["ek"])))
+    for name, field, value in checks:
+        try:
+            settings = settings.resumed({field: value})
+        except ResumeConflictError as exc:  # named as the user typed it
+            raise ResumeConflictError(flag_of[name], exc.stored, exc.given) from None
     options = _agent_kwargs(settings.agent, None, given.get("ak"), given.get("base_url"), given.get("api_key_name"))
     moved = {k: v for k, v in options.items() if k in ("api_base", "base_url", "model_api_key_name")}
     for key, value in options.items():
