@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -23,7 +23,25 @@ from harbor_async.stats import EngineStats, StatsRecorder
 from harbor_async.task_env import with_allowed_env
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from harbor.models.task.task import Task
+
+
+class LoopHost(Protocol):
+    """The loop thread an engine runs on when it is not its caller's (:class:`harbor_async.loop.LoopThread`)."""
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the loop and block for its result (from another thread)."""
+        ...
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Schedule ``fn(*args)`` on the loop; a future at once (from another thread)."""
+        ...
+
+    def in_loop_thread(self) -> bool:
+        """Whether the caller runs on the loop thread."""
+        ...
 
 
 class Engine:
@@ -86,6 +104,9 @@ class Engine:
         #: the job folder where each episode keeps a Harbor trial folder: its agent and verifier logs and its
         #: artifacts (``None``: nothing kept; see harbor_async.harbor_jobs and harbor_async.artifacts)
         self.trials_dir = Path(trials_dir) if trials_dir is not None else None
+        #: the loop thread this engine runs on when it is not the caller's (``harbor_async.loop``): other threads and
+        #: other event loops reach its episodes through it (``None``: the engine runs in the caller's own loop)
+        self.host: LoopHost | None = None
         self._budget_factory = budget
         self._ledger: dict[str, Sandbox] = {}
         self._stats = StatsRecorder()

@@ -7,9 +7,12 @@ Every caller drives the same :class:`Episode`:
 - :func:`harbor_async.runner.run_episode` drives it to the end in one call,
   for ``run`` (Harbor's model-free agents), ``eval`` (a harness driven by a
   model server, :mod:`harbor_async.model_agent`) and the cluster workers;
-- the shim (``shim.episode``) drives it one call at a time from TRL's thread:
-  ``reset()`` starts it, tool calls go through :meth:`Episode.exec_text`, the
-  reward is :meth:`Episode.verify`, the stop runs in the background.
+- the shim (``shim.episode``) drives the same episode one call at a time from
+  TRL's threads: ``reset()`` hands :meth:`Episode.begin` to the engine's loop
+  without waiting, tool calls go through :meth:`Episode.call` and
+  :meth:`Episode.exec_text` (which wait for the start), the reward is
+  :meth:`Episode.verify` (once, cached), and :meth:`Episode.retire` ends an
+  episode that is left before its verdict.
 
 Phases follow each other (start, agent, verify, stop): entering one closes the
 one before, so every record has the same phase structure whoever drove it.
@@ -17,8 +20,8 @@ one before, so every record has the same phase structure whoever drove it.
 
 from __future__ import annotations
 
+import contextvars
 import math
-import os
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,9 +33,11 @@ import anyio.lowlevel
 from harbor_async.backends import enter_network_phase
 from harbor_async.errors import (
     AgentSetupError,
+    EngineClosedError,
+    EpisodeClosedError,
     EpisodeDeadlineError,
     EpisodeInterruptedError,
-    FailureClass,
+    LaunchError,
     NetworkPhaseError,
     Phase,
     SandboxClosedError,
@@ -42,9 +47,9 @@ from harbor_async.errors import (
     VerifierFailure,
 )
 from harbor_async.logs import get_logger
+from harbor_async.judging import judge, stdout_came_back, verifier_output
 from harbor_async.policy import failure_class
 from harbor_async.records import EpisodeRecord, PhaseSpan
-from harbor_async.reward_files import VERIFIER_OUTPUT_LIMIT
 from harbor_async.sandbox import SandboxState
 
 if TYPE_CHECKING:
@@ -54,7 +59,6 @@ if TYPE_CHECKING:
 
     from harbor_async.backends import BackendSpec
     from harbor_async.engine import Engine
-    from harbor_async.results import VerifyResult
     from harbor_async.sandbox import Sandbox
 
 log = get_logger()
@@ -62,10 +66,9 @@ log = get_logger()
 T = TypeVar("T")
 E = TypeVar("E", bound=BaseException)
 
-#: Where Harbor's verifier writes the test script's stdout and stderr, in the sandbox.
-VERIFIER_OUTPUT_PATH = "/logs/verifier/test-stdout.txt"
-#: Seconds granted to fetch the verifier's output from a sandbox after the verifier failed.
-VERIFIER_OUTPUT_TIMEOUT = 10.0
+#: The episode whose harness setup runs in the current task: its commands run at once, where any other caller's
+#: wait for the setup to finish (which would then wait for itself). Context variables are per task.
+SETTING_UP: contextvars.ContextVar[Episode | None] = contextvars.ContextVar("episode_setting_up", default=None)
 
 
 def now_iso() -> str:
@@ -111,10 +114,13 @@ class Episode:
         backend_kwargs: dict[str, Any] | None = None,
         on_done: Callable[[EpisodeRecord], None] | None = None,
         agent_timeout: float | None = None,
+        on_started: Callable[[SandboxError | None], None] | None = None,
     ) -> None:
         self.engine = engine
         #: Where the finished record goes (a job folder, a progress bar), from :meth:`stop`'s ``finally``.
         self.on_done = on_done
+        #: Told once whether the sandbox started (``None``) or why not (the shim's failure guard counts starts).
+        self.on_started = on_started
         self.task = task
         self.backend = backend
         self.backend_kwargs = backend_kwargs or {}
@@ -144,6 +150,33 @@ class Episode:
         self._open: tuple[Phase, float] | None = None
         self._stopped: anyio.Event | None = None
         self._finished = False
+        self._ready: anyio.Event | None = None  # set when begin() is over (created on the loop: anyio needs it)
+        self._start_scope: anyio.CancelScope | None = None
+        self._retired = False
+        self._verified = False
+        self._verify_lock: anyio.Lock | None = None
+
+    # ── state readable from any thread ────────────────────────────────────
+
+    @property
+    def verified(self) -> bool:
+        """Whether :meth:`verify` has settled the reward (or its absence)."""
+        return self._verified
+
+    @property
+    def reward(self) -> float | None:
+        """The settled reward (see :meth:`verify`); ``None`` before, and when the episode was not judged."""
+        return self.record.reward if self._verified else None
+
+    @property
+    def reward_error(self) -> BaseException | None:
+        """Why the episode has no verdict of the verifier's (a failed start or setup, a verifier failure), if so."""
+        return self.error or self.verify_error
+
+    @property
+    def finished(self) -> bool:
+        """Whether nothing of the episode is left to stop."""
+        return self.sandbox.done if self.sandbox is not None else self._retired
 
     # ── phases ────────────────────────────────────────────────────────────
 
@@ -191,16 +224,7 @@ class Episode:
 
         ``phase``: the phase recorded, when not the error's own (a sandbox error carries its phase).
         """
-        self.fail(failure_class(exc), exc, phase)
-
-    def fail(self, failure: FailureClass, exc: BaseException | str, phase: Phase | str | None = None) -> None:
-        """Record a failure of class ``failure`` (the first one recorded is kept: the right blame).
-
-        Use :meth:`fail_with`: the class is the table's to decide
-        (:data:`harbor_async.policy.ERROR_POLICY`). Kept for the callers that still name one.
-        """
-        value = phase.value if isinstance(phase, Phase) else phase
-        self.record.set_error(failure, exc, value)
+        self.record.set_error(failure_class(exc), exc, phase.value if isinstance(phase, Phase) else phase)
 
     def interrupted(self) -> None:
         """Record that the episode was interrupted before it finished.
@@ -231,6 +255,61 @@ class Episode:
         self.sandbox = sandbox
         self.record.sandbox = sandbox.id
         return sandbox
+
+    async def begin(
+        self, setup: Callable[[], Awaitable[None]] | None = None, *, claim: Callable[[], Sandbox] | None = None
+    ) -> bool:
+        """Launch the sandbox (``claim()``'s, one started ahead, if given), wait for it, run the harness ``setup``.
+
+        The one start of every driver. Never raises (except the caller's own
+        cancellation): a launch that cannot be scheduled, a failed start or
+        setup, and a :meth:`retire` that came first are recorded and kept in
+        :attr:`error`. Returns whether the agent may act; :meth:`wait_ready`
+        returns once this is over.
+        """
+        ready = self._ready_event()
+        try:
+            if self._retired:  # retired before its start was scheduled
+                self.error = EpisodeClosedError(Phase.START, self.task.name, "-", "the episode was closed")
+                self.fail_with(self.error)
+                return False
+            try:  # no await before the claim: a prefetcher's release relies on claims made in order
+                self.launch(claim() if claim is not None else None)
+            except Exception as exc:  # noqa: BLE001 - a bad backend, a closed engine: the start never began
+                self.error = exc
+                self.fail_with(_caused(LaunchError(_described(exc)), exc), Phase.START)
+                log.warning("sandbox launch failed", task=self.task.name, error=str(exc))
+                return False
+
+            async def set_up() -> None:
+                assert setup is not None
+                token = SETTING_UP.set(self)
+                try:
+                    await setup()
+                finally:
+                    SETTING_UP.reset(token)
+
+            usable = False
+            with anyio.CancelScope() as self._start_scope:
+                usable = await self.start(set_up if setup is not None else None)
+            if self._start_scope.cancelled_caught and self.error is None:  # retire() cancelled it
+                self.error = EpisodeClosedError(
+                    Phase.START, self.task.name, self.record.sandbox or "-", "the episode ended before its sandbox was ready"
+                )
+                self.fail_with(self.error)
+            return usable and self.error is None
+        finally:
+            ready.set()
+
+    def _ready_event(self) -> anyio.Event:
+        self._ready = self._ready or anyio.Event()
+        return self._ready
+
+    async def wait_ready(self) -> None:
+        """Wait until :meth:`begin` is over (at once for an episode started by :meth:`launch` and :meth:`start`)."""
+        if self._ready is None and (self.sandbox is not None or self.error is not None):
+            return
+        await self._ready_event().wait()
 
     async def start(self, setup: Callable[[], Awaitable[None]] | None = None) -> bool:
         """Wait for the sandbox, then run the harness ``setup`` within the start budget.
@@ -286,17 +365,26 @@ class Episode:
         return self.task.instruction if step is None else self.task.step_instruction(step.name)
 
     def _started(self, error: SandboxError | None) -> None:
-        """Called once the sandbox's start is known to have worked (``None``) or failed."""
+        if self.on_started is not None:
+            self.on_started(error)
 
     # ── agent ─────────────────────────────────────────────────────────────
 
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``fn(*args)`` on the episode's loop from any other thread and wait (a sync tool's call)."""
+        host = self.engine.host
+        if host is not None:  # the engine's own loop thread (the shim's): reachable before the start is scheduled
+            return host.call(fn, *args)
         return anyio.from_thread.run(fn, *args, token=self._token)
 
     async def call_async(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """Await ``fn(*args)`` from async code on the episode's loop (an async tool, ``_setup``)."""
-        return await fn(*args)
+        """Await ``fn(*args)`` on the episode's loop from async code on any loop (an async tool, ``_setup``)."""
+        host = self.engine.host
+        if host is None or host.in_loop_thread():
+            return await fn(*args)
+        from harbor_async.loop import await_future
+
+        return await await_future(host.submit(fn, *args))
 
     @property
     def environment(self) -> BaseEnvironment | None:
@@ -311,7 +399,11 @@ class Episode:
         not start or is gone come back as ``"Error: ..."`` text (and a command the
         sandbox could not run is kept in :attr:`exec_errors`). The agent's time
         budget covers the commands' time, as TRL cannot end a rollout itself.
+        A command waits for :meth:`begin` to finish, except one of the harness
+        setup itself.
         """
+        if SETTING_UP.get() is not self:
+            await self.wait_ready()
         if self.error is not None:
             return describe_unavailable(self.error)
         assert self.sandbox is not None
@@ -353,79 +445,43 @@ class Episode:
     # ── verify ────────────────────────────────────────────────────────────
 
     async def verify(self) -> float | None:
-        """Run the verifier (unless the episode already failed to start); settle the reward.
+        """Run the verifier once (unless the episode failed to start) and settle the reward; later calls read it.
 
         Never raises (except cancellation). Returns the reward: the verifier's,
         0.0 for the model's failures without one, ``None`` when the model was not
-        judged (an infrastructure failure).
+        judged (an infrastructure failure). Waits for :meth:`begin`; concurrent
+        callers share one verification.
         """
+        if self._verified:
+            return self.record.reward
+        if self._verify_lock is None:
+            self._verify_lock = anyio.Lock()
+        async with self._verify_lock:
+            if not self._verified:
+                await self.wait_ready()
+                await self._verify_now()
+                self._verified = True
+        return self.record.reward
+
+    async def _verify_now(self) -> None:
         if self.error is None and self.sandbox is not None:
             self.enter(Phase.VERIFY)
             try:
-                result = await self.judge()
+                result = await judge(self)
             except SandboxError as exc:
                 self.verify_error = exc
                 found = exc.output if isinstance(exc, VerifierFailure) else None
-                self.record.verifier_output = found or await self._verifier_output()
+                self.record.verifier_output = found or await verifier_output(self)
                 self.fail_with(exc)
             else:
                 # No output and the test's stdout file came back with the verifier folder: it was empty, and reading
                 # it again from the sandbox would put a round trip between the verdict and the waiting trainer.
-                fetched = result.output is not None or self._stdout_came_back()
-                self.record.verifier_output = result.output if fetched else await self._verifier_output()
+                fetched = result.output is not None or stdout_came_back(self)
+                self.record.verifier_output = result.output if fetched else await verifier_output(self)
                 failure = self.record.failure
                 if failure is None or failure.scored:
                     self.record.reward, self.record.rewards = result.reward, dict(result.rewards)
         self.settle()
-        return self.record.reward
-
-    async def judge(self, step: StepConfig | None = None) -> VerifyResult:
-        """Collect the artifacts, then run the verifier (of ``step``): in this sandbox, or in a fresh one.
-
-        A separate verifier (``environment_mode = "separate"``) runs in a new
-        sandbox of the task's environment, given the collected artifacts
-        (:mod:`harbor_async.artifacts`); it is stopped once it has judged.
-        """
-        from harbor_async.artifacts import collect_artifacts, drop_if_empty, upload_artifacts
-        from harbor_async.harbor_jobs import keep_trial_logs
-        from harbor_async.task_support import separate_verifier
-        from harbor_async.verifier_env import verifier_task
-
-        assert self.sandbox is not None
-        separate = separate_verifier(self.task, step)
-        root = self.trial_folder
-        if root is not None:
-            folder: Path | None = root / "steps" / step.name / "artifacts" if step is not None else root / "artifacts"
-        else:  # kept only for a separate verifier, in the sandbox's own (temporary) trial folder
-            trial = self.sandbox.trial_dir
-            folder = trial / "collected-artifacts" if separate and trial is not None else None
-        if folder is not None:
-            await self.sandbox.wait_started()
-            await collect_artifacts(self.sandbox.environment, self.task, folder, step)
-            if root is not None and not separate:  # nothing published: no folder in the job
-                drop_if_empty(folder, root)
-        logs = None if root is None else root / "steps" / step.name if step is not None else root
-        if not separate:
-            await enter_network_phase(self.sandbox.environment, self.task, "verifier", step)
-            try:
-                return await self.sandbox.verify(step)
-            finally:
-                if logs is not None and step is not None:  # each step's agent and verifier logs, as Harbor keeps them
-                    keep_trial_logs(self.sandbox.trial_dir, logs)
-        task, tests_in_image = verifier_task(self.task, step)  # the task's environment, or the verifier's own
-        judge = self.engine.launch(task, self.backend, backend_kwargs=self.backend_kwargs)
-        try:
-            await judge.wait_started()
-            if folder is not None:
-                await upload_artifacts(judge.environment, task, folder, step)
-            await enter_network_phase(judge.environment, task, "verifier", step)
-            return await judge.verify(step, tests_in_image=tests_in_image)
-        finally:
-            if logs is not None:  # the verifier's output is the judge's, in its own trial folder
-                keep_trial_logs(judge.trial_dir, logs, only=("verifier",))
-                if step is not None:
-                    keep_trial_logs(self.sandbox.trial_dir, logs, only=("agent",))
-            await judge.stop()
 
     def settle(self) -> None:
         """Make the reward agree with the failure: none when not judged, 0 for the model's failure without one."""
@@ -435,34 +491,28 @@ class Episode:
         elif failure is not None and self.record.reward is None:
             self.record.reward = 0.0  # the model's episode, with no reward: it scores 0
 
-    def _stdout_came_back(self) -> bool:
-        """Whether the verifier's download put the test's stdout file in this sandbox's trial folder."""
-        from harbor.models.trial.paths import TrialPaths
-
-        trial = None if self.sandbox is None else self.sandbox.trial_dir
-        return trial is not None and os.path.lexists(TrialPaths(trial_dir=trial).test_stdout_path)
-
-    async def _verifier_output(self) -> str | None:
-        """The end of the test script's stdout read from the sandbox, or ``None`` when there is none.
-
-        Not where the verifier had folders of its own: the sandbox's are the agent's.
-        """
-        assert self.sandbox is not None
-        if getattr(self.sandbox.environment, "verifier_scope", None) is not None:
-            return None
-        try:
-            with anyio.fail_after(VERIFIER_OUTPUT_TIMEOUT):
-                found = await self.sandbox.exec(
-                    f"tail -c {VERIFIER_OUTPUT_LIMIT} {VERIFIER_OUTPUT_PATH} 2>/dev/null",
-                    timeout=VERIFIER_OUTPUT_TIMEOUT,
-                    max_output=None,
-                )
-        except (SandboxError, TimeoutError, OSError):
-            return None
-        text = found.stdout if found.exit_code == 0 else None
-        return text[-VERIFIER_OUTPUT_LIMIT:] if text else None
-
     # ── stop ──────────────────────────────────────────────────────────────
+
+    def retire(self) -> None:
+        """End the episode from outside, now: cancel a start or setup in progress, stop the sandbox in the background.
+
+        An episode without a verdict yet is recorded as interrupted (not judged).
+        Idempotent; on the episode's loop.
+        """
+        self._retired = True
+        if not self._verified and self.record.failure is None:  # no verdict: said now, before the stop writes the record
+            self.interrupted()
+        if self._start_scope is not None:
+            self._start_scope.cancel()
+        self.stop_soon()
+
+    def stop_soon(self) -> None:
+        """Schedule :meth:`stop` on the engine without waiting (a finished or unusable episode frees its slot now)."""
+        try:
+            self.engine.start_soon(self.stop, name=f"stop episode {self.record.sandbox or self.task.name}")
+        except EngineClosedError:
+            self.finish()  # the engine's own close stops (or stopped) every sandbox it holds
+            self.hand_over()
 
     async def stop(self) -> EpisodeRecord:
         """Stop the sandbox (shielded, with its own budget) and finish the record; idempotent."""

@@ -28,6 +28,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 import anyio
+import sniffio
 from anyio.from_thread import BlockingPortal
 
 from harbor_async.engine import Engine
@@ -149,6 +150,7 @@ class LoopThread:
             return Engine(**kwargs)
 
         engine = portal.call(make)
+        engine.host = self
         _, started = portal.start_task(engine.serve, name=f"engine {engine.run_label}")
         with self._lock:
             self._engines.append(engine)
@@ -201,6 +203,17 @@ class LoopThread:
             # Cleanup is done: a late second SIGTERM must not kill the exit Python's
             # finalization is about to make (it puts default handlers back).
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+async def await_future(future: Future[T]) -> T:
+    """Await a loop thread's ``future`` from another event loop without blocking that loop.
+
+    On asyncio, cancelling the awaiting task cancels the future, hence the work
+    on the loop thread; on trio the wait runs in a worker thread.
+    """
+    if sniffio.current_async_library() == "asyncio":
+        return await asyncio.wrap_future(future)
+    return await anyio.to_thread.run_sync(future.result)
 
 
 async def _call_in_task(fn: Callable[..., Any], *args: Any) -> Any:

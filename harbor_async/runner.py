@@ -170,13 +170,13 @@ async def run_episode(
         on_done=done, agent_timeout=getattr(actor, "timeout", None),
     )  # fmt: skip
     try:
-        episode.launch()
+        ready = await episode.begin(lambda: actor.setup(episode))
         if task.has_steps:  # each step's instruction, agent and verifier in turn (harbor_async.steps)
-            if await episode.start(lambda: actor.setup(episode)):
+            if ready:
                 await run_steps(episode, actor)
             episode.settle()
         else:
-            if await episode.start(lambda: actor.setup(episode)):
+            if ready:
                 await actor.act(episode)
             await episode.verify()
     except anyio.get_cancelled_exc_class():

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from harbor_async.backends import enter_network_phase
 from harbor_async.errors import FinalStepRewardError, Phase, SandboxError, VerifierFailure
+from harbor_async.judging import judge
 
 if TYPE_CHECKING:
     from harbor.models.task.config import StepConfig
@@ -65,7 +66,7 @@ async def run_steps(episode: Episode, actor: Any) -> None:
             return  # the model server or the sandbox failed: no verdict on this episode
         episode.enter(Phase.VERIFY)
         try:
-            result = await episode.judge(step)
+            result = await judge(episode, step)
         except VerifierFailure as exc:
             entry["error"] = str(exc)
             episode.record.verifier_output = exc.output or episode.record.verifier_output

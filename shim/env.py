@@ -22,6 +22,7 @@ needs type hints and a Google-style docstring with an ``Args:`` section.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import threading
 import weakref
@@ -33,14 +34,23 @@ from harbor_async.harnesses.base import BACKENDS_DROPPING_COPY, Harness
 from harbor_async.harnesses.bash import BashHarness
 from harbor_async.task_support import TRL, UnsupportedTaskError, driver_refusals
 from shim import engines, prefetch
-from shim.episode import PREPARING, Episode, await_loop, retire_episodes, stop_episodes
+from shim.episode import await_loop, begin_rollout, new_episode, retire, retire_episodes, settle, stop_episodes
 from shim.options import EngineOptions, EngineOptionsKwargs, renamed_kwargs
 from shim.task_cache import load_task_cached
 
 if TYPE_CHECKING:
+    from harbor_async.episode import Episode
     from harbor_async.records import EpisodeRecord
+    from shim.guard import RolloutGuard
 
 R = TypeVar("R")
+
+#: The env (weakly: tasks spawned meanwhile keep a copy of the context) and the episode whose harness setup runs
+#: in the current task: ``self._env`` inside ``_setup()`` means that episode's sandbox even if the trainer has
+#: already called ``reset()`` again (context variables are per task).
+PREPARING: contextvars.ContextVar[tuple[weakref.ref[HarborEnv], Episode] | None] = contextvars.ContextVar(
+    "shim_preparing", default=None
+)
 
 __all__ = ["AGENTS", "BACKENDS_DROPPING_COPY", "HarborBashEnv", "HarborEnv", "not_a_tool"]
 
@@ -114,7 +124,9 @@ class HarborEnv(Harness):
         self._episodes: list[Episode] = []
         self._state_lock = threading.Lock()
         engines.prepare_exit_handlers()
-        self._finalizer = weakref.finalize(self, _abandon, self._episodes)
+        # The guard that counts their rollouts (the engine options' own), for the finalizer too.
+        self._guard: list[RolloutGuard] = []
+        self._finalizer = weakref.finalize(self, _abandon, self._episodes, self._guard)
         # At exit the loop module stops every engine's sandboxes; a finalizer
         # running then could only race it.
         self._finalizer.atexit = False
@@ -149,31 +161,31 @@ class HarborEnv(Harness):
             raise ValueError("HarborEnv.reset requires `task_dir` (provided by the dataset row).")
         guard = engines.guard_for(self._options)
         with self._state_lock:
+            self._guard[:] = [guard]
             previous, self._episode = self._episode, None
             self._episodes[:] = [e for e in self._episodes if not e.finished]
         if previous is not None:
-            previous.uncount_rollout()  # now, not when the loop retires it: the count must be exact here
+            guard.close_rollout(previous)  # now, not when the loop retires it: the count must be exact here
         try:
             guard.check()  # too many infrastructure failures: stop the trainer, do not train on zeros
             task = load_task_cached(task_dir)
             if refusals := driver_refusals(task, TRL):  # a task from outside HarborSpec's checked suite
                 raise UnsupportedTaskError(refusals, self._backend.name)
             engine = engines.engine_for(self._options)
-            episode = Episode(
+            episode = new_episode(
                 task, engine, self._backend, self._backend_kwargs, guard, agent=self._name(),
                 on_done=engines.record_sink(self._options),
             )  # fmt: skip
             if not self._owns_reward():
-                episode.count_rollout()
+                guard.open_rollout(episode)
         except BaseException:
             if previous is not None:
-                engines.submit(previous.retire)
+                engines.submit(retire, previous, guard)
             raise
-        episode.owner = weakref.ref(self)
         with self._state_lock:
             self._episode, self._record = episode, episode.record
             self._episodes.append(episode)
-        future = engines.submit(episode.run, previous, self._prepare_rollout)
+        future = engines.submit(begin_rollout, episode, previous, self._prepare_rollout, guard)
         future.add_done_callback(_report_unexpected)
         return task.instruction + self.PROMPT_SUFFIX
 
@@ -197,7 +209,7 @@ class HarborEnv(Harness):
             return 0.0
         if episode.verified:
             return episode.reward
-        return engines.call(episode.verify)
+        return engines.call(settle, episode, engines.guard_for(self._options))
 
     @property
     def infrastructure_failure(self) -> bool:
@@ -212,9 +224,10 @@ class HarborEnv(Harness):
             return 0.0
         if episode.verified:
             return episode.reward
+        guard = engines.guard_for(self._options)
         if engines.in_loop_thread():
-            return await episode.verify()
-        return await await_loop(engines.submit(episode.verify))
+            return await settle(episode, guard)
+        return await await_loop(engines.submit(settle, episode, guard))
 
     # ── teardown ─────────────────────────────────────────────────────────
 
@@ -227,7 +240,7 @@ class HarborEnv(Harness):
         """
         episodes = self._detach_episodes()
         if episodes and engines.loop_running():
-            engines.call(stop_episodes, episodes, timeout=_close_budget(self._options))
+            engines.call(stop_episodes, episodes, engines.guard_for(self._options), timeout=_close_budget(self._options))
 
     close = not_a_tool(_close)
 
@@ -280,8 +293,8 @@ class HarborEnv(Harness):
         if self._session is not None:  # bound to an evaluation's episode (see harbor_async.model_agent)
             return self._session
         preparing = PREPARING.get()
-        if preparing is not None and preparing.owner is not None and preparing.owner() is self:
-            return preparing
+        if preparing is not None and preparing[0]() is self:
+            return preparing[1]
         return self._episode
 
     def _timeout(self, timeout: float | None) -> float | None:
@@ -294,10 +307,14 @@ class HarborEnv(Harness):
         only the harness's ``_setup`` is left, unless the harness replaced
         ``_prepare`` itself (then it runs whole, as it asks).
         """
-        if type(self)._prepare is Harness._prepare and await prefetch.base_prepared(episode.sandbox):
-            await self._setup()
-        else:
-            await self._prepare()
+        token = PREPARING.set((weakref.ref(self), episode))
+        try:
+            if type(self)._prepare is Harness._prepare and await prefetch.base_prepared(episode.sandbox):
+                await self._setup()
+            else:
+                await self._prepare()
+        finally:
+            PREPARING.reset(token)
 
     def __repr__(self) -> str:
         episode = self._episode
@@ -320,18 +337,19 @@ def _close_budget(options: EngineOptions) -> float | None:
     return None if options.stop_timeout is None else 2 * options.stop_timeout + 10
 
 
-def _abandon(episodes: list[Episode]) -> None:
+def _abandon(episodes: list[Episode], guard: list[RolloutGuard]) -> None:
     """Finalizer of a garbage-collected env: schedule its stops, never wait (TRL's env hangs here)."""
     if not episodes:
         return
     pending = list(episodes)
+    counter = guard[0] if guard else None
     try:
         if not engines.loop_running():
             return
         if engines.in_loop_thread():
-            retire_episodes(pending)
+            retire_episodes(pending, counter)
         else:
-            engines.submit(retire_episodes, pending)
+            engines.submit(retire_episodes, pending, counter)
     except Exception:  # noqa: BLE001, S110 - a finalizer must never raise; the exit handler stops what is left
         pass
 

@@ -19,6 +19,7 @@ Its lock guards counters only and is never held across a wait.
 from __future__ import annotations
 
 import threading
+import weakref
 
 from harbor_async.errors import InfrastructureBudgetError, SandboxLimitError
 
@@ -44,22 +45,25 @@ class RolloutGuard:
         self.max_failure_share = max_failure_share
         self.max_start_failures_in_a_row = max_start_failures_in_a_row
         self._lock = threading.Lock()
-        self._awaiting = 0
+        # Weakly: a rollout whose env was collected without a close awaits nothing.
+        self._awaiting: weakref.WeakSet[object] = weakref.WeakSet()
         self._failures_in_a_row = 0
         self._tripped: InfrastructureBudgetError | None = None
         self.infrastructure_failures = 0
 
     # ── rollouts awaiting a batch reward ─────────────────────────────────
 
-    def open_rollout(self) -> None:
-        """Count a rollout that will hold its sandbox until its batch is verified.
+    def open_rollout(self, rollout: object) -> None:
+        """Count ``rollout``, which will hold its sandbox until its batch is verified (once: idempotent).
 
         Raises:
             SandboxLimitError: the live-sandbox limit is below the rollouts
                 alive at once (nothing is counted then).
         """
         with self._lock:
-            needed = self._awaiting + 1
+            if rollout in self._awaiting:
+                return
+            needed = len(self._awaiting) + 1
             if self.live_limit is not None and needed > self.live_limit:
                 raise SandboxLimitError(
                     f"max_live_sandboxes={self.live_limit} is below the {needed} rollouts alive at once: "
@@ -69,17 +73,17 @@ class RolloutGuard:
                     "steps_per_generation) or None; under a provider's sandbox cap, make the generation batch fit "
                     "the cap instead (see the README: training under a provider cap)"
                 )
-            self._awaiting = needed
+            self._awaiting.add(rollout)
 
-    def close_rollout(self) -> None:
-        """A counted rollout was scored or abandoned."""
+    def close_rollout(self, rollout: object) -> None:
+        """``rollout`` was scored or abandoned (idempotent, any thread)."""
         with self._lock:
-            self._awaiting = max(0, self._awaiting - 1)
+            self._awaiting.discard(rollout)
 
     @property
     def awaiting(self) -> int:
         """Rollouts alive and not yet scored."""
-        return self._awaiting
+        return len(self._awaiting)
 
     # ── the failure budget ───────────────────────────────────────────────
 

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shim import engines
 from shim.env import HarborEnv
-from shim.episode import Episode, verify_episodes
+from shim.episode import verify_episodes
+
+if TYPE_CHECKING:
+    from harbor_async.episode import Episode
 
 
 def _outcome_reward_func(
@@ -86,7 +89,8 @@ def verify_environments(environments: Sequence[Any]) -> list[float | None]:
         else:
             rewards[index] = None if env.reward is None else float(env.reward)
     if pending:
-        values = engines.call(verify_episodes, [episode for _, episode in pending])
+        guard = engines.guard_for(next(env for env in environments if isinstance(env, HarborEnv))._options)
+        values = engines.call(verify_episodes, [episode for _, episode in pending], guard)
         for (index, _), value in zip(pending, values, strict=True):
             rewards[index] = value
     return rewards

@@ -80,7 +80,7 @@ def test_run_suite_stops_on_the_budget_and_records_the_episodes_it_cancelled(tmp
             if episode.record.attempt == 0:
                 from harbor_async.errors import ModelServerError
 
-                episode.fail(FailureClass.MODEL_SERVER, ModelServerError("HTTP 500"), "model")
+                episode.fail_with(ModelServerError("HTTP 500"), "model")
             else:
                 await anyio.sleep(60)  # a slow episode, still running when the run stops
 
@@ -320,3 +320,75 @@ def test_the_slot_wait_and_the_start_retries_are_settable_as_every_other_limit()
         assert built["timeouts"].slot == Timeouts().slot and built["retry"] == RetryPolicy()
     with pytest.raises(Exception, match="start_retry_wait"):
         EngineOptions(start_retry_wait=0)
+
+
+def test_the_shim_drives_the_core_episode_through_the_same_methods(tmp_path: Path) -> None:
+    """A shim rollout is the core Episode itself (no subclass), begun, used, verified once and stopped as run's is."""
+    import ast
+
+    import shim
+    from harbor_async.episode import Episode
+    from harbor_async.runner import run_episode
+    from tests.test_shim import CSV_SUM, CountingVerify
+
+    root = Path(__file__).resolve().parents[1] / "shim"
+    for path in root.rglob("*.py"):  # no episode of the shim's own: the driver is the core's
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = {ast.unparse(base).rsplit(".", 1)[-1] for base in node.bases}
+                assert "Episode" not in bases, f"{path.name}: {node.name} subclasses Episode"
+
+    env = shim.HarborBashEnv("simulated", environment_kwargs={"verify_latency": 0.2, "reward": 0.5})
+    try:
+        env.reset(task_dir=CSV_SUM)
+        assert type(env._episode) is Episode
+        assert env.bash("true").startswith("(empty output")
+        counter = CountingVerify()
+        with pytest.MonkeyPatch.context() as patch:
+            counter.install(patch)
+            assert env.reward == 0.5 and env.reward == 0.5 and counter.calls == 1  # verified once, then read
+    finally:
+        env.close()
+    shim_record = env.record
+
+    async def direct() -> EpisodeRecord:
+        async with Engine() as engine:
+            task = load_suite(None, include="csv-column-sum").tasks[0]
+            return await run_episode(engine, task, "simulated", "none")
+
+    run_record = anyio.run(direct)
+    assert shim_record is not None and shim_record.reward == 0.5
+    assert [p.phase for p in shim_record.phases] == [p.phase for p in run_record.phases] == [
+        "start", "agent", "verify", "stop"
+    ]
+
+
+def test_retire_before_begin_and_during_the_start_records_an_interrupted_episode() -> None:
+    """The core's retire(): a start cancelled by it is recorded as cancelled (not judged), whoever drives it."""
+    import anyio.lowlevel
+
+    from harbor_async.backends import resolve_backend
+    from harbor_async.episode import Episode
+
+    task = load_suite(None, include="csv-column-sum").tasks[0]
+
+    async def main() -> list[EpisodeRecord]:
+        records: list[EpisodeRecord] = []
+        async with Engine() as engine:
+            early = Episode(engine, task, resolve_backend("simulated"), on_done=records.append)
+            early.retire()
+            assert not await early.begin()
+            slow = Episode(
+                engine, task, resolve_backend("simulated"), backend_kwargs={"start_latency": 30}, on_done=records.append
+            )
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(slow.begin)
+                while slow.sandbox is None:  # launched: its 30 s start is in progress
+                    await anyio.lowlevel.checkpoint()
+                slow.retire()
+            assert await slow.verify() is None and slow.verified
+            await slow.stop()
+        return records
+
+    records = anyio.run(main)
+    assert [(r.error_class, r.reward, r.judged) for r in records] == [("cancelled", None, False)] * 2

@@ -160,7 +160,7 @@ def test_a_task_verifier_timeout_stops_a_hung_verifier(tmp_path: Path):
         took = time.monotonic() - began
         assert 3.0 <= took < 20.0, took  # stopped by its 3 s budget, not waited out (it sleeps 20 s)
         assert isinstance(env._episode.reward_error, VerifierFailure)
-        assert env._episode.failure is FailureClass.VERIFIER
+        assert env._episode.record.failure is FailureClass.VERIFIER
     finally:
         env.close()
 
