@@ -10,7 +10,8 @@ setup, healthcheck or verifier fails without a reward ends the task, as does
 a reward under the step's ``min_reward``. The task's reward is Harbor's:
 ``multi_step_reward_strategy = "final"`` takes the last step's rewards, the
 default ``"mean"`` the per-key mean over the steps that have a reward (a key a
-step lacks counts 0).
+step lacks counts 0), where, unlike Harbor, a step whose tests ran and left no
+reward counts as a 0: the sandbox's state must not drop a failed step.
 
 Each step is one entry of the record's ``steps``; failures of the
 infrastructure (a sandbox that could not run a command) end the episode as
@@ -72,6 +73,8 @@ async def run_steps(episode: Episode, actor: Any) -> None:
             episode.record.verifier_output = exc.output or episode.record.verifier_output
             if not judged:  # no step has a reward: the episode's verifier failed
                 episode.fail_with(exc)
+            else:  # its tests ran and left no reward (what the agent left can do that): the step scores 0
+                judged.append({})  # (Harbor leaves it out of the mean, which lets an agent drop a step it failed)
             break
         except SandboxError as exc:
             episode.fail_with(exc)
