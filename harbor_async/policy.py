@@ -259,11 +259,12 @@ def _disk_full(exc: BaseException) -> bool:
 #:
 #: - Harbor retries ``AddTestsDirError`` and ``DownloadVerifierDirError`` as ``sandbox_failed`` (retried, not
 #:   graded). Here a ``/tests`` or ``/logs/verifier`` the sandbox no longer has as a folder after the agent ran
-#:   (:class:`~harbor_async.errors.VerifierPathError`, raised by the local backend), or a verifier folder the
+#:   (:class:`~harbor_async.errors.VerifierPathError`, raised by the local backend; on other backends an
+#:   ``AddTestsDirError`` after which the sandbox shows a file or a link there), or a verifier folder the
 #:   sandbox filled past the transfer bounds or emptied, is the sandbox's own doing: the sandbox raises a
 #:   :class:`~harbor_async.errors.VerifierFailure` for it, a failed verification scored 0 (an agent cannot void
 #:   its own episode by breaking the folders). Any other failure of those transfers (an ``AddTestsDirError``
-#:   from a backend's copy) is the backend's: infrastructure, not graded, and not retried (a verify is never
+#:   while the folders are folders, or the sandbox does not answer) is the backend's: infrastructure, not graded, and not retried (a verify is never
 #:   repeated behind the caller's back; a resume reruns the episode).
 #: - Harbor grades model-provider errors (``MODEL_PROVIDER_FAILED``, ``grade=True`` for rate limits, server
 #:   errors, bad requests) and retries the transient ones. Here a

@@ -262,6 +262,7 @@ class Sandbox:
         """
         from harbor.models.trial.paths import EnvironmentPaths
         from harbor.verifier.verifier import (
+            AddTestsDirError,
             DownloadVerifierDirError,
             RewardFileEmptyError,
             RewardFileNotFoundError,
@@ -272,6 +273,7 @@ class Sandbox:
         from harbor_async.verifier_isolation import (
             AgentProcessesSurvivedError,
             end_agent_processes,
+            replaced_verifier_folders,
             save_verifier_output,
             verifier_scope,
         )
@@ -312,8 +314,11 @@ class Sandbox:
                         Phase.VERIFY, self.task_name, self.id, f"{type(exc).__name__}: {exc}",
                         output=self._verifier_output(),
                     ) from exc  # fmt: skip
-                except VerifierPathError as exc:  # the agent left a file where the verifier's folder goes: its episode
-                    raise VerifierFailure(Phase.VERIFY, self.task_name, self.id, str(exc)) from exc
+                except (VerifierPathError, AddTestsDirError) as exc:  # a verifier folder the agent replaced: its episode
+                    found = str(exc) if isinstance(exc, VerifierPathError) else await replaced_verifier_folders(environment, env_paths)
+                    if found is None:  # no evidence in the sandbox: the backend's copy failed
+                        raise
+                    raise VerifierFailure(Phase.VERIFY, self.task_name, self.id, found) from exc
                 except DownloadVerifierDirError as exc:
                     if not isinstance(exc.__cause__, (TransferLimitError, FileNotFoundError)):
                         raise

@@ -65,3 +65,29 @@ async def verifier_scope(environment: Any) -> AsyncIterator[bool]:
         return
     async with scope():
         yield True
+
+
+#: Seconds granted to look at the verifier's folders after their transfer failed.
+LOOK_SEC = 10
+
+
+async def replaced_verifier_folders(environment: Any, env_paths: Any) -> str | None:
+    """Why the verifier's folders could not be used, when the sandbox's own state says so; else ``None``.
+
+    Asked after a transfer into or out of them failed (Harbor's
+    ``AddTestsDirError``): when the sandbox answers and ``/tests`` or
+    ``/logs/verifier`` is not a folder there (a file, a link), the agent
+    replaced it, and the failed verification is its episode's, not the
+    infrastructure's. A sandbox that cannot answer gives no such evidence:
+    ``None``, and the failure stays the backend's.
+    """
+    folders = " ".join(f'"{path}"' for path in (env_paths.tests_dir, env_paths.verifier_dir))
+    script = f'for d in {folders}; do if [ -L "$d" ] || [ ! -d "$d" ]; then echo "$d"; fi; done'
+    try:
+        result = await environment.exec(script, timeout_sec=LOOK_SEC, user="root")
+    except Exception:  # noqa: BLE001 - no answer: no evidence against the sandbox
+        return None
+    replaced = (result.stdout or "").split() if result.return_code == 0 else []
+    if not replaced:
+        return None
+    return f"{' and '.join(replaced)} is not a folder in the sandbox (the agent replaced it): no verifier can run"

@@ -349,14 +349,17 @@ async def test_a_final_step_without_a_reward_is_the_verifiers(tmp_path: Path, la
         assert record.reward == 0.0 and "'last', the final one, has no reward" in record.error
 
 
+#: What an agent can do to the verifier's folders (as root in its sandbox).
+REPLACED = [
+    "rm -rf /tests; echo x > /tests", "rm -rf /tests; ln -s /nowhere /tests", "rm -rf /logs/verifier; echo x > /logs/verifier",
+    "rm -rf /logs; ln -s /nowhere /logs", "rm -rf /logs; ln -s /logs /logs",
+]
+
+
 @needs_bwrap
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-@pytest.mark.parametrize(
-    "solve",
-    ["rm -rf /tests; echo x > /tests", "rm -rf /tests; ln -s /nowhere /tests", "rm -rf /logs/verifier; echo x > /logs/verifier",
-     "rm -rf /logs; ln -s /nowhere /logs", "rm -rf /logs; ln -s /logs /logs"],
-)
+@pytest.mark.parametrize("solve", REPLACED)
 async def test_a_verifier_folder_the_agent_replaced_is_a_failed_verification(tmp_path: Path, solve: str):
     """Not the infrastructure's (rerun, never scored): the agent cannot void its own episode by breaking /tests."""
     task = tmp_path / "breaks-tests"
@@ -366,6 +369,41 @@ async def test_a_verifier_folder_the_agent_replaced_is_a_failed_verification(tmp
         record = await run_episode(engine, load_task(task), "local", "oracle")
     assert (record.error_class, record.error_phase, record.error_type) == ("verifier", "verify", "VerifierFailure")
     assert "is not a folder" in record.error and record.reward == 0.0 and not record.rerun
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("solve", REPLACED)
+async def test_on_docker_too_a_verifier_folder_the_agent_replaced_is_a_failed_verification(
+    tmp_path: Path, solve: str, docker_daemon: str
+):
+    """Harbor's upload of /tests fails (AddTestsDirError) or the tests run on what is there: the agent's 0 either way."""
+    task = tmp_path / "breaks-tests"
+    shutil.copytree(example_suite_path() / "tasks" / "count-log-files", task)
+    (task / "solution" / "solve.sh").write_text(f"#!/bin/bash\n{solve}\n")
+    async with Engine() as engine:
+        record = await run_episode(engine, load_task(task), "docker", "oracle")
+    assert record.reward == 0.0 and record.judged and not record.rerun, record  # never None: never left out
+    assert record.error_class in (None, "verifier"), record
+
+
+@pytest.mark.parametrize(
+    "backend", [pytest.param("local", marks=needs_bwrap), pytest.param("docker", marks=[pytest.mark.slow, pytest.mark.docker])]
+)
+def test_a_shim_rollout_that_replaced_tests_scores_0_and_stays_in_the_loss(backend: str, request: pytest.FixtureRequest):
+    """One tool call cannot turn the rollout's 0.0 into None (left out of its group, counted as infrastructure)."""
+    if backend == "docker":
+        request.getfixturevalue("docker_daemon")
+    env = shim.HarborBashEnv(backend)
+    try:
+        env.reset(task_dir=str(example_suite_path() / "tasks" / "count-log-files"))
+        env.bash("rm -rf /tests; echo x > /tests")
+        assert env.reward == 0.0 and not env.infrastructure_failure, env.record
+        assert env.record.error_class in (None, "verifier")
+    finally:
+        env.close()
 
 
 def test_a_shim_rollout_closed_before_its_sandbox_was_ready_is_cancelled():
