@@ -335,6 +335,30 @@ async def test_exec_timeout_kills_the_process_tree(env: LocalEnvironment) -> Non
 
 
 @pytest.mark.anyio
+async def test_an_exec_tree_is_walked_and_killed_off_the_loop_thread(
+    env: LocalEnvironment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The walk over every host process (long under a fork bomb) must not stall the other sandboxes' loop."""
+    import threading
+
+    from harbor_async.backends.local import proctree
+
+    threads = []
+    real = proctree.kill_exec_tree
+
+    def recording(leader: int) -> None:
+        threads.append(threading.current_thread())
+        real(leader)
+
+    monkeypatch.setattr(proctree, "kill_exec_tree", recording)
+    with pytest.raises(ExecTimeoutError):
+        await env.exec("sleep 1737 & sleep 1738", timeout_sec=1)
+    assert threads and threading.current_thread() not in threads
+    await anyio.sleep(0.2)
+    assert host_processes("sleep 173[78]") == []
+
+
+@pytest.mark.anyio
 async def test_cancelled_exec_kills_the_process_tree(env: LocalEnvironment) -> None:
     with anyio.move_on_after(0.5) as scope:
         await env.exec("sleep 1727 & sleep 1728")

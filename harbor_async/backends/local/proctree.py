@@ -106,10 +106,12 @@ async def end_exec(process: Process) -> None:
     """Kill an exec's process tree and wait for its nsenter to exit (it reaps its child, then dies of it).
 
     Repeated while the nsenter lives: one still entering the namespaces forks
-    its child after a round. Past five seconds the nsenter is killed too.
+    its child after a round. Past five seconds the nsenter is killed too. Each
+    round walks every host process (a fork bomb makes that long): in a worker
+    thread, so the other sandboxes' execs on this loop go on meanwhile.
     """
     for _round in range(50):
-        kill_exec_tree(process.pid)
+        await anyio.to_thread.run_sync(kill_exec_tree, process.pid)
         with anyio.move_on_after(0.1):
             await process.wait()
         if process.returncode is not None:
