@@ -247,6 +247,24 @@ def test_view_server_rebuilds_when_a_record_is_appended(tmp_path: Path) -> None:
         server.stop()
 
 
+def test_view_server_answers_only_its_own_host(tmp_path: Path) -> None:
+    """A rebound name (DNS rebinding: evil.example -> 127.0.0.1) gets nothing of the report."""
+    server = ReportServer(make_job(tmp_path, tasks=2, attempts=1), port=0)
+    url = server.start()
+    port = server.server_address[1]
+    try:
+        for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1:{port + 1}", ""):
+            request = urllib.request.Request(url, headers={"Host": host})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=30)
+            assert refused.value.code == 421 and b"episodes" not in refused.value.read()
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}"):
+            with urllib.request.urlopen(urllib.request.Request(url, headers={"Host": host}), timeout=30) as answer:
+                assert answer.status == 200
+    finally:
+        server.stop()
+
+
 def test_cli_view_serves_on_localhost(tmp_path: Path) -> None:
     """`harbor-async view JOB --port 0` in its own process: prints its address, serves the page, stops on SIGINT."""
     job = make_job(tmp_path, tasks=2, attempts=1)

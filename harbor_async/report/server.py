@@ -5,6 +5,11 @@ reloads when the version changed: the version is the size and modification
 time of the files the report is made from, so a running job's page follows
 each finished episode. The report is rebuilt at most once per version, on the
 first request that sees it, whatever the number of open tabs.
+
+Only requests naming the server itself in their ``Host`` header
+(``127.0.0.1:PORT`` or ``localhost:PORT``) are answered: a page from
+elsewhere that the operator opens could otherwise read the report through a
+name it re-points at 127.0.0.1 (DNS rebinding).
 """
 
 from __future__ import annotations
@@ -46,6 +51,12 @@ class ReportServer(ThreadingHTTPServer):
         self._watch_folder = isinstance(source, BenchmarkSource) and self.source_path.is_dir()
         self._watched = source.watched
         super().__init__((HOST, port), _Handler)
+
+    @property
+    def hosts(self) -> frozenset[str]:
+        """The ``Host`` header values this server answers (its own address, by number or as localhost)."""
+        port = self.server_address[1]
+        return frozenset({f"{HOST}:{port}", f"localhost:{port}"})
 
     @property
     def url(self) -> str:
@@ -94,6 +105,9 @@ class _Handler(BaseHTTPRequestHandler):
     server: ReportServer
 
     def do_GET(self) -> None:
+        if (self.headers.get("Host") or "").strip().lower() not in self.server.hosts:
+            self._send(HTTPStatus.MISDIRECTED_REQUEST, "text/plain; charset=utf-8", b"not this server's host\n")
+            return
         path = self.path.split("?", 1)[0]
         if path in ("/", "/index.html", "/report.html"):
             try:
