@@ -9,6 +9,7 @@ the sandbox when the verifier's own download did not bring it.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 
 from harbor_async.backends import enter_network_phase
-from harbor_async.errors import SandboxError
+from harbor_async.errors import Phase, SandboxError, VerifierFailure
 from harbor_async.reward_files import VERIFIER_OUTPUT_LIMIT
 
 if TYPE_CHECKING:
@@ -86,7 +87,12 @@ async def judge(episode: Episode, step: StepConfig | None = None) -> VerifyResul
     try:
         await judge_box.wait_started()
         if folder is not None:
-            await upload_artifacts(judge_box.environment, task, folder, step)
+            try:
+                await upload_artifacts(judge_box.environment, task, folder, step)
+            except OSError as exc:
+                if (outgrown := _outgrown(exc, folder, task)) is None:
+                    raise
+                raise VerifierFailure(Phase.VERIFY, task.name, judge_box.id, outgrown) from exc
         await enter_network_phase(judge_box.environment, task, "verifier", step)
         return await judge_box.verify(step, tests_in_image=tests_in_image)
     finally:
@@ -95,6 +101,25 @@ async def judge(episode: Episode, step: StepConfig | None = None) -> VerifyResul
             if step is not None:
                 keep_trial_logs(sandbox.trial_dir, logs, only=("agent",))
         await judge_box.stop()
+
+
+def _outgrown(exc: OSError, folder: Path, task: Task) -> str | None:
+    """Why a judge ran out of space because of what the agent left, on host-side evidence; else ``None``.
+
+    The evidence: the artifacts collected on the host are larger (apparent size,
+    sparse files count in full) than the judge's whole ``storage_mb``. A judge
+    that runs out of space for less is not the agent's doing: infrastructure.
+    """
+    storage_mb = task.config.environment.storage_mb
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or storage_mb is None:
+        return None
+    size = sum(entry.stat().st_size for entry in folder.rglob("*") if entry.is_file() and not entry.is_symlink())
+    if size <= storage_mb * 1024 * 1024:
+        return None
+    return (
+        f"the artifacts the agent left ({size / 2**20:.0f} MiB) do not fit the verifier's environment "
+        f"({storage_mb} MB): {exc}"
+    )
 
 
 def stdout_came_back(episode: Episode) -> bool:

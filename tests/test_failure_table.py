@@ -389,6 +389,30 @@ async def test_on_docker_too_a_verifier_folder_the_agent_replaced_is_a_failed_ve
     assert record.error_class in (None, "verifier"), record
 
 
+@needs_bwrap
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("megabytes", [300, 1])
+async def test_a_judge_filled_by_the_agents_artifacts_is_a_failed_verification(tmp_path: Path, megabytes: int):
+    """Out of space in a separate verifier because of what the agent left: its 0; for less, not the agent's."""
+    task = tmp_path / "fills-the-judge"
+    shutil.copytree(Path(__file__).parent / "corpus" / "separate-verifier", task)
+    (task / "task.toml").write_text(
+        'schema_version = "1.4"\n[verifier]\nenvironment_mode = "separate"\n[environment]\nstorage_mb = 64\n'
+    )
+    (task / "solution" / "solve.sh").write_text(
+        f"#!/bin/bash\nmkdir -p /logs/artifacts && truncate -s {megabytes}M /logs/artifacts/big\n"
+    )
+    async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "sb")}) as engine:
+        record = await run_episode(engine, load_task(task), "local", "oracle")
+    assert record.reward == 0.0 and record.judged and not record.rerun, record
+    if megabytes == 300:  # a sparse file counts in full: it is written in full into the judge
+        assert (record.error_class, record.error_type) == ("verifier", "VerifierFailure")
+        assert "do not fit the verifier's environment (64 MB)" in record.error
+    else:  # it fits: the tests ran (and failed: no answer)
+        assert record.error_class is None
+
+
 @pytest.mark.parametrize(
     "backend", [pytest.param("local", marks=needs_bwrap), pytest.param("docker", marks=[pytest.mark.slow, pytest.mark.docker])]
 )
