@@ -20,7 +20,7 @@ from harbor_async.policy import Limits, RetryPolicy, Timeouts
 from harbor_async.results import TRUNCATION_MARKER
 from harbor_async.sandbox import Sandbox, SandboxContext
 from harbor_async.stats import EngineStats, StatsRecorder
-from harbor_async.task_env import with_allowed_env
+from harbor_async.task_env import compose_fills, with_allowed_env
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -233,7 +233,6 @@ class Engine:
             from harbor_async.tasks import load_task
 
             task = load_task(task)
-        task = with_allowed_env(task, self.env_allow)  # raises TaskEnvError: nothing starts
         if isinstance(backend, BackendSpec):
             spec = backend
         else:
@@ -245,6 +244,7 @@ class Engine:
         options = {**self.backend_kwargs, **(backend_kwargs or {})}
         spec.check_options(options)  # so do options the backend does not take
         cls = spec.environment_class()
+        task = with_allowed_env(task, self.env_allow, compose=compose_fills(cls))  # raises TaskEnvError: nothing starts
         # What the backend keeps warm for this run (e.g. the local backend's ready sandboxes), under the label
         # its sandboxes get (the user's ``run_label`` option, if given, else the engine's).
         label = str(options.get("run_label") or self.run_label)
