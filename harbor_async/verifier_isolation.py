@@ -28,11 +28,20 @@ class AgentProcessesSurvivedError(HarborAsyncError, RuntimeError):
 
 
 async def end_agent_processes(environment: Any, timeout_sec: int = 30) -> None:
-    """Kill every process of the sandbox but its init and main command (``strict_verify``), as its root.
+    """End the agent's processes before the verifier (``strict_verify``).
+
+    A backend that can restart the sandbox's processes with its files kept
+    does so (``environment.end_agent_processes()``: docker restarts the main
+    container); on the others every process but the sandbox's init and main
+    command is killed, as its root.
 
     Raises:
         AgentProcessesSurvivedError: some survived (a fork bomb outpacing 10 s of rounds), or the script failed.
     """
+    restart = getattr(environment, "end_agent_processes", None)
+    if restart is not None:
+        await restart()
+        return
     result = await environment.exec(_SCRIPT.read_text(), timeout_sec=timeout_sec, user="root")
     if result.return_code not in (0, None):
         raise AgentProcessesSurvivedError(

@@ -151,3 +151,34 @@ def test_the_shims_rollouts_are_verified_the_same_way(suite: Path, strict: bool)
         spec.close()
     found = {Path(row["task_dir"]).name: reward for row, reward in zip(rows, rewards, strict=True)}
     assert found == {"rewriter": 0.0, "planted": 0.0, "junk-reward": 0.0, "service": 0.0 if strict else 1.0}
+
+
+# The agent makes the container's main command (`sleep infinity`) fork a reward writer by ptrace: a kill that spares
+# the main command spares its new child too. Only a sandbox whose every process is gone before the tests is safe.
+INJECTOR = """#!/bin/bash
+mkdir -p /app && echo wrong > /app/answer.txt
+for p in /proc/[0-9]*; do
+  if [ "$(tr '\\0' ' ' < $p/cmdline 2>/dev/null)" = "sleep infinity " ]; then main=${p#/proc/}; fi
+done
+chmod +x /solution/inject
+/solution/inject "$main" 'while :; do echo 1 > /logs/verifier/reward.txt 2>/dev/null; sleep 0.02; done'
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.usefixtures("docker_daemon")
+def test_on_docker_strict_verify_leaves_no_process_the_agent_hid_under_the_main_command(tmp_path: Path) -> None:
+    import subprocess
+
+    tasks = tmp_path / "suite" / "tasks"
+    make_task(tasks, "ptrace", INJECTOR, HONEST_TEST)
+    subprocess.run(
+        ["gcc", "-static", "-O1", "-o", str(tasks / "ptrace" / "solution" / "inject"),
+         str(Path(__file__).parent / "attacks" / "inject.c")],
+        check=True, timeout=120,
+    )  # fmt: skip
+    found = run_job(tmp_path / "suite", tmp_path / "jobs", "-e", "docker")
+    assert found["ptrace"]["reward"] == 1.0  # the attack is real: where nothing ends it, it writes the reward
+    found = run_job(tmp_path / "suite", tmp_path / "jobs-strict", "-e", "docker", "--strict-verify")
+    assert found["ptrace"]["reward"] == 0.0 and found["ptrace"]["error_class"] is None, failure(found["ptrace"])

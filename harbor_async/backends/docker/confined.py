@@ -204,6 +204,28 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         argv = ["docker", "cp", f"{container}:{source}", "-"]
         await anyio.to_thread.run_sync(_copy_stream, argv, target, single, budget)
 
+    # -- the verifier alone ----------------------------------------------------------
+
+    async def end_agent_processes(self) -> None:
+        """End every process of the sandbox before the verifier (``strict_verify``): restart the main container.
+
+        A restart leaves no process of the agent's (not one it re-parented,
+        attached to the main command by ptrace or hid under it: a kill that
+        spares the main command spares what it was made to fork) and keeps the
+        filesystem, the mounts and the network. A restart that fails is the
+        daemon's failure (infrastructure).
+        """
+        container = await self._find_main_container()
+        if container is None:
+            raise RuntimeError("the sandbox's main container is not running: it cannot be restarted for the verifier")
+        process = await asyncio.create_subprocess_exec(
+            "docker", "restart", "--time", "0", container,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        output, _ = await process.communicate()
+        if process.returncode != 0:
+            raise RuntimeError(f"docker restart of the main container failed: {output.decode(errors='replace')[-500:]}")
+
     async def _find_main_container(self) -> str | None:
         """The id of this project's main container (looked up once, by Compose's labels)."""
         if self._main_container is None:
