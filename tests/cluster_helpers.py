@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).parent / "ray")
@@ -146,11 +145,24 @@ class RayCluster:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A head and one worker node for the module's tests."""
-    cluster = RayCluster(workers=1).start()
+def connect(cluster: RayCluster) -> None:
+    """Connect this process to ``cluster`` (again), as :meth:`RayCluster.start` does."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=cluster.address, namespace="harbor-async-tests", log_to_driver=False, logging_level="WARNING")
+
+
+def clean_up_after_a_test() -> None:
+    """What one test may leave on the shared cluster for the next: the named budget actor (created detached,
+    with that test's caps, which a later test asking for other caps would be refused)."""
+    import ray
+
+    from harbor_async.cluster.connect import DEFAULT_ACTOR_NAME, DEFAULT_NAMESPACE
+
+    if not ray.is_initialized():
+        return
     try:
-        yield cluster
-    finally:
-        cluster.stop()
+        ray.kill(ray.get_actor(DEFAULT_ACTOR_NAME, namespace=DEFAULT_NAMESPACE))
+    except ValueError:  # none was created
+        pass

@@ -124,6 +124,47 @@ def _still_running(pids: set[str], within: float) -> set[str]:
     return pids
 
 
+# ── one Ray cluster for the session ─────────────────────────────────────────
+
+
+@pytest.fixture(scope="session")
+def ray_session_cluster():
+    """A real Ray cluster on this machine (a head and one worker node, tests/cluster_helpers.py), started
+    once, by the first test that needs one, and stopped at the end of the session. Ray is an extra: without
+    it the test errors (it is never skipped). Tests take it through ``ray_cluster``."""
+    from tests.cluster_helpers import RayCluster
+
+    cluster = RayCluster(workers=1).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def ray_cluster(ray_session_cluster):
+    """The session's Ray cluster, this process connected to it; what a test leaves there that the next
+    test could trip on (the named budget actor, with that test's caps) is removed after it. Each test keeps
+    its own job folders (``tmp_path``)."""
+    from tests.cluster_helpers import clean_up_after_a_test, connect
+
+    connect(ray_session_cluster)
+    yield ray_session_cluster
+    clean_up_after_a_test()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After the last of a run of cluster tests, disconnect this process from the cluster (left running for
+    later ones): a test without ``ray_cluster`` sees a process that never connected, as it would alone."""
+    yield
+    uses = "ray_cluster" in getattr(item, "fixturenames", ())
+    if uses and (nextitem is None or "ray_cluster" not in getattr(nextitem, "fixturenames", ())):
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+
+
 # ── the installed TRL ───────────────────────────────────────────────────────
 
 

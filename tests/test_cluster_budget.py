@@ -22,7 +22,7 @@ from harbor_async.cluster.connect import DEFAULT_ACTOR_NAME, DEFAULT_NAMESPACE
 from harbor_async.engine import Engine
 from harbor_async.policy import Limits
 from tests.cluster_backend import observed_peak
-from tests.cluster_helpers import REPO, child_env, ray_cluster  # noqa: F401 - the fixture
+from tests.cluster_helpers import REPO, child_env
 
 pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
 
@@ -38,7 +38,7 @@ def live_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def fresh_actor(ray_cluster):  # noqa: F811
+def fresh_actor(ray_cluster):
     """Each test creates the budget actor with its own caps; end it afterwards."""
     yield
     import ray
@@ -76,7 +76,7 @@ def _actor():
     return ray, ray.get_actor(DEFAULT_ACTOR_NAME, namespace=DEFAULT_NAMESPACE)
 
 
-def test_three_processes_never_exceed_the_cluster_cap(ray_cluster, live_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_three_processes_never_exceed_the_cluster_cap(ray_cluster, live_dir: Path, tmp_path: Path) -> None:
     procs = [_child(ray_cluster, live_dir, tmp_path, 4, 5, 1.0, LEASE_TIMEOUT) for _ in range(3)]
     results = [_result(p, timeout=240) for p in procs]
     assert [r["errors"] for r in results] == [[], [], []]
@@ -90,7 +90,7 @@ def test_three_processes_never_exceed_the_cluster_cap(ray_cluster, live_dir: Pat
 
 
 def test_a_killed_process_loses_its_leases_within_the_heartbeat_timeout(
-    ray_cluster,  # noqa: F811 - the fixture
+    ray_cluster,
     live_dir: Path,
     tmp_path: Path,
 ) -> None:
@@ -140,7 +140,7 @@ def test_a_killed_process_loses_its_leases_within_the_heartbeat_timeout(
 
 
 def test_batches_are_leased_all_or_nothing_so_ranks_take_turns(
-    ray_cluster,  # noqa: F811 - the fixture
+    ray_cluster,
     live_dir: Path,
     tmp_path: Path,
 ) -> None:
@@ -156,7 +156,7 @@ def test_batches_are_leased_all_or_nothing_so_ranks_take_turns(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_a_batch_above_the_cap_is_refused_naming_cap_and_batch(ray_cluster, anyio_backend) -> None:  # noqa: F811
+async def test_a_batch_above_the_cap_is_refused_naming_cap_and_batch(ray_cluster, anyio_backend) -> None:
     budget = ray_budget.factory(address=ray_cluster.address, max_live=4, batch=6, lease_timeout=LEASE_TIMEOUT)
     with pytest.raises(BatchExceedsCapError) as info:
         async with Engine(limits=Limits(live_sandboxes=None), budget=budget):
@@ -166,7 +166,7 @@ async def test_a_batch_above_the_cap_is_refused_naming_cap_and_batch(ray_cluster
 
 
 def test_ranks_of_one_run_whose_batches_exceed_the_cap_are_refused_on_every_rank(
-    ray_cluster,  # noqa: F811 - the fixture
+    ray_cluster,
     live_dir: Path,
     tmp_path: Path,
 ) -> None:
@@ -189,7 +189,7 @@ def test_ranks_of_one_run_whose_batches_exceed_the_cap_are_refused_on_every_rank
 
 @pytest.mark.anyio
 async def test_an_engine_under_either_loop_keeps_the_cap_and_a_cancelled_wait_leaks_nothing(
-    ray_cluster,  # noqa: F811 - the fixture
+    ray_cluster,
     example_tasks,
     anyio_backend,
 ) -> None:

@@ -16,7 +16,6 @@ from harbor_async.policy import Limits
 from harbor_async.scoring import summarize
 from harbor_async.suites import example_suite_path
 from tests.cluster_episodes import items, simulated_episode
-from tests.cluster_helpers import ray_cluster  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.range]
 
@@ -36,7 +35,7 @@ def _local_run(episodes, job: JobFolder) -> None:
     anyio.run(main)
 
 
-def test_a_sharded_run_gives_the_local_summary_and_resumes(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+def test_a_sharded_run_gives_the_local_summary_and_resumes(ray_cluster, tmp_path: Path) -> None:
     episodes = items(TASKS, attempts=2)
     local = JobFolder.create(tmp_path, "local", {"suite": "example"})
     _local_run(episodes, local)
@@ -62,7 +61,7 @@ def test_a_sharded_run_gives_the_local_summary_and_resumes(ray_cluster, tmp_path
     assert summarize(in_order(job))["episodes"] == 20
 
 
-def test_a_worker_killed_mid_run_loses_and_duplicates_nothing(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+def test_a_worker_killed_mid_run_loses_and_duplicates_nothing(ray_cluster, tmp_path: Path) -> None:
     episodes = items(TASKS, attempts=2, latency=0.4)
     job = JobFolder.create(tmp_path, "cluster", {})
     killed: list[int] = []
@@ -85,7 +84,7 @@ def test_a_worker_killed_mid_run_loses_and_duplicates_nothing(ray_cluster, tmp_p
     assert {r.key: r.reward for r in job.records()} == expected
 
 
-def test_run_episodes_sharded_give_the_records_of_a_local_run(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+def test_run_episodes_sharded_give_the_records_of_a_local_run(ray_cluster, tmp_path: Path) -> None:
     from harbor_async.cluster.episodes import run_item, run_items
     from harbor_async.cluster.sharding import run_on_cluster
     from harbor_async.runner import PlannedEpisode, run_suite
@@ -115,7 +114,7 @@ def test_run_episodes_sharded_give_the_records_of_a_local_run(ray_cluster, tmp_p
     assert summarize(in_order(job)) == summarize(in_order(local))
 
 
-def test_the_run_command_shards_over_the_cluster_and_leases_from_its_budget(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+def test_the_run_command_shards_over_the_cluster_and_leases_from_its_budget(ray_cluster, tmp_path: Path) -> None:
     import json
     import subprocess
     import sys
@@ -135,7 +134,7 @@ def test_the_run_command_shards_over_the_cluster_and_leases_from_its_budget(ray_
     assert len({r.key for r in records}) == len(records) == 8  # each episode once
 
 
-def test_an_eval_sharded_over_the_cluster_gives_the_local_summary(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+def test_an_eval_sharded_over_the_cluster_gives_the_local_summary(ray_cluster, tmp_path: Path) -> None:
     from harbor_async.evaluation import evaluate_sync
     from tests.scripted_server import ScriptedServer
 
@@ -153,7 +152,7 @@ def test_an_eval_sharded_over_the_cluster_gives_the_local_summary(ray_cluster, t
     assert all(r.transcript and r.model == "solver" for r in records)
 
 
-def test_the_eval_command_shards_over_the_cluster_with_the_ray_budget(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+def test_the_eval_command_shards_over_the_cluster_with_the_ray_budget(ray_cluster, tmp_path: Path) -> None:
     import json
     import subprocess
     import sys
@@ -173,7 +172,7 @@ def test_the_eval_command_shards_over_the_cluster_with_the_ray_budget(ray_cluste
     assert summary["episodes"] == 4 and summary["mean_reward"] == 1.0
 
 
-def test_run_eval_a_cluster_worker_and_the_shim_write_one_record_shape(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+def test_run_eval_a_cluster_worker_and_the_shim_write_one_record_shape(ray_cluster, tmp_path: Path) -> None:
     """One task through `run`, `eval` (local and on a cluster worker) and the shim: one runner, one record shape."""
     import json
     import re
@@ -261,7 +260,7 @@ def test_a_worker_opens_one_engine_for_the_episodes_that_arrive_together() -> No
     anyio.run(main)
 
 
-def test_eval_over_the_cluster_stops_on_a_failing_model_server_as_a_local_eval_does(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+def test_eval_over_the_cluster_stops_on_a_failing_model_server_as_a_local_eval_does(ray_cluster, tmp_path: Path) -> None:
     """--max-model-server-failures over Ray: the same stop, the same error and summary as a local eval."""
     from harbor_async.errors import ModelServerDownError
     from harbor_async.evaluation import evaluate_sync
@@ -288,18 +287,7 @@ def test_eval_over_the_cluster_stops_on_a_failing_model_server_as_a_local_eval_d
     assert outcomes["sharded"] == outcomes["local"] == ("the model server failed 2 episodes in a row", 0, None)
 
 
-@pytest.mark.parametrize("fault", ["start fails for good", "verifier fails", "verifier times out"])
-def test_a_fault_on_a_cluster_worker_gives_the_record_of_a_local_run(ray_cluster, tmp_path: Path, fault: str) -> None:  # noqa: F811
-    """The cluster's side of tests/test_fault_parity.py: `run --ray` records the fault as run, eval and the shim do."""
-    from tests.test_fault_parity import FAULTS, outcome, run_record
-
-    backend, timeouts, expected = FAULTS[fault]
-    record = run_record(tmp_path, backend, timeouts, "--ray", "--ray-address", ray_cluster.address)
-    assert outcome(record) == expected
-    assert record.phases[0].phase == "start" and record.phases[-1].phase == "stop"
-
-
-def test_a_ray_job_interrupted_then_resumed_with_no_flags_runs_on_the_cluster_again(ray_cluster, tmp_path: Path) -> None:  # noqa: F811
+def test_a_ray_job_interrupted_then_resumed_with_no_flags_runs_on_the_cluster_again(ray_cluster, tmp_path: Path) -> None:
     """SIGINT stops a `run --ray` (records kept); `--resume` alone runs the rest on the cluster, as stored."""
     import subprocess
     import sys

@@ -1,145 +1,513 @@
-"""The same fault through `run`, `eval` and the shim gives the same record (class, reward, judged).
+"""One fault, every entry point, one record: `run`, `eval`, a cluster worker and the shim (issue 43's first check).
 
-The cluster worker's side of the same comparison is in tests/test_cluster_sharding.py (its Ray
-cluster is shared by that module). Faults are injected by the simulated backend; the agent is
-the oracle (`run`), the scripted server's solver (`eval`) and a `bash` tool call (the shim).
+Each row is a fault; each column an entry point, driven as a user drives it:
+
+- ``run``: the CLI (``harbor-async run``, the oracle agent);
+- ``eval``: the CLI against the scripted OpenAI-compatible server (tests/scripted_server.py, plus the
+  models below) with the bash harness;
+- ``cluster``: ``eval --ray`` (``run --ray`` where the row has no model) on the session's Ray cluster
+  (tests/conftest.py), whose worker runs the episode;
+- ``shim``: ``HarborBashEnv`` driven as TRL drives it (``reset``, tool calls, ``reward``, ``close``), its
+  records in ``job_dir``.
+
+Per row, every column present must record the same error class, reward and judged flag, the same judged and
+not-judged counts (``summary.json``; the shim's job folder summarized by the same function) and the same first
+and last phase, and the same exit status where there is a process; and that shared outcome must be the one
+the failure table (:data:`harbor_async.policy.ERROR_POLICY`) gives the row's error, so that a feature
+removed anywhere fails here. A column the fault cannot reach by construction is left out with its reason
+(``Row.absent``); one whose outcome differs by design says so (``Row.differs``) and is checked against its own.
+
+Faults are injected by the simulated backend (start, verifier latency), by a task (its verifier timeout, a
+slow solution), by the harness's exec budget, or by the scripted server (HTTP 500, 401, 422, a context
+overflow); real local (bubblewrap) sandboxes where the command or the verifier must really run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
+from harbor_async.errors import (
+    EpisodeInterruptedError,
+    ModelServerConfigError,
+    ModelServerError,
+    SandboxCancelledError,
+    SandboxTimeout,
+    VerifierFailure,
+)
 from harbor_async.jobs import JobFolder
+from harbor_async.policy import rule_for
 from harbor_async.records import EpisodeRecord
+from harbor_async.scoring import summarize
 from harbor_async.suites import example_suite_path
 from harbor_async.tasks import load_suite
+from tests import scripted_server
+from tests.fault_harness import EXEC_TIMEOUT
+from tests.scripted_server import ScriptedServer, _call, _error, _reply
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 TASK = load_suite(example_suite_path()).tasks[0]
+COLUMNS = ("run", "eval", "cluster", "shim")
 
-#: fault name -> (the simulated backend's options, timeout settings, the outcome every entry point must record)
-FAULTS: dict[str, tuple[dict[str, Any], dict[str, float], tuple[str | None, float | None, bool]]] = {
-    "start fails for good": ({"start_permanent_failure_rate": 1.0}, {}, ("infrastructure", None, False)),
-    "verifier fails": ({"verify_failure_rate": 1.0}, {}, ("verifier", 0.0, True)),
-    "verifier times out": ({"verify_latency": 30.0}, {"verifier_timeout_multiplier": 0.01}, ("verifier", 0.0, True)),
-    "no fault": ({}, {}, (None, 1.0, True)),
+#: (error class, reward, judged) of one record.
+Outcome = tuple[str | None, float | None, bool]
+
+#: The context-overflow refusal vLLM gives (a 400 the classifier reads as the model's, tests/test_server_errors.py).
+OVERFLOW = "This model's maximum context length is 64 tokens. However, you requested 9000 tokens."
+#: FastAPI's request validation: a 422 that is not a context overflow (a configuration refused).
+UNPROCESSABLE = {"detail": [{"type": "missing", "loc": ["body", "messages", 0, "role"], "msg": "Field required"}]}
+EXTRA_MODELS = ("sleeper", "overflow", "refuse-422")
+
+
+class FaultServer(ScriptedServer):
+    """The scripted server with the models of the rows below (the scripted ones work as documented there).
+
+    - ``sleeper``: first a tool call that outlives the harness's exec budget (``sleep 30``), then, once
+      the timeout's text is back, the task's solution, then done: an episode that goes on after a timeout;
+    - ``overflow``: every request refused as longer than the context (the model's outcome, scored);
+    - ``refuse-422``: every request refused by FastAPI's validation (configuration: the eval stops).
+    """
+
+    def chat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        model, messages = body.get("model"), body.get("messages") or []
+        if model not in EXTRA_MODELS:
+            return super().chat(body)
+        with self._lock:
+            self.requests[model] += 1
+        if model == "refuse-422":
+            return 422, UNPROCESSABLE
+        if model == "overflow":
+            return 400, _error(OVERFLOW, "BadRequestError", 400)
+        tool_turns = sum(1 for m in messages if m.get("role") == "tool")
+        if tool_turns == 0:
+            return 200, _reply(body, messages, [_call("bash", json.dumps({"command": "sleep 30"}))])
+        if tool_turns == 1:
+            _, solution = self._task(messages[0].get("content") or "")
+            return 200, _reply(body, messages, [_call("bash", json.dumps({"command": solution}))])
+        return 200, _reply(body, messages, None, "Done.")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One fault and how each entry point meets it.
+
+    Attributes:
+        expected: what every present column records for each episode the fault hits.
+        table: the error the failure table must map to ``expected``'s class and grade (``None``: no failure).
+        absent: columns the fault cannot reach by construction, each with the reason.
+        differs: a column whose outcome differs by design: its own expected outcome and table error.
+        task: the task (a name of the row suite, else the bundled suite's first task); run_task: run's, if other.
+        run, eval: the command's flags (the cluster column: eval's, or run's without a model, plus ``--ray``).
+        shim: ``HarborBashEnv``'s backend, options and tool commands (``{solve}``: the task's solution).
+        server: the scripted server's keyword arguments; env: the commands' extra environment.
+        episodes: how many records the fault must leave failed as ``expected`` (a stop after N: N).
+        signal: sent to the command once its agent is at work (its tool command runs); the shim is then
+            interrupted by ``shim_interrupt``: ``close`` (what a trainer stopped mid-rollout does).
+        exit_code: every command's exit status.
+        broken: columns with a known bug in this row, not run here: each reason names the strict-xfail test
+            at the end of this file that checks the column as it should be (and fails once it is fixed).
+        bad_exit: columns whose records agree but whose exit status is a known (intermittent) bug, checked by
+            its own xfail test below.
+    """
+
+    expected: Outcome
+    table: Callable[[], BaseException] | None
+    exit_code: int
+    absent: dict[str, str] = field(default_factory=dict)
+    differs: dict[str, tuple[Outcome, Callable[[], BaseException] | None, str]] = field(default_factory=dict)
+    task: str | None = None
+    run_task: str | None = None
+    run: list[str] = field(default_factory=list)
+    eval: list[str] = field(default_factory=list)
+    shim: dict[str, Any] = field(default_factory=dict)
+    server: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    episodes: int = 1
+    signal: signal.Signals | None = None
+    shim_interrupt: str | None = None
+    broken: dict[str, str] = field(default_factory=dict)
+    bad_exit: dict[str, str] = field(default_factory=dict)
+
+
+#: Known bugs, each checked by an xfail test below.
+SIGINT_LOSES_THE_RECORD = "test_sigint_to_a_trainer_mid_rollout_keeps_the_rollouts_record"
+SIGTERM_ABORTS = "test_sigterm_to_eval_on_ray_exits_143"
+
+NO_MODEL_SERVER = {
+    "run": "run's agent (the oracle) calls no model server",
+    "shim": "the shim has no model server: TRL generates, the env only runs the tools",
 }
+SIMULATED_START_FAILS = ["-e", "simulated", "--ek", "start_permanent_failure_rate=1.0"]
+#: Three tasks, one at a time: a stop after N failures leaves the rest unrun.
+STOPPING = ["-e", "simulated", "-l", "3", "-n", "1", "--model-retries", "0", "--max-model-server-failures", "2"]
+
+ROWS: dict[str, Row] = {
+    "start fails for good": Row(
+        ("infrastructure", None, False), lambda: _start_error(), exit_code=1,
+        run=SIMULATED_START_FAILS, eval=["-m", "solver", *SIMULATED_START_FAILS],
+        shim={"type": "simulated", "kwargs": {"start_permanent_failure_rate": 1.0}, "commands": ["{solve}"]},
+    ),
+    "exec timeout": Row(
+        # The harness's tool call timed out: its text goes back to the model, which goes on and solves.
+        (None, 1.0, True), None, exit_code=0,
+        differs={"run": (
+            ("agent", 0.0, True), lambda: SandboxTimeout("agent", TASK.name, "s", "timed out"),
+            "the oracle's agent phase is one command: its timeout is the agent's failure, scored 0",
+        )},
+        # The oracle's solve.sh (a long sleep first) is bounded by the agent's budget (the task's 120 s x 0.01),
+        # not the exec budget; the verifier then finds no answer.
+        run=["-e", "local", "--agent-timeout-multiplier", "0.01"], run_task="slow-solution",
+        eval=["-m", "sleeper", "-e", "local", "-a", "tests.fault_harness:ShortExecBash"],
+        shim={"type": "local", "options": {"exec_timeout": EXEC_TIMEOUT}, "commands": ["sleep 30", "{solve}"]},
+    ),
+    "verifier times out": Row(
+        ("verifier", 0.0, True), lambda: VerifierFailure("verify", "slow-verifier", "s", "timed out"), exit_code=0, task="slow-verifier",
+        run=["-e", "simulated", "--ek", "verify_latency=30"],
+        eval=["-m", "solver", "-e", "simulated", "--ek", "verify_latency=30"],
+        shim={"type": "simulated", "kwargs": {"verify_latency": 30}, "commands": ["{solve}"]},
+    ),
+    "server answers 500 N times": Row(
+        ("model_server", None, False), lambda: ModelServerError("HTTP 500", 500), exit_code=3,
+        absent=NO_MODEL_SERVER, eval=["-m", "always-500", *STOPPING], episodes=2,
+    ),
+    "server answers 401": Row(
+        ("model_server", None, False), lambda: ModelServerConfigError("HTTP 401", 401), exit_code=3,
+        # No --api-key-name: the client's placeholder key, which this server refuses (see the test at the end).
+        absent=NO_MODEL_SERVER, eval=["-m", "solver", *STOPPING], server={"api_key": "right"},
+    ),
+    "server answers 422": Row(
+        ("model_server", None, False), lambda: ModelServerConfigError("HTTP 422", 422), exit_code=3,
+        absent=NO_MODEL_SERVER, eval=["-m", "refuse-422", *STOPPING],
+    ),
+    "context overflow": Row(
+        # The model's own outcome: the verifier judges what it did (nothing), 0.
+        (None, 0.0, True), None, exit_code=0, absent=NO_MODEL_SERVER, eval=["-m", "overflow", "-e", "local"],
+    ),
+    "SIGINT mid-agent": Row(
+        ("cancelled", None, False), lambda: EpisodeInterruptedError("SIGINT"), exit_code=130, task="slow-solution",
+        run=["-e", "local"], eval=["-m", "solver", "-e", "local"], shim={"type": "local", "commands": ["{solve}"]},
+        signal=signal.SIGINT, broken={"shim": SIGINT_LOSES_THE_RECORD},
+    ),
+    "cancellation mid-agent": Row(
+        ("cancelled", None, False), lambda: SandboxCancelledError("agent", "slow-solution", "s", "closed"), exit_code=143, task="slow-solution",
+        run=["-e", "local"], eval=["-m", "solver", "-e", "local"], shim={"type": "local", "commands": ["{solve}"]},
+        signal=signal.SIGTERM, shim_interrupt="close",
+        bad_exit={"cluster": SIGTERM_ABORTS},
+    ),
+}  # fmt: skip
 
 
-def outcome(record: EpisodeRecord) -> tuple[str | None, float | None, bool]:
-    """What the comparison is about: who is blamed, the reward, and whether the model was judged."""
+def _start_error() -> BaseException:
+    from harbor.environments.base import SandboxBuildFailedError
+
+    return SandboxBuildFailedError("simulated permanent start failure")
+
+
+# ── the row suite: the bundled first task, with a verifier that outlives its budget, and a slow solution ──
+
+
+@pytest.fixture(scope="module")
+def row_suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """(a suite with the rows' tasks, the slow solution's sleep argument: unique, so its process is ours)."""
+    root = tmp_path_factory.mktemp("fault-suite")
+    tasks = root / "tasks"
+    tag = f"{3000 + os.getpid() % 1000}.{time.monotonic_ns() % 10**6}"
+    for name in ("slow-verifier", "slow-solution"):
+        shutil.copytree(TASK.task_dir, tasks / name)
+    toml = tasks / "slow-verifier" / "task.toml"
+    toml.write_text(toml.read_text().replace("[verifier]\ntimeout_sec = 30.0", "[verifier]\ntimeout_sec = 1.0"))
+    assert "timeout_sec = 1.0" in toml.read_text()
+    solve = tasks / "slow-solution" / "solution" / "solve.sh"
+    first, *rest = solve.read_text().splitlines(keepends=True)
+    solve.write_text(first + f"sleep {tag}\n" + "".join(rest))
+    return root, tag
+
+
+def _agent_at_work(tag: str) -> bool:
+    """Whether the slow solution's command runs now (in a sandbox of this test: the tag is its own)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if proc.info["cmdline"] == ["sleep", tag]:
+                return True
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return False
+
+
+# ── the columns ───────────────────────────────────────────────────────────────
+
+
+@dataclass
+class Seen:
+    """What one column recorded."""
+
+    records: list[EpisodeRecord]
+    summary: dict[str, Any]
+    exit_code: int | None = None
+    texts: list[str] = field(default_factory=list)  # the tool outputs the model (or TRL) read
+
+
+def _command(
+    argv: list[str], job: Path, row: Row, tag: str | None, env: dict[str, str] | None = None, *, check_exit: bool = True
+) -> Seen:
+    """Run ``harbor-async ARGV`` to its end, or until the agent is at work and then send the row's signal."""
+    from tests.cluster_helpers import child_env
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harbor_async", *argv, "-o", str(job.parent), "--job-name", job.name],
+        cwd=REPO, env=child_env(COLUMNS="200", **row.env, **(env or {})),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    if row.signal is not None:
+        assert tag is not None
+        _wait_for(lambda: _agent_at_work(tag), proc, " ".join(argv))
+        proc.send_signal(row.signal)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == row.exit_code or not check_exit, f"{' '.join(argv)} exited {proc.returncode}: {err[-3000:]}"
+    folder = JobFolder.open(job)
+    return Seen(folder.records(), folder.read_json("summary.json"), proc.returncode)
+
+
+def _wait_for(ready: Callable[[], bool], proc: subprocess.Popen | None, what: str) -> None:
+    deadline = time.monotonic() + 120
+    while not ready():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what} ended before its agent was at work: {proc.communicate()[1][-3000:]}")
+        assert time.monotonic() < deadline, f"{what}: the agent never started its command"
+        time.sleep(0.05)
+
+
+def _where(row: Row, suite: tuple[Path, str]) -> list[str]:
+    if row.task is None:
+        return ["-p", str(example_suite_path()), "-i", TASK.name] if "-l" not in row.eval else []
+    return ["-p", str(suite[0]), "-i", row.task]
+
+
+def _shim(row: Row, job: Path, suite: tuple[Path, str], server_solutions: dict[str, str]) -> Seen:
+    """``HarborBashEnv`` as TRL drives it: reset, the tool calls, the reward (or the row's interruption)."""
+    import shim
+
+    task_dir = TASK.task_dir if row.task is None else suite[0] / "tasks" / row.task
+    solve = (Path(task_dir) / "solution" / "solve.sh").read_text()
+    commands = [c.replace("{solve}", solve) for c in row.shim["commands"]]
+    spec = row.shim
+    env = shim.HarborBashEnv(
+        spec["type"], environment_kwargs=spec.get("kwargs", {}), job_dir=job, **spec.get("options", {})
+    )
+    texts: list[str] = []
+    try:
+        env.reset(task_dir=str(task_dir))
+        if row.shim_interrupt == "close":
+            assert env.bash(command="true") == "(empty output, rc=0)"  # the sandbox is ready: the agent is at work
+            tool = threading.Thread(target=lambda: texts.append(env.bash(command=commands[0])))
+            tool.start()
+            _wait_for(lambda: _agent_at_work(suite[1]), None, "the shim")
+            env.close()  # what a trainer stopped mid-rollout does
+            tool.join(timeout=60)
+            assert not tool.is_alive() and texts  # the tool call came back (with an error text), nothing hangs
+        else:
+            texts = [env.bash(command=c) for c in commands]
+            reward = env.reward
+            assert reward == env.record.reward  # what TRL reads is what the record says
+    finally:
+        env.close()
+    (written,) = JobFolder.open(job).records()
+    assert written.to_dict() == env.record.to_dict()  # the job folder has the record TRL's env holds
+    return Seen([written], summarize([written]), None, texts)
+
+
+SHIM_TRAINER = """
+import sys
+import shim
+env = shim.HarborBashEnv(sys.argv[1], job_dir=sys.argv[2])
+env.reset(task_dir=sys.argv[3])
+print(env.bash(command=sys.argv[4]), flush=True)  # interrupted here, as a trainer by Ctrl-C mid-rollout
+"""
+
+
+def _shim_in_a_trainer_process(spec: dict[str, Any], task_dir: Path, commands: list[str], job: Path, tag: str) -> Seen:
+    """SIGINT to a process training with the shim while a tool command runs (Ctrl-C in the trainer)."""
+    from tests.cluster_helpers import child_env
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SHIM_TRAINER, spec["type"], str(job), str(task_dir), commands[0]],
+        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _wait_for(lambda: _agent_at_work(tag), proc, "the shim's trainer")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert "KeyboardInterrupt" in err, err[-3000:]  # the trainer's own interruption
+    records = JobFolder.open(job).records()
+    return Seen(records, summarize(records), None)
+
+
+# ── the check ─────────────────────────────────────────────────────────────────
+
+
+def _outcome(record: EpisodeRecord) -> Outcome:
     return record.error_class, record.reward, record.judged
 
 
-def run_record(tmp_path: Path, backend: dict[str, Any], timeouts: dict[str, float], *extra: str) -> EpisodeRecord:
-    """The record `harbor-async run` writes for the fault (oracle agent, one task)."""
-    flags = [f"--{name.replace('_', '-')}={value}" for name, value in timeouts.items()]
-    ek = [f"--ek={key}={value}" for key, value in backend.items()]
-    done = subprocess.run(
-        [sys.executable, "-m", "harbor_async", "run", "-p", str(example_suite_path()), "-i", TASK.name, "-e",
-         "simulated", *ek, *flags, "-o", str(tmp_path), "--job-name", "run", "-q", *extra],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "COLUMNS": "200"},
-    )  # fmt: skip
-    assert done.returncode in (0, 1), done.stderr[-2000:]
-    (record,) = JobFolder.open(tmp_path / "run").records()
-    return record
+def _hit(seen: Seen, expected: Outcome) -> list[EpisodeRecord]:
+    """The records the fault hit (a stop after N leaves the others cancelled, if they had begun)."""
+    return [r for r in seen.records if _outcome(r) == expected]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fault", list(FAULTS))
-def test_a_fault_gives_one_record_through_run_eval_and_the_shim(fault: str, tmp_path: Path) -> None:
-    import shim
-    from harbor_async.evaluation import evaluate_sync
-    from tests.scripted_server import ScriptedServer
+def _table_says(error: Callable[[], BaseException] | None, expected: Outcome) -> None:
+    """The failure table gives ``error`` the expected class and grade (a scored failure: reward 0; else none)."""
+    if error is None:
+        assert expected[0] is None and expected[2]
+        return
+    rule = rule_for(error())
+    assert (rule.failure.value, rule.graded) == (expected[0], expected[2])
+    assert expected[1] == (0.0 if rule.graded else None)
 
-    backend, timeouts, expected = FAULTS[fault]
-    records = {"run": run_record(tmp_path, backend, timeouts)}
 
-    with ScriptedServer() as server:
-        result = evaluate_sync(
-            ["solver"], str(example_suite_path()), base_url=server.base_url, jobs_dir=tmp_path, job_name="eval",
-            include=[TASK.name], environment_type="simulated", environment_kwargs=backend, **timeouts,
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fault", list(ROWS))
+def test_a_fault_gives_one_record_through_every_entry_point(
+    fault: str, row_suite: tuple[Path, str], ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    row = ROWS[fault]
+    present = [c for c in COLUMNS if c not in row.absent and c not in row.broken]
+    assert len(present) >= 2 and set(row.absent) <= set(COLUMNS) and set(row.differs) <= set(present)
+    _table_says(row.table, row.expected)
+    for outcome, error, _why in row.differs.values():
+        _table_says(error, outcome)
+
+    monkeypatch.setattr(scripted_server, "MODELS", (*scripted_server.MODELS, *EXTRA_MODELS))  # listed and served
+    where, tag = _where(row, row_suite), row_suite[1]
+    cluster = ["--ray", "--ray-address", ray_cluster.address]
+    seen: dict[str, Seen] = {}
+    with FaultServer(row_suite[0] / "tasks" if row.task else scripted_server.EXAMPLE_SUITE, **row.server) as server:
+        model = ["--base-url", server.base_url]
+        if "run" in present:
+            run_where = _where(replace(row, task=row.run_task), row_suite) if row.run_task else where
+            seen["run"] = _command(["run", *run_where, *row.run, "-q"], tmp_path / "run", row, tag)
+        seen["eval"] = _command(["eval", *where, *row.eval, *model], tmp_path / "eval", row, tag)
+        cluster_argv = ["eval", *where, *row.eval, *model] if row.eval else ["run", *where, *row.run, "-q"]
+        seen["cluster"] = _command(
+            [*cluster_argv, *cluster], tmp_path / "cluster", row, tag, check_exit="cluster" not in row.bad_exit
+        )
+    if "shim" in present:
+        seen["shim"] = _shim(row, tmp_path / "shim", row_suite, {})
+
+    def expected_of(column: str) -> Outcome:
+        return row.differs[column][0] if column in row.differs else row.expected
+
+    for column, s in seen.items():
+        expected = expected_of(column)
+        hit = _hit(s, expected)
+        assert len(hit) == row.episodes, (column, [_outcome(r) for r in s.records])
+        # every other record is one a stop cancelled before its agent's work (none, with one task)
+        assert all(r.error_class == "cancelled" for r in s.records if r not in hit), (column, s.records)
+        assert s.summary["completed"] == (len(hit) if expected[2] else 0), (column, s.summary)
+        assert s.summary["not_judged"] == len(s.records) - s.summary["completed"], (column, s.summary)
+        for r in hit:
+            assert (r.phases[0].phase, r.phases[-1].phase) == ("start", "stop"), (column, r.phases)
+            if row.signal is not None or row.shim_interrupt:  # interrupted mid-agent: the agent had begun
+                assert "agent" in [p.phase for p in r.phases], (column, r.phases)
+
+    # The columns agree with each other: class, reward, judged, the counts and the phases of what the fault hit.
+    def comparable(s: Seen, column: str) -> tuple:
+        hit = _hit(s, expected_of(column))
+        return (
+            tuple(sorted({_outcome(r) for r in hit}, key=str)), len(hit), s.summary["completed"],
+            tuple(sorted({(r.phases[0].phase, r.phases[-1].phase) for r in hit})), r_types(hit),
         )  # fmt: skip
-    (records["eval"],) = result.records
 
-    env = shim.HarborBashEnv("simulated", environment_kwargs=backend, job_dir=tmp_path / "shim", **timeouts)
-    try:
-        env.reset(task_dir=str(TASK.task_dir))
-        env.bash(command="bash solution/solve.sh")  # what the oracle and the solver do; an error text on a failed start
-        reward = env.reward
-    finally:
-        env.close()
-    records["shim"] = env.record
-    assert reward == env.record.reward  # what TRL reads is what the record says
-    (written,) = JobFolder.open(tmp_path / "shim").records()  # and the job folder has it, as run's and eval's have
-    assert written.to_dict() == env.record.to_dict()
-
-    assert {name: outcome(r) for name, r in records.items()} == dict.fromkeys(records, expected)
-    summaries = {"run": json.loads((tmp_path / "run" / "summary.json").read_text()), "eval": result.summary}
-    assert {name: s["not_judged"] for name, s in summaries.items()} == dict.fromkeys(summaries, int(not expected[2]))
-    phases = {name: [s.phase for s in r.phases] for name, r in records.items()}
-    assert phases["run"][0] == phases["eval"][0] == phases["shim"][0] == "start"
-    assert {p[-1] for p in phases.values()} == {"stop"}
+    alike = {c: comparable(s, c) for c, s in seen.items() if c not in row.differs}
+    assert len(set(alike.values())) == 1, alike
+    commands = {c: s.exit_code for c, s in seen.items() if s.exit_code is not None and c not in row.bad_exit}
+    assert set(commands.values()) == {row.exit_code}, commands
+    _row_specifics(fault, row, seen, server)
 
 
-def _interrupt_when(proc: subprocess.Popen, ready, what: str) -> str:
-    import signal
-    import time
-
-    deadline = time.monotonic() + 120
-    while not ready():
-        assert proc.poll() is None and time.monotonic() < deadline, f"{what}: {proc.communicate()[1][-2000:]}"
-        time.sleep(0.05)
-    time.sleep(2.0)  # into the agent phase (the simulated start takes no time); the record's phases show it
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-2000:]
-    return err
+def r_types(records: list[EpisodeRecord]) -> tuple[str | None, ...]:
+    """The error types (a refused configuration is ``ModelServerConfigError``, a failing server ``ModelServerError``)."""
+    return tuple(sorted({r.error_type for r in records}, key=str))
 
 
-@pytest.mark.slow
-def test_an_interruption_mid_agent_gives_one_record_through_run_eval_and_the_shim(tmp_path: Path) -> None:
-    """SIGINT to `run` and `eval`, close() to the shim, while the agent is at work: cancelled, not judged, everywhere."""
-    import threading
+def _row_specifics(fault: str, row: Row, seen: dict[str, Seen], server: FaultServer) -> None:
+    """What only some rows have: the timeout's text the model read, the stop's reason, the requests sent."""
+    if fault == "exec timeout":
+        timed_out = f"Error: the command timed out after {EXEC_TIMEOUT:g}"
+        for column in ("eval", "cluster"):
+            (record,) = seen[column].records
+            tool_texts = [str(m.get("content")) for m in record.transcript or [] if m.get("role") == "tool"]
+            assert len(tool_texts) == 2 and tool_texts[0].startswith(timed_out), (column, tool_texts)
+        assert seen["shim"].texts[0].startswith(timed_out), seen["shim"].texts
+        (ran,) = seen["run"].records
+        assert ran.error_phase == "agent", ran
+    if fault.startswith("server answers"):
+        stops = {c: seen[c].summary.get("stopped_by") for c in ("eval", "cluster")}
+        assert len(set(stops.values())) == 1 and stops["eval"], stops
+    if fault in ("server answers 401", "server answers 422"):
+        assert all(r.error_type == "ModelServerConfigError" for c in ("eval", "cluster") for r in _hit(seen[c], row.expected))
+    if fault == "server answers 500 N times":
+        assert all(r.error_type == "ModelServerError" for c in ("eval", "cluster") for r in _hit(seen[c], row.expected))
+    if fault == "context overflow":
+        for column in ("eval", "cluster"):
+            (record,) = seen[column].records
+            assert record.finish_reason == "context_length", (column, record.finish_reason)
 
-    import shim
-    from tests.scripted_server import ScriptedServer
 
-    base = [sys.executable, "-m", "harbor_async"]
-    where = ["-p", str(example_suite_path()), "-i", TASK.name, "-e", "simulated", "--ek", "exec_latency=60", "-o", str(tmp_path)]
-    proc = subprocess.Popen([*base, "run", *where, "--job-name", "run", "-q"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _interrupt_when(proc, lambda: (tmp_path / "run" / "harbor-async.json").exists(), "run")
-    records = {"run": JobFolder.open(tmp_path / "run").records()[0]}
+# ── known bugs: each column as it should be (strict xfail: the test fails once the bug is fixed) ──────────
 
-    with ScriptedServer(slow_seconds=60) as server:
-        proc = subprocess.Popen(
-            [*base, "eval", "-m", "slow", "--base-url", server.base_url, *where, "--job-name", "eval"],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        _interrupt_when(proc, lambda: server.requests["slow"] >= 1, "eval")
-    records["eval"] = JobFolder.open(tmp_path / "eval").records()[0]
 
-    # The shim's harness prepares the sandbox with commands of its own: the slow command is the tool call's.
-    env = shim.HarborBashEnv("local", job_dir=tmp_path / "shim")
-    env.reset(task_dir=str(TASK.task_dir))
-    assert env.bash(command="true") == "(empty output, rc=0)"  # the sandbox is ready: the agent is at work
-    answers: list[str] = []
-    tool = threading.Thread(target=lambda: answers.append(env.bash(command="sleep 60")))
-    tool.start()
-    tool.join(timeout=2.0)
-    assert tool.is_alive()  # mid-command
-    env.close()  # what a trainer stopped mid-rollout does
-    tool.join(timeout=60)
-    assert answers and not tool.is_alive()
-    records["shim"] = env.record
-    assert JobFolder.open(tmp_path / "shim").records()[0].to_dict() == env.record.to_dict()
+@pytest.mark.xfail(strict=True, reason=(
+    "a process training with the shim that is interrupted (SIGINT, also SIGTERM) mid-rollout exits with the "
+    "sandbox stopped but the rollout's record never reaches job_dir: the loop's exit closes the engines "
+    "(harbor_async/loop.py LoopThread.close -> _close_all -> Engine.aclose) without ending the live episodes "
+    "(Episode.retire/stop), whose stop is what writes the record; run and eval record it as cancelled"
+))  # fmt: skip
+def test_sigint_to_a_trainer_mid_rollout_keeps_the_rollouts_record(row_suite: tuple[Path, str], tmp_path: Path) -> None:
+    row = ROWS["SIGINT mid-agent"]
+    task_dir = row_suite[0] / "tasks" / "slow-solution"
+    solve = (task_dir / "solution" / "solve.sh").read_text()
+    seen = _shim_in_a_trainer_process(row.shim, task_dir, [solve], tmp_path / "shim", row_suite[1])
+    assert [_outcome(r) for r in seen.records] == [row.expected]
 
-    assert {name: outcome(r) for name, r in records.items()} == dict.fromkeys(records, ("cancelled", None, False))
-    assert all("agent" in [s.phase for s in r.phases] for r in records.values()), "interrupted before the agent ran"
+
+@pytest.mark.xfail(strict=False, reason=(
+    "intermittent (once in two runs here): "
+    "eval --ray stops cleanly on SIGTERM (records kept, 'interrupted by SIGTERM') but then exits -6 (SIGABRT), "
+    "not 143: ray.init in the driver (harbor_async/cluster/connect.py ensure_connected, from a non-main thread) "
+    "leaves Ray's failure-signal handler on SIGTERM; with RAY_DISABLE_FAILURE_SIGNAL_HANDLER=1 it exits 143"
+))  # fmt: skip
+def test_sigterm_to_eval_on_ray_exits_143(row_suite: tuple[Path, str], ray_cluster, tmp_path: Path) -> None:
+    row = ROWS["cancellation mid-agent"]
+    with FaultServer(row_suite[0] / "tasks") as server:
+        argv = ["eval", *_where(row, row_suite), *row.eval, "--base-url", server.base_url]
+        seen = _command([*argv, "--ray", "--ray-address", ray_cluster.address], tmp_path / "j", row, row_suite[1])
+    assert [_outcome(r) for r in seen.records] == [row.expected]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "eval --ray --api-key-name VAR reads VAR on the cluster's workers (harbor_async/cluster/eval_items.py _agent: "
+    "api_key(settings.api_key_name)), not in the driver that checked it: a worker node without VAR fails every "
+    "episode with EvalConfigError and the eval exits 2 with a RayTaskError, where a local eval runs"
+))  # fmt: skip
+def test_an_api_key_named_for_eval_on_ray_reaches_the_workers(ray_cluster, tmp_path: Path) -> None:
+    row = Row((None, 1.0, True), None, exit_code=0, env={"HA_FAULT_KEY": "right"})
+    with FaultServer(api_key="right") as server:
+        argv = ["eval", "-p", str(example_suite_path()), "-i", TASK.name, "-e", "simulated", "-m", "solver",
+                "--api-key-name", "HA_FAULT_KEY", "--base-url", server.base_url]  # fmt: skip
+        local = _command(argv, tmp_path / "local", row, None)
+        sharded = _command([*argv, "--ray", "--ray-address", ray_cluster.address], tmp_path / "ray", row, None)
+    assert [_outcome(r) for r in local.records] == [_outcome(r) for r in sharded.records] == [row.expected]
