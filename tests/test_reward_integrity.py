@@ -182,3 +182,25 @@ def test_on_docker_strict_verify_leaves_no_process_the_agent_hid_under_the_main_
     assert found["ptrace"]["reward"] == 1.0  # the attack is real: where nothing ends it, it writes the reward
     found = run_job(tmp_path / "suite", tmp_path / "jobs-strict", "-e", "docker", "--strict-verify")
     assert found["ptrace"]["reward"] == 0.0 and found["ptrace"]["error_class"] is None, failure(found["ptrace"])
+
+
+PRELOADER = """#!/bin/bash
+mkdir -p /app && echo wrong > /app/answer.txt
+cp /solution/forge.so /app/forge.so && echo /app/forge.so > /etc/ld.so.preload
+"""
+
+
+def test_a_library_the_sandbox_preloads_does_not_run_in_the_verifier(tmp_path: Path) -> None:
+    """Named in the sandbox's own /etc/ld.so.preload, it would write 1 as the test script's bash exits."""
+    import subprocess
+
+    tasks = tmp_path / "suite" / "tasks"
+    make_task(tasks, "preload", PRELOADER, HONEST_TEST)
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-O1", "-o", str(tasks / "preload" / "solution" / "forge.so"),
+         str(Path(__file__).parent / "attacks" / "reward_on_exit.c")],
+        check=True, timeout=120,
+    )  # fmt: skip
+    for flags in ((), ("--strict-verify",)):
+        found = run_job(tmp_path / "suite", tmp_path / f"jobs{len(flags)}", *flags)
+        assert found["preload"]["reward"] == 0.0 and found["preload"]["error_class"] is None, failure(found["preload"])

@@ -34,7 +34,8 @@ _NAMESPACE_FLAGS = {
     "net": os.CLONE_NEWNET, "pid": os.CLONE_NEWPID, "cgroup": os.CLONE_NEWCGROUP,
 }  # fmt: skip
 PR_SET_NAME, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE = 15, 24, 38, 47, 2
-MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
+_S_IFMT, _S_IFDIR = 0o170000, 0o040000
 NOT_A_FOLDER = 123  # hold's exit status: a path to hold is not a folder in the sandbox
 _ENOENT, _EEXIST, _ENOTDIR, _ELOOP = 2, 17, 20, 40  # errno's values on Linux (no import once joined)
 _CAPABILITY_VERSION_3 = 0x20080522
@@ -89,10 +90,25 @@ def hold(paths: list[str], size_mb: int) -> None:
                 fail(f"{path}: {exc.strerror}", NOT_A_FOLDER)
             raise
         check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options), f"mounting {path}")
+    hide_preload()
     os.write(1, b"ready\n")
     while os.read(0, 4096):
         pass
     os._exit(0)
+
+
+def hide_preload() -> None:
+    """The loader's preload list reads empty in this namespace: no library the sandbox named runs in the verifier.
+
+    ``/dev/null`` is bound over whatever ``/etc/ld.so.preload`` names (a file,
+    or what a link leads to); a folder or nothing there preloads nothing.
+    """
+    try:
+        mode = os.stat("/etc/ld.so.preload").st_mode
+    except OSError:
+        return
+    if mode & _S_IFMT != _S_IFDIR:
+        check(libc.mount(b"/dev/null", b"/etc/ld.so.preload", None, MS_BIND, None), "hiding /etc/ld.so.preload")
 
 
 def execute(argv: list[str], env: dict[str, str]) -> None:
