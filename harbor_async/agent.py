@@ -39,41 +39,10 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from harbor_async.errors import ModelServerError
 from harbor_async.harnesses.toolset import Toolset, build_toolset
 from harbor_async.model_server import ServerVerdict, classify, is_context_overflow, model_server_error
+from harbor_async.setting_fields import AgentLimits, Sampling
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling options of every chat completion (``None``: the server's default)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    seed: int | None = None
-
-    def request_kwargs(self) -> dict[str, Any]:
-        """The options set, as ``chat.completions.create`` keywords."""
-        return {k: v for k, v in vars(self).items() if v is not None}
-
-
-@dataclass(frozen=True)
-class AgentLimits:
-    """When an episode's loop ends besides a reply without tool calls.
-
-    ``max_total_tokens`` bounds the conversation's length as the server
-    counts it (prompt + completion tokens of the latest reply), the budget
-    TRL's ``max_completion_length`` and the model's context bound in training.
-    ``timeout`` is the agent's wall-clock budget (the task's ``[agent]
-    timeout_sec`` when not set).
-    """
-
-    max_turns: int = 50
-    max_total_tokens: int | None = None
-    timeout: float | None = None
-    retries: int = 5
-    retry_max_wait: float = 30.0
 
 
 def initial_messages(observation: str) -> list[dict[str, Any]]:

@@ -396,6 +396,25 @@ class SettingError(HarborAsyncError, ValueError):
         return (type(self), (self.name, self.value, self.requirement))
 
 
+class UnknownSettingError(HarborAsyncError, TypeError):
+    """A name that is no setting (a typo, or a setting of another release): refused, never ignored.
+
+    A ``TypeError``, as Python's own answer to an unexpected keyword argument.
+
+    Attributes:
+        name: the name given.
+        known: the settings' names.
+    """
+
+    def __init__(self, name: str, known: Sequence[str] = ()) -> None:
+        self.name, self.known = name, tuple(known)
+        listed = f"; settings are: {', '.join(self.known)}" if self.known else ""
+        super().__init__(f"unknown setting {name!r}{listed}")
+
+    def __reduce__(self):
+        return (type(self), (self.name, self.known))
+
+
 class ResumeConflictError(HarborAsyncError, ValueError):
     """A setting given to a resume differs from the one the job was started with (its ``harbor-async.json``).
 

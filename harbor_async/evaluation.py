@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from harbor_async import serve as _serve
-from harbor_async.agent import Agent, AgentLimits, Sampling
+from harbor_async.agent import Agent
 from harbor_async.backends import BackendSpec, resolve_backend
 from harbor_async.checkpoints import ModelSpec, ServerGroup, resolve_models, server_groups
 from harbor_async.errors import BackendError, EvalConfigError, FailureClass, HarborAsyncError, ModelServerDownError, ModelServerRefusedError, SettingError
@@ -99,8 +99,8 @@ class _Run:
         self.engine: Engine | None = None
         self.tool_limiter = anyio.CapacityLimiter(settings.n_concurrent)
         self.request_limiter = anyio.CapacityLimiter(settings.max_concurrent_requests)
-        self.sampling = Sampling(**settings.sampling)
-        self.limits = AgentLimits(**settings.limits)
+        self.sampling = settings.sampling
+        self.limits = settings.limits
         self.fatal: BaseException | None = None
         self.interrupted: int | None = None
         self.ran = 0
@@ -280,13 +280,17 @@ async def evaluate(
         on_status: called with what a managed server answers while it is awaited (the CLI's progress line).
         **settings: the fields of :class:`~harbor_async.settings.JobSettings` (``agent``,
             ``environment_type``, ``environment_kwargs``, ``n_attempts``, ``n_concurrent``,
-            ``base_url``, ``serve_cmd``, ``api_key_name``, ``sampling``, ``limits``, ...);
+            ``base_url``, ``serve_cmd``, ``api_key_name``, ``sampling``, ``limits``, ``slot_timeout``,
+            ``start_attempts``, ...; ``sampling`` and ``limits`` as their models or dicts of them);
             the names of earlier releases (``backend``, ``attempts``, ...) still work, with a
             ``DeprecationWarning``.
 
     Raises:
         EvalConfigError, harbor_async.serve.ServeError, harbor_async.tasks.EmptySuiteError,
-        harbor_async.jobs.JobFolderError: bad input, found before any sandbox starts
+        harbor_async.jobs.JobFolderError: bad input, found before any sandbox starts; a
+        setting that is none (:class:`~harbor_async.errors.UnknownSettingError`), of the wrong
+        type or out of its range (:class:`~harbor_async.errors.SettingError`), or that differs
+        from the resumed job's (:class:`~harbor_async.errors.ResumeConflictError`) among them
         (except a managed server dying mid-run: :class:`~harbor_async.serve.ServerDiedError`).
     """
     from harbor_async.tasks import load_suite
@@ -298,24 +302,16 @@ async def evaluate(
             given["models"] = [s.name for s in resolve_models([models] if isinstance(models, str) else list(models))]
         if suite is not None:
             given["suite"] = suite
-        try:  # the job whole, as it was started; only where its server is now may change
-            config = JobSettings.from_dict(job.config).resumed(given)
-        except TypeError as exc:
-            raise EvalConfigError(str(exc)) from None
+        config = JobSettings.from_dict(job.config).resumed(given)  # the job whole; only where its server is now may change
     else:
         if models is None:
             raise EvalConfigError("no model to evaluate: pass at least one model")
         settings.setdefault("agent", "bash")
-        try:
-            config = JobSettings.from_kwargs(
-                command="eval", models=[models] if isinstance(models, str) else list(models), suite=suite, **settings
-            )
-        except TypeError as exc:
-            raise EvalConfigError(str(exc)) from None
+        config = JobSettings.from_kwargs(
+            command="eval", models=[models] if isinstance(models, str) else list(models), suite=suite, **settings
+        )
     if config.base_url and config.serve_cmd:
         raise EvalConfigError("give --base-url or --serve-cmd, not both")
-    if config.n_attempts < 1 or config.n_concurrent < 1 or config.max_concurrent_requests < 1:
-        raise EvalConfigError("attempts, concurrency and max concurrent requests must be at least 1")
     specs = resolve_models(config.models)
     config.models = [s.name for s in specs]
     loaded = load_suite(

@@ -74,7 +74,7 @@ class ModelAgent:
         by_deadline = left is not None and (budget is None or left < budget)
         sampling: Sampling = self.agent.sampling
         if sampling.seed is not None:
-            sampling = replace(sampling, seed=sampling.seed + self.attempt)
+            sampling = sampling.model_copy(update={"seed": sampling.seed + self.attempt})
         try:
             prompt = harness._prompt(episode.task) if episode.step is None else episode.instruction + harness.PROMPT_SUFFIX
             result = await self.agent.run(harness, prompt, timeout=left if by_deadline else budget, sampling=sampling)
@@ -182,6 +182,6 @@ def eval_episode_agent(settings: JobSettings, agent: Any, harness: Callable[[], 
     if isinstance(agent, HarborAgentSpec):
         from harbor_async.harbor_episode_agent import HarborEpisodeAgent
 
-        return HarborEpisodeAgent(agent, settings.agent, timeout=(settings.limits or {}).get("timeout"))
+        return HarborEpisodeAgent(agent, settings.agent, timeout=settings.limits.timeout)
     assert harness is not None
     return model_episode_agent(settings, agent, harness, attempt)

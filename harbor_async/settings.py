@@ -9,17 +9,33 @@ multipliers. Settings written by earlier releases (``config.json``: nested for
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
-from harbor_async.errors import ResumeConflictError
-from harbor_async.policy import Limits, RetryPolicy, Timeouts
+from pydantic import (
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
+
+from harbor_async.errors import ResumeConflictError, UnknownSettingError
 from harbor_async.scoring import DEFAULT_SUCCESS_THRESHOLD
 from harbor_async.serve import DEFAULT_ERROR_TIMEOUT, DEFAULT_READY_TIMEOUT
+from harbor_async.setting_fields import (
+    RESUME_MARK,
+    AgentLimits,
+    EngineSettings,
+    Sampling,
+    fspath,
+    knob,
+    marked_fields,
+    may_change_on_resume,
+)
 
 #: Names of earlier releases, read (with a DeprecationWarning where a user passes them) as today's.
 RENAMED = {
@@ -35,30 +51,41 @@ RENAMED = {
     "source": "suite",
 }
 
-SETTINGS_VERSION = 3  # 3: run stores its -n (n_concurrent)
-
-#: Where a job's model server is, not what the job runs: a resume may give them anew.
-SERVER_LOCATION = frozenset({"base_url", "serve_cmd", "api_key_name"})
-#: What a resume may set anew besides (how many episodes at once: the results do not depend on it).
-RESUME_MAY_CHANGE = SERVER_LOCATION | {"n_concurrent"}
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as its JSON form reads back (tuples as lists, paths as text): how a stored value compares."""
-    return json.loads(json.dumps(value, default=str))
+# 3: run stores its -n (n_concurrent); 4: a start_timeout of None is no limit (before: the engine's default).
+SETTINGS_VERSION = 4
+#: Stored by version 2 under the shim's name of another option: the cluster's cap.
+_STORED_AS = {"max_live_sandboxes": "cluster_max_live"}
+#: Stored as None by earlier versions to mean the default (today None is no limit, or no value at all).
+_NONE_WAS_DEFAULT = ("start_timeout", "timeout_multiplier")
 
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-@dataclass
-class JobSettings:
-    """Everything a ``run`` or an ``eval`` job needs (``command`` says which).
+def _current_names(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` under today's names; an earlier release's name warns (the caller passed it)."""
+    current: dict[str, Any] = {}
+    for name, value in values.items():
+        if name in RENAMED:
+            warnings.warn(
+                f"{name}= is deprecated; use {RENAMED[name]}= (the old name goes in the next release)",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            name = RENAMED[name]
+        current[name] = value
+    return current
+
+
+class JobSettings(EngineSettings):
+    """Everything a ``run`` or an ``eval`` job needs (``command`` says which), checked once when built.
 
     Attributes shared by both: the suite and its selection, the backend and its
-    options, the host variables a task's ``${VAR}`` may read (``env_allow``), attempts, concurrency, the episode deadline and Harbor's timeout
-    multipliers, and the cluster options (``ray``, ``ray_address``, ``budget``
+    options, the host variables a task's ``${VAR}`` may read (``env_allow``), attempts, concurrency, the
+    engine's knobs (the episode deadline, the start timeout, retries and the
+    slot wait, Harbor's timeout multipliers: :class:`~harbor_async.setting_fields.EngineSettings`,
+    shared with the shim's options), and the cluster options (``ray``, ``ray_address``, ``budget``
     and the cluster's caps ``cluster_max_live``, ``cluster_creates_per_second``,
     named as the shim's engine options name them), and a Harbor agent's
     options (``agent_kwargs``, ``--ak``).
@@ -67,150 +94,140 @@ class JobSettings:
     reach them (``models``, ``base_url``, ``serve_cmd``, ``api_key_name``,
     ``vllm_args``, ``ready_timeout``), sampling, the agent loop's limits and the
     scoring threshold.
+
+    A field marked :func:`~harbor_async.setting_fields.may_change_on_resume`
+    (where the model server is now, and how many episodes run at once) may be
+    given anew by a resume; every other one must equal the stored value
+    (:meth:`resumed`).
     """
 
-    command: str = "run"
+    command: Literal["run", "eval"] = "run"
     suite: str | list[str] | None = None  # a folder, a dataset id, or a registry dataset's task folders
     dataset: str | None = None
     agent: str = "oracle"
-    agent_kwargs: dict[str, Any] = field(default_factory=dict)  # a Harbor agent's options (--ak)
+    agent_kwargs: dict[str, Any] = Field(default_factory=dict)  # a Harbor agent's options (--ak)
     environment_type: str = "local"
-    environment_kwargs: dict[str, Any] = field(default_factory=dict)
-    env_allow: list[str] = field(default_factory=list)
-    strict_verify: bool = False
-    n_attempts: int = 1
-    n_concurrent: int = 8
-    n_tasks: int | None = None
-    indices: list[int] | None = None
-    include: list[str] | None = None
-    exclude: list[str] | None = None
-    episode_timeout: float | None = None
-    start_timeout: float | None = None
-    # The engine's own defaults (harbor_async.policy), declared there once.
-    slot_timeout: float | None = Timeouts.slot
-    start_attempts: int = RetryPolicy.attempts
-    start_retry_wait: float = RetryPolicy.initial_wait
-    start_retry_max_wait: float = RetryPolicy.max_wait
-    start_retry_max_total: float | None = RetryPolicy.max_total
-    timeout_multiplier: float = 1.0
-    agent_timeout_multiplier: float | None = None
-    verifier_timeout_multiplier: float | None = None
-    environment_build_timeout_multiplier: float | None = None
-    agent_setup_timeout_multiplier: float | None = None
+    environment_kwargs: dict[str, Any] = Field(default_factory=dict)
+    n_attempts: PositiveInt = 1
+    n_concurrent: PositiveInt = may_change_on_resume(8)  # the results do not depend on it
+    n_tasks: PositiveInt | None = None
+    indices: list[NonNegativeInt] | None = Field(None, strict=False)
+    include: list[str] | None = Field(None, strict=False)
+    exclude: list[str] | None = Field(None, strict=False)
+    agent_setup_timeout_multiplier: float | None = knob("timeouts", "agent_setup_timeout_multiplier")
     ray: bool = False
-    ray_address: str | None = None
-    budget: str = "local"
-    cluster_max_live: int | None = None
-    cluster_creates_per_second: float | None = None
     # eval
-    models: list[str] = field(default_factory=list)
-    base_url: str | None = None
-    serve_cmd: str | None = None
-    api_key_name: str | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
-    limits: dict[str, Any] = field(default_factory=dict)
-    max_concurrent_requests: int = 32
-    max_model_server_failures: int = 5
-    request_timeout: float = 600.0
+    models: list[str] = Field(default_factory=list, strict=False)
+    base_url: str | None = may_change_on_resume()  # where the model server is, not what the job runs
+    serve_cmd: str | None = may_change_on_resume()
+    api_key_name: str | None = may_change_on_resume()
+    sampling: Sampling = Sampling()
+    limits: AgentLimits = AgentLimits()
+    max_concurrent_requests: PositiveInt = 32
+    max_model_server_failures: NonNegativeInt = 5
+    request_timeout: PositiveFloat = 600.0
     success_threshold: float = DEFAULT_SUCCESS_THRESHOLD
-    ready_timeout: float = DEFAULT_READY_TIMEOUT
-    ready_error_timeout: float = DEFAULT_ERROR_TIMEOUT
-    vllm_args: list[str] = field(default_factory=list)
+    ready_timeout: PositiveFloat = DEFAULT_READY_TIMEOUT
+    ready_error_timeout: PositiveFloat = DEFAULT_ERROR_TIMEOUT
+    vllm_args: list[str] = Field(default_factory=list, strict=False)
     # run
-    episodes: list[dict[str, Any]] = field(default_factory=list)
-    created_at: str = field(default_factory=_now)
+    episodes: list[dict[str, Any]] = Field(default_factory=list)
+    created_at: str = Field(default_factory=_now)
     version: int = SETTINGS_VERSION
 
+    @model_validator(mode="before")
+    @classmethod
+    def earlier_names(cls, values: Any) -> Any:
+        """An earlier release's name of a setting (``backend``, ``attempts``, ...) read as today's."""
+        if isinstance(values, Mapping):
+            return {RENAMED.get(k, k): v for k, v in values.items()}
+        return values
+
+    @field_validator("suite", mode="before")
+    @classmethod
+    def paths_as_text(cls, value: Any) -> Any:
+        """A suite given as a path (or task folders as paths) is stored as text."""
+        return [fspath(v) for v in value] if isinstance(value, list | tuple) else fspath(value)
+
+    @field_validator("include", "exclude", mode="before")
+    @classmethod
+    def one_glob_is_a_list_of_one(cls, value: Any) -> Any:
+        """``include="csv-*"`` is that one glob (as :func:`~harbor_async.tasks.load_suite` takes it)."""
+        return [value] if isinstance(value, str) else value
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form (the job's ``harbor-async.json``)."""
-        return asdict(self)
+        """Plain-JSON form (the job's ``harbor-async.json``): every field."""
+        return self.model_dump(mode="json")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> JobSettings:
-        """Read :meth:`to_dict`'s output, or an earlier release's ``config.json`` (unknown keys ignored)."""
+    def from_dict(cls, data: Mapping[str, Any]) -> JobSettings:
+        """Read a stored :meth:`to_dict`, whole, of this release or an earlier one, or an earlier ``config.json``.
+
+        An earlier version's file is brought up to this one (its names, its
+        ``None`` that meant a default, a key no setting has any more dropped);
+        this version's is read as it is: an unknown key is refused.
+
+        Raises:
+            UnknownSettingError, SettingError: a stored value this release cannot read.
+        """
         data = dict(data)
         nested = data.pop("settings", None)
         if isinstance(nested, dict):  # run's earlier shape: {"command", "created_at", "settings": {...}, "episodes"}
             multipliers = nested.pop("multipliers", None) or {}
             data.update(nested)
             data.update(
-                timeout_multiplier=multipliers.get("all") or 1.0,
+                timeout_multiplier=multipliers.get("all"),
                 agent_timeout_multiplier=multipliers.get("agent"),
                 verifier_timeout_multiplier=multipliers.get("verifier"),
                 environment_build_timeout_multiplier=multipliers.get("environment_build"),
             )
-        values = {RENAMED.get(k, k): v for k, v in data.items()}
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known})
+        version = data.get("version", 1)
+        if version < SETTINGS_VERSION:
+            data = _upgraded(data, version)
+        return cls(**data)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> JobSettings:
         """Build from keyword arguments; an earlier release's name works, with a ``DeprecationWarning``.
 
         Raises:
-            TypeError: a name that is no setting.
+            UnknownSettingError: a name that is no setting (a ``TypeError``).
+            SettingError: a value of the wrong type or out of its range.
         """
-        known = {f.name for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for name, value in kwargs.items():
-            if name in RENAMED and RENAMED[name] in known:
-                warnings.warn(
-                    f"{name}= is deprecated; use {RENAMED[name]}= (the old name goes in the next release)",
-                    DeprecationWarning,
-                    stacklevel=3,
-                )
-                name = RENAMED[name]
-            if name not in known:
-                raise TypeError(f"unknown setting {name!r}; settings are: {', '.join(sorted(known))}")
-            values[name] = value
-        return cls(**values)
+        return cls(**_current_names(kwargs))
 
     def resumed(self, given: Mapping[str, Any]) -> JobSettings:
-        """These stored settings for a resume given ``given`` (settings by name; earlier names work).
+        """These stored settings for a resume given ``given`` (settings by name; earlier names work, and warn).
 
-        A resume runs the job whole as it was started: a given value equal to the
-        stored one is accepted, one that differs is refused
-        (:class:`~harbor_async.errors.ResumeConflictError`, naming both), except
-        where the job's model server is now (:data:`SERVER_LOCATION`: a server
-        restarted on another port, a key under another name) and how many
-        episodes run at once (``n_concurrent``), which replace the stored ones
-        (:data:`RESUME_MAY_CHANGE`). ``None`` means not given.
+        A resume runs the job whole as it was started: every setting given is
+        checked as a new job's would be, then compared with the stored one
+        (their JSON forms). Equal is accepted; different is refused
+        (:class:`~harbor_async.errors.ResumeConflictError`, naming both),
+        except for the fields marked as a resume's to change (:data:`RESUME_MAY_CHANGE`:
+        where the job's model server is now, how many episodes run at once),
+        which replace the stored ones. ``None`` means not given.
 
         Raises:
             ResumeConflictError: a value that differs from the stored one.
-            TypeError: a name that is no setting.
+            UnknownSettingError: a name that is no setting.
+            SettingError: a value of the wrong type or out of its range.
         """
-        known = {f.name for f in fields(self)}
-        moved: dict[str, Any] = {}
-        for name, value in given.items():
-            name = RENAMED.get(name, name)
-            if name not in known:
-                raise TypeError(f"unknown setting {name!r}; settings are: {', '.join(sorted(known))}")
-            if value is None:
-                continue
-            if name in RESUME_MAY_CHANGE:
-                moved[name] = value
-            elif _plain(value) != _plain(getattr(self, name)):
-                raise ResumeConflictError(name, getattr(self, name), value)
+        values = _current_names(given)
+        unknown = sorted(set(values) - set(type(self).model_fields))
+        if unknown:
+            raise UnknownSettingError(unknown[0], sorted(type(self).model_fields))
+        values = {name: value for name, value in values.items() if value is not None}
+        checked = type(self)(**{**self.model_dump(), **values})
+        stored, now = self.to_dict(), checked.to_dict()
+        for name in values:
+            if name not in RESUME_MAY_CHANGE and now[name] != stored[name]:
+                raise ResumeConflictError(name, stored[name], now[name])
+        moved = {name: getattr(checked, name) for name in values if name in RESUME_MAY_CHANGE}
         if moved.get("base_url") and "serve_cmd" not in moved:  # the server is now at that address, not started
             moved["serve_cmd"] = None
         if moved.get("serve_cmd") and "base_url" not in moved:
             moved["base_url"] = None
-        return replace(self, **moved)
-
-    def timeouts(self) -> Timeouts:
-        """The engine's phase budgets for this job (each task's own are applied per sandbox)."""
-        base = Timeouts()
-        return Timeouts(
-            start=self.start_timeout or base.start,
-            slot=self.slot_timeout,
-            episode=self.episode_timeout,
-            timeout_multiplier=self.timeout_multiplier or 1.0,
-            agent_timeout_multiplier=self.agent_timeout_multiplier,
-            verifier_timeout_multiplier=self.verifier_timeout_multiplier,
-            environment_build_timeout_multiplier=self.environment_build_timeout_multiplier,
-            agent_setup_timeout_multiplier=self.agent_setup_timeout_multiplier,
-        )
+        return self.model_copy(update=moved)
 
     def budget_factory(self) -> Any:
         """The ``Engine(budget=...)`` factory: ``None`` (this process's limits) or the cluster's Ray budget."""
@@ -231,17 +248,27 @@ class JobSettings:
         job folder, whose ``artifacts/`` gets each episode's artifacts.
         """
         return {
+            **self.engine_knobs(),
             "trials_dir": None if job_dir is None else str(job_dir),
-            "limits": Limits(live_sandboxes=None),
-            "timeouts": self.timeouts(),
-            "retry": RetryPolicy(
-                attempts=self.start_attempts, initial_wait=self.start_retry_wait,
-                max_wait=self.start_retry_max_wait, max_total=self.start_retry_max_total,
-            ),
             "backend_kwargs": dict(self.environment_kwargs),
             "budget": budget if budget is not None else self.budget_factory(),
-            "env_allow": list(self.env_allow),
-            "strict_verify": self.strict_verify,
             "reap_stale": True,  # what killed runs left on this machine goes first (dead owners only)
         }
 
+
+#: What a resume may set anew: the fields marked so (where the model server is, how many episodes at once).
+RESUME_MAY_CHANGE = frozenset(marked_fields(JobSettings, RESUME_MARK))
+
+
+def _upgraded(data: dict[str, Any], version: int) -> dict[str, Any]:
+    """An earlier version's stored settings in this version's form (see :meth:`JobSettings.from_dict`)."""
+    known = set(JobSettings.model_fields)
+    values = {_STORED_AS.get(k, RENAMED.get(k, k)): v for k, v in data.items()}
+    values = {k: v for k, v in values.items() if k in known}  # a setting since removed: nothing reads it
+    for name in _NONE_WAS_DEFAULT:
+        if values.get(name, 0) is None:
+            del values[name]
+    if values.get("command", "run") == "run" and version < 3:  # run stored no -n: the default, unless given now
+        values.pop("n_concurrent", None)
+    values["version"] = SETTINGS_VERSION  # what it holds now means what this version's would
+    return values

@@ -3,7 +3,10 @@
 A thin builder of the engine's own configuration (:class:`~harbor_async.policy.Limits`,
 :class:`~harbor_async.policy.Timeouts`, :class:`~harbor_async.policy.RetryPolicy`,
 which check the values), as httpx's ``Timeout``/``Limits`` serve its sync and async
-clients alike; plus the shim's own failure budget and the cluster budget.
+clients alike; plus the shim's own failure budget and the cluster budget. Its
+knobs shared with a job's settings (timeouts, retries, multipliers, the cluster's)
+are declared once, in :class:`~harbor_async.setting_fields.EngineSettings`, which
+both build the engine's classes with.
 
 ``HarborSpec(...)`` and ``HarborEnv(...)`` accept every field of
 :class:`EngineOptions` as a keyword argument (``max_live_sandboxes=16,
@@ -16,35 +19,17 @@ across the whole batch, not per env.
 from __future__ import annotations
 
 import os
-
 import warnings
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, TypedDict
+from dataclasses import replace
+from typing import Any, Literal, TypedDict
 
-from harbor_async.errors import SettingError
-from harbor_async.policy import Limits, RetryPolicy, Timeouts
+from pydantic import ConfigDict, Field, field_validator
 
-_TIMEOUTS, _RETRY = Timeouts(), RetryPolicy()
-
-#: The engine's names of the settings an option sets (for errors in the option's name).
-_OPTION_NAMES = {
-    "live_sandboxes": "max_live_sandboxes",
-    "start": "start_timeout",
-    "exec": "exec_timeout",
-    "verify": "verify_timeout",
-    "stop": "stop_timeout",
-    "episode": "episode_timeout",
-    "agent": "agent_timeout",
-    "attempts": "start_attempts",
-    "slot": "slot_timeout",
-    "initial_wait": "start_retry_wait",
-    "max_wait": "start_retry_max_wait",
-    "max_total": "start_retry_max_total",
-}
+from harbor_async.policy import Limits
+from harbor_async.setting_fields import EngineSettings, fspath, knob
 
 
-@dataclass(frozen=True)
-class EngineOptions:
+class EngineOptions(EngineSettings):
     """Limits, per-phase timeouts and retries of the shared engine.
 
     Attributes:
@@ -119,105 +104,45 @@ class EngineOptions:
             rank its own folder.
     """
 
-    max_live_sandboxes: int | None = None
-    creates_per_second: float | None = None
-    concurrent_execs: int | None = None
-    # The engine's own defaults, declared once (harbor_async.policy): the shim names them as TRL's users expect.
-    start_timeout: float | None = _TIMEOUTS.start
-    exec_timeout: float | None = _TIMEOUTS.exec
-    verify_timeout: float | None = _TIMEOUTS.verify
-    stop_timeout: float | None = _TIMEOUTS.stop
-    episode_timeout: float | None = _TIMEOUTS.episode
-    start_attempts: int = _RETRY.attempts
-    slot_timeout: float | None = _TIMEOUTS.slot
-    start_retry_wait: float = _RETRY.initial_wait
-    start_retry_max_wait: float = _RETRY.max_wait
-    start_retry_max_total: float | None = _RETRY.max_total
-    agent_timeout: float | None = _TIMEOUTS.agent
-    timeout_multiplier: float = _TIMEOUTS.timeout_multiplier
-    agent_timeout_multiplier: float | None = None
-    verifier_timeout_multiplier: float | None = None
-    environment_build_timeout_multiplier: float | None = None
-    max_failure_share: float | None = 0.5
-    max_start_failures_in_a_row: int | None = 8
+    model_config = ConfigDict(frozen=True)  # hashable: option sets key the shared engines
+
+    # The shared knobs (timeouts, retries, multipliers, the cluster's) are EngineSettings'; these are the shim's.
+    max_live_sandboxes: int | None = knob("limits", "live_sandboxes")
+    creates_per_second: float | None = knob("limits", "creates_per_second")
+    concurrent_execs: int | None = knob("limits", "concurrent_execs")
+    exec_timeout: float | None = knob("timeouts", "exec")
+    verify_timeout: float | None = knob("timeouts", "verify")
+    stop_timeout: float | None = knob("timeouts", "stop")
+    agent_timeout: float | None = knob("timeouts", "agent")
+    max_failure_share: float | None = Field(0.5, ge=0, le=1)
+    max_start_failures_in_a_row: int | None = Field(8, gt=0)
     per_rank_limits: bool = False
-    budget: str = "local"
-    ray_address: str | None = None
-    cluster_max_live: int | None = None
-    cluster_creates_per_second: float | None = None
-    env_allow: tuple[str, ...] = ()
-    strict_verify: bool = False
     reap_stale: bool = True
     job_dir: str | None = None
 
-    def __post_init__(self) -> None:
-        if self.job_dir is not None:
-            object.__setattr__(self, "job_dir", os.fspath(self.job_dir))
-        names = (self.env_allow,) if isinstance(self.env_allow, str) else tuple(self.env_allow)
-        object.__setattr__(self, "env_allow", names)  # hashable: option sets key the shared engines
-        if self.budget not in ("local", "ray"):
-            raise SettingError("budget", self.budget, "'local' or 'ray'")
-        share = self.max_failure_share
-        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1):
-            raise SettingError("max_failure_share", share, "a number in [0, 1] or None")
-        for name in ("max_start_failures_in_a_row", "cluster_max_live"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise SettingError(name, value, "a positive integer or None")
-        value = self.cluster_creates_per_second
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
-            raise SettingError("cluster_creates_per_second", value, "a positive number or None")
-        try:  # the engine's own classes check the rest, once
-            self.limits(), self.timeouts(), self.retry()
-        except SettingError as exc:
-            raise SettingError(_OPTION_NAMES.get(exc.name, exc.name), exc.value, exc.requirement) from None
+    @field_validator("job_dir", mode="before")
+    @classmethod
+    def path_as_text(cls, value: Any) -> Any:
+        """A job folder given as a path is kept as text (hashable, and as records name it)."""
+        return fspath(value)
 
-    def limits(self) -> Limits:
+    def engine_limits(self) -> Limits:
         """The engine's :class:`~harbor_async.policy.Limits` (per rank with ``per_rank_limits``)."""
-        limits = Limits(
-            live_sandboxes=self.max_live_sandboxes,
-            creates_per_second=self.creates_per_second,
-            concurrent_execs=self.concurrent_execs,
-        )
+        limits = super().engine_limits()
         if self.per_rank_limits:
             from harbor_async.cluster.ranks import divide_limits
 
             limits = divide_limits(limits)
         return limits
 
-    def timeouts(self) -> Timeouts:
-        """The engine's :class:`~harbor_async.policy.Timeouts`."""
-        return Timeouts(
-            start=self.start_timeout,
-            exec=self.exec_timeout,
-            verify=self.verify_timeout,
-            stop=self.stop_timeout,
-            slot=self.slot_timeout,
-            episode=self.episode_timeout,
-            agent=self.agent_timeout,
-            timeout_multiplier=self.timeout_multiplier,
-            agent_timeout_multiplier=self.agent_timeout_multiplier,
-            verifier_timeout_multiplier=self.verifier_timeout_multiplier,
-            environment_build_timeout_multiplier=self.environment_build_timeout_multiplier,
-        )
-
-    def retry(self) -> RetryPolicy:
-        """The engine's :class:`~harbor_async.policy.RetryPolicy`."""
-        return RetryPolicy(
-            attempts=self.start_attempts, initial_wait=self.start_retry_wait, max_wait=self.start_retry_max_wait,
-            max_total=self.start_retry_max_total,
-        )
-
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineOptions:
-        """Build from keyword arguments; a name that is no option raises ``TypeError``."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(
-                f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
-                f"engine options are: {', '.join(sorted(known))}"
-            )
+        """Build from keyword arguments.
+
+        Raises:
+            UnknownSettingError: a name that is no option (a ``TypeError``).
+            SettingError: a value of the wrong type or out of its range, named as the option.
+        """
         return cls(**kwargs)
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -226,32 +151,27 @@ class EngineOptions:
         ``max_output`` stays at the engine default (8000 characters), the cut
         TRL's env applies, so tool outputs match TRL's byte for byte.
         """
-        limits = self.limits()
-        kwargs: dict[str, Any] = {}
+        knobs = self.engine_knobs()
         if self.budget == "ray":
             from harbor_async.cluster.ranks import current_world
             from harbor_async.cluster.ray_budget import factory
 
-            world = current_world().size
+            limits, world = knobs["limits"], current_world().size
             if limits.live_sandboxes is None and world > 1 and self.cluster_max_live is not None:
                 # Ranks need their batches live at once: without a batch given, each rank's
                 # batch is its share of the cluster cap (a larger rollout batch is refused).
-                limits = replace(limits, live_sandboxes=max(1, self.cluster_max_live // world))
-
-            kwargs["budget"] = factory(
+                knobs["limits"] = limits = replace(limits, live_sandboxes=max(1, self.cluster_max_live // world))
+            knobs["budget"] = factory(
                 address=self.ray_address,
                 max_live=self.cluster_max_live,
                 creates_per_second=self.cluster_creates_per_second,
                 batch=limits.live_sandboxes,
             )
-        return {
-            **kwargs, "limits": limits, "timeouts": self.timeouts(), "retry": self.retry(), "env_allow": self.env_allow,
-            "strict_verify": self.strict_verify, "reap_stale": self.reap_stale,
-        }  # fmt: skip
+        return {**knobs, "reap_stale": self.reap_stale}
 
     def as_dict(self) -> dict[str, Any]:
         """The options as keyword arguments."""
-        return asdict(self)
+        return self.model_dump()
 
 
 def renamed_kwargs(environment_kwargs: Any, backend_kwargs: Any) -> Any:
@@ -269,7 +189,12 @@ def renamed_kwargs(environment_kwargs: Any, backend_kwargs: Any) -> Any:
 
 
 class EngineOptionsKwargs(TypedDict, total=False):
-    """The keyword arguments :class:`EngineOptions` accepts (for type checkers)."""
+    """The keyword arguments :class:`EngineOptions` accepts, for ``HarborSpec``/``HarborEnv``'s ``**engine_options``.
+
+    Type checkers read ``EngineOptions(...)``'s keywords off the model itself;
+    ``**kwargs`` can only be typed by a ``TypedDict``, so this one lists the
+    model's fields again (a test keeps the two equal).
+    """
 
     job_dir: str | os.PathLike[str] | None
     max_live_sandboxes: int | None
@@ -293,7 +218,7 @@ class EngineOptionsKwargs(TypedDict, total=False):
     max_failure_share: float | None
     max_start_failures_in_a_row: int | None
     per_rank_limits: bool
-    budget: str
+    budget: Literal["local", "ray"]
     ray_address: str | None
     cluster_max_live: int | None
     cluster_creates_per_second: float | None

@@ -173,7 +173,8 @@ def test_a_resume_with_no_flags_runs_the_rest_as_stored(tmp_path: Path) -> None:
 def test_stored_settings_refuse_a_conflicting_value_and_take_the_server_s_new_place() -> None:
     stored = JobSettings(command="eval", n_attempts=2, ray=True, base_url="http://old/v1", models=["m"])
     assert stored.resumed({"n_attempts": 2, "ray": True}) == stored
-    moved = stored.resumed({"base_url": "http://new/v1", "attempts": 2, "concurrency": 16})  # earlier names work too
+    with pytest.warns(DeprecationWarning):  # earlier names work too, with a warning
+        moved = stored.resumed({"base_url": "http://new/v1", "attempts": 2, "concurrency": 16})
     assert moved.base_url == "http://new/v1" and moved.ray and moved.n_concurrent == 16  # -n may change: same results
     with pytest.raises(ResumeConflictError) as caught:
         stored.resumed({"ray": False})
@@ -190,7 +191,7 @@ def test_every_run_option_is_classified_for_a_resume() -> None:
 
     classified = run_cli._INVOCATION_OPTIONS | run_cli._PLAN_OPTIONS | set(run_cli._SETTING_OF) | run_cli._CONVERTED_OPTIONS
     assert set(inspect.signature(run_cli.run).parameters) <= classified
-    fields = set(JobSettings.__dataclass_fields__)
+    fields = set(JobSettings.model_fields)
     assert set(run_cli._SETTING_OF.values()) <= fields
 
 
@@ -210,7 +211,7 @@ def test_eval_resume_checks_what_was_typed_against_the_stored_job(tmp_path: Path
         again = _cli("eval", "--resume", job, "-n", "2", "--base-url", server.base_url)  # equal, and the server's place
         assert again.returncode == 0, again.stderr[-2000:]
     config = JobSettings.from_dict(JobFolder.open(job).config)
-    assert config.n_concurrent == 2 and config.sampling == {"temperature": 0.5}
+    assert config.n_concurrent == 2 and config.sampling.temperature == 0.5
 
 
 def test_one_task_selection_for_run_eval_and_the_shim(tmp_path: Path) -> None:

@@ -767,14 +767,18 @@ def test_upload_build_files_replays_the_dockerfiles_copies():
 
 
 def test_engine_options_build_the_engines_configuration_and_name_their_own_errors():
-    import dataclasses
+    import typing
 
     from harbor_async.errors import SettingError
     from harbor_async.policy import Limits, RetryPolicy, Timeouts
     from shim.options import EngineOptionsKwargs
 
-    # The typed keywords list every option (a type checker's copy of the dataclass), nothing else.
-    assert set(EngineOptionsKwargs.__annotations__) == {f.name for f in dataclasses.fields(shim.EngineOptions)}
+    # The typed **engine_options list every option with its type (a type checker's copy of the model), nothing else.
+    hints = typing.get_type_hints(EngineOptionsKwargs)
+    fields = shim.EngineOptions.model_fields
+    assert set(hints) == set(fields)
+    widened = {"job_dir"}  # a PathLike is taken too (kept as its text)
+    assert {n: hints[n] for n in fields if n not in widened} == {n: f.annotation for n, f in fields.items() if n not in widened}
     options = shim.EngineOptions(max_live_sandboxes=3, exec_timeout=7, start_attempts=2)
     built = options.engine_kwargs()
     assert built["limits"] == Limits(live_sandboxes=3) and built["retry"] == RetryPolicy(attempts=2)

@@ -9,7 +9,6 @@ formatted into a markup string.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from typing import Annotated, Any
 
@@ -33,7 +32,6 @@ __all__ = [
     "out",
     "parse_indices",
     "parse_kwargs",
-    "positive",
     "say",
     "setup_logging",
 ]
@@ -64,17 +62,6 @@ def fail(message: object, code: int = 2) -> typer.Exit:
     text = " ".join(str(message).split()) if code == 2 and not tabled else str(message)
     say("error:", text, "bold red")
     return typer.Exit(code)
-
-
-def positive(name: str, value: float | None, *, allow_none: bool = True) -> float | None:
-    """``value`` when it is a finite number above 0 (or ``None`` if allowed); else exit 2 naming ``name``."""
-    if value is None:
-        if allow_none:
-            return None
-        raise fail(f"{name} is required")
-    if not math.isfinite(value) or value <= 0:
-        raise fail(f"{name} must be a finite number of seconds above 0, got {value}")
-    return value
 
 
 def parse_indices(text: str | None, name: str = "--indices") -> list[int] | None:

@@ -18,6 +18,21 @@ from harbor_async.printing import escape_controls
 MODEL_SERVER_DOWN_EXIT = 3
 
 
+def _default(name: str) -> str:
+    """A setting's default (``limits.max_turns``: a field of a nested model), as ``--help`` shows it.
+
+    Declared once, on :class:`~harbor_async.settings.JobSettings`; read when the
+    command's options are built, so ``harbor_async.settings`` loads only then.
+    """
+    from harbor_async.settings import JobSettings
+
+    model: Any = JobSettings
+    *path, last = name.split(".")
+    for part in path:
+        model = model.model_fields[part].annotation
+    return str(model.model_fields[last].get_default(call_default_factory=True))
+
+
 def eval_command(
     ctx: typer.Context,
     path: Annotated[
@@ -58,10 +73,10 @@ def eval_command(
     env: Annotated[
         str, typer.Option("--env", "-e", help="Backend: local, simulated, a Harbor type (docker, ...) or module:Class.")
     ] = "local",
-    attempts: Annotated[int, typer.Option("--n-attempts", "-k", min=1, help="Episodes per task (pass@k up to k).")] = 1,
+    attempts: Annotated[int | None, typer.Option("--n-attempts", "-k", min=1, help="Episodes per task (pass@k up to k).", show_default=_default("n_attempts"))] = None,
     concurrency: Annotated[
-        int, typer.Option("--n-concurrent", "-n", min=1, help="Episodes (and live sandboxes) at once.")
-    ] = 8,
+        int | None, typer.Option("--n-concurrent", "-n", min=1, help="Episodes (and live sandboxes) at once.", show_default=_default("n_concurrent"))
+    ] = None,
     jobs_dir: Annotated[Path, typer.Option("--jobs-dir", "-o", help="Folder of job folders.")] = Path("jobs"),
     job_name: Annotated[str | None, typer.Option("--job-name", help="Job folder name (default: a timestamp).")] = None,
     resume: Annotated[
@@ -77,7 +92,7 @@ def eval_command(
     top_p: Annotated[float | None, typer.Option(help="Nucleus sampling.")] = None,
     max_tokens: Annotated[int | None, typer.Option(help="Tokens per reply.")] = None,
     seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
-    max_turns: Annotated[int, typer.Option(min=1, help="Model replies per episode.")] = 50,
+    max_turns: Annotated[int | None, typer.Option(min=1, help="Model replies per episode.", show_default=_default("limits.max_turns"))] = None,
     max_total_tokens: Annotated[
         int | None, typer.Option(help="Conversation length (tokens) that ends an episode.")
     ] = None,
@@ -87,29 +102,35 @@ def eval_command(
     episode_timeout: Annotated[
         float | None, typer.Option(help="Seconds for a whole episode (sandbox deadline).")
     ] = None,
-    max_concurrent_requests: Annotated[int, typer.Option(min=1, help="Model requests in flight at once.")] = 32,
-    request_timeout: Annotated[float, typer.Option(help="Seconds for one model request.")] = 600.0,
+    start_timeout: Annotated[float | None, typer.Option(help="Seconds for one start attempt.", show_default=_default("start_timeout"))] = None,
+    slot_timeout: Annotated[float | None, typer.Option(help="Seconds a start may wait for a live-sandbox slot.", show_default=_default("slot_timeout"))] = None,
+    start_attempts: Annotated[int | None, typer.Option(help="Start attempts for transient failures (jittered exponential backoff).", show_default=_default("start_attempts"))] = None,
+    start_retry_wait: Annotated[float | None, typer.Option(help="Seconds of the first wait between start attempts.", show_default=_default("start_retry_wait"))] = None,
+    start_retry_max_wait: Annotated[float | None, typer.Option(help="Seconds of the longest wait between start attempts.", show_default=_default("start_retry_max_wait"))] = None,
+    start_retry_max_total: Annotated[float | None, typer.Option(help="Seconds all attempts of one start may take.", show_default=_default("start_retry_max_total"))] = None,
+    max_concurrent_requests: Annotated[int | None, typer.Option(min=1, help="Model requests in flight at once.", show_default=_default("max_concurrent_requests"))] = None,
+    request_timeout: Annotated[float | None, typer.Option(help="Seconds for one model request.", show_default=_default("request_timeout"))] = None,
     model_retries: Annotated[
-        int, typer.Option(min=0, help="Retries of a failed model request (429, 5xx, timeouts).")
-    ] = 5,
-    ready_timeout: Annotated[float, typer.Option(help="Seconds a managed server gets to become ready.")] = 900.0,
+        int | None, typer.Option(min=0, help="Retries of a failed model request (429, 5xx, timeouts).", show_default=_default("limits.retries"))
+    ] = None,
+    ready_timeout: Annotated[float | None, typer.Option(help="Seconds a managed server gets to become ready.", show_default=_default("ready_timeout"))] = None,
     ready_error_timeout: Annotated[
-        float, typer.Option(help="Seconds of server errors (HTTP 5xx) while waiting for readiness before giving up.")
-    ] = 60.0,
+        float | None, typer.Option(help="Seconds of server errors (HTTP 5xx) while waiting for readiness before giving up.", show_default=_default("ready_error_timeout"))
+    ] = None,
     success_threshold: Annotated[
-        float, typer.Option(help="Reward at or above which an episode counts as solved.")
-    ] = 1.0,
+        float | None, typer.Option(help="Reward at or above which an episode counts as solved.", show_default=_default("success_threshold"))
+    ] = None,
     env_allow: Annotated[
         list[str] | None, typer.Option("--env-allow", help="A host variable a task's ${VAR} may read (repeatable; default none).")
     ] = None,
     strict_verify: StrictVerifyOpt = False,
     max_model_server_failures: Annotated[
-        int,
+        int | None,
         typer.Option(
-            "--max-model-server-failures", min=0,
+            "--max-model-server-failures", min=0, show_default=_default("max_model_server_failures"),
             help="Stop the eval (exit 3) after this many episodes in a row failed for the model server (0: never).",
         ),
-    ] = 5,
+    ] = None,
     backend_kwarg: Annotated[
         list[str] | None, typer.Option("--ek", help="Backend constructor argument KEY=VALUE (repeatable).")
     ] = None,
@@ -176,19 +197,25 @@ def eval_command(
             if v is not None
         },
         limits={
-            "max_turns": max_turns,
-            "max_total_tokens": max_total_tokens,
-            "timeout": agent_timeout,
-            "retries": model_retries,
+            k: v
+            for k, v in dict(max_turns=max_turns, max_total_tokens=max_total_tokens, timeout=agent_timeout, retries=model_retries).items()
+            if v is not None
         },
         max_concurrent_requests=max_concurrent_requests,
         max_model_server_failures=max_model_server_failures,
         request_timeout=request_timeout,
         success_threshold=success_threshold,
         episode_timeout=episode_timeout,
+        start_timeout=start_timeout,
+        slot_timeout=slot_timeout,
+        start_attempts=start_attempts,
+        start_retry_wait=start_retry_wait,
+        start_retry_max_wait=start_retry_max_wait,
+        start_retry_max_total=start_retry_max_total,
         ready_timeout=ready_timeout,
         ready_error_timeout=ready_error_timeout,
     )
+    settings = {name: value for name, value in settings.items() if value is not None}  # not given: the setting's default
     if resume is not None:  # the job's stored settings, whole: only what was typed is checked against them
         settings = _given_on_resume(ctx, settings, resume)
     progress = _Progress()
@@ -248,7 +275,8 @@ _KEY_OF = {
 
 def _given_on_resume(ctx: typer.Context, settings: dict[str, Any], resume: Path) -> dict[str, Any]:
     """The settings typed on a resume's command line (``evaluate`` checks them against the stored ones)."""
-    from harbor_async.jobs import JobFolder, JobFolderError
+    from harbor_async.errors import HarborAsyncError
+    from harbor_async.jobs import JobFolder
     from harbor_async.settings import JobSettings
 
     typed = [n for n in ctx.params if getattr(ctx.get_parameter_source(n), "name", "") == "COMMANDLINE"]
@@ -260,8 +288,8 @@ def _given_on_resume(ctx: typer.Context, settings: dict[str, Any], resume: Path)
             table, key = _KEY_OF[name]
             if table not in given:
                 try:
-                    given[table] = dict(getattr(JobSettings.from_dict(JobFolder.open(resume).config), table))
-                except JobFolderError as exc:
+                    given[table] = getattr(JobSettings.from_dict(JobFolder.open(resume).config), table).model_dump()
+                except HarborAsyncError as exc:  # no job folder, or settings this release cannot read
                     raise fail(exc) from None
             given[table][key] = ctx.params[name]
         elif _SETTING_OF.get(name, name) in settings:

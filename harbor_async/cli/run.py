@@ -10,7 +10,6 @@ runs what a job is missing. Signals stop the batch cleanly (see
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from collections import Counter
 from pathlib import Path
 from typing import IO, Annotated, Any
@@ -37,13 +36,12 @@ from harbor_async.cli.common import (
     out,
     parse_indices,
     parse_kwargs,
-    positive,
     say,
     setup_logging,
 )
 from harbor_async.cli.eval import MODEL_SERVER_DOWN_EXIT
 from harbor_async.interrupts import Interrupts
-from harbor_async.errors import BackendError, ResumeConflictError, SettingError
+from harbor_async.errors import BackendError, ResumeConflictError, SettingError, UnknownSettingError
 from harbor_async.printing import escape_controls
 from harbor_async.task_support import RUN, MissingVariablesError, UnsupportedTaskError, check_tasks
 from harbor_async.cli.selection import (
@@ -62,6 +60,12 @@ from harbor_async.settings import JobSettings
 
 PHASES = ("start", "agent", "verify", "stop")
 DEFAULT_JOBS_DIR = Path("jobs")
+
+
+def _default(name: str) -> str:
+    """A setting's default, as ``--help`` shows it (declared once, on :class:`JobSettings`)."""
+    return str(JobSettings.model_fields[name].get_default(call_default_factory=True))
+
 
 # ── options shared by `run` and `tasks` (Harbor's spellings; older ones hidden) ──
 SuiteArg = Annotated[str | None, typer.Argument(hidden=True, help="Older spelling of -p/-d.")]
@@ -90,6 +94,8 @@ _PLAN_OPTIONS = frozenset({
 })  # fmt: skip
 #: Options that set one job setting (by its name): given on a resume, they must equal the stored value.
 _SETTING_OF = {
+    "slot_timeout": "slot_timeout", "start_attempts": "start_attempts", "start_retry_wait": "start_retry_wait",
+    "start_retry_max_wait": "start_retry_max_wait", "start_retry_max_total": "start_retry_max_total",
     "env": "environment_type", "backend": "environment_type", "agent": "agent", "n_concurrent": "n_concurrent",
     "concurrency": "n_concurrent", "n_attempts": "n_attempts", "env_allow": "env_allow", "strict_verify": "strict_verify",
     "timeout_multiplier": "timeout_multiplier", "agent_timeout_multiplier": "agent_timeout_multiplier",
@@ -113,14 +119,14 @@ def run(
     registry_path: RegistryPathOpt = None,
     env: Annotated[str | None, typer.Option("--env", "-e", help="Harbor type (docker, e2b, ...), 'local', 'simulated' or module:Class.", show_default="local")] = None,
     backend: Annotated[str | None, typer.Option("--backend", "-b", hidden=True)] = None,
-    agent: Annotated[str, typer.Option("--agent", "-a", help="A Harbor agent (oracle, none/nop: no agent, terminus-2, claude-code, ...) or module:Class.")] = "oracle",
+    agent: Annotated[str | None, typer.Option("--agent", "-a", help="A Harbor agent (oracle, none/nop: no agent, terminus-2, claude-code, ...) or module:Class.", show_default=_default("agent"))] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help="The agent's model, as Harbor names it (LiteLLM's provider/model, e.g. hosted_vllm/NAME).")] = None,
     ak: AgentKwargOpt = None,
     base_url: Annotated[str | None, typer.Option("--base-url", help="The agent's inference server (a Harbor agent's api_base or base_url; --ak wins).")] = None,
     api_key_name: Annotated[str | None, typer.Option("--api-key-name", help="The variable holding the agent's inference API key.")] = None,
-    n_concurrent: Annotated[int | None, typer.Option("--n-concurrent", "-n", min=1, help="Episodes (and live sandboxes) at once.", show_default="8")] = None,
+    n_concurrent: Annotated[int | None, typer.Option("--n-concurrent", "-n", min=1, help="Episodes (and live sandboxes) at once.", show_default=_default("n_concurrent"))] = None,
     concurrency: Annotated[int | None, typer.Option("--concurrency", "-c", min=1, hidden=True)] = None,
-    n_attempts: Annotated[int, typer.Option("--n-attempts", "-k", min=1, help="Episodes per task; pass@k is reported when above 1.")] = 1,
+    n_attempts: Annotated[int | None, typer.Option("--n-attempts", "-k", min=1, help="Episodes per task; pass@k is reported when above 1.", show_default=_default("n_attempts"))] = None,
     n_tasks: NTasksOpt = None,
     num_tasks: OldNumTasksOpt = None,
     include: IncludeOpt = None,
@@ -129,13 +135,18 @@ def run(
     env_allow: Annotated[list[str] | None, typer.Option("--env-allow", help="A host variable a task's ${VAR} may read (repeatable; default none).")] = None,
     strict_verify: StrictVerifyOpt = False,
     ek: Annotated[list[str] | None, typer.Option("--ek", "--environment-kwarg", help="Backend keyword argument key=value (repeatable); values are read as JSON when they parse.")] = None,
-    timeout_multiplier: Annotated[float, typer.Option("--timeout-multiplier", help="Multiplies the start, exec, agent and verifier budgets.")] = 1.0,
+    timeout_multiplier: Annotated[float | None, typer.Option("--timeout-multiplier", help="Multiplies the start, exec, agent and verifier budgets.", show_default=_default("timeout_multiplier"))] = None,
     agent_timeout_multiplier: Annotated[float | None, typer.Option("--agent-timeout-multiplier", help="Multiplies the agent budget (overrides --timeout-multiplier).")] = None,
     verifier_timeout_multiplier: Annotated[float | None, typer.Option("--verifier-timeout-multiplier", help="Multiplies the verifier budget (overrides --timeout-multiplier).")] = None,
     environment_build_timeout_multiplier: Annotated[float | None, typer.Option("--environment-build-timeout-multiplier", help="Multiplies the start budget (overrides --timeout-multiplier).")] = None,
     agent_setup_timeout_multiplier: Annotated[float | None, typer.Option("--agent-setup-timeout-multiplier", help="Multiplies a Harbor agent's setup budget (overrides --timeout-multiplier).")] = None,
     episode_timeout: Annotated[float | None, typer.Option(help="Seconds for a whole episode (all phases but the stop).")] = None,
-    start_timeout: Annotated[float | None, typer.Option(help="Seconds for one start attempt.", show_default="600")] = None,
+    start_timeout: Annotated[float | None, typer.Option(help="Seconds for one start attempt.", show_default=_default("start_timeout"))] = None,
+    slot_timeout: Annotated[float | None, typer.Option(help="Seconds a start may wait for a live-sandbox slot.", show_default=_default("slot_timeout"))] = None,
+    start_attempts: Annotated[int | None, typer.Option(help="Start attempts for transient failures (jittered exponential backoff).", show_default=_default("start_attempts"))] = None,
+    start_retry_wait: Annotated[float | None, typer.Option(help="Seconds of the first wait between start attempts.", show_default=_default("start_retry_wait"))] = None,
+    start_retry_max_wait: Annotated[float | None, typer.Option(help="Seconds of the longest wait between start attempts.", show_default=_default("start_retry_max_wait"))] = None,
+    start_retry_max_total: Annotated[float | None, typer.Option(help="Seconds all attempts of one start may take.", show_default=_default("start_retry_max_total"))] = None,
     jobs_dir: Annotated[Path, typer.Option("--jobs-dir", "-o", help="Folder of job folders.")] = DEFAULT_JOBS_DIR,
     job_name: Annotated[str | None, typer.Option("--job-name", help="The job folder's name.", show_default="a timestamp")] = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="A job folder: run only its missing episodes and those a resume reruns.")] = None,
@@ -150,7 +161,7 @@ def run(
     max_live: cluster_opts.MaxLiveOpt = None,
     creates_per_second: cluster_opts.CreatesOpt = None,
     on_ray: cluster_opts.RayOpt = False,
-    max_model_server_failures: Annotated[int, typer.Option("--max-model-server-failures", min=0, help="Stop the run (exit 3) after this many episodes in a row failed for the agent's model server (0: never).")] = 5,
+    max_model_server_failures: Annotated[int | None, typer.Option("--max-model-server-failures", min=0, help="Stop the run (exit 3) after this many episodes in a row failed for the agent's model server (0: never).", show_default=_default("max_model_server_failures"))] = None,
 ) -> None:
     """Run every task of a suite (k times each), concurrently, into a job folder; report rewards and timings.
 
@@ -161,32 +172,35 @@ def run(
 
     setup_logging(log_level or ("debug" if debug else None), log_format)
     del yes  # harbor run's -y: harbor-async asks nothing
-    concurrency = n_concurrent or concurrency or 8
     if resume is not None:
         try:
             job = JobFolder.open(resume)
             settings = _resumed(ctx, JobSettings.from_dict(job.config))
-        except (JobFolderError, ResumeConflictError) as exc:
+        except (JobFolderError, ResumeConflictError, SettingError, UnknownSettingError) as exc:
             raise fail(exc) from None
         episodes = reload_episodes(settings.episodes)
-        concurrency, on_ray = settings.n_concurrent, settings.ray
     else:
         settings = _settings(
-            suite_source(suite, path, dataset, registry_url, registry_path), env or backend or "local", agent, n_attempts, ek,
-            timeout_multiplier, agent_timeout_multiplier, verifier_timeout_multiplier,
-            environment_build_timeout_multiplier, episode_timeout, start_timeout, agent_setup_timeout_multiplier,
+            ctx, suite=suite_source(suite, path, dataset, registry_url, registry_path), dataset=dataset,
+            environment_type=env or backend, agent=agent, models=[model] if model else [], n_attempts=n_attempts,
+            n_concurrent=n_concurrent or concurrency, environment_kwargs=parse_kwargs(ek), env_allow=env_allow or [],
+            strict_verify=strict_verify, timeout_multiplier=timeout_multiplier,
+            agent_timeout_multiplier=agent_timeout_multiplier, verifier_timeout_multiplier=verifier_timeout_multiplier,
+            environment_build_timeout_multiplier=environment_build_timeout_multiplier,
+            agent_setup_timeout_multiplier=agent_setup_timeout_multiplier, episode_timeout=episode_timeout,
+            start_timeout=start_timeout, slot_timeout=slot_timeout, start_attempts=start_attempts,
+            start_retry_wait=start_retry_wait, start_retry_max_wait=start_retry_max_wait,
+            start_retry_max_total=start_retry_max_total, ray=on_ray, ray_address=ray_address, budget=budget,
+            cluster_max_live=max_live, cluster_creates_per_second=creates_per_second,
+            max_model_server_failures=max_model_server_failures,
         )  # fmt: skip
-        settings.models, settings.agent_kwargs = [model] if model else [], _agent_kwargs(settings.agent, model, ak, base_url, api_key_name)
-        settings.env_allow = list(env_allow or [])
-        settings.strict_verify = strict_verify
+        settings.agent_kwargs = _agent_kwargs(settings.agent, model, ak, base_url, api_key_name)
         loaded = load_tasks(
             settings.suite, n_tasks=n_tasks or num_tasks, indices=parse_indices(indices), include=include, exclude=exclude
         )
-        settings.suite, settings.dataset = str(loaded.root), dataset
-        settings.ray, settings.ray_address, settings.budget = on_ray, ray_address, budget
-        settings.cluster_max_live, settings.cluster_creates_per_second = max_live, creates_per_second
-        settings.n_concurrent, settings.max_model_server_failures = concurrency, max_model_server_failures
-        episodes = plan_episodes(loaded.tasks, n_attempts)
+        settings.suite = str(loaded.root)
+        episodes = plan_episodes(loaded.tasks, settings.n_attempts)
+    concurrency, on_ray = settings.n_concurrent, settings.ray
     spec, timeouts = _resolve(settings)
     for episode in episodes:  # checked before any sandbox starts: every budget finite
         try:
@@ -292,8 +306,6 @@ def _resumed(ctx: typer.Context, stored: JobSettings) -> JobSettings:
     if plan:
         flags = ", ".join("--" + name.replace("_", "-") for name in plan)
         raise fail(f"--resume runs the job's stored plan in its own folder; drop {flags}")
-    if stored.command == "run" and stored.version < 3:  # run stored no -n before: the default, unless given now
-        stored = replace(stored, n_concurrent=8)
     flag_of = {param.name: param.opts[0] for param in ctx.command.params}
     settings = stored
     checks = [(name, _SETTING_OF[name], value) for name, value in given.items() if name in _SETTING_OF]
@@ -315,32 +327,15 @@ def _resumed(ctx: typer.Context, stored: JobSettings) -> JobSettings:
     return settings
 
 
-def _settings(source, env, agent, k, ek, mult, agent_mult, verifier_mult, build_mult, episode_timeout, start_timeout, setup_mult=None) -> JobSettings:
-    """Check every job-defining value once (exit 2 with the reason); the job's settings."""
-    for name, value in (
-        ("--timeout-multiplier", mult), ("--agent-timeout-multiplier", agent_mult),
-        ("--verifier-timeout-multiplier", verifier_mult), ("--environment-build-timeout-multiplier", build_mult),
-        ("--agent-setup-timeout-multiplier", setup_mult),
-    ):  # fmt: skip
-        if value is not None and not (value > 0 and value != float("inf")):
-            raise fail(f"{name} must be a finite number above 0, got {value}")
-    positive("--episode-timeout", episode_timeout)
-    positive("--start-timeout", start_timeout)
-    return JobSettings(
-        command="run",
-        suite=source if not isinstance(source, Path) else str(source),
-        environment_type=env,
-        agent=agent,
-        n_attempts=k,
-        environment_kwargs=parse_kwargs(ek),
-        timeout_multiplier=mult or 1.0,
-        agent_timeout_multiplier=agent_mult,
-        verifier_timeout_multiplier=verifier_mult,
-        environment_build_timeout_multiplier=build_mult,
-        agent_setup_timeout_multiplier=setup_mult,
-        episode_timeout=episode_timeout,
-        start_timeout=start_timeout,
-    )
+def _settings(ctx: typer.Context, **values: Any) -> JobSettings:
+    """A new job's settings, checked once (exit 2 naming the flag); an option not given keeps the setting's default."""
+    try:
+        return JobSettings(command="run", **{name: value for name, value in values.items() if value is not None})
+    except SettingError as exc:
+        field = exc.name.split(".")[0]
+        option = next((o for o, f in _SETTING_OF.items() if f == field), field)
+        flag = {param.name: param.opts[0] for param in ctx.command.params}.get(option, option)
+        raise fail(f"{flag} must be {exc.requirement}, got {exc.value!r}") from None
 
 
 def _resolve(settings: JobSettings):

@@ -66,7 +66,7 @@ def _agent(settings: JobSettings, encoded: str, model: str, base_url: str) -> An
     import anyio
     import openai
 
-    from harbor_async.agent import Agent, AgentLimits, Sampling
+    from harbor_async.agent import Agent
     from harbor_async.model_agent import api_key
 
     key = (encoded, model, base_url)
@@ -75,7 +75,7 @@ def _agent(settings: JobSettings, encoded: str, model: str, base_url: str) -> An
             base_url=base_url, api_key=api_key(settings.api_key_name), max_retries=0, timeout=settings.request_timeout
         )
         _AGENTS[key] = Agent(
-            client, model, sampling=Sampling(**settings.sampling), limits=AgentLimits(**settings.limits),
+            client, model, sampling=settings.sampling, limits=settings.limits,
             request_limiter=anyio.CapacityLimiter(settings.max_concurrent_requests),
             tool_limiter=anyio.CapacityLimiter(settings.n_concurrent),
         )  # fmt: skip
