@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -107,6 +108,9 @@ class Engine:
         #: the loop thread this engine runs on when it is not the caller's (``harbor_async.loop``): other threads and
         #: other event loops reach its episodes through it (``None``: the engine runs in the caller's own loop)
         self.host: LoopHost | None = None
+        #: the episodes begun on this engine and not yet collected; its close ends those still running, so a
+        #: driver that owns no task of theirs (the shim, at interpreter exit) still gets their records
+        self.episodes: weakref.WeakSet[Any] = weakref.WeakSet()
         self._budget_factory = budget
         self._ledger: dict[str, Sandbox] = {}
         self._stats = StatsRecorder()
@@ -187,6 +191,8 @@ class Engine:
                 self._log.info("engine.close", live=len(sandboxes))
             try:
                 async with anyio.create_task_group() as tg:
+                    for episode in [e for e in self.episodes if not e.finished]:  # recorded as interrupted, stopped
+                        tg.start_soon(episode.end)
                     for sandbox in sandboxes:
                         tg.start_soon(sandbox.stop)
                 holds, self._holds = list(self._holds.values()), {}

@@ -21,7 +21,6 @@ one before, so every record has the same phase structure whoever drove it.
 from __future__ import annotations
 
 import contextvars
-import math
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import anyio.lowlevel
 
+from harbor_async import tool_messages as messages
 from harbor_async.backends import enter_network_phase
 from harbor_async.errors import (
     AgentSetupError,
@@ -43,11 +43,10 @@ from harbor_async.errors import (
     SandboxClosedError,
     SandboxError,
     SandboxTimeout,
-    StartError,
     VerifierFailure,
 )
-from harbor_async.logs import get_logger
 from harbor_async.judging import judge, stdout_came_back, verifier_output
+from harbor_async.logs import get_logger
 from harbor_async.policy import failure_class
 from harbor_async.records import EpisodeRecord, PhaseSpan
 from harbor_async.sandbox import SandboxState
@@ -117,6 +116,7 @@ class Episode:
         on_started: Callable[[SandboxError | None], None] | None = None,
     ) -> None:
         self.engine = engine
+        engine.episodes.add(self)  # a closing engine ends those still running (Engine.aclose)
         #: Where the finished record goes (a job folder, a progress bar), from :meth:`stop`'s ``finally``.
         self.on_done = on_done
         #: Told once whether the sandbox started (``None``) or why not (the shim's failure guard counts starts).
@@ -405,7 +405,7 @@ class Episode:
         if SETTING_UP.get() is not self:
             await self.wait_ready()
         if self.error is not None:
-            return describe_unavailable(self.error)
+            return messages.describe_unavailable(self.error)
         assert self.sandbox is not None
         if timeout is None:
             timeout = self.sandbox.timeouts.exec
@@ -413,30 +413,19 @@ class Episode:
         if self.agent_budget is not None:
             left = self.agent_budget - self.tool_seconds
             if left <= 0:
-                return (
-                    f"Error: this task's time limit for the agent ({_seconds(self.agent_budget)}) was reached; "
-                    "no more commands run in this episode."
-                )
+                return messages.agent_time_up(self.agent_budget, stopped=False)
             agent_limited = timeout is None or left < timeout
             timeout = left if agent_limited else timeout
         began = anyio.current_time()
         try:
             result = await self.sandbox.exec(command, timeout=timeout)
         except EpisodeDeadlineError:
-            return "Error: the episode's time limit was reached; the command was stopped."
+            return messages.DEADLINE
         except SandboxTimeout:
-            if agent_limited:
-                return (
-                    f"Error: this task's time limit for the agent ({_seconds(self.agent_budget)}) was reached; "
-                    "the command was stopped."
-                )
-            return f"Error: the command timed out after {_seconds(timeout)} and was stopped."
-        except SandboxClosedError as exc:
-            self.exec_errors.append(exc)
-            return describe_unavailable(exc)
+            return messages.agent_time_up(self.agent_budget, stopped=True) if agent_limited else messages.timed_out(timeout)
         except SandboxError as exc:
             self.exec_errors.append(exc)
-            return f"Error: the command could not be run ({exc})."
+            return messages.describe_unavailable(exc) if isinstance(exc, SandboxClosedError) else messages.not_run(exc)
         finally:
             self.tool_seconds += anyio.current_time() - began
         # TRL's format: stdout then stderr, cut at 8000 characters (by the engine), or a placeholder.
@@ -499,12 +488,20 @@ class Episode:
         An episode without a verdict yet is recorded as interrupted (not judged).
         Idempotent; on the episode's loop.
         """
+        self._leave()
+        self.stop_soon()
+
+    async def end(self) -> EpisodeRecord:
+        """:meth:`retire`, waiting for the stop: a closing engine ends the episodes it still holds with it."""
+        self._leave()
+        return await self.stop()
+
+    def _leave(self) -> None:
         self._retired = True
         if not self._verified and self.record.failure is None:  # no verdict: said now, before the stop writes the record
             self.interrupted()
         if self._start_scope is not None:
             self._start_scope.cancel()
-        self.stop_soon()
 
     def stop_soon(self) -> None:
         """Schedule :meth:`stop` on the engine without waiting (a finished or unusable episode frees its slot now)."""
@@ -578,23 +575,3 @@ def _caused(error: E, cause: BaseException) -> E:
 def _described(exc: BaseException) -> str:
     """An error's type and message, for the typed error that wraps it."""
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-def describe_unavailable(error: BaseException) -> str:
-    """The tool-call message for an episode whose sandbox cannot run commands."""
-    if isinstance(error, StartError) or (isinstance(error, SandboxTimeout) and error.phase is Phase.START):
-        return (
-            f"Error: the sandbox for this task could not be started, so no command can run in this episode ({error})."
-        )
-    if isinstance(error, SandboxClosedError):
-        return f"Error: the sandbox of this episode is no longer available ({error})."
-    return (
-        "Error: the sandbox for this task could not be prepared, so no command can run "
-        f"in this episode ({type(error).__name__}: {error})."
-    )
-
-
-def _seconds(value: float | None) -> str:
-    if value is None or not math.isfinite(value):
-        return "its time limit"
-    return f"{value:g} s"

@@ -193,9 +193,11 @@ class _Run:
         from harbor_async.cluster.sharding import run_on_cluster_async
 
         items = eval_items(self.settings, group.models, base_url, tasks, root, pending)
+        name = self.settings.api_key_name  # read here, as a local eval reads it; the workers' environment may lack it
         await run_on_cluster_async(
             eval_item, items, sink=self._record, budget=budget, stop=self.arm, address=self.settings.ray_address,
             concurrency=self.settings.n_concurrent, engine_kwargs=self.settings.engine_kwargs(job_dir=self.job.path),
+            env_vars={name: self.api_key()} if name else None,
         )  # fmt: skip
 
 

@@ -43,7 +43,8 @@ from harbor_async.backends.docker.errors import (
 from harbor_async.backends.local.errors import TaskPathEscapeError
 from harbor_async.backends.simulated import SimulatedEnvironment, SimulatedTransientError
 from harbor_async.engine import Engine
-from harbor_async.episode import Episode, describe_unavailable
+from harbor_async.episode import Episode
+from harbor_async.tool_messages import describe_unavailable
 from harbor_async.errors import (
     AgentSetupError,
     BackendStartError,

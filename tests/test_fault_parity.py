@@ -119,10 +119,6 @@ class Row:
         signal: sent to the command once its agent is at work (its tool command runs); the shim is then
             interrupted by ``shim_interrupt``: ``close`` (what a trainer stopped mid-rollout does).
         exit_code: every command's exit status.
-        broken: columns with a known bug in this row, not run here: each reason names the strict-xfail test
-            at the end of this file that checks the column as it should be (and fails once it is fixed).
-        bad_exit: columns whose records agree but whose exit status is a known (intermittent) bug, checked by
-            its own xfail test below.
     """
 
     expected: Outcome
@@ -140,13 +136,7 @@ class Row:
     episodes: int = 1
     signal: signal.Signals | None = None
     shim_interrupt: str | None = None
-    broken: dict[str, str] = field(default_factory=dict)
-    bad_exit: dict[str, str] = field(default_factory=dict)
 
-
-#: Known bugs, each checked by an xfail test below.
-SIGINT_LOSES_THE_RECORD = "test_sigint_to_a_trainer_mid_rollout_keeps_the_rollouts_record"
-SIGTERM_ABORTS = "test_sigterm_to_eval_on_ray_exits_143"
 
 NO_MODEL_SERVER = {
     "run": "run's agent (the oracle) calls no model server",
@@ -201,13 +191,12 @@ ROWS: dict[str, Row] = {
     "SIGINT mid-agent": Row(
         ("cancelled", None, False), lambda: EpisodeInterruptedError("SIGINT"), exit_code=130, task="slow-solution",
         run=["-e", "local"], eval=["-m", "solver", "-e", "local"], shim={"type": "local", "commands": ["{solve}"]},
-        signal=signal.SIGINT, broken={"shim": SIGINT_LOSES_THE_RECORD},
+        signal=signal.SIGINT,
     ),
     "cancellation mid-agent": Row(
         ("cancelled", None, False), lambda: SandboxCancelledError("agent", "slow-solution", "s", "closed"), exit_code=143, task="slow-solution",
         run=["-e", "local"], eval=["-m", "solver", "-e", "local"], shim={"type": "local", "commands": ["{solve}"]},
         signal=signal.SIGTERM, shim_interrupt="close",
-        bad_exit={"cluster": SIGTERM_ABORTS},
     ),
 }  # fmt: skip
 
@@ -263,7 +252,7 @@ class Seen:
 
 
 def _command(
-    argv: list[str], job: Path, row: Row, tag: str | None, env: dict[str, str] | None = None, *, check_exit: bool = True
+    argv: list[str], job: Path, row: Row, tag: str | None, env: dict[str, str] | None = None
 ) -> Seen:
     """Run ``harbor-async ARGV`` to its end, or until the agent is at work and then send the row's signal."""
     from tests.cluster_helpers import child_env
@@ -278,7 +267,7 @@ def _command(
         _wait_for(lambda: _agent_at_work(tag), proc, " ".join(argv))
         proc.send_signal(row.signal)
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == row.exit_code or not check_exit, f"{' '.join(argv)} exited {proc.returncode}: {err[-3000:]}"
+    assert proc.returncode == row.exit_code, f"{' '.join(argv)} exited {proc.returncode}: {err[-3000:]}"
     folder = JobFolder.open(job)
     return Seen(folder.records(), folder.read_json("summary.json"), proc.returncode)
 
@@ -305,6 +294,8 @@ def _shim(row: Row, job: Path, suite: tuple[Path, str], server_solutions: dict[s
     task_dir = TASK.task_dir if row.task is None else suite[0] / "tasks" / row.task
     solve = (Path(task_dir) / "solution" / "solve.sh").read_text()
     commands = [c.replace("{solve}", solve) for c in row.shim["commands"]]
+    if row.signal is not None:  # the process training with the shim is interrupted mid-rollout
+        return _shim_in_a_trainer_process(row.shim, Path(task_dir), commands, job, suite[1])
     spec = row.shim
     env = shim.HarborBashEnv(
         spec["type"], environment_kwargs=spec.get("kwargs", {}), job_dir=job, **spec.get("options", {})
@@ -384,7 +375,7 @@ def test_a_fault_gives_one_record_through_every_entry_point(
     fault: str, row_suite: tuple[Path, str], ray_cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     row = ROWS[fault]
-    present = [c for c in COLUMNS if c not in row.absent and c not in row.broken]
+    present = [c for c in COLUMNS if c not in row.absent]
     assert len(present) >= 2 and set(row.absent) <= set(COLUMNS) and set(row.differs) <= set(present)
     _table_says(row.table, row.expected)
     for outcome, error, _why in row.differs.values():
@@ -401,9 +392,7 @@ def test_a_fault_gives_one_record_through_every_entry_point(
             seen["run"] = _command(["run", *run_where, *row.run, "-q"], tmp_path / "run", row, tag)
         seen["eval"] = _command(["eval", *where, *row.eval, *model], tmp_path / "eval", row, tag)
         cluster_argv = ["eval", *where, *row.eval, *model] if row.eval else ["run", *where, *row.run, "-q"]
-        seen["cluster"] = _command(
-            [*cluster_argv, *cluster], tmp_path / "cluster", row, tag, check_exit="cluster" not in row.bad_exit
-        )
+        seen["cluster"] = _command([*cluster_argv, *cluster], tmp_path / "cluster", row, tag)
     if "shim" in present:
         seen["shim"] = _shim(row, tmp_path / "shim", row_suite, {})
 
@@ -413,7 +402,9 @@ def test_a_fault_gives_one_record_through_every_entry_point(
     for column, s in seen.items():
         expected = expected_of(column)
         hit = _hit(s, expected)
-        assert len(hit) == row.episodes, (column, [_outcome(r) for r in s.records])
+        assert row.episodes <= len(hit) <= row.episodes + _in_flight_at_a_stop(row, column), (
+            column, [_outcome(r) for r in s.records]
+        )
         # every other record is one a stop cancelled before its agent's work (none, with one task)
         assert all(r.error_class == "cancelled" for r in s.records if r not in hit), (column, s.records)
         assert s.summary["completed"] == (len(hit) if expected[2] else 0), (column, s.summary)
@@ -427,15 +418,29 @@ def test_a_fault_gives_one_record_through_every_entry_point(
     def comparable(s: Seen, column: str) -> tuple:
         hit = _hit(s, expected_of(column))
         return (
-            tuple(sorted({_outcome(r) for r in hit}, key=str)), len(hit), s.summary["completed"],
+            tuple(sorted({_outcome(r) for r in hit}, key=str)), min(len(hit), row.episodes), s.summary["completed"],
             tuple(sorted({(r.phases[0].phase, r.phases[-1].phase) for r in hit})), r_types(hit),
         )  # fmt: skip
 
     alike = {c: comparable(s, c) for c, s in seen.items() if c not in row.differs}
     assert len(set(alike.values())) == 1, alike
-    commands = {c: s.exit_code for c, s in seen.items() if s.exit_code is not None and c not in row.bad_exit}
+    commands = {c: s.exit_code for c, s in seen.items() if s.exit_code is not None}
     assert set(commands.values()) == {row.exit_code}, commands
     _row_specifics(fault, row, seen, server)
+
+
+#: The session cluster's episode workers (one per node: the head and one worker node), one episode each at -n 1.
+CLUSTER_WORKERS = 2
+
+
+def _in_flight_at_a_stop(row: Row, column: str) -> int:
+    """Episodes beyond the row's that a stop may find already failing the same way: the cluster's other workers'.
+
+    A local run at ``-n 1`` has one episode at a time; the cluster has one per
+    worker, and an episode whose request failed before its cancel arrived is
+    recorded as it failed (the failure budget's rule, not a disagreement).
+    """
+    return CLUSTER_WORKERS - 1 if column == "cluster" and row.exit_code == 3 else 0
 
 
 def r_types(records: list[EpisodeRecord]) -> tuple[str | None, ...]:
@@ -467,43 +472,11 @@ def _row_specifics(fault: str, row: Row, seen: dict[str, Seen], server: FaultSer
             assert record.finish_reason == "context_length", (column, record.finish_reason)
 
 
-# ── known bugs: each column as it should be (strict xfail: the test fails once the bug is fixed) ──────────
+# ── what the matrix does not show ───────────────────────────────────────────────────────────────────────────
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a process training with the shim that is interrupted (SIGINT, also SIGTERM) mid-rollout exits with the "
-    "sandbox stopped but the rollout's record never reaches job_dir: the loop's exit closes the engines "
-    "(harbor_async/loop.py LoopThread.close -> _close_all -> Engine.aclose) without ending the live episodes "
-    "(Episode.retire/stop), whose stop is what writes the record; run and eval record it as cancelled"
-))  # fmt: skip
-def test_sigint_to_a_trainer_mid_rollout_keeps_the_rollouts_record(row_suite: tuple[Path, str], tmp_path: Path) -> None:
-    row = ROWS["SIGINT mid-agent"]
-    task_dir = row_suite[0] / "tasks" / "slow-solution"
-    solve = (task_dir / "solution" / "solve.sh").read_text()
-    seen = _shim_in_a_trainer_process(row.shim, task_dir, [solve], tmp_path / "shim", row_suite[1])
-    assert [_outcome(r) for r in seen.records] == [row.expected]
-
-
-@pytest.mark.xfail(strict=False, reason=(
-    "intermittent (once in two runs here): "
-    "eval --ray stops cleanly on SIGTERM (records kept, 'interrupted by SIGTERM') but then exits -6 (SIGABRT), "
-    "not 143: ray.init in the driver (harbor_async/cluster/connect.py ensure_connected, from a non-main thread) "
-    "leaves Ray's failure-signal handler on SIGTERM; with RAY_DISABLE_FAILURE_SIGNAL_HANDLER=1 it exits 143"
-))  # fmt: skip
-def test_sigterm_to_eval_on_ray_exits_143(row_suite: tuple[Path, str], ray_cluster, tmp_path: Path) -> None:
-    row = ROWS["cancellation mid-agent"]
-    with FaultServer(row_suite[0] / "tasks") as server:
-        argv = ["eval", *_where(row, row_suite), *row.eval, "--base-url", server.base_url]
-        seen = _command([*argv, "--ray", "--ray-address", ray_cluster.address], tmp_path / "j", row, row_suite[1])
-    assert [_outcome(r) for r in seen.records] == [row.expected]
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "eval --ray --api-key-name VAR reads VAR on the cluster's workers (harbor_async/cluster/eval_items.py _agent: "
-    "api_key(settings.api_key_name)), not in the driver that checked it: a worker node without VAR fails every "
-    "episode with EvalConfigError and the eval exits 2 with a RayTaskError, where a local eval runs"
-))  # fmt: skip
 def test_an_api_key_named_for_eval_on_ray_reaches_the_workers(ray_cluster, tmp_path: Path) -> None:
+    """The driver reads --api-key-name's variable, as a local eval does; the workers get its value."""
     row = Row((None, 1.0, True), None, exit_code=0, env={"HA_FAULT_KEY": "right"})
     with FaultServer(api_key="right") as server:
         argv = ["eval", "-p", str(example_suite_path()), "-i", TASK.name, "-e", "simulated", "-m", "solver",

@@ -40,6 +40,9 @@ def ensure_connected(address: str | None = None, namespace: str = DEFAULT_NAMESP
     with _init_lock:
         if ray.is_initialized():
             return ray
+        # Ray's native failure-signal handler would take SIGTERM from our interrupt policy (which records the
+        # episodes in flight and exits 143) and abort the process instead; the user's own setting wins.
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         try:
             ray.init(
                 address=address or "auto",

@@ -153,6 +153,8 @@ class ShardedRunner:
         workers: how many workers (default: one per alive node), spread over the nodes.
         concurrency: episodes in flight per worker.
         max_restarts: workers started to replace lost ones before giving up.
+        env_vars: environment variables set in each worker's process (what the driver read, such as the
+            model server's key named by ``--api-key-name``: the workers' own environment may lack it).
     """
 
     def __init__(
@@ -165,6 +167,7 @@ class ShardedRunner:
         concurrency: int = 8,
         max_restarts: int = 4,
         namespace: str = DEFAULT_NAMESPACE,
+        env_vars: Mapping[str, str] | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -172,6 +175,7 @@ class ShardedRunner:
         self.engine_kwargs = dict(engine_kwargs or {})
         self.address, self.namespace = address, namespace
         self.n_workers, self.concurrency, self.max_restarts = workers, concurrency, max_restarts
+        self.env_vars = dict(env_vars or {})
         self.workers: dict[int, Any] = {}
         self.stats = ShardStats()
         self._next_id = 0
@@ -217,6 +221,7 @@ class ShardedRunner:
                 max_concurrency=self.concurrency + 2,
                 max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
+                **({"runtime_env": {"env_vars": self.env_vars}} if self.env_vars else {}),
             )
             .remote(self.episode_fn, self.engine_kwargs)
         )
@@ -348,6 +353,7 @@ async def run_on_cluster_async(
     engine_kwargs: Mapping[str, Any] | None = None,
     address: str | None = None,
     concurrency: int = 8,
+    env_vars: Mapping[str, str] | None = None,
 ) -> dict[str, EpisodeRecord]:
     """:func:`run_on_cluster` from the driver's event loop, with the rules of a local batch.
 
@@ -371,12 +377,15 @@ async def run_on_cluster_async(
     return await anyio.to_thread.run_sync(
         functools.partial(
             _run_until_stopped, episode_fn, items, engine_kwargs=engine_kwargs, address=address,
-            concurrency=concurrency, on_record=on_record, stop=stopping,
+            concurrency=concurrency, on_record=on_record, stop=stopping, env_vars=env_vars,
         )  # fmt: skip
     )
 
 
 def _run_until_stopped(episode_fn: EpisodeFn, items: Iterable[tuple[str, Any]], *, stop: threading.Event, **kwargs: Any) -> dict[str, EpisodeRecord]:
     engine_kwargs, address, concurrency = kwargs.pop("engine_kwargs"), kwargs.pop("address"), kwargs.pop("concurrency")
-    with ShardedRunner(episode_fn, engine_kwargs=engine_kwargs, address=address, concurrency=concurrency) as runner:
+    env_vars = kwargs.pop("env_vars", None)
+    with ShardedRunner(
+        episode_fn, engine_kwargs=engine_kwargs, address=address, concurrency=concurrency, env_vars=env_vars
+    ) as runner:
         return runner.run(items, stop=stop, **kwargs)

@@ -111,7 +111,10 @@ async def end_exec(process: Process) -> None:
     thread, so the other sandboxes' execs on this loop go on meanwhile.
     """
     for _round in range(50):
-        await anyio.to_thread.run_sync(kill_exec_tree, process.pid)
+        try:
+            await anyio.to_thread.run_sync(kill_exec_tree, process.pid)
+        except RuntimeError:  # no new thread at interpreter shutdown (the exit's stops): on the loop, then
+            kill_exec_tree(process.pid)
         with anyio.move_on_after(0.1):
             await process.wait()
         if process.returncode is not None:
