@@ -133,6 +133,9 @@ class _Run:
             await _serve.check_models([s.name for s in group.models], listed, base_url, api_key=self.api_key())
         budget = FailureBudget(self.settings.max_model_server_failures, base_url, self.job.path)
         if self.settings.ray:
+            if self.harbor is not None:  # where each model's agent will call (an --ak api_base wins): it answers
+                for spec in group.models:
+                    await probe_model_server(self.harbor.with_server(spec.name, base_url, api_key_name=self.settings.api_key_name))
             await self._on_cluster(group, tasks, root, pending, base_url, budget)
         else:
             async with openai.AsyncOpenAI(

@@ -137,8 +137,7 @@ def resolve_harness(agent: str, backend: str) -> Callable[[], Harness]:
 def resolve_eval_agent(settings: JobSettings) -> HarborAgentSpec | None:
     """``eval``'s ``-a``: a Harbor agent (its spec; the class loads) or ``None`` for a harness (its factory checked).
 
-    Raises :class:`EvalConfigError`: an unknown name, a class that does not load, ``--ak`` with a harness,
-    or a Harbor agent on ``--ray`` (the cluster's work items build harnesses only).
+    Raises :class:`EvalConfigError`: an unknown name, a class that does not load, ``--ak`` with a harness.
     """
     if not is_harbor_agent(settings.agent):
         if ":" not in settings.agent and settings.agent not in HARNESSES:
@@ -150,8 +149,6 @@ def resolve_eval_agent(settings: JobSettings) -> HarborAgentSpec | None:
             raise EvalConfigError(f"--ak sets a Harbor agent's options; -a {settings.agent} is a tool harness")
         resolve_harness(settings.agent, settings.environment_type)
         return None
-    if settings.ray:
-        raise EvalConfigError(f"-a {settings.agent} does not run on --ray yet; use a tool harness there, or run without --ray")
     try:
         agent_class(settings.agent)
     except AgentConfigError as exc:

@@ -328,3 +328,31 @@ def test_a_ray_job_interrupted_then_resumed_with_no_flags_runs_on_the_cluster_ag
     assert len(latest) == 30 and all(r.judged for r in latest.values())
     owners = {owner_from_session(r.sandbox)[1] for k, r in latest.items() if k not in kept}
     assert owners and resumed.pid not in owners  # the resume's episodes ran on the cluster's workers, not in its own process
+
+
+def test_harbor_agents_run_on_the_cluster_as_they_run_locally(ray_cluster, tmp_path: Path, host_tmux: None) -> None:
+    """run and eval with -a terminus-2 over --ray: the records of a local run (agent, model, reward, tokens)."""
+    from tests.cli_helpers import harbor_async, records
+    from tests.scripted_server import ScriptedServer
+    from tests.test_harbor_agents import echo_suite
+
+    suite = echo_suite(tmp_path / "suite")
+    cluster = ["--ray", "--ray-address", ray_cluster.address]
+    seen: dict[str, list[tuple]] = {}
+    with ScriptedServer(suite / "tasks") as server:
+        commands = {
+            "run": ["run", "-p", str(suite), "-a", "terminus-2", "-m", "hosted_vllm/terminus", "--ak",
+                    f"api_base={server.base_url}", "-k", "2"],
+            "eval": ["eval", "-p", str(suite), "-a", "terminus-2", "-m", "terminus", "--base-url", server.base_url,
+                     "-k", "2"],
+        }  # fmt: skip
+        for name, argv in commands.items():
+            for where, extra in (("local", []), ("ray", cluster)):
+                job = f"{name}-{where}"
+                done = harbor_async(*argv, *extra, "-o", str(tmp_path / "jobs"), "--job-name", job, timeout=600)
+                assert done.returncode == 0, (job, done.stderr[-3000:])
+                found = records(tmp_path / "jobs" / job)
+                assert all(r["usage"]["n_input_tokens"] > 0 for r in found), job
+                seen[job] = sorted((r["agent"], r["model"], r["attempt"], r["reward"], r["error_class"]) for r in found)
+    assert seen["run-ray"] == seen["run-local"] == [("terminus-2", "hosted_vllm/terminus", a, 1.0, None) for a in (0, 1)]
+    assert seen["eval-ray"] == seen["eval-local"] == [("terminus-2", "terminus", a, 1.0, None) for a in (0, 1)]

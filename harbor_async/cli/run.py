@@ -208,7 +208,7 @@ def run(
         except SettingError as exc:
             raise fail(f"task {episode.task.name}: {exc}") from None
     try:  # every ${VAR} allowed, every feature of every task honoured (else a table, exit 2)
-        check_tasks([e.task for e in episodes], spec, driver=_driver(settings, on_ray), env_allow=settings.env_allow, backend_kwargs=settings.environment_kwargs)
+        check_tasks([e.task for e in episodes], spec, driver=_driver(settings), env_allow=settings.env_allow, backend_kwargs=settings.environment_kwargs)
     except (MissingVariablesError, UnsupportedTaskError) as exc:
         raise fail(exc) from None
     if episodes:  # a missing client package is one line, before any sandbox or job folder
@@ -361,7 +361,10 @@ def _on_cluster(todo, settings, concurrency, engine_kwargs, job, sink, interrupt
 
     async def main() -> None:
         await run_on_cluster_async(
-            run_item, run_items(todo, settings.environment_type, settings.agent, root), sink=sink, budget=budget,
+            run_item, run_items(
+                todo, settings.environment_type, settings.agent, root, model=_model(settings),
+                agent_kwargs=settings.agent_kwargs,
+            ), sink=sink, budget=budget,
             stop=interrupts.arm, address=settings.ray_address, concurrency=concurrency, engine_kwargs=engine_kwargs,
         )  # fmt: skip
         interrupts.disarm()
@@ -432,7 +435,7 @@ def _model(settings: JobSettings) -> str | None:
     return settings.models[0] if settings.models else None
 
 
-def _driver(settings: JobSettings, on_ray: bool):
+def _driver(settings: JobSettings):
     """``run``'s driver, with the Harbor agent it runs (checked against the backend and the tasks)."""
     from dataclasses import replace
 
@@ -440,8 +443,6 @@ def _driver(settings: JobSettings, on_ray: bool):
 
     if settings.agent in MODEL_FREE_AGENTS:
         return RUN
-    if on_ray:  # the cluster's work items carry an agent name only
-        raise fail(f"-a {settings.agent} does not run on --ray yet; use oracle or none there, or run without --ray")
     return replace(RUN, agent=harbor_agent_class(settings.agent))
 
 

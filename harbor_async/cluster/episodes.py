@@ -1,7 +1,9 @@
 """``run``'s episodes as picklable work items for :mod:`harbor_async.cluster.sharding`.
 
 The driver sends each worker a :class:`RunItem` (a task folder path, the
-attempt, the backend and the agent), and the worker runs it with
+attempt, the backend and the agent: a model-free one's name, or a Harbor
+agent's name, model and options, built anew for each episode as a local
+``run`` builds it), and the worker runs it with
 :func:`harbor_async.runner.run_episode`, exactly as a local ``run`` does; so
 a sharded run writes the records a local run writes. Task folders must be at
 the same path on every node.
@@ -9,9 +11,10 @@ the same path on every node.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from harbor_async.records import EpisodeRecord, episode_key
 from harbor_async.tasks import suite_task_path
@@ -30,21 +33,25 @@ class RunItem:
     backend: str = "local"
     agent: str = "oracle"
     task_path: str = ""  # the task's path in its suite (the record's and the key's); "" means task_dir
+    model: str | None = None  # a Harbor agent's model (-m): the record's and the key's
+    agent_kwargs: str = "{}"  # a Harbor agent's options (--ak), as JSON: an item is compared and pickled by value
 
     @property
     def key(self) -> str:
         """The episode's key in the job folder (the key ``run`` uses)."""
-        return episode_key(self.task_path or self.task_dir, self.attempt)
+        return episode_key(self.task_path or self.task_dir, self.attempt, self.model)
 
 
 def run_items(
-    episodes: Iterable[PlannedEpisode], backend: str, agent: str, root: str | None = None
+    episodes: Iterable[PlannedEpisode], backend: str, agent: str, root: str | None = None, *,
+    model: str | None = None, agent_kwargs: Mapping[str, Any] | None = None,
 ) -> list[tuple[str, RunItem]]:
     """``(key, item)`` for each planned episode of ``run`` (pass only the pending ones on a resume)."""
+    options = json.dumps(dict(agent_kwargs or {}), sort_keys=True)
     items = [
         RunItem(
             str(ep.task.paths.task_dir), ep.attempt, backend, agent,
-            suite_task_path(ep.task, root) if root is not None else "",
+            suite_task_path(ep.task, root) if root is not None else "", model, options,
         )  # fmt: skip
         for ep in episodes
     ]
@@ -53,10 +60,16 @@ def run_items(
 
 async def run_item(engine: Engine, item: RunItem) -> EpisodeRecord:
     """The worker's side: load the task and run the episode on the node's ``engine`` as ``run`` does."""
-    from harbor_async.runner import run_episode
+    from harbor_async.runner import MODEL_FREE_AGENTS, run_episode
     from harbor_async.tasks import load_task
 
+    agent: Any = item.agent
+    if agent not in MODEL_FREE_AGENTS:  # a Harbor agent, built for this episode (the driver checked its options)
+        from harbor_async.harbor_agents import HarborAgentSpec
+        from harbor_async.harbor_episode_agent import HarborEpisodeAgent
+
+        agent = HarborEpisodeAgent(HarborAgentSpec(item.agent, item.model, json.loads(item.agent_kwargs)))
     return await run_episode(
-        engine, load_task(item.task_dir), item.backend, item.agent, attempt=item.attempt,
-        task_path=item.task_path or None,
+        engine, load_task(item.task_dir), item.backend, agent, attempt=item.attempt,
+        task_path=item.task_path or None, model=item.model,
     )  # fmt: skip

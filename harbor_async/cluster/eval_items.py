@@ -88,17 +88,24 @@ async def eval_item(engine: Engine, item: EvalItem) -> EpisodeRecord:
     The worker's episodes of one model share its model loop (client, request
     limiter): ``max_concurrent_requests`` bounds each node's requests in flight.
     """
+    from harbor_async.harbor_agents import HarborAgentSpec, is_harbor_agent
     from harbor_async.harnesses import harness_factory
-    from harbor_async.model_agent import model_episode_agent
+    from harbor_async.model_agent import eval_episode_agent, model_episode_agent
     from harbor_async.runner import run_episode
     from harbor_async.tasks import load_task
 
     settings = JobSettings.from_dict(json.loads(item.settings))
     task = load_task(item.task_dir)
-    agent = _agent(settings, item.settings, item.model, item.base_url)
-    # The driver checked the harness (it loads, its tools have schemas): here it is only built.
-    harness = harness_factory(settings.agent, settings.environment_type)
-    actor = model_episode_agent(settings, agent, harness, item.attempt)
+    if is_harbor_agent(settings.agent):  # pointed at the server as the driver's probe found it, built per episode
+        spec = HarborAgentSpec(settings.agent, None, dict(settings.agent_kwargs)).with_server(
+            item.model, item.base_url, api_key_name=settings.api_key_name, temperature=settings.sampling.temperature
+        )
+        actor = eval_episode_agent(settings, spec, None, item.attempt)
+    else:
+        agent = _agent(settings, item.settings, item.model, item.base_url)
+        # The driver checked the harness (it loads, its tools have schemas): here it is only built.
+        harness = harness_factory(settings.agent, settings.environment_type)
+        actor = model_episode_agent(settings, agent, harness, item.attempt)
     return await run_episode(
         engine, task, settings.environment_type, actor, attempt=item.attempt, task_path=suite_task_path(task, item.root),
         model=item.model, checkpoint=item.checkpoint,
