@@ -9,6 +9,7 @@ import typer
 from rich.text import Text
 
 from harbor_async.cli import cluster as cluster_opts
+from harbor_async.cli import setting_opts
 from harbor_async.cli.agents import AgentKwargOpt, parsed_agent_kwargs
 from harbor_async.cli.common import StrictVerifyOpt, checked_backend, err, fail, out, parse_kwargs, setup_logging
 from harbor_async.cli.selection import DatasetOpt, RegistryPathOpt, RegistryUrlOpt, suite_source
@@ -17,20 +18,6 @@ from harbor_async.printing import escape_controls
 #: Exit code of an eval the model server stopped (1: infrastructure failures, 2: bad input).
 MODEL_SERVER_DOWN_EXIT = 3
 
-
-def _default(name: str) -> str:
-    """A setting's default (``limits.max_turns``: a field of a nested model), as ``--help`` shows it.
-
-    Declared once, on :class:`~harbor_async.settings.JobSettings`; read when the
-    command's options are built, so ``harbor_async.settings`` loads only then.
-    """
-    from harbor_async.settings import JobSettings
-
-    model: Any = JobSettings
-    *path, last = name.split(".")
-    for part in path:
-        model = model.model_fields[part].annotation
-    return str(model.model_fields[last].get_default(call_default_factory=True))
 
 
 def eval_command(
@@ -73,9 +60,9 @@ def eval_command(
     env: Annotated[
         str, typer.Option("--env", "-e", help="Backend: local, simulated, a Harbor type (docker, ...) or module:Class.")
     ] = "local",
-    attempts: Annotated[int | None, typer.Option("--n-attempts", "-k", min=1, help="Episodes per task (pass@k up to k).", show_default=_default("n_attempts"))] = None,
+    attempts: Annotated[int | None, typer.Option("--n-attempts", "-k", min=1, help="Episodes per task (pass@k up to k).", show_default=setting_opts.setting_default("n_attempts"))] = None,
     concurrency: Annotated[
-        int | None, typer.Option("--n-concurrent", "-n", min=1, help="Episodes (and live sandboxes) at once.", show_default=_default("n_concurrent"))
+        int | None, typer.Option("--n-concurrent", "-n", min=1, help="Episodes (and live sandboxes) at once.", show_default=setting_opts.setting_default("n_concurrent"))
     ] = None,
     jobs_dir: Annotated[Path, typer.Option("--jobs-dir", "-o", help="Folder of job folders.")] = Path("jobs"),
     job_name: Annotated[str | None, typer.Option("--job-name", help="Job folder name (default: a timestamp).")] = None,
@@ -92,7 +79,7 @@ def eval_command(
     top_p: Annotated[float | None, typer.Option(help="Nucleus sampling.")] = None,
     max_tokens: Annotated[int | None, typer.Option(help="Tokens per reply.")] = None,
     seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
-    max_turns: Annotated[int | None, typer.Option(min=1, help="Model replies per episode.", show_default=_default("limits.max_turns"))] = None,
+    max_turns: Annotated[int | None, typer.Option(min=1, help="Model replies per episode.", show_default=setting_opts.setting_default("limits.max_turns"))] = None,
     max_total_tokens: Annotated[
         int | None, typer.Option(help="Conversation length (tokens) that ends an episode.")
     ] = None,
@@ -102,23 +89,23 @@ def eval_command(
     episode_timeout: Annotated[
         float | None, typer.Option(help="Seconds for a whole episode (sandbox deadline).")
     ] = None,
-    start_timeout: Annotated[float | None, typer.Option(help="Seconds for one start attempt.", show_default=_default("start_timeout"))] = None,
-    slot_timeout: Annotated[float | None, typer.Option(help="Seconds a start may wait for a live-sandbox slot.", show_default=_default("slot_timeout"))] = None,
-    start_attempts: Annotated[int | None, typer.Option(help="Start attempts for transient failures (jittered exponential backoff).", show_default=_default("start_attempts"))] = None,
-    start_retry_wait: Annotated[float | None, typer.Option(help="Seconds of the first wait between start attempts.", show_default=_default("start_retry_wait"))] = None,
-    start_retry_max_wait: Annotated[float | None, typer.Option(help="Seconds of the longest wait between start attempts.", show_default=_default("start_retry_max_wait"))] = None,
-    start_retry_max_total: Annotated[float | None, typer.Option(help="Seconds all attempts of one start may take.", show_default=_default("start_retry_max_total"))] = None,
-    max_concurrent_requests: Annotated[int | None, typer.Option(min=1, help="Model requests in flight at once.", show_default=_default("max_concurrent_requests"))] = None,
-    request_timeout: Annotated[float | None, typer.Option(help="Seconds for one model request.", show_default=_default("request_timeout"))] = None,
+    start_timeout: setting_opts.StartTimeoutOpt = None,
+    slot_timeout: setting_opts.SlotTimeoutOpt = None,
+    start_attempts: setting_opts.StartAttemptsOpt = None,
+    start_retry_wait: setting_opts.StartRetryWaitOpt = None,
+    start_retry_max_wait: setting_opts.StartRetryMaxWaitOpt = None,
+    start_retry_max_total: setting_opts.StartRetryMaxTotalOpt = None,
+    max_concurrent_requests: Annotated[int | None, typer.Option(min=1, help="Model requests in flight at once.", show_default=setting_opts.setting_default("max_concurrent_requests"))] = None,
+    request_timeout: Annotated[float | None, typer.Option(help="Seconds for one model request.", show_default=setting_opts.setting_default("request_timeout"))] = None,
     model_retries: Annotated[
-        int | None, typer.Option(min=0, help="Retries of a failed model request (429, 5xx, timeouts).", show_default=_default("limits.retries"))
+        int | None, typer.Option(min=0, help="Retries of a failed model request (429, 5xx, timeouts).", show_default=setting_opts.setting_default("limits.retries"))
     ] = None,
-    ready_timeout: Annotated[float | None, typer.Option(help="Seconds a managed server gets to become ready.", show_default=_default("ready_timeout"))] = None,
+    ready_timeout: Annotated[float | None, typer.Option(help="Seconds a managed server gets to become ready.", show_default=setting_opts.setting_default("ready_timeout"))] = None,
     ready_error_timeout: Annotated[
-        float | None, typer.Option(help="Seconds of server errors (HTTP 5xx) while waiting for readiness before giving up.", show_default=_default("ready_error_timeout"))
+        float | None, typer.Option(help="Seconds of server errors (HTTP 5xx) while waiting for readiness before giving up.", show_default=setting_opts.setting_default("ready_error_timeout"))
     ] = None,
     success_threshold: Annotated[
-        float | None, typer.Option(help="Reward at or above which an episode counts as solved.", show_default=_default("success_threshold"))
+        float | None, typer.Option(help="Reward at or above which an episode counts as solved.", show_default=setting_opts.setting_default("success_threshold"))
     ] = None,
     env_allow: Annotated[
         list[str] | None, typer.Option("--env-allow", help="A host variable a task's ${VAR} may read (repeatable; default none).")
@@ -127,7 +114,7 @@ def eval_command(
     max_model_server_failures: Annotated[
         int | None,
         typer.Option(
-            "--max-model-server-failures", min=0, show_default=_default("max_model_server_failures"),
+            "--max-model-server-failures", min=0, show_default=setting_opts.setting_default("max_model_server_failures"),
             help="Stop the eval (exit 3) after this many episodes in a row failed for the model server (0: never).",
         ),
     ] = None,

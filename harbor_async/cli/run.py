@@ -27,6 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from harbor_async.cli import cluster as cluster_opts
+from harbor_async.cli import setting_opts
 from harbor_async.cli.agents import AgentKwargOpt
 from harbor_async.cli.common import (
     StrictVerifyOpt,
@@ -61,10 +62,6 @@ from harbor_async.settings import JobSettings
 PHASES = ("start", "agent", "verify", "stop")
 DEFAULT_JOBS_DIR = Path("jobs")
 
-
-def _default(name: str) -> str:
-    """A setting's default, as ``--help`` shows it (declared once, on :class:`JobSettings`)."""
-    return str(JobSettings.model_fields[name].get_default(call_default_factory=True))
 
 
 # ── options shared by `run` and `tasks` (Harbor's spellings; older ones hidden) ──
@@ -119,14 +116,14 @@ def run(
     registry_path: RegistryPathOpt = None,
     env: Annotated[str | None, typer.Option("--env", "-e", help="Harbor type (docker, e2b, ...), 'local', 'simulated' or module:Class.", show_default="local")] = None,
     backend: Annotated[str | None, typer.Option("--backend", "-b", hidden=True)] = None,
-    agent: Annotated[str | None, typer.Option("--agent", "-a", help="A Harbor agent (oracle, none/nop: no agent, terminus-2, claude-code, ...) or module:Class.", show_default=_default("agent"))] = None,
+    agent: Annotated[str | None, typer.Option("--agent", "-a", help="A Harbor agent (oracle, none/nop: no agent, terminus-2, claude-code, ...) or module:Class.", show_default=setting_opts.setting_default("agent"))] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help="The agent's model, as Harbor names it (LiteLLM's provider/model, e.g. hosted_vllm/NAME).")] = None,
     ak: AgentKwargOpt = None,
     base_url: Annotated[str | None, typer.Option("--base-url", help="The agent's inference server (a Harbor agent's api_base or base_url; --ak wins).")] = None,
     api_key_name: Annotated[str | None, typer.Option("--api-key-name", help="The variable holding the agent's inference API key.")] = None,
-    n_concurrent: Annotated[int | None, typer.Option("--n-concurrent", "-n", min=1, help="Episodes (and live sandboxes) at once.", show_default=_default("n_concurrent"))] = None,
+    n_concurrent: Annotated[int | None, typer.Option("--n-concurrent", "-n", min=1, help="Episodes (and live sandboxes) at once.", show_default=setting_opts.setting_default("n_concurrent"))] = None,
     concurrency: Annotated[int | None, typer.Option("--concurrency", "-c", min=1, hidden=True)] = None,
-    n_attempts: Annotated[int | None, typer.Option("--n-attempts", "-k", min=1, help="Episodes per task; pass@k is reported when above 1.", show_default=_default("n_attempts"))] = None,
+    n_attempts: Annotated[int | None, typer.Option("--n-attempts", "-k", min=1, help="Episodes per task; pass@k is reported when above 1.", show_default=setting_opts.setting_default("n_attempts"))] = None,
     n_tasks: NTasksOpt = None,
     num_tasks: OldNumTasksOpt = None,
     include: IncludeOpt = None,
@@ -135,18 +132,18 @@ def run(
     env_allow: Annotated[list[str] | None, typer.Option("--env-allow", help="A host variable a task's ${VAR} may read (repeatable; default none).")] = None,
     strict_verify: StrictVerifyOpt = False,
     ek: Annotated[list[str] | None, typer.Option("--ek", "--environment-kwarg", help="Backend keyword argument key=value (repeatable); values are read as JSON when they parse.")] = None,
-    timeout_multiplier: Annotated[float | None, typer.Option("--timeout-multiplier", help="Multiplies the start, exec, agent and verifier budgets.", show_default=_default("timeout_multiplier"))] = None,
+    timeout_multiplier: Annotated[float | None, typer.Option("--timeout-multiplier", help="Multiplies the start, exec, agent and verifier budgets.", show_default=setting_opts.setting_default("timeout_multiplier"))] = None,
     agent_timeout_multiplier: Annotated[float | None, typer.Option("--agent-timeout-multiplier", help="Multiplies the agent budget (overrides --timeout-multiplier).")] = None,
     verifier_timeout_multiplier: Annotated[float | None, typer.Option("--verifier-timeout-multiplier", help="Multiplies the verifier budget (overrides --timeout-multiplier).")] = None,
     environment_build_timeout_multiplier: Annotated[float | None, typer.Option("--environment-build-timeout-multiplier", help="Multiplies the start budget (overrides --timeout-multiplier).")] = None,
     agent_setup_timeout_multiplier: Annotated[float | None, typer.Option("--agent-setup-timeout-multiplier", help="Multiplies a Harbor agent's setup budget (overrides --timeout-multiplier).")] = None,
     episode_timeout: Annotated[float | None, typer.Option(help="Seconds for a whole episode (all phases but the stop).")] = None,
-    start_timeout: Annotated[float | None, typer.Option(help="Seconds for one start attempt.", show_default=_default("start_timeout"))] = None,
-    slot_timeout: Annotated[float | None, typer.Option(help="Seconds a start may wait for a live-sandbox slot.", show_default=_default("slot_timeout"))] = None,
-    start_attempts: Annotated[int | None, typer.Option(help="Start attempts for transient failures (jittered exponential backoff).", show_default=_default("start_attempts"))] = None,
-    start_retry_wait: Annotated[float | None, typer.Option(help="Seconds of the first wait between start attempts.", show_default=_default("start_retry_wait"))] = None,
-    start_retry_max_wait: Annotated[float | None, typer.Option(help="Seconds of the longest wait between start attempts.", show_default=_default("start_retry_max_wait"))] = None,
-    start_retry_max_total: Annotated[float | None, typer.Option(help="Seconds all attempts of one start may take.", show_default=_default("start_retry_max_total"))] = None,
+    start_timeout: setting_opts.StartTimeoutOpt = None,
+    slot_timeout: setting_opts.SlotTimeoutOpt = None,
+    start_attempts: setting_opts.StartAttemptsOpt = None,
+    start_retry_wait: setting_opts.StartRetryWaitOpt = None,
+    start_retry_max_wait: setting_opts.StartRetryMaxWaitOpt = None,
+    start_retry_max_total: setting_opts.StartRetryMaxTotalOpt = None,
     jobs_dir: Annotated[Path, typer.Option("--jobs-dir", "-o", help="Folder of job folders.")] = DEFAULT_JOBS_DIR,
     job_name: Annotated[str | None, typer.Option("--job-name", help="The job folder's name.", show_default="a timestamp")] = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="A job folder: run only its missing episodes and those a resume reruns.")] = None,
@@ -161,7 +158,7 @@ def run(
     max_live: cluster_opts.MaxLiveOpt = None,
     creates_per_second: cluster_opts.CreatesOpt = None,
     on_ray: cluster_opts.RayOpt = False,
-    max_model_server_failures: Annotated[int | None, typer.Option("--max-model-server-failures", min=0, help="Stop the run (exit 3) after this many episodes in a row failed for the agent's model server (0: never).", show_default=_default("max_model_server_failures"))] = None,
+    max_model_server_failures: Annotated[int | None, typer.Option("--max-model-server-failures", min=0, help="Stop the run (exit 3) after this many episodes in a row failed for the agent's model server (0: never).", show_default=setting_opts.setting_default("max_model_server_failures"))] = None,
 ) -> None:
     """Run every task of a suite (k times each), concurrently, into a job folder; report rewards and timings.
 

@@ -1,0 +1,51 @@
+"""Options of `run` and `eval` built on the settings model: defaults shown from it, and the engine's start knobs declared once."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+
+def setting_default(name: str) -> str:
+    """A setting's default (``limits.max_turns``: a field of a nested model), as ``--help`` shows it.
+
+    Declared once, on :class:`~harbor_async.settings.JobSettings`.
+    """
+    from harbor_async.settings import JobSettings
+
+    model: Any = JobSettings
+    *path, last = name.split(".")
+    for part in path:
+        model = model.model_fields[part].annotation
+    return str(model.model_fields[last].get_default(call_default_factory=True))
+
+
+StartTimeoutOpt = Annotated[
+    float | None, typer.Option(help="Seconds for one start attempt.", show_default=setting_default("start_timeout"))
+]
+SlotTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(help="Seconds a start may wait for a live-sandbox slot.", show_default=setting_default("slot_timeout")),
+]
+StartAttemptsOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Start attempts for transient failures (jittered exponential backoff).",
+        show_default=setting_default("start_attempts"),
+    ),
+]
+StartRetryWaitOpt = Annotated[
+    float | None,
+    typer.Option(help="Seconds of the first wait between start attempts.", show_default=setting_default("start_retry_wait")),
+]
+StartRetryMaxWaitOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Seconds of the longest wait between start attempts.", show_default=setting_default("start_retry_max_wait")
+    ),
+]
+StartRetryMaxTotalOpt = Annotated[
+    float | None,
+    typer.Option(help="Seconds all attempts of one start may take.", show_default=setting_default("start_retry_max_total")),
+]
