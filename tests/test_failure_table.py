@@ -24,6 +24,8 @@ from pathlib import Path
 
 import anyio
 import pytest
+
+from tests.requirements import needs_bwrap
 from harbor.environments.base import SandboxBuildFailedError
 from harbor.environments.capabilities import EnvironmentCapabilities
 
@@ -75,7 +77,6 @@ from harbor_async.suites import example_suite_path
 from harbor_async.tasks import load_task
 
 CSV_SUM = example_suite_path() / "tasks" / "csv-column-sum"
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
 
 
 def _declaring(base: type[BaseException], transient: object) -> BaseException:

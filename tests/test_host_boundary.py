@@ -9,7 +9,6 @@ download must be bounded in bytes and time whatever the sandbox put there
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -21,11 +20,12 @@ from harbor_async.backends.local.layout import CAP_NUMBERS, SANDBOX_CAPS
 from harbor_async.errors import TransferLimitError
 from tests.test_local_backend import make_env
 from tests.test_local_escape import make_task
+from tests.requirements import needs_bwrap
 
 ATTACKS = Path(__file__).parent / "attacks"
 SANDBOX_CAP_MASK = sum(1 << CAP_NUMBERS[name] for name in SANDBOX_CAPS)
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+pytestmark = needs_bwrap
 
 
 @pytest.fixture

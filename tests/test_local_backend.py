@@ -18,6 +18,8 @@ from pathlib import Path
 
 import anyio
 import pytest
+
+from tests.requirements import needs_bwrap
 from harbor.agents.oracle import OracleAgent
 from harbor.environments.factory import EnvironmentFactory
 from harbor.models.agent.context import AgentContext
@@ -37,7 +39,7 @@ from harbor_async.backends.local import (
 IMPORT_PATH = "harbor_async.backends.local:LocalEnvironment"
 REPO = Path(__file__).resolve().parents[1]
 
-pytestmark = [pytest.mark.range, pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")]
+pytestmark = [pytest.mark.range, needs_bwrap]
 
 DOCKERFILE = """\
 FROM debian:bookworm-slim

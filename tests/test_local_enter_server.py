@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,10 +20,10 @@ from harbor_async.backends.local import LocalEnvironment
 from harbor_async.backends.local.enter_server import SERVER, ServedProcess, open_join
 from harbor_async.backends.local.errors import ExecTimeoutError
 from harbor_async.backends.local.sandboxing import join_spec
+from tests.requirements import needs_bwrap
 from tests.test_local_backend import make_env, make_task
 
-IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes", "on")
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None and not IN_CI, reason="needs bubblewrap")
+pytestmark = needs_bwrap
 REPO = Path(__file__).resolve().parents[1]
 
 

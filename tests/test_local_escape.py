@@ -26,11 +26,11 @@ from harbor.models.trial.paths import TrialPaths
 from harbor_async.backends.local import LocalEnvironment
 from harbor_async.backends.local.errors import TaskPathEscapeError
 from tests.test_local_backend import make_env
+from tests.requirements import IN_CI, needs_bwrap
 
-IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes", "on")
 ROOT = os.geteuid() == 0
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None and not IN_CI, reason="needs bubblewrap")
+pytestmark = needs_bwrap
 needs_root = pytest.mark.skipif(not ROOT and not IN_CI, reason="limits need root (cgroups, per-sandbox uids)")
 
 TEST_SH = "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n"

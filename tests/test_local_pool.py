@@ -17,11 +17,13 @@ from pathlib import Path
 import anyio
 import pytest
 
+from tests.requirements import needs_bwrap
+
 from harbor_async.backends.local.pool import POOL
 from harbor_async.engine import Engine
 from harbor_async.tasks import load_suite
 
-pytestmark = [pytest.mark.range, pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")]
+pytestmark = [pytest.mark.range, needs_bwrap]
 
 
 @pytest.fixture

@@ -21,10 +21,10 @@ from harbor_async import leftovers, naming, reaper
 from harbor_async.backends.docker import cleanup as docker_cleanup
 from harbor_async.engine import Engine
 from tests.engine_child import kill_mid_batch
+from tests.requirements import needs_bwrap
 
 REPO = Path(__file__).resolve().parents[1]
 
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
 
 
 @pytest.fixture(autouse=True)

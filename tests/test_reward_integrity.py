@@ -10,15 +10,15 @@ as in Harbor, unless ``--strict-verify``).
 
 from __future__ import annotations
 
-import shutil
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from tests.cli_helpers import harbor_async, records
+from tests.requirements import needs_bwrap
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+pytestmark = needs_bwrap
 
 TOML = """schema_version = "1.4"
 
