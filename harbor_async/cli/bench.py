@@ -177,6 +177,23 @@ def docker_step(
     run_it(["--steps", str(steps), "--repeats", str(repeats), "--task-set", task_set, "--out", str(out)])
 
 
+@bench_app.command("verify")
+def verify(
+    env: Annotated[str, typer.Option("--env", "-e", help="local or docker.")] = "local",
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Rounds of both modes (their order alternates).")] = 3,
+    n_concurrent: Annotated[int, typer.Option("--n-concurrent", "-n", min=1, help="Episodes at once.")] = 4,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file.")] = DEFAULT_OUT,
+    log_level: LogOpt = None,
+) -> None:
+    """The verify phase with and without --strict-verify on the bundled suite; writes verify-isolation-ENV.json."""
+    _setup(log_level)
+    if env not in ("local", "docker"):
+        raise fail(f"--env: local or docker, got {env!r}")
+    from benchmarks.verify_isolation import main as run_it
+
+    run_it(["--env", env, "--repeats", str(repeats), "--concurrency", str(n_concurrent), "--out", str(out)])
+
+
 @bench_app.command("harbor")
 def harbor(
     path: Annotated[Path | None, typer.Option("--path", "-p", help="A local suite.", show_default="the bundled example suite")] = None,
