@@ -191,7 +191,7 @@ class Engine:
                 self._log.info("engine.close", live=len(sandboxes))
             try:
                 async with anyio.create_task_group() as tg:
-                    for episode in [e for e in self.episodes if not e.finished]:  # recorded as interrupted, stopped
+                    for episode in self._held_episodes():  # recorded as interrupted, and stopped
                         tg.start_soon(episode.end)
                     for sandbox in sandboxes:
                         tg.start_soon(sandbox.stop)
@@ -204,6 +204,14 @@ class Engine:
             finally:  # a second close waits for this one: it must never wait for ever
                 self._drained.set()
         self.request_close()
+
+    def _held_episodes(self) -> list[Any]:
+        """The episodes not yet finished (another thread may add one meanwhile: a shim's ``reset()``)."""
+        while True:
+            try:
+                return [e for e in list(self.episodes) if not e.finished]
+            except RuntimeError:  # the set changed size while it was copied: copy it again
+                continue
 
     @property
     def closed(self) -> bool:
