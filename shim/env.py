@@ -34,14 +34,14 @@ from harbor_async.harnesses.base import BACKENDS_DROPPING_COPY, Harness
 from harbor_async.harnesses.bash import BashHarness
 from harbor_async.task_support import TRL, UnsupportedTaskError, driver_refusals
 from shim import engines, prefetch
-from shim.episode import await_loop, begin_rollout, new_episode, retire, retire_episodes, settle, stop_episodes
+from harbor_async.loop import await_future
+from shim.episode import begin_rollout, new_episode, retire, retire_episodes, settle, stop_episodes, uncount
 from shim.options import EngineOptions, EngineOptionsKwargs, renamed_kwargs
 from shim.task_cache import load_task_cached
 
 if TYPE_CHECKING:
     from harbor_async.episode import Episode
     from harbor_async.records import EpisodeRecord
-    from shim.guard import RolloutGuard
 
 R = TypeVar("R")
 
@@ -124,9 +124,7 @@ class HarborEnv(Harness):
         self._episodes: list[Episode] = []
         self._state_lock = threading.Lock()
         engines.prepare_exit_handlers()
-        # The guard that counts their rollouts (the engine options' own), for the finalizer too.
-        self._guard: list[RolloutGuard] = []
-        self._finalizer = weakref.finalize(self, _abandon, self._episodes, self._guard)
+        self._finalizer = weakref.finalize(self, _abandon, self._episodes)
         # At exit the loop module stops every engine's sandboxes; a finalizer
         # running then could only race it.
         self._finalizer.atexit = False
@@ -161,11 +159,10 @@ class HarborEnv(Harness):
             raise ValueError("HarborEnv.reset requires `task_dir` (provided by the dataset row).")
         guard = engines.guard_for(self._options)
         with self._state_lock:
-            self._guard[:] = [guard]
             previous, self._episode = self._episode, None
             self._episodes[:] = [e for e in self._episodes if not e.finished]
         if previous is not None:
-            guard.close_rollout(previous)  # now, not when the loop retires it: the count must be exact here
+            uncount(previous)  # now, not when the loop retires it: the count must be exact here
         try:
             guard.check()  # too many infrastructure failures: stop the trainer, do not train on zeros
             task = load_task_cached(task_dir)
@@ -180,12 +177,12 @@ class HarborEnv(Harness):
                 guard.open_rollout(episode)
         except BaseException:
             if previous is not None:
-                engines.submit(retire, previous, guard)
+                engines.submit(retire, previous)
             raise
         with self._state_lock:
             self._episode, self._record = episode, episode.record
             self._episodes.append(episode)
-        future = engines.submit(begin_rollout, episode, previous, self._prepare_rollout, guard)
+        future = engines.submit(begin_rollout, episode, previous, self._prepare_rollout)
         future.add_done_callback(_report_unexpected)
         return task.instruction + self.PROMPT_SUFFIX
 
@@ -209,7 +206,7 @@ class HarborEnv(Harness):
             return 0.0
         if episode.verified:
             return episode.reward
-        return engines.call(settle, episode, engines.guard_for(self._options))
+        return engines.call(settle, episode)
 
     @property
     def infrastructure_failure(self) -> bool:
@@ -224,10 +221,9 @@ class HarborEnv(Harness):
             return 0.0
         if episode.verified:
             return episode.reward
-        guard = engines.guard_for(self._options)
         if engines.in_loop_thread():
-            return await settle(episode, guard)
-        return await await_loop(engines.submit(settle, episode, guard))
+            return await settle(episode)
+        return await await_future(engines.submit(settle, episode))
 
     # ── teardown ─────────────────────────────────────────────────────────
 
@@ -240,7 +236,7 @@ class HarborEnv(Harness):
         """
         episodes = self._detach_episodes()
         if episodes and engines.loop_running():
-            engines.call(stop_episodes, episodes, engines.guard_for(self._options), timeout=_close_budget(self._options))
+            engines.call(stop_episodes, episodes, timeout=_close_budget(self._options))
 
     close = not_a_tool(_close)
 
@@ -337,19 +333,18 @@ def _close_budget(options: EngineOptions) -> float | None:
     return None if options.stop_timeout is None else 2 * options.stop_timeout + 10
 
 
-def _abandon(episodes: list[Episode], guard: list[RolloutGuard]) -> None:
+def _abandon(episodes: list[Episode]) -> None:
     """Finalizer of a garbage-collected env: schedule its stops, never wait (TRL's env hangs here)."""
     if not episodes:
         return
     pending = list(episodes)
-    counter = guard[0] if guard else None
     try:
         if not engines.loop_running():
             return
         if engines.in_loop_thread():
-            retire_episodes(pending, counter)
+            retire_episodes(pending)
         else:
-            engines.submit(retire_episodes, pending, counter)
+            engines.submit(retire_episodes, pending)
     except Exception:  # noqa: BLE001, S110 - a finalizer must never raise; the exit handler stops what is left
         pass
 

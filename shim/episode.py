@@ -15,12 +15,13 @@ counts each rollout that holds its sandbox until its batch is scored, and the
 starts that failed for infrastructure reasons; a scored rollout's sandbox is
 stopped in the background at once.
 
-Every function below except :func:`new_episode` and :func:`await_loop` runs on the loop thread.
+Every function below except :func:`new_episode` and :func:`uncount` runs on the loop thread.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,6 @@ import anyio
 from harbor_async.episode import Episode
 from harbor_async.errors import SandboxError
 from harbor_async.logs import get_logger
-from harbor_async.loop import await_future
 from harbor_async.policy import is_infrastructure
 from shim import prefetch
 
@@ -43,10 +43,10 @@ if TYPE_CHECKING:
 
 log = get_logger("harbor_async.shim")
 
-__all__ = ["await_loop", "begin_rollout", "new_episode", "retire", "settle", "stop_episodes", "verify_episodes"]
+#: Each rollout's guard (its env's engine options' own), kept for as long as the rollout is.
+_GUARDS: weakref.WeakKeyDictionary[Episode, RolloutGuard] = weakref.WeakKeyDictionary()
 
-#: Awaits a loop-thread future from TRL's event loop (see :func:`harbor_async.loop.await_future`).
-await_loop = await_future
+__all__ = ["begin_rollout", "new_episode", "retire", "settle", "stop_episodes", "uncount", "verify_episodes"]
 
 
 def new_episode(
@@ -54,16 +54,18 @@ def new_episode(
     engine: Engine,
     backend: BackendSpec,
     backend_kwargs: dict[str, Any],
-    guard: RolloutGuard | None,
+    guard: RolloutGuard,
     *,
     agent: str,
     on_done: Callable[[EpisodeRecord], None] | None,
 ) -> Episode:
-    """The core episode of one ``reset()``, its starts counted by ``guard`` (on the trainer thread)."""
-    return Episode(
+    """The core episode of one ``reset()``, counted by ``guard`` (its starts, and while it awaits its reward)."""
+    episode = Episode(
         engine, task, backend, backend_kwargs=backend_kwargs, agent=agent, on_done=on_done,
-        on_started=None if guard is None else functools.partial(_count_start, guard),
+        on_started=functools.partial(_count_start, guard),
     )  # fmt: skip
+    _GUARDS[episode] = guard
+    return episode
 
 
 def _count_start(guard: RolloutGuard, error: SandboxError | None) -> None:
@@ -76,7 +78,6 @@ async def begin_rollout(
     episode: Episode,
     previous: Episode | None,
     prepare: Callable[[Episode], Awaitable[None]],
-    guard: RolloutGuard | None,
 ) -> None:
     """Retire the previous rollout, then begin ``episode`` on a sandbox started ahead if one is parked.
 
@@ -84,7 +85,7 @@ async def begin_rollout(
     back now, not at the reward.
     """
     if previous is not None:
-        retire(previous, guard)
+        retire(previous)
     # The claim runs before begin()'s first await: prefetch.release() relies on every reset handed to the loop
     # before it having claimed by then.
     claim = functools.partial(prefetch.claim, episode.engine, episode.task, episode.backend, episode.backend_kwargs)
@@ -92,14 +93,20 @@ async def begin_rollout(
         episode.stop_soon()
 
 
-def retire(episode: Episode, guard: RolloutGuard | None) -> None:
-    """End a rollout left before its verdict (a new ``reset()``, a close, a collected env): it awaits no reward."""
+def uncount(episode: Episode) -> None:
+    """The rollout awaits no batch reward any more (scored or abandoned): its guard stops counting it."""
+    guard = _GUARDS.get(episode)
     if guard is not None:
         guard.close_rollout(episode)
+
+
+def retire(episode: Episode) -> None:
+    """End a rollout left before its verdict (a new ``reset()``, a close, a collected env): it awaits no reward."""
+    uncount(episode)
     episode.retire()
 
 
-async def settle(episode: Episode, guard: RolloutGuard | None) -> float | None:
+async def settle(episode: Episode) -> float | None:
     """The rollout's reward (:meth:`Episode.verify`: once, then cached); the sandbox is stopped in the background.
 
     Never raises. A verifier that gave no valid reward, or an agent that ran
@@ -110,8 +117,7 @@ async def settle(episode: Episode, guard: RolloutGuard | None) -> float | None:
     if episode.verified:
         return episode.reward
     reward = await episode.verify()
-    if guard is not None:
-        guard.close_rollout(episode)
+    uncount(episode)
     if episode.reward_error is not None:
         record = episode.record
         log.warning(
@@ -121,12 +127,12 @@ async def settle(episode: Episode, guard: RolloutGuard | None) -> float | None:
     return reward
 
 
-async def verify_episodes(episodes: Sequence[Episode], guard: RolloutGuard | None) -> list[float | None]:
+async def verify_episodes(episodes: Sequence[Episode]) -> list[float | None]:
     """Settle every rollout concurrently (one loop call for a whole batch); rewards in order."""
     rewards: list[float | None] = [None] * len(episodes)
 
     async def one(index: int, episode: Episode) -> None:
-        rewards[index] = await settle(episode, guard)
+        rewards[index] = await settle(episode)
 
     async with anyio.create_task_group() as tg:
         for index, episode in enumerate(episodes):
@@ -134,11 +140,11 @@ async def verify_episodes(episodes: Sequence[Episode], guard: RolloutGuard | Non
     return rewards
 
 
-async def stop_episodes(episodes: Sequence[Episode], guard: RolloutGuard | None = None) -> None:
+async def stop_episodes(episodes: Sequence[Episode]) -> None:
     """Retire every rollout and wait until each sandbox is stopped (shielded, bounded by the stop budget)."""
 
     async def one(episode: Episode) -> None:
-        retire(episode, guard)
+        retire(episode)
         await episode.stop()
 
     async with anyio.create_task_group() as tg:
@@ -146,7 +152,7 @@ async def stop_episodes(episodes: Sequence[Episode], guard: RolloutGuard | None 
             tg.start_soon(one, episode)
 
 
-def retire_episodes(episodes: Sequence[Episode], guard: RolloutGuard | None = None) -> None:
+def retire_episodes(episodes: Sequence[Episode]) -> None:
     """Retire every rollout without waiting (for finalizers)."""
     for episode in episodes:
-        retire(episode, guard)
+        retire(episode)

@@ -89,8 +89,7 @@ def verify_environments(environments: Sequence[Any]) -> list[float | None]:
         else:
             rewards[index] = None if env.reward is None else float(env.reward)
     if pending:
-        guard = engines.guard_for(next(env for env in environments if isinstance(env, HarborEnv))._options)
-        values = engines.call(verify_episodes, [episode for _, episode in pending], guard)
+        values = engines.call(verify_episodes, [episode for _, episode in pending])
         for (index, _), value in zip(pending, values, strict=True):
             rewards[index] = value
     return rewards

@@ -315,7 +315,7 @@ class HarborSpec:
         envs = list(_SPEC_ENVS.get(self._token, ()))
         episodes = [episode for env in envs for episode in env._detach_episodes()]
         if episodes and engines.loop_running():
-            engines.call(stop_episodes, episodes, engines.guard_for(self._options), timeout=_close_budget(self._options))
+            engines.call(stop_episodes, episodes, timeout=_close_budget(self._options))
 
     def __enter__(self) -> Self:
         return self
