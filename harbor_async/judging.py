@@ -9,7 +9,6 @@ the sandbox when the verifier's own download did not bring it.
 
 from __future__ import annotations
 
-import errno
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -18,6 +17,7 @@ import anyio
 
 from harbor_async.backends import enter_network_phase
 from harbor_async.errors import Phase, SandboxError, VerifierFailure
+from harbor_async.policy import disk_full
 from harbor_async.reward_files import VERIFIER_OUTPUT_LIMIT
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ def _outgrown(exc: OSError, folder: Path, task: Task) -> str | None:
     that runs out of space for less is not the agent's doing: infrastructure.
     """
     storage_mb = task.config.environment.storage_mb
-    if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or storage_mb is None:
+    if not disk_full(exc) or storage_mb is None:
         return None
     size = sum(entry.stat().st_size for entry in folder.rglob("*") if entry.is_file() and not entry.is_symlink())
     if size <= storage_mb * 1024 * 1024:

@@ -241,7 +241,7 @@ def _declared_permanent(exc: BaseException) -> bool:
     return getattr(exc, "transient", None) is False
 
 
-def _disk_full(exc: BaseException) -> bool:
+def disk_full(exc: BaseException) -> bool:
     """An ``OSError`` of a full disk or quota (``ENOSPC``, ``EDQUOT``)."""
     return isinstance(exc, OSError) and exc.errno in _DISK_FULL
 
@@ -286,7 +286,7 @@ ERROR_POLICY: tuple[ErrorRow, ...] = (
     ErrorRow(BaseException, _INFRA_RETRY, when=_declared_transient),
     ErrorRow(BaseException, _INFRA, when=_declared_permanent),
     # A full disk or quota: the next attempt fails the same way.
-    ErrorRow(OSError, _INFRA, when=_disk_full),
+    ErrorRow(OSError, _INFRA, when=disk_full),
     # Not errors of the episode: an interruption, an exit, a superseded start, a closed episode.
     ErrorRow((SandboxCancelledError, EpisodeInterruptedError), _CANCELLED),
     # The model's server failed: the model was not judged.
