@@ -39,6 +39,7 @@ from harbor_async.model_agent import (
     check_harbor_options,
     eval_driver,
     eval_episode_agent,
+    harbor_agent_at,
     resolve_eval_agent,
     resolve_harness,
 )
@@ -99,8 +100,6 @@ class _Run:
         self.engine: Engine | None = None
         self.tool_limiter = anyio.CapacityLimiter(settings.n_concurrent)
         self.request_limiter = anyio.CapacityLimiter(settings.max_concurrent_requests)
-        self.sampling = settings.sampling
-        self.limits = settings.limits
         self.fatal: BaseException | None = None
         self.interrupted: int | None = None
         self.ran = 0
@@ -132,10 +131,9 @@ class _Run:
             listed = await _serve.served_models(base_url, api_key=self.api_key())
             await _serve.check_models([s.name for s in group.models], listed, base_url, api_key=self.api_key())
         budget = FailureBudget(self.settings.max_model_server_failures, base_url, self.job.path)
+        for spec in group.models if self.harbor is not None else ():  # where each model's agent calls: it answers
+            await probe_model_server(harbor_agent_at(self.harbor, self.settings, spec.name, base_url))  # --ak api_base wins
         if self.settings.ray:
-            if self.harbor is not None:  # where each model's agent will call (an --ak api_base wins): it answers
-                for spec in group.models:
-                    await probe_model_server(self.harbor.with_server(spec.name, base_url, api_key_name=self.settings.api_key_name))
             await self._on_cluster(group, tasks, root, pending, base_url, budget)
         else:
             async with openai.AsyncOpenAI(
@@ -153,14 +151,11 @@ class _Run:
         planned: list[PlannedEpisode] = []
         for spec in group.models:
             agent: Agent | Any = Agent(
-                client, spec.name, sampling=self.sampling, limits=self.limits,
+                client, spec.name, sampling=self.settings.sampling, limits=self.settings.limits,
                 request_limiter=self.request_limiter, tool_limiter=self.tool_limiter,
             )  # fmt: skip
             if self.harbor is not None:  # a Harbor agent talks to the server with its own client
-                agent = self.harbor.with_server(
-                    spec.name, base_url, api_key_name=self.settings.api_key_name, temperature=self.sampling.temperature
-                )
-                await probe_model_server(agent)  # where it calls (an --ak api_base wins over --base-url): it answers
+                agent = harbor_agent_at(self.harbor, self.settings, spec.name, base_url)
             for task in tasks:
                 path = suite_task_path(task, root)
                 for attempt in range(self.settings.n_attempts):

@@ -156,6 +156,11 @@ def resolve_eval_agent(settings: JobSettings) -> HarborAgentSpec | None:
     return HarborAgentSpec(settings.agent, None, dict(settings.agent_kwargs))
 
 
+def harbor_agent_at(spec: HarborAgentSpec, settings: JobSettings, model: str, base_url: str) -> HarborAgentSpec:
+    """``spec`` pointed at ``model`` on ``base_url`` as every episode of the eval runs it (locally or on a worker)."""
+    return spec.with_server(model, base_url, api_key_name=settings.api_key_name, temperature=settings.sampling.temperature)
+
+
 def eval_driver(spec: HarborAgentSpec | None) -> Driver:
     """``eval``'s driver: a tool harness (no MCP servers, no skills), or a Harbor agent (checked against each task)."""
     from harbor_async.task_support import EVAL

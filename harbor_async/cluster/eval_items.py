@@ -90,16 +90,15 @@ async def eval_item(engine: Engine, item: EvalItem) -> EpisodeRecord:
     """
     from harbor_async.harbor_agents import HarborAgentSpec, is_harbor_agent
     from harbor_async.harnesses import harness_factory
-    from harbor_async.model_agent import eval_episode_agent, model_episode_agent
+    from harbor_async.model_agent import eval_episode_agent, harbor_agent_at, model_episode_agent
     from harbor_async.runner import run_episode
     from harbor_async.tasks import load_task
 
     settings = JobSettings.from_dict(json.loads(item.settings))
     task = load_task(item.task_dir)
     if is_harbor_agent(settings.agent):  # pointed at the server as the driver's probe found it, built per episode
-        spec = HarborAgentSpec(settings.agent, None, dict(settings.agent_kwargs)).with_server(
-            item.model, item.base_url, api_key_name=settings.api_key_name, temperature=settings.sampling.temperature
-        )
+        spec = HarborAgentSpec(settings.agent, None, dict(settings.agent_kwargs))
+        spec = harbor_agent_at(spec, settings, item.model, item.base_url)
         actor = eval_episode_agent(settings, spec, None, item.attempt)
     else:
         agent = _agent(settings, item.settings, item.model, item.base_url)
