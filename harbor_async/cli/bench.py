@@ -63,6 +63,12 @@ def _kwargs(env: str, latency: str, ek: list[str] | None, old_json: str | None) 
     return kwargs
 
 
+def _one_of(value: str, choices: tuple[str, ...], flag: str) -> None:
+    """Exit 2 in one line unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise fail(f"{flag}: {' or '.join(choices)}, got {value!r}")
+
+
 def _setup(log_level: str | None) -> None:
     import importlib.util
 
@@ -138,8 +144,7 @@ def grpo_step(
     impls = [i.strip() for i in implementations.split(",") if i.strip()]
     if not impls or set(impls) - {"trl", "shim"}:
         raise fail(f"--implementations takes trl and/or shim, got {implementations!r}")
-    if task_set not in ("bundled", "wide"):
-        raise fail(f"--task-set: bundled or wide, got {task_set!r}")
+    _one_of(task_set, ("bundled", "wide"), "--task-set")
     kwargs = _kwargs(name, latency, ek, backend_kwargs)
     from benchmarks.cli import grpo_step as run_it
 
@@ -170,8 +175,7 @@ def docker_step(
 ) -> None:
     """GRPO steps on docker, B=8 distinct task images, layer by layer against TRL's env; writes docker-step[-SET].json."""
     _setup(log_level)
-    if task_set not in ("bundled", "wide"):
-        raise fail(f"--task-set: bundled or wide, got {task_set!r}")
+    _one_of(task_set, ("bundled", "wide"), "--task-set")
     from benchmarks.docker_step import main as run_it
 
     run_it(["--steps", str(steps), "--repeats", str(repeats), "--task-set", task_set, "--out", str(out)])
@@ -187,8 +191,7 @@ def verify(
 ) -> None:
     """The verify phase with and without --strict-verify on the bundled suite; writes verify-isolation-ENV.json."""
     _setup(log_level)
-    if env not in ("local", "docker"):
-        raise fail(f"--env: local or docker, got {env!r}")
+    _one_of(env, ("local", "docker"), "--env")
     from benchmarks.verify_isolation import main as run_it
 
     run_it(["--env", env, "--repeats", str(repeats), "--concurrency", str(n_concurrent), "--out", str(out)])
@@ -207,8 +210,7 @@ def harbor(
 ) -> None:
     """The same suite, agent, backend and -n under `harbor-async run` and Harbor's `harbor run`; writes harbor-vs-harbor-async-ENV.json."""
     _setup(log_level)
-    if env not in ("local", "docker"):
-        raise fail(f"--env: local or docker, got {env!r}")
+    _one_of(env, ("local", "docker"), "--env")
     from benchmarks.cli import harbor as run_it
     from benchmarks.harbor_cli import HarborBenchError
     from harbor_async.suites import example_suite_path
