@@ -69,9 +69,10 @@ class Engine:
             (default: :class:`~harbor_async.budget.LocalBudget`, this process's limits).
         env_allow: host variables a task's ``${VAR}`` may read (default none;
             see :mod:`harbor_async.task_env`).
-        strict_verify: kill every process the agent left running before the
-            verifier starts (default off: services the agent started stay up
-            for the tests, as in Harbor); see :mod:`harbor_async.verifier_isolation`.
+        strict_verify: end every process the agent left running before the
+            verifier starts (default on: the verifier runs alone; off, services the
+            agent started stay up for the tests, as in Harbor); see
+            :mod:`harbor_async.verifier_isolation`.
     """
 
     def __init__(
@@ -88,7 +89,7 @@ class Engine:
         docker_overlay: bool = True,
         budget: Callable[[Limits], Budget] | None = None,
         env_allow: Collection[str] = (),
-        strict_verify: bool = False,
+        strict_verify: bool = True,
         trials_dir: str | Path | None = None,
     ) -> None:
         self.limits = limits or Limits()

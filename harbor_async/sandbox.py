@@ -67,8 +67,8 @@ class SandboxContext:
         start_options: backend start options (e.g. ``docker_overlay``), see
             :meth:`BackendSpec.start_extras`.
         trial_names: the run's Harbor trial-folder names.
-        strict_verify: kill every agent process before the verifier runs
-            (:mod:`harbor_async.verifier_isolation`).
+        strict_verify: end every agent process before the verifier runs
+            (default; :mod:`harbor_async.verifier_isolation`).
     """
 
     run_label: str
@@ -81,7 +81,7 @@ class SandboxContext:
     on_done: Callable[[Sandbox], None]
     start_options: Mapping[str, Any] = field(default_factory=dict)
     trial_names: TrialDirNames | None = None
-    strict_verify: bool = False
+    strict_verify: bool = True
 
     _timeouts_seen: dict[Timeouts, Timeouts] = field(default_factory=dict, init=False, repr=False, compare=False)
 

@@ -167,7 +167,7 @@ class EngineSettings(SettingsModel):
     cluster_creates_per_second: float | None = Field(None, gt=0)
     # A tuple: the shim's option sets are hashable (they key the shared engines).
     env_allow: tuple[str, ...] = Field((), strict=False)
-    strict_verify: bool = False
+    strict_verify: bool = True
 
     @field_validator("env_allow", mode="before")
     @classmethod

@@ -5,8 +5,8 @@ processes keep running (tasks test services an agent left behind). A backend
 that can give the verifier folders of its own does so through
 ``environment.verifier_scope()`` (the local backend: a private mount
 namespace, see :mod:`harbor_async.backends.local.verifier_ns`); others run the
-verifier as Harbor does. ``strict_verify`` goes further on every backend: it
-kills every process in the sandbox but its init before the verifier starts.
+verifier as Harbor does. ``strict_verify`` (the default) goes further on every
+backend: no process of the agent's is left when the verifier starts.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ async def end_agent_processes(environment: Any, timeout_sec: int = 30) -> None:
     """End the agent's processes before the verifier (``strict_verify``).
 
     A backend that can restart the sandbox's processes with its files kept
-    does so (``environment.end_agent_processes()``: docker restarts the main
-    container); on the others every process but the sandbox's init and main
-    command is killed, as its root.
+    does so (``environment.end_agent_processes()``: local starts a new PID
+    namespace, docker restarts the main container); on the others every
+    process but the sandbox's init and main command is killed, as its root.
 
     Raises:
         AgentProcessesSurvivedError: some survived (a fork bomb outpacing 10 s of rounds), or the script failed.

@@ -91,9 +91,9 @@ class EngineOptions(EngineSettings):
         cluster_creates_per_second: sandbox creations per second across the cluster.
         env_allow: host variables a task's ``${VAR}`` may read (names; default none:
             see :mod:`harbor_async.task_env`).
-        strict_verify: kill every process the agent left running before the
-            verifier starts (default off, as in Harbor; see
-            :mod:`harbor_async.verifier_isolation`).
+        strict_verify: end every process the agent left running before the
+            verifier starts (default on; ``False``: they keep running, as in
+            Harbor; see :mod:`harbor_async.verifier_isolation`).
         reap_stale: when the engine opens, remove what killed runs left on this
             machine (sandboxes, mounts, cgroups, containers of dead owners only;
             logged). Default on.

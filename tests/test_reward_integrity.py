@@ -4,8 +4,8 @@ The attacks are oracle solutions a model could write: a background process
 that keeps rewriting ``/logs/verifier/reward.*`` after the tests wrote 0, one
 that swaps ``/tests/test.sh``, one that reaches into the verifier's processes
 through ``/proc/PID/root``; beside them a verifier that writes junk, and a task
-whose test checks a service the agent left running (which must still pass,
-as in Harbor, unless ``--strict-verify``).
+whose test checks a service the agent left running (which passes with
+``--no-strict-verify``, as in Harbor; by default the verifier runs alone).
 """
 
 from __future__ import annotations
@@ -66,6 +66,16 @@ before=$(cat /tmp/heartbeat); sleep 1.5; after=$(cat /tmp/heartbeat)
 if [ -n "$after" ] && [ "$before" != "$after" ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
 """
 
+# Variables of the sandbox's making, in every file a shell might read at its start: none may reach the tests.
+RC_WRITER = """#!/bin/bash
+line='export LD_PRELOAD=/app/forge.so PYTHONPATH=/app/forged PYTHONSTARTUP=/app/forged.py'
+for f in /etc/profile /etc/bash.bashrc /root/.bashrc /root/.profile /root/.bash_profile; do echo "$line" >> $f; done
+echo 'LD_PRELOAD=/app/forge.so' >> /etc/environment
+"""
+RC_TEST = """#!/bin/bash
+if env | grep -qE '^(LD_|PYTHON)'; then echo 0 > /logs/verifier/reward.txt; else echo 1 > /logs/verifier/reward.txt; fi
+"""
+
 JUNK_TEST = """#!/bin/bash
 head -c 100000 /dev/zero | tr '\\0' '[' > /logs/verifier/reward.json  # 100,000 levels deep
 """
@@ -89,6 +99,7 @@ def suite(tmp_path: Path) -> Path:
     make_task(tasks, "planted", PLANTED, HONEST_TEST)
     make_task(tasks, "junk-reward", "#!/bin/bash\ntrue\n", JUNK_TEST)
     make_task(tasks, "service", SERVICE, SERVICE_TEST)
+    make_task(tasks, "rc-variables", RC_WRITER, RC_TEST)
     return tmp_path / "suite"
 
 
@@ -107,8 +118,10 @@ def run_job(suite: Path, out: Path, *flags: str) -> dict[str, dict]:
     return by_task(records(out / "job"))
 
 
-def test_the_agent_cannot_write_its_reward_and_services_stay_up(suite: Path, tmp_path: Path) -> None:
-    found = run_job(suite, tmp_path / "jobs")
+def test_with_no_strict_verify_services_stay_up_and_the_agent_still_cannot_write_its_reward(
+    suite: Path, tmp_path: Path
+) -> None:
+    found = run_job(suite, tmp_path / "jobs", "--no-strict-verify")
     assert found["rewriter"]["reward"] == 0.0 and found["rewriter"]["error_class"] is None, failure(found["rewriter"])
     assert found["planted"]["reward"] == 0.0 and found["planted"]["error_class"] is None, failure(found["planted"])
     junk = found["junk-reward"]
@@ -116,30 +129,33 @@ def test_the_agent_cannot_write_its_reward_and_services_stay_up(suite: Path, tmp
     assert found["service"]["reward"] == 1.0, found["service"]  # the agent's service ran during the tests
 
 
-def test_strict_verify_ends_the_agents_processes_first(suite: Path, tmp_path: Path) -> None:
-    found = run_job(suite, tmp_path / "jobs", "--strict-verify")
+def test_by_default_the_agents_processes_end_before_the_verifier(suite: Path, tmp_path: Path) -> None:
+    found = run_job(suite, tmp_path / "jobs")
     assert found["rewriter"]["reward"] == 0.0
     assert found["service"]["reward"] == 0.0, found["service"]  # its heartbeat was killed before the tests
+    assert found["rc-variables"]["reward"] == 1.0, failure(found["rc-variables"])
 
 
 @pytest.mark.slow
 @pytest.mark.docker
 @pytest.mark.usefixtures("docker_daemon")
-def test_on_docker_strict_verify_leaves_the_reward_to_the_verifier(suite: Path, tmp_path: Path) -> None:
-    # Docker gives the verifier no folders of its own (docs/backends.md): strict mode is the defence there.
-    found = run_job(suite, tmp_path / "jobs", "-e", "docker", "--strict-verify")
+def test_on_docker_the_reward_is_left_to_the_verifier(suite: Path, tmp_path: Path) -> None:
+    # Docker gives the verifier no folders of its own (docs/backends.md): its running alone (the default) is the defence.
+    found = run_job(suite, tmp_path / "jobs", "-e", "docker")
     assert found["rewriter"]["reward"] == 0.0 and found["rewriter"]["error_class"] is None, failure(found["rewriter"])
     # No process to kill: the verifier folder's reset is what keeps these files from being the reward.
     assert found["planted"]["reward"] == 0.0 and found["planted"]["error_class"] is None, failure(found["planted"])
     assert found["junk-reward"]["reward"] == 0.0 and found["junk-reward"]["error_class"] == "verifier"
     assert found["service"]["reward"] == 0.0  # the kill reached the agent's processes
+    assert found["rc-variables"]["reward"] == 1.0, failure(found["rc-variables"])
 
 
-@pytest.mark.parametrize("strict", [False, True])
-def test_the_shims_rollouts_are_verified_the_same_way(suite: Path, strict: bool) -> None:
+@pytest.mark.parametrize("strict", [False, None])
+def test_the_shims_rollouts_are_verified_the_same_way(suite: Path, strict: bool | None) -> None:
     import shim
 
-    spec = shim.HarborSpec(suite, environment_type="local", strict_verify=strict, preflight=False)
+    given = {} if strict is None else {"strict_verify": strict}  # None: the default, strict
+    spec = shim.HarborSpec(suite, environment_type="local", preflight=False, **given)
     rows = list(spec.train_dataset)
     envs = [spec.environment_factory() for _ in rows]
     try:
@@ -150,7 +166,7 @@ def test_the_shims_rollouts_are_verified_the_same_way(suite: Path, strict: bool)
     finally:
         spec.close()
     found = {Path(row["task_dir"]).name: reward for row, reward in zip(rows, rewards, strict=True)}
-    assert found == {"rewriter": 0.0, "planted": 0.0, "junk-reward": 0.0, "service": 0.0 if strict else 1.0}
+    assert found == {"rewriter": 0.0, "planted": 0.0, "junk-reward": 0.0, "service": 1.0 if strict is False else 0.0, "rc-variables": 1.0}
 
 
 # The agent makes the container's main command (`sleep infinity`) fork a reward writer by ptrace: a kill that spares
@@ -168,7 +184,7 @@ chmod +x /solution/inject
 @pytest.mark.slow
 @pytest.mark.docker
 @pytest.mark.usefixtures("docker_daemon")
-def test_on_docker_strict_verify_leaves_no_process_the_agent_hid_under_the_main_command(tmp_path: Path) -> None:
+def test_on_docker_no_process_the_agent_hid_under_the_main_command_outlives_the_agent(tmp_path: Path) -> None:
     import subprocess
 
     tasks = tmp_path / "suite" / "tasks"
@@ -178,9 +194,9 @@ def test_on_docker_strict_verify_leaves_no_process_the_agent_hid_under_the_main_
          str(Path(__file__).parent / "attacks" / "inject.c")],
         check=True, timeout=120,
     )  # fmt: skip
-    found = run_job(tmp_path / "suite", tmp_path / "jobs", "-e", "docker")
+    found = run_job(tmp_path / "suite", tmp_path / "jobs", "-e", "docker", "--no-strict-verify")
     assert found["ptrace"]["reward"] == 1.0  # the attack is real: where nothing ends it, it writes the reward
-    found = run_job(tmp_path / "suite", tmp_path / "jobs-strict", "-e", "docker", "--strict-verify")
+    found = run_job(tmp_path / "suite", tmp_path / "jobs-strict", "-e", "docker")
     assert found["ptrace"]["reward"] == 0.0 and found["ptrace"]["error_class"] is None, failure(found["ptrace"])
 
 
@@ -201,6 +217,37 @@ def test_a_library_the_sandbox_preloads_does_not_run_in_the_verifier(tmp_path: P
          str(Path(__file__).parent / "attacks" / "reward_on_exit.c")],
         check=True, timeout=120,
     )  # fmt: skip
-    for flags in ((), ("--strict-verify",)):
+    for flags in ((), ("--no-strict-verify",)):
         found = run_job(tmp_path / "suite", tmp_path / f"jobs{len(flags)}", *flags)
         assert found["preload"]["reward"] == 0.0 and found["preload"]["error_class"] is None, failure(found["preload"])
+
+
+# On local the init's oldest child (its `sleep 86400`) is what a kill sparing "the main command" spares: the agent
+# hides a process under it by ptrace. The tests score 1 only if no process of the agent's is alive while they run.
+LOCAL_INJECTOR = """#!/bin/bash
+for p in /proc/[0-9]*; do
+  if [ "$(tr '\\0' ' ' < $p/cmdline 2>/dev/null)" = "sleep 86400 " ]; then main=${p#/proc/}; fi
+done
+chmod +x /solution/inject
+/solution/inject "$main" 'while :; do date +%s%N > /tmp/survivor; sleep 0.02; done'
+"""
+ALONE_TEST = """#!/bin/bash
+rm -f /tmp/survivor; sleep 1
+if [ -e /tmp/survivor ]; then echo 0 > /logs/verifier/reward.txt; else echo 1 > /logs/verifier/reward.txt; fi
+"""
+
+
+def test_on_local_no_process_the_agent_hid_under_the_init_outlives_the_agent(tmp_path: Path) -> None:
+    import subprocess
+
+    tasks = tmp_path / "suite" / "tasks"
+    make_task(tasks, "ptrace", LOCAL_INJECTOR, ALONE_TEST)
+    subprocess.run(
+        ["gcc", "-static", "-O1", "-o", str(tasks / "ptrace" / "solution" / "inject"),
+         str(Path(__file__).parent / "attacks" / "inject.c")],
+        check=True, timeout=120,
+    )  # fmt: skip
+    found = run_job(tmp_path / "suite", tmp_path / "jobs", "--no-strict-verify")
+    assert found["ptrace"]["reward"] == 0.0, failure(found["ptrace"])  # the attack is real: the process ran on
+    found = run_job(tmp_path / "suite", tmp_path / "jobs-strict")
+    assert found["ptrace"]["reward"] == 1.0 and found["ptrace"]["error_class"] is None, failure(found["ptrace"])

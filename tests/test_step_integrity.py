@@ -83,3 +83,20 @@ def test_killing_a_later_steps_tests_does_not_raise_the_mean(tmp_path: Path, bac
     assert killed["error_class"] is None  # the model's episode, judged: not rerun, not left out
     steps = {s["name"]: s for s in killed["steps"]}
     assert steps["one"]["reward"] == 1.0 and steps["two"]["reward"] is None and steps["two"]["error"]
+
+
+def test_a_sandbox_the_agent_filled_is_its_failure_not_infrastructure(tmp_path: Path) -> None:
+    """Step one fills the sandbox's disk: step two's files do not fit, a failed step scored 0, never rerun."""
+    task = tmp_path / "suite" / "fill"
+    make_task(tmp_path / "suite", "fill", killer=False)
+    toml = (task / "task.toml").read_text()
+    (task / "task.toml").write_text(toml.replace("[[steps]]", "[environment]\nstorage_mb = 64\n\n[[steps]]", 1))
+    one, two = task / "steps" / "one" / "solution", task / "steps" / "two" / "solution"
+    (one / "solve.sh").write_text("#!/bin/bash\nmkdir -p /app && echo solved > /app/one.txt\nhead -c 200M /dev/zero > /fill; true\n")
+    (two / "data.bin").write_bytes(bytes(range(256)) * 4096)  # 1 MiB that no longer fits
+    jobs = tmp_path / "jobs"
+    done = harbor_async("run", "-p", str(tmp_path / "suite"), "--jobs-dir", str(jobs), "--job-name", "fill", timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]  # not infrastructure
+    (record,) = records(jobs / "fill")
+    assert record["error_class"] == "agent" and "No space left" in record["error"], record
+    assert record["reward"] == 0.5  # step one judged 1, step two a failed step

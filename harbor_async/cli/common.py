@@ -125,8 +125,9 @@ def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
 StrictVerifyOpt = Annotated[
     bool,
     typer.Option(
-        "--strict-verify",
-        help="Kill every process the agent left running before the verifier starts "
-        "(default: they keep running, as in Harbor, so tests can check services).",
+        "--strict-verify/--no-strict-verify",
+        help="End every process the agent left running before the verifier starts, so that it runs alone "
+        "(default; local: a new PID namespace, docker: the main container restarted, files kept). "
+        "--no-strict-verify: they keep running, as in Harbor, for tests that check a service the agent started.",
     ),
 ]

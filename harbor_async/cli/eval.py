@@ -110,7 +110,7 @@ def eval_command(
     env_allow: Annotated[
         list[str] | None, typer.Option("--env-allow", help="A host variable a task's ${VAR} may read (repeatable; default none).")
     ] = None,
-    strict_verify: StrictVerifyOpt = False,
+    strict_verify: StrictVerifyOpt = True,
     max_model_server_failures: Annotated[
         int | None,
         typer.Option(

@@ -130,7 +130,7 @@ def run(
     exclude: ExcludeOpt = None,
     indices: IndicesOpt = None,
     env_allow: Annotated[list[str] | None, typer.Option("--env-allow", help="A host variable a task's ${VAR} may read (repeatable; default none).")] = None,
-    strict_verify: StrictVerifyOpt = False,
+    strict_verify: StrictVerifyOpt = True,
     ek: Annotated[list[str] | None, typer.Option("--ek", "--environment-kwarg", help="Backend keyword argument key=value (repeatable); values are read as JSON when they parse.")] = None,
     timeout_multiplier: Annotated[float | None, typer.Option("--timeout-multiplier", help="Multiplies the start, exec, agent and verifier budgets.", show_default=setting_opts.setting_default("timeout_multiplier"))] = None,
     agent_timeout_multiplier: Annotated[float | None, typer.Option("--agent-timeout-multiplier", help="Multiplies the agent budget (overrides --timeout-multiplier).")] = None,

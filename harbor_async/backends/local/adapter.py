@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import os
@@ -59,7 +60,7 @@ from harbor_async.backends.local.rootfs import (
     host_path,
     remove_sandbox_folder,
 )
-from harbor_async.backends.local.pool import POOL, Piece, build_piece, discard_piece
+from harbor_async.backends.local.pool import POOL, Piece, build_piece, discard_piece, start_keeper
 from harbor_async.backends.local.sandboxing import Confinement, join_spec
 from harbor_async.backends.local.template import task_entries, write_entries
 from harbor_async.backends.local.transfers import DEFAULT_TRANSFER_LIMIT_MB, SandboxTransfers
@@ -304,6 +305,10 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         self._created_at = piece.created_at
         self._marker_live = True
         self._write_marker()
+        self._guard_keeper()
+
+    def _guard_keeper(self) -> None:
+        """An environment dropped without ``stop()`` ends its keeper (a finalizer)."""
         assert self._keeper is not None
         self._keeper_finalizer = weakref.finalize(self, abandon, self._keeper, self._confinement, self._mount, self._uid_lease)
         # At exit the engine stops its sandboxes (a finalizer would kill them
@@ -362,6 +367,36 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             keeper.process.kill()
             await keeper.wait()
         keeper.close()
+
+    async def end_agent_processes(self) -> None:
+        """End every process of the sandbox before the verifier: a new PID namespace over the same files.
+
+        The keeper's PID 1 is killed, so the kernel kills every process in its
+        namespace, whatever the agent attached to by ptrace, re-parented or hid
+        under the init; a new keeper then starts over the same root, cgroups
+        and uid, as ``docker restart`` keeps a container's files. What lived
+        only in the old namespaces goes with them: ``/dev/shm``, listeners on
+        the sandbox's loopback, IPC objects.
+
+        Raises:
+            RuntimeError: the sandbox is not started.
+            SandboxBuildFailedError: the new keeper could not start (the host's failure).
+        """
+        if not self._started or self._keeper is None or self._tools is None or self._confinement is None:
+            raise RuntimeError(f"local sandbox {self.session_id} is not started")
+        with anyio.CancelScope(shield=True):  # half done, the sandbox would have no keeper
+            with anyio.move_on_after(5):  # an exec being spawned now would join the old namespace
+                while self._launching:
+                    await anyio.sleep(0.005)
+            self._keeper.kill_init()
+            for process in list(self._running.values()):
+                await end_exec(process)
+            await self._end_keeper()
+            piece = Piece(folder=self._root, confinement=self._confinement, mount=self._mount)
+            await anyio.to_thread.run_sync(functools.partial(start_keeper, piece, self._tools, restart=True))
+            self._keeper = piece.keeper
+            self._guard_keeper()
+            self._write_marker()
 
     def _sandbox_uid(self) -> int | None:
         """The host uid files made for the sandbox belong to (None: the caller's, root inside already)."""

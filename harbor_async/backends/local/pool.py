@@ -116,7 +116,7 @@ def build_piece(
     session_id = session_id or folder.name
     try:
         _build_tree(piece, run_label, session_id, require_limits)
-        _start_keeper(piece, tools)
+        start_keeper(piece, tools)
         piece.write_marker(run_label, session_id)
     except BaseException:
         discard_piece(piece)
@@ -157,8 +157,11 @@ def _build_tree(piece: Piece, run_label: str, session_id: str, require_limits: b
     piece.root_fd = os.open(piece.mount or piece.fs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
-def _start_keeper(piece: Piece, tools: Tools) -> None:
+def start_keeper(piece: Piece, tools: Tools, *, restart: bool = False) -> None:
     """Launch the long-lived bwrap (forked by the keeper thread) and wait for its init's ``ready``.
+
+    ``restart``: a new keeper over a sandbox whose files are in use already
+    (:meth:`~.LocalEnvironment.end_agent_processes`); its base tree is not written again.
 
     bwrap reports the host pid of the sandbox's PID 1 on ``--info-fd``; the
     init prints ``ready`` once bwrap has finished the setup (mounts, pivot,
@@ -181,7 +184,8 @@ def _start_keeper(piece: Piece, tools: Tools) -> None:
         info_write = ready_write = -1
         # Nothing of the sandbox runs before the start returns (the init only waits), and this
         # part is nothing bubblewrap or the init reads: written here, it overlaps bwrap's setup.
-        write_base_tree(piece.mount or piece.fs, piece.confinement.uid, "late")
+        if not restart:
+            write_base_tree(piece.mount or piece.fs, piece.confinement.uid, "late")
         text = _read_line(ready_read, time.monotonic() + KEEPER_START_TIMEOUT)
         if text != "ready":
             with contextlib.suppress(subprocess.TimeoutExpired):
