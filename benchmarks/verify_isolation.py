@@ -2,9 +2,10 @@
 
 Each round runs the bundled suite's tasks once with the oracle on one engine
 with ``strict_verify=False`` and once with ``strict_verify=True`` (the order
-alternates between rounds), and reads each record's verify seconds. On docker
-strict mode restarts the main container; elsewhere it kills every process of
-the sandbox but its init and main command. A round's figure is the median
+alternates between rounds), and reads each record's verify seconds. On local
+strict mode starts a new PID namespace over the sandbox's files, on docker it
+restarts the main container; elsewhere it kills every process of the sandbox
+but its init and main command. A round's figure is the median
 verify time of each mode and their difference; the published figures are the
 median, min and max over the rounds.
 

@@ -344,6 +344,12 @@ def test_an_incomplete_job_says_so_and_never_shows_an_unjudged_episode_as_zero(t
     header = re.search(r'<span class="badge incomplete"[^>]*>(.*?)</span>', page)
     assert header and header.group(1) == f"incomplete: {len(records)} of 50 episodes, {50 - len(records)} missing (interrupted by SIGINT)"
     assert "finished</span>" not in page
+    # A job stopped by its failures (a dead model server), not by a signal: its summary has no interrupted_by.
+    (job / "summary.json").write_text(json.dumps({"complete": False, "planned_episodes": 50, "stopped_by": "the model server failed 5 episodes in a row"}))
+    stopped = re.search(r'<span class="badge incomplete"[^>]*>(.*?)</span>', render(job))
+    assert stopped and stopped.group(1).endswith("missing (the model server failed 5 episodes in a row)")
+    (job / "summary.json").write_text(json.dumps({"complete": False, "planned_episodes": 50}))  # neither
+    assert re.search(r'<span class="badge incomplete"[^>]*>[^<]*missing</span>', render(job))
     data = _data(page)
     unjudged = {e["i"] for e in data["episodes"] if e["o"] in ("infrastructure", "model_server", "cancelled")}
     assert unjudged  # the test means something only with some
