@@ -197,24 +197,31 @@ class HarborJob:
         self._write_result()
 
     def finish(self) -> None:
-        """Add each eval's metrics (Harbor's mean) and pass@k, and the end time."""
+        """Add each eval's metrics (Harbor's mean) and pass@k over its judged trials, and the end time.
+
+        Harbor's ``Mean`` and pass@k count a trial without a verifier result as
+        0; here a trial nobody judged (infrastructure, the model server, an
+        interruption) is left out, and an eval with none judged has no metric,
+        so that ``harbor view`` shows no result rather than 0.00.
+        """
         from harbor.metrics.mean import Mean
         from harbor.utils.pass_at_k import compute_pass_at_k_by_evals
 
         if self._result is None:
             return
-        trials = list(self._trials.values())
+        judged = [trial for trial in self._trials.values() if trial.verifier_result is not None]
         rewards: dict[str, list[Any]] = {}
-        for trial in trials:
+        for trial in judged:
             key = self._stats.format_agent_evals_key(
                 trial.agent_info.name,
                 trial.agent_info.model_info.name if trial.agent_info.model_info else None,
                 trial.source or "adhoc",
             )
             rewards.setdefault(key, []).append(trial.verifier_result.rewards if trial.verifier_result else None)
-        for key, values in rewards.items():
-            self._stats.evals[key].metrics = [Mean().compute(values)]
-        for key, pass_at_k in compute_pass_at_k_by_evals(trials).items():
+        for key, entry in self._stats.evals.items():
+            entry.metrics = [Mean().compute(rewards[key])] if key in rewards else []
+            entry.pass_at_k = {}
+        for key, pass_at_k in compute_pass_at_k_by_evals(judged).items():
             self._stats.evals[key].pass_at_k = pass_at_k
         self._result.finished_at = datetime.now(UTC)
         self._write_result()

@@ -22,7 +22,7 @@ import pytest
 
 from harbor_async.jobs import JobFolder
 from harbor_async.suites import example_suite_path
-from tests.cli_helpers import REPO, harbor_async
+from tests.cli_helpers import REPO, harbor_async, records
 from tests.scripted_server import ScriptedServer
 
 pytestmark = pytest.mark.slow
@@ -205,3 +205,18 @@ def test_a_link_in_a_sandboxs_logs_never_reaches_the_job_folder(tmp_path: Path) 
     kept = tmp_path / "job" / "t__1" / "verifier"
     assert sorted(p.relative_to(kept).as_posix() for p in kept.rglob("*")) == ["deep", "reward.txt"]
     assert (sandbox_trial / "verifier").is_dir()  # made again for the next step
+
+
+def test_harbors_metrics_leave_out_what_nobody_judged(tmp_path: Path) -> None:
+    """Harbor's Mean counts an unjudged trial as 0; ours leaves it out, and a job with none judged has no metric."""
+    jobs = tmp_path / "jobs"
+    common = ["-e", "simulated", "-l", "3", "-k", "4", "-o", str(jobs)]
+    harbor_async("run", *common, "--job-name", "some", "--ek", "start_permanent_failure_rate=0.5", "--ek", "seed=1")
+    harbor_async("run", *common, "--job-name", "none", "--ek", "start_permanent_failure_rate=1.0")
+    found = {r["reward"] for r in records(jobs / "some")}
+    assert found == {None, 1.0}  # the test means something only with both
+    (some,) = json.loads((jobs / "some" / "result.json").read_text())["stats"]["evals"].values()
+    assert some["metrics"] == [{"mean": 1.0}]  # Harbor's own Mean would give less than 1
+    assert all(value == 1.0 for value in some["pass_at_k"].values())
+    (none,) = json.loads((jobs / "none" / "result.json").read_text())["stats"]["evals"].values()
+    assert none["metrics"] == [] and none["pass_at_k"] == {}  # not a mean of 0.0
