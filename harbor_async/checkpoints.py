@@ -1,7 +1,7 @@
 """The models of an evaluation and the servers that serve them.
 
 A model is a name on a server, a checkpoint folder, or a LoRA adapter;
-checkpoints named ``checkpoint-<step>`` sort by step. LoRA adapters of one base
+checkpoints named ``checkpoint-<step>`` (or ``step-<step>``) sort by step. LoRA adapters of one base
 share one managed vLLM server; any other checkpoint gets its own.
 """
 
@@ -33,35 +33,60 @@ class ModelSpec:
     step: int | None = None
 
 
-_STEP = re.compile(r"(\d+)\D*$")
+#: Checkpoint folder names a step is read from: TRL's ``checkpoint-400``, ``step-400`` / ``step_400``, verl's
+#: ``global_step_400``. Any other name has no step (``models/tiny-qwen3`` is not "step 3").
+CHECKPOINT_NAME = re.compile(r"(?:checkpoint|step|global_step)[-_](\d+)")
 _GLOB = re.compile(r"[*?\[]")
 
 
-def checkpoint_step(name: str) -> int | None:
-    """The last number in a checkpoint's base name (``ckpts/checkpoint-400`` -> 400)."""
-    match = _STEP.search(Path(name.rstrip("/")).name)
-    return int(match.group(1)) if match else None
+def checkpoint_step(name: str, step_from: str | re.Pattern[str] | None = None) -> int | None:
+    """The training step a checkpoint folder's base name says (``ckpts/checkpoint-400`` -> 400), else ``None``.
+
+    ``step_from``: a regular expression whose first group is the step, matched
+    against the whole base name, for names of another trainer's making
+    (default :data:`CHECKPOINT_NAME`).
+    """
+    pattern = re.compile(step_from) if isinstance(step_from, str) else step_from or CHECKPOINT_NAME
+    match = pattern.fullmatch(Path(name.rstrip("/")).name)
+    return int(match.group(1)) if match and match.groups() and match.group(1) is not None else None
 
 
-def resolve_models(models: Sequence[str]) -> list[ModelSpec]:
+def step_pattern(text: str) -> re.Pattern[str]:
+    """``--step-from``'s regular expression, checked: it must compile and have a group for the step.
+
+    Raises:
+        EvalConfigError: it does not.
+    """
+    try:
+        pattern = re.compile(text)
+    except re.error as exc:
+        raise EvalConfigError(f"--step-from {text!r} is not a regular expression: {exc}") from None
+    if pattern.groups < 1:
+        raise EvalConfigError(f"--step-from {text!r} has no group: put the step's digits in one, e.g. 'ckpt(\\d+)'")
+    return pattern
+
+
+def resolve_models(models: Sequence[str], step_from: str | re.Pattern[str] | None = None) -> list[ModelSpec]:
     """Expand globs (``ckpts/checkpoint-*``), sort each glob's matches by step, drop repeats.
 
     A glob that matches nothing is an error; a plain name is kept as given
-    (a served model name or a checkpoint folder).
+    (a served model name or a checkpoint folder). Steps are read as
+    :func:`checkpoint_step` reads them (``step_from``: another pattern).
     """
+    step = functools.partial(checkpoint_step, step_from=step_from)
     specs: list[ModelSpec] = []
     for model in models:
         if _GLOB.search(model):
             matches = glob.glob(model)
             if not matches:
                 raise EvalConfigError(f"no checkpoint matches {model!r}")
-            ordered = sorted(matches, key=lambda m: (checkpoint_step(m) is None, checkpoint_step(m) or 0, m))
+            ordered = sorted(matches, key=lambda m: (step(m) is None, step(m) or 0, m))
             names = ordered
         else:
             names = [model]
         for name in names:
             if all(s.name != name for s in specs):
-                specs.append(ModelSpec(name=name, checkpoint=name, step=checkpoint_step(name)))
+                specs.append(ModelSpec(name=name, checkpoint=name, step=step(name)))
     if not specs:
         raise EvalConfigError("no model to evaluate: pass at least one -m")
     return specs

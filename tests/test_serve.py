@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async.checkpoints import checkpoint_step, resolve_models, server_groups
+from harbor_async.checkpoints import checkpoint_step, resolve_models, server_groups, step_pattern
+from harbor_async.errors import EvalConfigError
 from harbor_async.serve import (
     ServeError,
     format_serve_cmd,
@@ -93,8 +94,14 @@ def test_serve_cmd_puts_model_and_port_in_each_word() -> None:
 def test_model_names_and_steps() -> None:
     assert checkpoint_step("ckpts/checkpoint-400") == 400
     assert checkpoint_step("ckpts/checkpoint-400/") == 400
-    assert checkpoint_step("Qwen/Qwen3-8B-step7-final") == 7
+    assert checkpoint_step("runs/step-12") == checkpoint_step("runs/step_12") == checkpoint_step("global_step_12") == 12
+    # A number in a model's name is not a step (it was: "step 3" of tiny-qwen3, "step 7" of this one).
+    assert checkpoint_step("models/tiny-qwen3") is None and checkpoint_step("Qwen/Qwen3-8B-step7-final") is None
     assert checkpoint_step("solver") is None
+    assert checkpoint_step("run/ckpt0040", step_from=step_pattern(r"ckpt(\d+)")) == 40
+    assert checkpoint_step("run/checkpoint-40", step_from=step_pattern(r"ckpt(\d+)")) is None
+    with pytest.raises(EvalConfigError, match="no group"):
+        step_pattern(r"ckpt\d+")
     specs = resolve_models(["b", "a", "b"])
     assert [s.name for s in specs] == ["b", "a"]
     with pytest.raises(ValueError, match="no checkpoint matches"):
