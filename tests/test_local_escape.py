@@ -107,6 +107,9 @@ async def test_proc_sys_is_read_only(env: LocalEnvironment) -> None:
     lines = (masked.stdout or "").split()
     assert lines[:2] == ["0", "0"], masked.stdout  # masked: nothing readable
     assert "Read-only file system" in (masked.stderr or "")
+    host = set(os.listdir("/sys/class/net")) | set(os.listdir("/sys/devices/virtual/net"))
+    listed = await env.exec("ls /sys/class/net /sys/devices/virtual/net; ls /sys/class/net/*/address 2>/dev/null")
+    assert host - {"lo"} and not (set(listed.stdout.split()) & host), listed.stdout  # none of the host's interfaces
 
 
 @pytest.mark.anyio

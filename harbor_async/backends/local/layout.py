@@ -14,6 +14,9 @@ MASKED_PATHS = (
     "/proc/asound", "/proc/acpi", "/proc/interrupts", "/proc/kcore", "/proc/keys",
     "/proc/latency_stats", "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug",
     "/proc/scsi", "/sys/firmware", "/sys/devices/virtual/powercap",
+    # The host's network interfaces (a container's sysfs shows its own namespace's; the sandbox's has only a
+    # loopback, which netlink, not sysfs, serves to `ip` and Python's socket.if_nameindex).
+    "/sys/class/net", "/sys/devices/virtual/net",
 )  # fmt: skip
 READONLY_PATHS = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
 #: Docker's default /dev/shm size.
