@@ -142,7 +142,7 @@ def task_path_escapes(task_dir: Path) -> list[tuple[Path, Path]]:
 
 
 def matches_names(name: str, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None) -> bool:
-    """Whether a task name passes ``harbor run``'s ``-i/--include-task-name`` and ``-x/--exclude-task-name`` globs."""
+    """Whether a task's folder name passes ``harbor run``'s ``-i/--include-task-name`` and ``-x/--exclude-task-name`` globs."""
     if include and not any(fnmatch.fnmatchcase(name, pattern) for pattern in include):
         return False
     return not (exclude and any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude))
@@ -502,7 +502,11 @@ def load_suite(
     if not tasks:
         raise EmptySuiteError(tasks_root, invalid)
     if filtered:
-        kept = [(t, p) for t, p in zip(tasks, positions, strict=True) if matches_names(t.name, include, exclude)]
+        # By folder name, as Harbor's LocalTaskId/GitTaskId.get_name: not a [task] name = "org/name".
+        kept = [
+            (t, p) for t, p in zip(tasks, positions, strict=True)
+            if matches_names(Path(t.paths.task_dir).resolve().name, include, exclude)
+        ]  # fmt: skip
         if not kept:
             raise NoMatchingTaskError(tasks_root, include, exclude)
         kept = kept[:num_tasks] if num_tasks is not None else kept

@@ -74,6 +74,17 @@ def test_include_exclude_globs_then_n_tasks(tmp_path):
     assert nothing.returncode == 2 and "matches -i 'nope-*'" in nothing.stderr
 
 
+def test_include_matches_the_folder_name_as_harbor_does_not_a_package_name(tmp_path):
+    suite = make_suite(tmp_path / "suite", ["alpha", "beta"])
+    toml = suite / "tasks" / "alpha" / "task.toml"
+    toml.write_text(toml.read_text().replace('schema_version = "1.4"', 'schema_version = "1.4"\n\n[task]\nname = "org/renamed"', 1))
+    assert "org/renamed" in toml.read_text()  # the test means something only with a package name
+    listed = harbor_async("tasks", "-p", str(suite), "-i", "alph*")
+    assert listed.returncode == 0 and "org/renamed" in listed.stdout, listed.stdout + listed.stderr
+    none = harbor_async("tasks", "-p", str(suite), "-i", "org/*")  # Harbor's local tasks are matched by folder
+    assert none.returncode == 2 and "matches -i 'org/*'" in none.stderr, none.stdout + none.stderr
+
+
 def test_ek_drives_the_simulated_backend(tmp_path):
     _, found, summary = run_job(tmp_path, "-e", "simulated", "-l", "2", "--ek", "verify_failure_rate=1", name="verify")
     assert all(r["error_class"] == "verifier" and r["reward"] == 0.0 for r in found)
