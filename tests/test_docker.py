@@ -319,3 +319,31 @@ async def test_a_docker_sandbox_is_confined_as_the_local_one(example_tasks, tmp_
         await sandbox.stop()
     memory, pids, nnp = probe.output.strip().splitlines()
     assert int(memory) == 256 * 1024 * 1024 and int(pids) == PIDS_LIMIT and nnp.split() == ["NoNewPrivs:", "1"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("given", [100, 100_000])
+async def test_a_task_whose_compose_file_limits_pids_starts_under_the_lower_limit(example_tasks, tmp_path, given):
+    """Compose refuses `pids_limit` beside the task's own `deploy.resources.limits.pids`: the overlay bounds that key."""
+    import shutil as _shutil
+
+    from harbor_async.backends.docker.overlay import PIDS_LIMIT
+    from harbor_async.tasks import load_task
+
+    task = tmp_path / "compose-limits"
+    _shutil.copytree(example_tasks[0].paths.task_dir, task)
+    (task / "environment" / "docker-compose.yaml").write_text(
+        "services:\n  main:\n    deploy:\n      resources:\n        limits:\n"
+        f"          pids: {given}\n          memory: 300M\n"
+    )
+    async with Engine() as engine:
+        sandbox = engine.launch(load_task(task), "docker")
+        await sandbox.wait_started()  # a StartError here: Compose refused the two pids limits
+        probe = await sandbox.exec(
+            "cat /sys/fs/cgroup/pids/pids.max /sys/fs/cgroup/pids.max 2>/dev/null | head -1; "
+            "cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/memory.max 2>/dev/null | head -1"
+        )
+        await sandbox.stop()
+    pids, memory = probe.output.strip().splitlines()
+    assert int(pids) == min(given, PIDS_LIMIT)  # the task's when lower, ours when not
+    assert int(memory) == 300 * 1024 * 1024  # the task's other limits kept
