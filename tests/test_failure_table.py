@@ -40,6 +40,7 @@ from harbor_async.backends.docker.errors import (
     DockerRefusedError,
     DockerStartError,
     compose_failure,
+    pulled_image,
     typed_start_error,
 )
 from harbor_async.backends.local.errors import TaskPathEscapeError
@@ -516,10 +517,29 @@ DAEMON_SAID = [
 def test_docker_start_errors_are_typed_from_what_the_daemon_said(command, said, expected):
     raised = _harbor_failure(command, said)
     typed = typed_start_error(raised)
-    assert type(typed) is expected and typed.__cause__ is raised and str(typed) == str(raised)
+    assert type(typed) is expected and typed.__cause__ is raised and str(typed).endswith(str(raised))
+    image = pulled_image(said)
+    if image is not None:  # the first line says which image could not be had, in the daemon's words
+        first = str(typed).splitlines()[0]
+        assert first.startswith(f"image {image} could not be pulled: ") and first != str(raised), first
+    else:
+        assert str(typed) == str(raised)
     assert is_transient(typed) is (expected is DockerStartError)
     assert failure_class(typed) is (FailureClass.INVALID_TASK if expected is DockerfileError else FailureClass.INFRASTRUCTURE)
     assert resolve_backend("docker").typed_error(raised).__class__ is expected
+
+
+def test_an_unreachable_registry_is_infrastructure_naming_the_image():
+    said = ('Error response from daemon: failed to resolve reference "docker.io/library/busybox:1.36.1": failed to do '
+            'request: Head "https://registry-1.docker.io/v2/library/busybox/manifests/1.36.1": dial tcp '
+            "108.160.169.181:443: i/o timeout")  # fmt: skip
+    typed = typed_start_error(_harbor_failure(["up", "-d"], said))
+    first = str(typed).splitlines()[0]
+    assert first.startswith("image docker.io/library/busybox:1.36.1 could not be pulled: ") and "i/o timeout" in first
+    assert type(typed) is DockerStartError and failure_class(typed) is FailureClass.INFRASTRUCTURE
+    rate = "unexpected status from HEAD request to https://registry-1.docker.io/v2/library/python/manifests/3.13-slim: 429"
+    assert pulled_image(rate) == "registry-1.docker.io/library/python:3.13-slim"
+    assert pulled_image("Error response from daemon: i/o timeout") is None
 
 
 @pytest.mark.parametrize(

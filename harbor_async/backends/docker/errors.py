@@ -154,11 +154,42 @@ def start_error_type(failure: ComposeFailure) -> type[DockerStartError]:
     return DockerStartError
 
 
+#: Where the daemon, the registry or the client names the image a pull was for (the image in group 1, or the
+#: registry host, path and tag of a manifest request in groups 2-4).
+_PULLED = re.compile(
+    r'failed to resolve reference "([^"\n]+)"|\bpull access denied for ([^,\s]+)|\bmanifest for (\S+) not found|'
+    r"\bno such image: (\S+)|unable to get image '([^'\n]+)'|"
+    r"request to https?://([^/\s]+)/v2/(\S+?)/manifests/([^:\s]+)",
+    re.I,
+)
+
+
+def pulled_image(output: str) -> str | None:
+    """The image a failed pull named in ``output`` (``registry/path:tag`` from a manifest request), else ``None``."""
+    found = _PULLED.search(output)
+    if found is None:
+        return None
+    host, path, tag = found.group(6, 7, 8)
+    if host is not None:
+        return f"{host}/{path}:{tag}"
+    return next(group for group in found.groups()[:5] if group)
+
+
 def typed_start_error(exc: BaseException) -> BaseException:
-    """The typed error for a failed docker start (chained to ``exc``), or ``exc`` itself when it is not one."""
+    """The typed error for a failed docker start (chained to ``exc``), or ``exc`` itself when it is not one.
+
+    Where the output names the image a pull was for, the message's first line
+    says which image could not be had and the daemon's words for why; the
+    whole of Harbor's message follows.
+    """
     failure = compose_failure(exc)
     if failure is None:
         return exc
-    error = start_error_type(failure)(str(exc))
+    image = pulled_image(failure.output)
+    message = str(exc)
+    if image is not None:
+        said = next((line.strip() for line in failure.output.splitlines() if image.split("/")[-1] in line), "")
+        message = f"image {image} could not be pulled: {said[:300]}\n{message}"
+    error = start_error_type(failure)(message)
     error.__cause__ = exc
     return error
