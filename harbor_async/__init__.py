@@ -18,6 +18,8 @@ from harbor_async.errors import (
     HarborAsyncError,
     LoopThreadError,
     Phase,
+    FailureClass,
+    SandboxCancelledError,
     SandboxClosedError,
     SandboxError,
     SandboxTimeout,
@@ -27,6 +29,7 @@ from harbor_async.errors import (
 )
 from harbor_async.loop import call, get_loop, open_engine, submit
 from harbor_async.policy import Limits, RetryPolicy, Timeouts
+from harbor_async.records import EpisodeRecord
 from harbor_async.results import ExecOutput, VerifyResult
 from harbor_async.sandbox import Sandbox, SandboxState
 from harbor_async.stats import EngineStats
@@ -38,14 +41,17 @@ __all__ = [
     "Engine",
     "EngineClosedError",
     "EngineStats",
+    "EpisodeRecord",
     "ExecError",
     "ExecOutput",
+    "FailureClass",
     "HarborAsyncError",
     "Limits",
     "LoopThreadError",
     "Phase",
     "RetryPolicy",
     "Sandbox",
+    "SandboxCancelledError",
     "SandboxClosedError",
     "SandboxError",
     "SandboxState",
@@ -67,10 +73,15 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     # evaluate pulls in openai and the shim: imported on first use, not with the package.
     if name in ("evaluate", "evaluate_sync"):
         from harbor_async import evaluation
 
         return getattr(evaluation, name)
     raise AttributeError(f"module 'harbor_async' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names with the lazy ones (``evaluate``), for completion and ``help()``."""
+    return sorted({*globals(), *__all__})

@@ -39,6 +39,7 @@ def test_wheel_holds_the_product_and_its_package_data_only(venv):
     ).stdout.split()
     assert tracked and not sorted(set(tracked) - names)
     assert "harbor_async/suites/example/tasks/csv-column-sum/environment/sales.csv" in names
+    assert {"harbor_async/py.typed", "shim/py.typed"} <= names  # type checkers read the hints (PEP 561)
     metadata = zipfile.ZipFile(venv.wheel).read(f"{venv.wheel.name.split('-')[0]}-0.1.0.dist-info/METADATA").decode()
     requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     # Library-style: no exact pins of what training environments bring their own of.

@@ -1,0 +1,19 @@
+"""The package's public names: each one resolves, the lazy ones are listed, the records' types are exported."""
+
+from __future__ import annotations
+
+import harbor_async
+
+
+def test_every_public_name_resolves_and_dir_lists_the_lazy_ones() -> None:
+    assert all(getattr(harbor_async, name) is not None for name in harbor_async.__all__)
+    assert {"evaluate", "evaluate_sync"} <= set(dir(harbor_async))  # served by __getattr__, not in globals()
+
+
+def test_what_a_caller_reads_or_catches_is_exported() -> None:
+    from harbor_async.errors import FailureClass, SandboxCancelledError
+    from harbor_async.records import EpisodeRecord
+
+    # wait_started() raises SandboxCancelledError; records carry FailureClass values
+    assert harbor_async.SandboxCancelledError is SandboxCancelledError
+    assert harbor_async.FailureClass is FailureClass and harbor_async.EpisodeRecord is EpisodeRecord
