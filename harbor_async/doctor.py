@@ -478,8 +478,29 @@ def _local() -> list[Check]:
     ]
 
 
+def check_docker_storage() -> Check:
+    """Who bounds a docker task's ``storage_mb``: the daemon's quota, or harbor-async's watch (docs/backends.md)."""
+    ok, text = _docker(["info", "--format", "{{.Driver}}"])
+    if not ok:
+        return Check("docker storage_mb", False, text, "start the Docker daemon")
+    from harbor_async.backends.docker.storage import POLL_SECONDS, daemon_quota
+
+    enforced, how = daemon_quota()
+    if enforced:
+        return Check("docker storage_mb", True, f"enforced by the daemon ({text}): {how}")
+    return Check(
+        "docker storage_mb",
+        True,
+        f"bounded by harbor-async: each container's writable layer is measured every {POLL_SECONDS:g} s and a "
+        f"container past it is killed, the agent's failure ({text}: {how}); a daemon on xfs with pquota enforces it itself",
+    )
+
+
 def _docker_checks() -> list[Check]:
-    return [check_program("docker", "docker.io"), check_docker_daemon(), check_docker_root(), check_docker_compose()]
+    return [
+        check_program("docker", "docker.io"), check_docker_daemon(), check_docker_root(), check_docker_compose(),
+        check_docker_storage(),
+    ]  # fmt: skip
 
 
 #: Backends whose environment ``diagnose`` builds when asked for (a docker one also starts a container).

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import anyio.lowlevel
 
+from harbor_async import disk_bounds
 from harbor_async import tool_messages as messages
 from harbor_async.backends import enter_network_phase
 from harbor_async.errors import (
@@ -145,6 +146,8 @@ class Episode:
         self.agent_timeout = agent_timeout
         self.agent_budget: float | None = self.agent_budget_for(None)
         self.step: StepConfig | None = None  # the step in progress of a multi-step task (harbor_async.steps)
+        #: what the episode copied to the host, against its and its job's disk bounds (harbor_async.disk_bounds)
+        self.disk = disk_bounds.for_engine(engine)
         self._begin: float | None = None
         self._token: anyio.lowlevel.EventLoopToken | None = None
         self._open: tuple[Phase, float] | None = None
@@ -448,7 +451,8 @@ class Episode:
         async with self._verify_lock:
             if not self._verified:
                 await self.wait_ready()
-                await self._verify_now()
+                with self.disk.current():  # its downloads charge its disk bounds (the shim's verify too)
+                    await self._verify_now()
                 self._verified = True
         return self.record.reward
 
@@ -474,6 +478,7 @@ class Episode:
 
     def settle(self) -> None:
         """Make the reward agree with the failure: none when not judged, 0 for the model's failure without one."""
+        disk_bounds.settle_bounds(self)  # a disk bound passed: the model's scored failure (or the job's stop)
         failure = self.record.failure
         if failure is not None and not failure.scored:  # not judged: no reward
             self.record.reward, self.record.rewards = None, {}

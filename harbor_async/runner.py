@@ -26,6 +26,7 @@ from weakref import WeakKeyDictionary
 import anyio
 
 from harbor_async.backends import BackendSpec, resolve_backend
+from harbor_async.disk_bounds import JobDiskLimitError, job_disk_error
 from harbor_async.episode import Episode
 from harbor_async.errors import (
     FailureClass,
@@ -169,22 +170,28 @@ async def run_episode(
         engine, task, spec, task_path=task_path, attempt=attempt, agent=actor.name, model=model, checkpoint=checkpoint,
         on_done=done, agent_timeout=getattr(actor, "timeout", None),
     )  # fmt: skip
+    full = episode.disk.job_full()
+    if full is not None:  # the job folder reached its bound: nothing more starts (not judged, resumable)
+        episode.fail_with(full, Phase.START)
+        return await episode.stop()
     try:
-        ready = await episode.begin(lambda: actor.setup(episode))
-        if task.has_steps:  # each step's instruction, agent and verifier in turn (harbor_async.steps)
-            if ready:
-                await run_steps(episode, actor)
-            episode.settle()
-        else:
-            if ready:
-                await actor.act(episode)
-            await episode.verify()
+        with episode.disk.current():  # every download of the episode charges its disk bounds (harbor_async.disk_bounds)
+            ready = await episode.begin(lambda: actor.setup(episode))
+            if task.has_steps:  # each step's instruction, agent and verifier in turn (harbor_async.steps)
+                if ready:
+                    await run_steps(episode, actor)
+                episode.settle()
+            else:
+                if ready:
+                    await actor.act(episode)
+                await episode.verify()
     except anyio.get_cancelled_exc_class():
         episode.interrupted()
         raise
     except Exception as exc:  # a bug or an unexpected Harbor error: record it, keep the batch
         log.exception("episode crashed", task=task.name, sandbox=episode.record.sandbox)
         episode.fail_with(exc, episode.phase)
+        episode.settle()  # a disk bound the episode passed is still its failure, not the crash's
     finally:
         record = await episode.stop()  # hands the record to the sinks (Episode.on_done)
     return record
@@ -204,12 +211,20 @@ class FailureBudget:
     def __init__(self, limit: int | None, server: str, job_dir: Path) -> None:
         self.limit, self.server, self.job_dir = limit, server, job_dir
         self.in_a_row = 0
-        self.error: ModelServerDownError | None = None
+        self.error: ModelServerDownError | JobDiskLimitError | None = None
 
     def observe(self, record: EpisodeRecord) -> bool:
-        """Count ``record``; ``True`` once, when the run must stop now (the error is then :attr:`error`)."""
+        """Count ``record``; ``True`` once, when the run must stop now (the error is then :attr:`error`).
+
+        A record whose episode reached the job folder's disk bound stops the
+        run too (:class:`~harbor_async.disk_bounds.JobDiskLimitError`, its episode
+        and the ones not run yet resumable).
+        """
         if self.error is not None:
             return False
+        if record.error_type == JobDiskLimitError.__name__:  # by type name: records come back from Ray as JSON
+            self.error = job_disk_error(self.job_dir, record.error)
+            return True
         if record.failure is not FailureClass.MODEL_SERVER:
             if not record.rerun:
                 self.in_a_row = 0

@@ -14,6 +14,10 @@ then follows to a host file. Here:
   name leaves the target), counts apparent sizes against
   ``transfer_limit_mb`` before writing, stops at 64 levels or 100,000 entries,
   and checks for cancellation between chunks;
+- every download also charges its episode's and job's disk bounds
+  (:mod:`harbor_async.disk_bounds`), and a task's ``storage_mb`` is the
+  daemon's quota where it enforces one, else a watch of the container's
+  writable layer that kills it past the bound (:mod:`.storage`);
 - a task whose every phase is ``no-network`` runs with Compose's
   ``network_mode: none`` where Harbor's egress-control sidecar is not
   available (its images come from Docker Hub): the policy is honoured, not refused;
@@ -46,8 +50,11 @@ from harbor.environments.docker import COMPOSE_NO_NETWORK_PATH
 from harbor.environments.docker.docker import DockerEnvironment, _sanitize_docker_compose_project_name
 from harbor.models.task.config import NetworkMode
 
+from harbor_async import disk_bounds
+from harbor_async.backends.docker import storage
 from harbor_async.backends.docker.cleanup import docker_is_local
 from harbor_async.bounded_output import HeadTail
+from harbor_async.disk_bounds import StorageLimitError
 from harbor_async.errors import TransferLimitError
 from harbor_async.host_resources import capped_environment_config
 from harbor_async.transfer_budget import MAX_DEPTH, Budget
@@ -90,6 +97,10 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         self._transfer_limit = None if transfer_limit_mb is None else int(transfer_limit_mb) * 2**20
         self._output_limit = None if output_limit is None else int(output_limit)
         self._main_container: str | None = None
+        #: The task's storage_mb, past which the watch killed the container (harbor_async.disk_bounds reads it).
+        self.storage_exceeded: StorageLimitError | None = None
+        self._watched_container: str | None = None
+        self._storage_overlay: Path | None = None  # the daemon's own quota, where it enforces one
         if task_env_config is not None and docker_is_local():  # this host's daemon: its CPUs and memory
             task_env_config = capped_environment_config(task_env_config, environment_name)
         policies = [options.get("network_policy"), *(options.get("phase_network_policies") or ())]
@@ -103,7 +114,38 @@ class ConfinedDockerEnvironment(DockerEnvironment):
     async def start(self, force_build: bool) -> None:
         if _known_daemon_os() is None:
             await anyio.to_thread.run_sync(type(self)._detect_daemon_os)
+        storage_mb = getattr(self.task_env_config, "storage_mb", None)
+        watched = False
+        if storage_mb:  # the daemon's quota where it has one, else our watch (harbor_async.backends.docker.storage)
+            enforced, _ = await anyio.to_thread.run_sync(storage.daemon_quota)
+            if enforced:
+                self._storage_overlay = storage.quota_overlay(Path(self.trial_paths.trial_dir), storage_mb)
+            watched = not enforced
         await super().start(force_build)
+        if watched and (container := await self._find_main_container()) is not None:
+            self._watched_container = container
+            storage.WATCH.watch(container, int(storage_mb), self._storage_passed)
+
+    def _storage_passed(self, error: StorageLimitError) -> None:
+        """Told by the watch's thread, before it kills the container: every later command is refused."""
+        self.storage_exceeded = error
+
+    def _check_storage(self) -> None:
+        """Refuse a command of a container killed past its ``storage_mb`` (a fresh error: one raised is not re-raised)."""
+        found = self.storage_exceeded
+        if found is not None:
+            raise StorageLimitError(found.container, found.limit_mb, found.size)
+
+    async def exec(self, command: str, *args: Any, **kwargs: Any) -> ExecResult:
+        """Harbor's exec, refused once the container went past its ``storage_mb``."""
+        self._check_storage()
+        return await super().exec(command, *args, **kwargs)
+
+    async def stop(self, delete: bool) -> None:
+        if self._watched_container is not None:
+            storage.WATCH.unwatch(self._watched_container)
+            self._watched_container = None
+        await super().stop(delete)
 
     @classmethod
     def _detect_daemon_os(cls) -> str | None:
@@ -130,6 +172,8 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         paths = super()._docker_compose_paths
         if self._offline and not self._enable_egress_control:
             paths.append(COMPOSE_NO_NETWORK_PATH)
+        if getattr(self, "_storage_overlay", None) is not None:
+            paths.append(self._storage_overlay)
         return paths
 
     # -- exec output --------------------------------------------------------------
@@ -200,7 +244,7 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         container = await self._find_main_container()
         if container is None:
             raise FileNotFoundError(errno.ENOENT, "the sandbox's main container is not running", source)
-        budget = Budget(self._transfer_limit, source, anyio.from_thread.check_cancelled)
+        budget = Budget(self._transfer_limit, source, anyio.from_thread.check_cancelled, disk_bounds.current())
         argv = ["docker", "cp", f"{container}:{source}", "-"]
         await anyio.to_thread.run_sync(_copy_stream, argv, target, single, budget)
 
@@ -215,6 +259,7 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         filesystem, the mounts and the network. A restart that fails is the
         daemon's failure (infrastructure).
         """
+        self._check_storage()  # killed past its storage_mb: restarting it would hand the verifier what outgrew it
         container = await self._find_main_container()
         if container is None:
             raise RuntimeError("the sandbox's main container is not running: it cannot be restarted for the verifier")

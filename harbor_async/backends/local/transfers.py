@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 import anyio.from_thread
 
+from harbor_async import disk_bounds
 from harbor_async.backends.local import hostfs
 from harbor_async.backends.local.errors import SandboxPathError, TaskPathEscapeError
 from harbor_async.backends.local.rootfs import check_sandbox_path
@@ -134,8 +135,9 @@ class SandboxTransfers:
 
     async def _run(self, function: Callable[..., None], *args: Any, shown: str, limited: bool = False) -> None:
         """Run one transfer in a worker thread; cancelling the caller stops it at the next chunk."""
-        budget = Budget(
-            self._transfer_limit if limited else None, shown, anyio.from_thread.check_cancelled
+        budget = Budget(  # a download also charges its episode's disk bound (harbor_async.disk_bounds)
+            self._transfer_limit if limited else None, shown, anyio.from_thread.check_cancelled,
+            disk_bounds.current() if limited else None,
         )
         extra: dict[str, Any] = {}
         if args[0] in self._private_dirs.values() and function in (hostfs.write_file, hostfs.write_tree):
