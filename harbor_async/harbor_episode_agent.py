@@ -50,6 +50,7 @@ class HarborEpisodeAgent:
     name: str = ""
     timeout: float | None = None
     _agent: Any = None
+    _acted: bool = False
 
     def __post_init__(self) -> None:
         self.name = self.name or self.spec.name
@@ -77,9 +78,15 @@ class HarborEpisodeAgent:
         assert sandbox is not None and self._agent is not None
         context = AgentContext()
         environment = sandbox.environment
+        again = self._acted and sandbox.context.strict_verify and self._keeps_processes()
+        self._acted = True
         try:
             with environment.scoped_exec_env(self._agent.extra_env):
                 async with sandbox.context.budget.exec_slot(), sandbox.bounded_phase(Phase.AGENT, budget=episode.agent_budget):
+                    if again:
+                        # The last step's strict verify ended every process the agent had (terminus-2's terminal):
+                        # its setup starts them again, within this step's budget; a sandbox the agent broke is its own.
+                        await self._agent.setup(environment)
                     await self._agent.run(episode.instruction, environment, context)
         except SandboxError as exc:
             # The agent keeps its own conversation: only context overflow can be the model's refusal here.
@@ -99,6 +106,13 @@ class HarborEpisodeAgent:
                 except Exception:  # noqa: BLE001 - logs it could not read: no counts, not a failed episode
                     pass
             _add_usage(record.usage, context)
+
+
+    def _keeps_processes(self) -> bool:
+        """Whether the agent keeps processes between instructions (a terminal): an installed agent runs one exec each."""
+        from harbor.agents.installed.base import BaseInstalledAgent
+
+        return not isinstance(self._agent, BaseInstalledAgent)
 
 
 def _add_usage(usage: dict[str, Any], context: Any) -> None:

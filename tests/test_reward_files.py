@@ -155,9 +155,11 @@ async def test_a_verifier_that_resets_its_folder_removes_the_stale_rewards_witho
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_a_verdict_waits_on_no_exec_beyond_the_tests(monkeypatch):
+@pytest.mark.parametrize("strict", [False, True])
+async def test_a_verdict_waits_on_no_exec_beyond_the_tests(monkeypatch, strict):
     """A batch's rewards wait for every verify: the folder reset and Harbor's chmod of the test script run in the
-    tests' own exec (as root, the verifier's usual user). No stale-reward `rm`, no re-read of an empty output."""
+    tests' own exec (as root, the verifier's usual user). No stale-reward `rm`, no re-read of an empty output.
+    A strict verify (the default) adds one exec before it: the end of the agent's processes."""
     from harbor_async.backends.simulated import SimulatedEnvironment
 
     calls: list[tuple[str, object]] = []
@@ -168,11 +170,14 @@ async def test_a_verdict_waits_on_no_exec_beyond_the_tests(monkeypatch):
         return await real(sandbox, command, *args, user=user, **kwargs)
 
     monkeypatch.setattr(SimulatedEnvironment, "exec", exec_)
-    async with Engine() as engine:
+    async with Engine(strict_verify=strict) as engine:
         (record,) = await run_suite(
             engine, [load_task(example_suite_path() / "tasks" / "count-log-files")], "simulated", agent="none"
         )
     assert record.reward == 1.0 and record.error is None
+    if strict:
+        (kill, _), *calls = calls
+        assert "end_agent_processes" in kill, kill
     assert len(calls) == 1, calls
     ((command, user),) = calls
     assert user is None  # the verifier's user, as Harbor runs the tests

@@ -64,17 +64,25 @@ def make_task(root: Path, name: str, *, killer: bool) -> None:
         (folder / "tests" / "test.sh").write_text(TEST.format(step=step))
 
 
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "no-strict"])
 @pytest.mark.parametrize(
     "backend", ["local", pytest.param("docker", marks=[pytest.mark.slow, pytest.mark.docker])]
 )
-def test_killing_a_later_steps_tests_does_not_raise_the_mean(tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
+def test_killing_a_later_steps_tests_does_not_raise_the_mean(
+    tmp_path: Path, backend: str, strict: bool, request: pytest.FixtureRequest
+) -> None:
+    """Strict (the default): the killer is ended before step two's tests, which judge its wrong answer 0.
+    Not strict: the killer ends step two's tests, a step that left no reward, scored 0 all the same."""
     if backend == "docker":
         request.getfixturevalue("docker_daemon")  # fails (never skips) under CI when docker is missing
     suite = tmp_path / "suite"
     make_task(suite, "honest", killer=False)
     make_task(suite, "killer", killer=True)
     jobs = tmp_path / "jobs"
-    done = harbor_async("run", "-p", str(suite), "-e", backend, "--jobs-dir", str(jobs), "--job-name", "steps", timeout=600)
+    strictness = "--strict-verify" if strict else "--no-strict-verify"
+    done = harbor_async(
+        "run", "-p", str(suite), "-e", backend, "--jobs-dir", str(jobs), "--job-name", "steps", strictness, timeout=600
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     found = {r["task"]: r for r in records(jobs / "steps")}
     assert found["honest"]["reward"] == 0.5
@@ -82,7 +90,11 @@ def test_killing_a_later_steps_tests_does_not_raise_the_mean(tmp_path: Path, bac
     assert killed["reward"] == 0.5, json.dumps(killed)[:2000]
     assert killed["error_class"] is None  # the model's episode, judged: not rerun, not left out
     steps = {s["name"]: s for s in killed["steps"]}
-    assert steps["one"]["reward"] == 1.0 and steps["two"]["reward"] is None and steps["two"]["error"]
+    assert steps["one"]["reward"] == 1.0
+    if strict:
+        assert steps["two"]["reward"] == 0.0 and not steps["two"]["error"], steps["two"]
+    else:
+        assert steps["two"]["reward"] is None and steps["two"]["error"], steps["two"]
 
 
 def test_a_sandbox_the_agent_filled_is_its_failure_not_infrastructure(tmp_path: Path) -> None:
