@@ -89,7 +89,7 @@ class EpisodeDiskLimitError(TransferLimitError):
         OSError.__init__(
             self,
             f"transfer of {path!r} refused: {detail or 'past'} the episode's bound of {limit / 2**20:g} MiB copied to "
-            "the host (apparent size: sparse files count in full; raise episode_disk_limit_mb to allow more)",
+            "the host (apparent size: sparse files count in full; raise --episode-disk-limit-mb to allow more)",
         )
         self.path = path
         self.limit = limit
@@ -137,8 +137,8 @@ class JobDiskLimitError(EpisodeInterruptedError):
         super().__init__(
             message
             or f"the job folder {job_dir} reached its bound of {limit / 2**20:g} MiB (apparent size): the job "
-            f"stops, its remaining episodes not judged; free space or raise job_disk_limit_mb, then resume it "
-            f"(--resume {job_dir})"
+            f"stops, its remaining episodes not judged; free space or raise the bound, then resume it "
+            f"(--resume {job_dir} --job-disk-limit-mb MiB)"
         )
         self.job_dir, self.limit = Path(job_dir), limit
 

@@ -14,6 +14,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from harbor_async.backends import BackendSpec, resolve_backend
 from harbor_async.budget import Budget, LocalBudget
 from harbor_async.collector import TUNING
+from harbor_async.disk_bounds import DiskLimits
 from harbor_async.errors import EngineClosedError
 from harbor_async.logs import get_logger
 from harbor_async.naming import new_run_label
@@ -73,6 +74,8 @@ class Engine:
             verifier starts (default on: the verifier runs alone; off, services the
             agent started stay up for the tests, as in Harbor); see
             :mod:`harbor_async.verifier_isolation`.
+        disk_limits: what one episode and one job folder may copy to the host
+            (default: 2048 MiB and 50 GiB; see :mod:`harbor_async.disk_bounds`).
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class Engine:
         env_allow: Collection[str] = (),
         strict_verify: bool = True,
         trials_dir: str | Path | None = None,
+        disk_limits: DiskLimits | None = None,
     ) -> None:
         self.limits = limits or Limits()
         self.timeouts = timeouts or Timeouts()
@@ -103,6 +107,7 @@ class Engine:
         self.docker_overlay = docker_overlay
         self.env_allow = frozenset(env_allow)
         self.strict_verify = strict_verify
+        self.disk_limits = disk_limits or DiskLimits()
         #: the job folder where each episode keeps a Harbor trial folder: its agent and verifier logs and its
         #: artifacts (``None``: nothing kept; see harbor_async.harbor_jobs and harbor_async.artifacts)
         self.trials_dir = Path(trials_dir) if trials_dir is not None else None

@@ -29,6 +29,7 @@ from harbor_async import serve as _serve
 from harbor_async.agent import Agent
 from harbor_async.backends import BackendSpec, resolve_backend
 from harbor_async.checkpoints import ModelSpec, ServerGroup, resolve_models, server_groups
+from harbor_async.disk_bounds import JobDiskLimitError
 from harbor_async.errors import BackendError, EvalConfigError, FailureClass, HarborAsyncError, ModelServerDownError, ModelServerRefusedError, SettingError
 from harbor_async.interrupts import Interrupts
 from harbor_async.jobs import JobFolder
@@ -373,6 +374,8 @@ async def evaluate(
             summary["stopped_by"] = "the model server refused the run's requests (a wrong key, model or URL)"
         elif isinstance(error, ModelServerDownError):
             summary["stopped_by"] = f"the model server failed {error.failures} episodes in a row"
+        elif isinstance(error, JobDiskLimitError):
+            summary["stopped_by"] = str(error)
         job.write_summary(summary)
         if "sweep" in summary:
             _write_sweep(job, summary["sweep"])

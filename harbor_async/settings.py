@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from harbor_async.disk_bounds import DEFAULT_EPISODE_DISK_MB, DEFAULT_JOB_DISK_MB, DiskLimits
 from harbor_async.errors import ResumeConflictError, UnknownSettingError
 from harbor_async.scoring import DEFAULT_SUCCESS_THRESHOLD
 from harbor_async.serve import DEFAULT_ERROR_TIMEOUT, DEFAULT_READY_TIMEOUT
@@ -95,8 +96,11 @@ class JobSettings(EngineSettings):
     ``vllm_args``, ``ready_timeout``), sampling, the agent loop's limits and the
     scoring threshold.
 
+    Both add the disk bounds of what the job folder gets (``episode_disk_limit_mb``,
+    ``job_disk_limit_mb``: :mod:`harbor_async.disk_bounds`).
+
     A field marked :func:`~harbor_async.setting_fields.may_change_on_resume`
-    (where the model server is now, and how many episodes run at once) may be
+    (where the model server is now, how many episodes run at once, the job folder's bound) may be
     given anew by a resume; every other one must equal the stored value
     (:meth:`resumed`).
     """
@@ -116,6 +120,9 @@ class JobSettings(EngineSettings):
     exclude: list[str] | None = Field(None, strict=False)
     agent_setup_timeout_multiplier: float | None = knob("timeouts", "agent_setup_timeout_multiplier")
     ray: bool = False
+    # what the job folder gets of each episode (the shim keeps no trial folders: nothing to bound)
+    episode_disk_limit_mb: PositiveInt | None = DEFAULT_EPISODE_DISK_MB
+    job_disk_limit_mb: PositiveInt | None = may_change_on_resume(DEFAULT_JOB_DISK_MB)  # the results do not depend on it
     # eval
     models: list[str] = Field(default_factory=list, strict=False)
     base_url: str | None = may_change_on_resume()  # where the model server is, not what the job runs
@@ -250,6 +257,7 @@ class JobSettings(EngineSettings):
         return {
             **self.engine_knobs(),
             "trials_dir": None if job_dir is None else str(job_dir),
+            "disk_limits": DiskLimits(self.episode_disk_limit_mb, self.job_disk_limit_mb),
             "backend_kwargs": dict(self.environment_kwargs),
             "budget": budget if budget is not None else self.budget_factory(),
             "reap_stale": True,  # what killed runs left on this machine goes first (dead owners only)

@@ -5,7 +5,7 @@ within its own transfer budget) in ``/logs/agent``, ``/logs/artifacts`` and a
 declared artifact; a test script that floods ``/logs/verifier``; a container
 that writes past its ``storage_mb``. Each task's tests pass (reward 1), so
 without the bounds every attack scores 1.0 and the job folder grows.
-The bounds are injected small (MiB), as ``engine.disk_limits``.
+The bounds are injected small (MiB), as ``Engine(disk_limits=...)``, and as run's and eval's flags.
 """
 
 from __future__ import annotations
@@ -72,8 +72,7 @@ async def run_job(tasks, job: Path, limits: DiskLimits, backend: str = "local", 
     """The tasks as ``run`` runs them (one orchestration, the job's stop budget), records kept in ``job``."""
     folder = JobFolder.open(job) if (job / "episodes.jsonl").exists() else JobFolder.create(job.parent, job.name, {})
     budget = FailureBudget(None, "-", job)
-    async with Engine(trials_dir=job, **engine_kwargs) as engine:
-        engine.disk_limits = limits  # the wiring of the settings' episode_disk_limit_mb / job_disk_limit_mb
+    async with Engine(trials_dir=job, disk_limits=limits, **engine_kwargs) as engine:
         found = await run_suite(engine, tasks, backend, agent="oracle", concurrency=1, on_done=folder.append, budget=budget)
     folder.close()
     return found, budget, folder
@@ -189,3 +188,34 @@ def test_doctor_says_who_bounds_docker_storage() -> None:
     assert check.ok
     assert ("enforced by the daemon" if enforced else "bounded by harbor-async") in check.found
     assert how in check.found
+
+
+# ─── the commands' flags ─────────────────────────────────────────────────────
+
+
+@needs_bwrap
+def test_run_flags_set_the_bounds_and_a_resume_may_raise_the_jobs(tmp_path: Path) -> None:
+    """``--job-disk-limit-mb``: the stop is one line naming the bound and the resume (exit 1); the resume may raise
+    the job's bound (the results do not depend on it) but not the episode's (they do)."""
+    import json
+
+    from tests.cli_helpers import harbor_async, records
+
+    solve = "#!/bin/bash\nmkdir -p /app && truncate -s 4M /app/out.bin\n"
+    for i in range(2):
+        make_task(tmp_path / "suite", f"t{i}", solve)
+    job = tmp_path / "jobs" / "job"
+    argv = ["run", "-p", str(tmp_path / "suite"), "-n", "1", "-o", str(job.parent), "--job-name", job.name]
+    stopped = harbor_async(*argv, "--job-disk-limit-mb", "2", "-q")
+    assert stopped.returncode == 1, stopped.stderr[-3000:]
+    assert "reached its bound of 2 MiB" in stopped.stderr and f"--resume {job}" in stopped.stderr, stopped.stderr
+    assert "Fix the server" not in stopped.stderr
+    summary = json.loads((job / "summary.json").read_text())
+    assert "reached its bound of 2 MiB" in summary["stopped_by"]
+    assert apparent_size(job) <= 2 * MiB
+    conflict = harbor_async("run", "--resume", str(job), "--episode-disk-limit-mb", "16")
+    assert conflict.returncode == 2 and "--episode-disk-limit-mb" in conflict.stderr, conflict.stderr
+    resumed = harbor_async("run", "--resume", str(job), "--job-disk-limit-mb", "64", "-q")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    latest = {r["task"]: r for r in records(job)}
+    assert {t: r["reward"] for t, r in latest.items()} == {"t0": 1.0, "t1": 1.0}

@@ -40,6 +40,7 @@ from typing import Any
 import psutil
 import pytest
 
+from harbor_async.disk_bounds import AgentDiskLimitError, JobDiskLimitError
 from harbor_async.errors import (
     EpisodeInterruptedError,
     ModelServerConfigError,
@@ -142,6 +143,7 @@ NO_MODEL_SERVER = {
     "run": "run's agent (the oracle) calls no model server",
     "shim": "the shim has no model server: TRL generates, the env only runs the tools",
 }
+NO_TRIAL_FOLDERS = "the shim keeps no trial folders: nothing of a rollout is copied to the host but its bounded output"
 SIMULATED_START_FAILS = ["-e", "simulated", "--ek", "start_permanent_failure_rate=1.0"]
 #: Three tasks, one at a time: a stop after N failures leaves the rest unrun.
 STOPPING = ["-e", "simulated", "-l", "3", "-n", "1", "--model-retries", "0", "--max-model-server-failures", "2"]
@@ -193,6 +195,20 @@ ROWS: dict[str, Row] = {
         run=["-e", "local"], eval=["-m", "solver", "-e", "local"], shim={"type": "local", "commands": ["{solve}"]},
         signal=signal.SIGINT,
     ),
+    "an episode past its disk bound": Row(
+        # Three sparse artifacts of 6 MiB (each within its transfer budget) against an 8 MiB episode: the agent's 0.
+        ("agent", 0.0, True), lambda: AgentDiskLimitError("agent", "disk-dumper", "s", "past the bound"), exit_code=0,
+        task="disk-dumper", run=["-e", "local", "--episode-disk-limit-mb", "8"],
+        eval=["-m", "solver", "-e", "local", "--episode-disk-limit-mb", "8"],
+        absent={"shim": NO_TRIAL_FOLDERS},
+    ),
+    "a job folder past its disk bound": Row(
+        # The same 18 MiB against a 4 MiB job folder: not judged, the job stops (exit 1), resumable.
+        ("cancelled", None, False), lambda: JobDiskLimitError("job", 4 * 2**20), exit_code=1,
+        task="disk-dumper", run=["-e", "local", "--job-disk-limit-mb", "4"],
+        eval=["-m", "solver", "-e", "local", "--job-disk-limit-mb", "4"],
+        absent={"shim": NO_TRIAL_FOLDERS},
+    ),
     "cancellation mid-agent": Row(
         ("cancelled", None, False), lambda: SandboxCancelledError("agent", "slow-solution", "s", "closed"), exit_code=143, task="slow-solution",
         run=["-e", "local"], eval=["-m", "solver", "-e", "local"], shim={"type": "local", "commands": ["{solve}"]},
@@ -216,8 +232,10 @@ def row_suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     root = tmp_path_factory.mktemp("fault-suite")
     tasks = root / "tasks"
     tag = f"{3000 + os.getpid() % 1000}.{time.monotonic_ns() % 10**6}"
-    for name in ("slow-verifier", "slow-solution"):
+    for name in ("slow-verifier", "slow-solution", "disk-dumper"):
         shutil.copytree(TASK.task_dir, tasks / name)
+    with (tasks / "disk-dumper" / "solution" / "solve.sh").open("a") as dumper:
+        dumper.write("\nmkdir -p /logs/artifacts && truncate -s 6M /logs/artifacts/a.bin /logs/artifacts/b.bin /logs/artifacts/c.bin\n")
     toml = tasks / "slow-verifier" / "task.toml"
     toml.write_text(toml.read_text().replace("[verifier]\ntimeout_sec = 30.0", "[verifier]\ntimeout_sec = 1.0"))
     assert "timeout_sec = 1.0" in toml.read_text()

@@ -131,3 +131,21 @@ StrictVerifyOpt = Annotated[
         "--no-strict-verify: they keep running, as in Harbor, for tests that check a service the agent started.",
     ),
 ]
+
+
+#: ``--episode-disk-limit-mb`` and ``--job-disk-limit-mb``, shared by ``run`` and ``eval``.
+EpisodeDiskLimitOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--episode-disk-limit-mb", min=1, show_default="2048",
+        help="MiB one episode may copy to the host (logs, artifacts, verifier output; sparse files count in full). "
+        "Past it the episode is the agent's (or verifier's) failure, reward 0.",
+    ),
+]
+JobDiskLimitOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--job-disk-limit-mb", min=1, show_default="51200",
+        help="MiB the job folder may hold: the download that passes it stops the job (exit 1), resumable.",
+    ),
+]

@@ -11,7 +11,7 @@ from rich.text import Text
 from harbor_async.cli import cluster as cluster_opts
 from harbor_async.cli import setting_opts
 from harbor_async.cli.agents import AgentKwargOpt, parsed_agent_kwargs
-from harbor_async.cli.common import StrictVerifyOpt, checked_backend, err, fail, out, parse_kwargs, setup_logging
+from harbor_async.cli.common import EpisodeDiskLimitOpt, JobDiskLimitOpt, StrictVerifyOpt, checked_backend, err, fail, out, parse_kwargs, setup_logging
 from harbor_async.cli.selection import DatasetOpt, RegistryPathOpt, RegistryUrlOpt, suite_source
 from harbor_async.printing import escape_controls
 
@@ -111,6 +111,8 @@ def eval_command(
         list[str] | None, typer.Option("--env-allow", help="A host variable a task's ${VAR} may read (repeatable; default none).")
     ] = None,
     strict_verify: StrictVerifyOpt = True,
+    episode_disk_limit_mb: EpisodeDiskLimitOpt = None,
+    job_disk_limit_mb: JobDiskLimitOpt = None,
     max_model_server_failures: Annotated[
         int | None,
         typer.Option(
@@ -162,6 +164,8 @@ def eval_command(
         environment_kwargs=backend_kwargs,
         env_allow=list(env_allow or []),
         strict_verify=strict_verify,
+        episode_disk_limit_mb=episode_disk_limit_mb,
+        job_disk_limit_mb=job_disk_limit_mb,
         agent=agent,
         agent_kwargs=parsed_agent_kwargs(ak),
         environment_type=env,
@@ -222,6 +226,7 @@ def eval_command(
                 )
             )
     except HarborAsyncError as exc:
+        from harbor_async.disk_bounds import JobDiskLimitError
         from harbor_async.errors import ModelServerDownError
         from harbor_async.evaluation import EvalInterrupted
         from harbor_async.serve import ServerDiedError
@@ -229,6 +234,9 @@ def eval_command(
         if isinstance(exc, EvalInterrupted):
             err.print(f"[yellow]{exc}[/]")
             raise typer.Exit(128 + exc.signum) from None
+        if isinstance(exc, JobDiskLimitError):  # its message names the bound and the resume
+            err.print(Text(escape_controls(f"error: {exc}")))
+            raise typer.Exit(1) from None
         if isinstance(exc, ModelServerDownError):  # one line: the cause, then how to go on
             err.print(Text(escape_controls(
                 f"error: {exc}; the eval stopped (records kept). Fix the server, then: "

@@ -30,6 +30,8 @@ from harbor_async.cli import cluster as cluster_opts
 from harbor_async.cli import setting_opts
 from harbor_async.cli.agents import AgentKwargOpt
 from harbor_async.cli.common import (
+    EpisodeDiskLimitOpt,
+    JobDiskLimitOpt,
     StrictVerifyOpt,
     checked_backend,
     err,
@@ -41,6 +43,7 @@ from harbor_async.cli.common import (
     setup_logging,
 )
 from harbor_async.cli.eval import MODEL_SERVER_DOWN_EXIT
+from harbor_async.disk_bounds import JobDiskLimitError
 from harbor_async.interrupts import Interrupts
 from harbor_async.errors import BackendError, ResumeConflictError, SettingError, UnknownSettingError
 from harbor_async.printing import escape_controls
@@ -95,6 +98,7 @@ _SETTING_OF = {
     "start_retry_max_wait": "start_retry_max_wait", "start_retry_max_total": "start_retry_max_total",
     "env": "environment_type", "backend": "environment_type", "agent": "agent", "n_concurrent": "n_concurrent",
     "concurrency": "n_concurrent", "n_attempts": "n_attempts", "env_allow": "env_allow", "strict_verify": "strict_verify",
+    "episode_disk_limit_mb": "episode_disk_limit_mb", "job_disk_limit_mb": "job_disk_limit_mb",
     "timeout_multiplier": "timeout_multiplier", "agent_timeout_multiplier": "agent_timeout_multiplier",
     "verifier_timeout_multiplier": "verifier_timeout_multiplier",
     "environment_build_timeout_multiplier": "environment_build_timeout_multiplier",
@@ -131,6 +135,8 @@ def run(
     indices: IndicesOpt = None,
     env_allow: Annotated[list[str] | None, typer.Option("--env-allow", help="A host variable a task's ${VAR} may read (repeatable; default none).")] = None,
     strict_verify: StrictVerifyOpt = True,
+    episode_disk_limit_mb: EpisodeDiskLimitOpt = None,
+    job_disk_limit_mb: JobDiskLimitOpt = None,
     ek: Annotated[list[str] | None, typer.Option("--ek", "--environment-kwarg", help="Backend keyword argument key=value (repeatable); values are read as JSON when they parse.")] = None,
     timeout_multiplier: Annotated[float | None, typer.Option("--timeout-multiplier", help="Multiplies the start, exec, agent and verifier budgets.", show_default=setting_opts.setting_default("timeout_multiplier"))] = None,
     agent_timeout_multiplier: Annotated[float | None, typer.Option("--agent-timeout-multiplier", help="Multiplies the agent budget (overrides --timeout-multiplier).")] = None,
@@ -181,7 +187,8 @@ def run(
             ctx, suite=suite_source(suite, path, dataset, registry_url, registry_path), dataset=dataset,
             environment_type=env or backend, agent=agent, models=[model] if model else [], n_attempts=n_attempts,
             n_concurrent=n_concurrent or concurrency, environment_kwargs=parse_kwargs(ek), env_allow=env_allow or [],
-            strict_verify=strict_verify, timeout_multiplier=timeout_multiplier,
+            strict_verify=strict_verify, episode_disk_limit_mb=episode_disk_limit_mb,
+            job_disk_limit_mb=job_disk_limit_mb, timeout_multiplier=timeout_multiplier,
             agent_timeout_multiplier=agent_timeout_multiplier, verifier_timeout_multiplier=verifier_timeout_multiplier,
             environment_build_timeout_multiplier=environment_build_timeout_multiplier,
             agent_setup_timeout_multiplier=agent_setup_timeout_multiplier, episode_timeout=episode_timeout,
@@ -279,6 +286,9 @@ def run(
             for record in records:
                 export.write(json.dumps(record.to_dict(), ensure_ascii=False) + "\n")
         err.print(Text(f"exported {len(records)} records to {json_path}"))
+    if isinstance(failures.error, JobDiskLimitError):  # the message names the bound and the resume
+        say("error:", failures.error, "bold red")
+        raise typer.Exit(1)
     if failures.error is not None:  # one line: the cause, then how to go on (as eval)
         say("error:", f"{failures.error}; the run stopped (records kept). Fix the server, then: harbor-async run --resume {job.path}", "bold red")
         raise typer.Exit(MODEL_SERVER_DOWN_EXIT)
