@@ -11,6 +11,7 @@ from rich.text import Text
 from harbor_async.cli import cluster as cluster_opts
 from harbor_async.cli import setting_opts
 from harbor_async.cli.agents import AgentKwargOpt, parsed_agent_kwargs
+from harbor_async.cli.progress import EpisodeProgress
 from harbor_async.cli.common import EpisodeDiskLimitOpt, JobDiskLimitOpt, StrictVerifyOpt, checked_backend, err, fail, out, parse_kwargs, setup_logging
 from harbor_async.cli.selection import DatasetOpt, RegistryPathOpt, RegistryUrlOpt, suite_source
 from harbor_async.printing import escape_controls
@@ -209,7 +210,7 @@ def eval_command(
     settings = {name: value for name, value in settings.items() if value is not None}  # not given: the setting's default
     if resume is not None:  # the job's stored settings, whole: only what was typed is checked against them
         settings = _given_on_resume(ctx, settings, resume)
-    progress = _Progress()
+    progress = EpisodeProgress(err)
     try:
         with progress:
             result = anyio.run(
@@ -220,7 +221,7 @@ def eval_command(
                     jobs_dir=jobs_dir,
                     job_name=job_name,
                     on_record=progress.record,
-                    on_plan=progress.plan,
+                    on_plan=lambda pending, _total: progress.plan(pending),
                     on_status=progress.status,
                     **settings,
                 )
@@ -290,50 +291,6 @@ def _given_on_resume(ctx: typer.Context, settings: dict[str, Any], resume: Path)
         elif _SETTING_OF.get(name, name) in settings:
             given[_SETTING_OF.get(name, name)] = settings[_SETTING_OF.get(name, name)]
     return given
-
-
-class _Progress:
-    """A rich progress bar with the live mean reward and failure counts."""
-
-    def __init__(self) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.bar = Progress(
-            TextColumn("[bold]episodes"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("mean reward {task.fields[mean]}  {task.fields[errors]}"),
-            TimeElapsedColumn(),
-            console=err,
-        )
-        self.task = None
-        self.total = 0.0
-        self.done = 0
-        self.errors: dict[str, int] = {}
-
-    def __enter__(self) -> _Progress:
-        self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.bar.__exit__(*exc)
-
-    def plan(self, pending: int, total: int) -> None:
-        self.task = self.bar.add_task("episodes", total=pending, mean="-", errors="")
-
-    def status(self, text: str) -> None:
-        """What the model server answers while it is awaited, on the progress line."""
-        if self.task is not None:
-            self.bar.update(self.task, errors=escape_controls(text)[:160])
-
-    def record(self, record) -> None:
-        self.done += 1
-        self.total += record.score
-        if record.error_class:
-            self.errors[record.error_class] = self.errors.get(record.error_class, 0) + 1
-        errors = ", ".join(f"{k}: {v}" for k, v in sorted(self.errors.items()))
-        if self.task is not None:
-            self.bar.update(self.task, advance=1, mean=f"{self.total / self.done:.3f}", errors=errors)
 
 
 def _fmt(value: float | None, ci: Any = None) -> str:

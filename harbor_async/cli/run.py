@@ -16,13 +16,6 @@ from typing import IO, Annotated, Any
 
 import anyio
 import typer
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
 from rich.table import Table
 from rich.text import Text
 
@@ -43,6 +36,7 @@ from harbor_async.cli.common import (
     setup_logging,
 )
 from harbor_async.cli.eval import MODEL_SERVER_DOWN_EXIT
+from harbor_async.cli.progress import EpisodeProgress
 from harbor_async.disk_bounds import JobDiskLimitError
 from harbor_async.interrupts import Interrupts
 from harbor_async.errors import BackendError, ResumeConflictError, SettingError, UnknownSettingError
@@ -259,7 +253,8 @@ def run(
 
     interrupts = Interrupts()
     failures = FailureBudget(settings.max_model_server_failures, _server_url(settings), job.path)
-    with interrupts, _Progress(len(todo), quiet) as progress:
+    with interrupts, EpisodeProgress(err, disable=quiet or not todo) as progress:
+        progress.plan(len(todo))
 
         def sink(record: EpisodeRecord) -> None:  # from each episode's own finally
             job.append(record)  # flushed before the next episode can end
@@ -393,30 +388,6 @@ async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, engine_kw
             task_path=lambda task: suite_task_path(task, root), stop=interrupts.arm,
         )  # fmt: skip
     interrupts.disarm()
-
-
-class _Progress:
-    """The batch's progress bar: episodes done, the reward sum, the failures so far."""
-
-    def __init__(self, total: int, quiet: bool) -> None:
-        self.bar = Progress(
-            TextColumn("[bold]episodes"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("reward sum {task.fields[score]:.1f}"), TimeElapsedColumn(),
-            console=err, transient=False, disable=quiet or not total,
-        )  # fmt: skip
-        self.task = self.bar.add_task("episodes", total=total, score=0.0)
-        self.score = 0.0
-
-    def __enter__(self) -> _Progress:
-        self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.bar.__exit__(*exc)
-
-    def record(self, record: EpisodeRecord) -> None:
-        self.score += record.score
-        self.bar.update(self.task, advance=1, score=self.score)
 
 
 def _server_url(settings: JobSettings) -> str:
