@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ import anyio
 from harbor_async import serve as _serve
 from harbor_async.agent import Agent
 from harbor_async.backends import BackendSpec, resolve_backend
-from harbor_async.checkpoints import ModelSpec, ServerGroup, resolve_models, server_groups
+from harbor_async.checkpoints import ModelSpec, ServerGroup, resolve_models, server_groups, step_pattern
 from harbor_async.disk_bounds import JobDiskLimitError
 from harbor_async.errors import BackendError, EvalConfigError, FailureClass, HarborAsyncError, ModelServerDownError, ModelServerRefusedError, SettingError
 from harbor_async.interrupts import Interrupts
@@ -300,7 +301,8 @@ async def evaluate(
         job = JobFolder.open(resume)
         given = dict(settings)
         if models is not None:  # as stored: globs and checkpoint folders resolved to the models' names
-            given["models"] = [s.name for s in resolve_models([models] if isinstance(models, str) else list(models))]
+            named = [models] if isinstance(models, str) else list(models)
+            given["models"] = [s.name for s in resolve_models(named, _step_from(settings.get("step_from")))]
         if suite is not None:
             given["suite"] = suite
         config = JobSettings.from_dict(job.config).resumed(given)  # the job whole; only where its server is now may change
@@ -313,7 +315,7 @@ async def evaluate(
         )
     if config.base_url and config.serve_cmd:
         raise EvalConfigError("give --base-url or --serve-cmd, not both")
-    specs = resolve_models(config.models)
+    specs = resolve_models(config.models, _step_from(config.step_from))
     config.models = [s.name for s in specs]
     loaded = load_suite(
         config.suite, num_tasks=config.n_tasks, indices=config.indices, include=config.include, exclude=config.exclude
@@ -396,6 +398,11 @@ async def _run_groups(run: _Run, groups: list[ServerGroup], tasks: list[Any], ro
     except Exception as exc:  # noqa: BLE001 - handed back, not lost: the engine's task group would wrap it
         return exc
     return None
+
+
+def _step_from(text: str | None) -> re.Pattern[str] | None:
+    """``--step-from``'s pattern, checked (:class:`~harbor_async.errors.EvalConfigError` if it is not one)."""
+    return None if text is None else step_pattern(text)
 
 
 def evaluate_sync(*args: Any, **kwargs: Any) -> EvalResult:

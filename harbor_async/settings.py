@@ -137,6 +137,7 @@ class JobSettings(EngineSettings):
     ready_timeout: PositiveFloat = DEFAULT_READY_TIMEOUT
     ready_error_timeout: PositiveFloat = DEFAULT_ERROR_TIMEOUT
     vllm_args: list[str] = Field(default_factory=list, strict=False)
+    step_from: str | None = None  # a regular expression whose group is a checkpoint's step (--step-from)
     # run
     episodes: list[dict[str, Any]] = Field(default_factory=list)
     created_at: str = Field(default_factory=_now)

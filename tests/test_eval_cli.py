@@ -406,3 +406,27 @@ def test_ctrl_c_to_the_process_group_ends_a_managed_server_eval_at_once(tmp_path
     assert json.loads((tmp_path / "j" / "summary.json").read_text())["interrupted_by"] == "SIGINT"
     assert took < 4.5, f"{took:.1f} s: a stop that waited out its 5 s grace"  # measured 1.0-1.2 s here
     assert _processes_with(marker) == []
+
+
+def test_step_from_reads_the_steps_of_checkpoints_of_another_trainers_naming(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--step-from 'ckpt(\\d+)'``: ckpt7 is step 7 in the summary and sweep.csv; by default neither has a step."""
+    from tests import scripted_server
+
+    monkeypatch.setattr(scripted_server, "MODELS", (*scripted_server.MODELS, "ckpt7", "ckpt12"))
+    with ScriptedServer() as server:
+        common = ["-m", "ckpt12", "-m", "ckpt7", "-l", "1", "-e", "simulated", "--base-url", server.base_url, "-o", str(tmp_path)]
+        named = _cli(*common, "--job-name", "named", "--step-from", r"ckpt(\d+)")
+        plain = _cli(*common, "--job-name", "plain")
+        bad = _cli(*common, "--job-name", "bad", "--step-from", "ckpt")
+    assert named.returncode == 0, named.stderr[-3000:]
+    summary = json.loads((tmp_path / "named" / "summary.json").read_text())
+    assert {m: s["step"] for m, s in summary["models"].items()} == {"ckpt12": 12, "ckpt7": 7}
+    rows = (tmp_path / "named" / "sweep.csv").read_text().splitlines()[1:]
+    assert sorted(r.split(",")[:2] for r in rows) == [["ckpt12", "12"], ["ckpt7", "7"]]
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    summary = json.loads((tmp_path / "plain" / "summary.json").read_text())
+    assert {m: s["step"] for m, s in summary["models"].items()} == {"ckpt12": None, "ckpt7": None}
+    assert bad.returncode == 2 and "--step-from" in bad.stderr and "no group" in bad.stderr, bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

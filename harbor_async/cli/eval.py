@@ -43,6 +43,14 @@ def eval_command(
     base_url: Annotated[
         str | None, typer.Option("--base-url", help="An OpenAI-compatible server's API root (http://HOST:PORT/v1).")
     ] = None,
+    step_from: Annotated[
+        str | None,
+        typer.Option(
+            "--step-from", metavar="REGEX",
+            help="Read a checkpoint's step from its folder name with this regular expression, its first group the "
+            "step ('ckpt(\\d+)'); default: checkpoint-N, step-N, step_N, global_step_N.",
+        ),
+    ] = None,
     serve_cmd: Annotated[
         str | None,
         typer.Option(
@@ -182,6 +190,7 @@ def eval_command(
         cluster_creates_per_second=creates_per_second,
         base_url=base_url,
         serve_cmd=serve_cmd,
+        step_from=step_from,
         api_key_name=api_key_name,
         sampling={
             k: v
