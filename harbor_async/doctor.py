@@ -496,10 +496,19 @@ def check_docker_storage() -> Check:
     )
 
 
+def check_docker_host_network() -> Check:
+    """Whether docker sandboxes are kept off this host's addresses (docs/backends.md, host network)."""
+    from harbor_async.backends.docker.host_network import daemon_forwards, describe
+
+    kept_off, text = describe(daemon_forwards())
+    fix = None if kept_off else "drop the bridges' traffic to this host in its firewall, or accept it"
+    return Check("docker host network", kept_off, text, fix)
+
+
 def _docker_checks() -> list[Check]:
     return [
         check_program("docker", "docker.io"), check_docker_daemon(), check_docker_root(), check_docker_compose(),
-        check_docker_storage(),
+        check_docker_storage(), check_docker_host_network(),
     ]  # fmt: skip
 
 

@@ -50,7 +50,7 @@ OTHER_TOOLS = {
     "--enable-lora", "--served-model-name", "--port", "--host", "--remove-orphans", "--unshare-user", "--uid",
     "--gid", "--proc", "--ro-bind", "--reuid", "--regid", "--clear-groups", "--no-deps", "--frozen",
     "--max-model-len", "--dtype", "--head", "--address", "--block", "--num-cpus", "--force-reinstall",
-    "--resolution", "--debug",  # uv's; harbor run's (the mapping table)
+    "--resolution", "--debug", "--iptables",  # uv's; harbor run's (the mapping table)
 } | {flag for spellings in REFUSED for flag in spellings}  # harbor run's flags we refuse (docs/cli.md's table of them)
 
 

@@ -21,6 +21,9 @@ then follows to a host file. Here:
 - a task whose every phase is ``no-network`` runs with Compose's
   ``network_mode: none`` where Harbor's egress-control sidecar is not
   available (its images come from Docker Hub): the policy is honoured, not refused;
+- a sandbox cannot reach this host's own addresses unless ``host_access=true``
+  (:mod:`.host_network`: where the daemon forwards no IPv4, its default network
+  leaves the host without an address on it);
 - the daemon's OS (Harbor's check that the task's OS matches it) is asked
   once per process and Docker endpoint, in a worker thread: Harbor runs
   ``docker info`` synchronously at every start, on the event loop, so under a
@@ -51,7 +54,7 @@ from harbor.environments.docker.docker import DockerEnvironment, _sanitize_docke
 from harbor.models.task.config import NetworkMode
 
 from harbor_async import disk_bounds
-from harbor_async.backends.docker import storage
+from harbor_async.backends.docker import host_network, storage
 from harbor_async.backends.docker.cleanup import docker_is_local
 from harbor_async.bounded_output import HeadTail
 from harbor_async.disk_bounds import StorageLimitError
@@ -76,7 +79,9 @@ class ConfinedDockerEnvironment(DockerEnvironment):
 
     - ``transfer_limit_mb``: the most one download may bring to the host,
       counting apparent sizes (512; past it ``TransferLimitError``);
-    - ``output_limit``: bytes of each exec stream kept, head and tail halves (1 MiB).
+    - ``output_limit``: bytes of each exec stream kept, head and tail halves (1 MiB);
+    - ``host_access``: let the sandbox reach this host's own addresses (default
+      false; see :mod:`.host_network`).
 
     A task's ``cpus``, ``memory_mb`` and ``storage_mb`` are lowered to this host's
     when the daemon is local (Docker refuses more CPUs than it has).
@@ -92,8 +97,11 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         *args: Any,
         transfer_limit_mb: int | None = DEFAULT_TRANSFER_LIMIT_MB,
         output_limit: int | None = DEFAULT_OUTPUT_LIMIT,
+        host_access: bool = False,
         **options: Any,
     ) -> None:
+        self._host_access = bool(host_access)
+        self._network_overlay: Path | None = None  # the default network without a host address (.host_network)
         self._transfer_limit = None if transfer_limit_mb is None else int(transfer_limit_mb) * 2**20
         self._output_limit = None if output_limit is None else int(output_limit)
         self._main_container: str | None = None
@@ -114,6 +122,10 @@ class ConfinedDockerEnvironment(DockerEnvironment):
     async def start(self, force_build: bool) -> None:
         if _known_daemon_os() is None:
             await anyio.to_thread.run_sync(type(self)._detect_daemon_os)
+        if not self._host_access:  # off this host's addresses where the daemon's bridges can be (.host_network)
+            forwards = await anyio.to_thread.run_sync(host_network.daemon_forwards)
+            if forwards is False:
+                self._network_overlay = host_network.isolation_overlay(Path(self.trial_paths.trial_dir))
         storage_mb = getattr(self.task_env_config, "storage_mb", None)
         watched = False
         if storage_mb:  # the daemon's quota where it has one, else our watch (harbor_async.backends.docker.storage)
@@ -174,6 +186,8 @@ class ConfinedDockerEnvironment(DockerEnvironment):
             paths.append(COMPOSE_NO_NETWORK_PATH)
         if getattr(self, "_storage_overlay", None) is not None:
             paths.append(self._storage_overlay)
+        if getattr(self, "_network_overlay", None) is not None:
+            paths.append(self._network_overlay)
         return paths
 
     # -- exec output --------------------------------------------------------------
