@@ -254,3 +254,34 @@ def test_renamed_flags_still_work_and_say_their_new_name(tmp_path):
     assert result.returncode == 2  # a cluster cap without --budget ray: refused, in the new name
     assert "deprecated: --max-live is now --cluster-max-live" in result.stderr
     assert "--cluster-max-live, --cluster-creates-per-second and --ray-address are cluster caps" in result.stderr
+
+
+@pytest.mark.parametrize("command", [["run"], ["eval"], ["tasks"], ["bench", "verify"], ["sandboxes", "list"]])
+def test_h_is_help_as_in_harbor_run(command):
+    result = harbor_async(*command, "-h")
+    usage = " ".join(result.stdout.split())
+    assert result.returncode == 0 and f"harbor_async {' '.join(command)} [OPTIONS]" in usage, result.stdout
+
+
+def test_the_defaults_that_differ_from_harbor_runs_are_said_in_one_line(tmp_path):
+    """-e and -n not given: one line names ours and harbor run's (docker, 4); given, nothing is said."""
+    suite = make_suite(tmp_path / "suite", ["t1"])
+    unsaid, _, _ = run_job(tmp_path, "-p", str(suite), "-a", "none", name="defaults")
+    first = unsaid.stderr.splitlines()[0]
+    assert first == "defaults: -e local (harbor run's default: -e docker), -n 8 (harbor run's: -n 4); give -e/-n to choose"
+    half, _, _ = run_job(tmp_path, "-p", str(suite), "-a", "none", "-e", "local", name="half")
+    assert half.stderr.splitlines()[0] == "defaults: -n 8 (harbor run's: -n 4); give -e/-n to choose"
+    said, _, _ = run_job(tmp_path, "-p", str(suite), "-a", "none", "-e", "local", "-n", "2", name="said")
+    assert "defaults:" not in said.stderr and said.stderr.startswith("job folder")
+
+
+def test_dry_run_checks_and_prints_the_plan_and_starts_nothing(tmp_path):
+    suite = make_suite(tmp_path / "suite", ["t1", "t2", "t3"])
+    planned = harbor_async("run", "-p", str(suite), "-e", "simulated", "-k", "2", "-x", "t3", "--dry-run", "-o", str(tmp_path / "jobs"))
+    assert planned.returncode == 0, planned.stderr
+    assert re.search(r"t1\s+│\s+2", planned.stdout) and re.search(r"t2\s+│\s+2", planned.stdout) and "t3" not in planned.stdout
+    assert "dry run: 4 episodes of 2 tasks" in " ".join(planned.stderr.split()) and "nothing started" in planned.stderr
+    assert not (tmp_path / "jobs").exists()
+    # what a run refuses before any sandbox, a dry run refuses too
+    refused = harbor_async("run", "-p", str(suite), "-e", "simulated", "--timeout-multiplier", "0", "--dry-run", "-o", str(tmp_path / "jobs"))
+    assert refused.returncode == 2 and not (tmp_path / "jobs").exists(), refused.stderr

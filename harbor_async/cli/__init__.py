@@ -62,6 +62,7 @@ app = _App(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # harbor run's -h, on every command
 )
 
 

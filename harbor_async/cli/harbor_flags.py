@@ -90,7 +90,6 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--upload",): _HUB,
     ("--launch",): _HUB,
     ("--skip-credential-checks",): "harbor-async checks no agent credentials before a run",
-    ("--dry-run",): "use `harbor-async tasks` (the selection) and `harbor-async doctor` (the backend)",
     ("--use-static-ip",): _HUB,
     ("--credential-mode",): _HUB,
     ("--one-off-secret",): _HUB,

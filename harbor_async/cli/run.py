@@ -80,7 +80,7 @@ IndicesOpt = Annotated[str | None, typer.Option("--indices", help="Comma-separat
 
 # With --resume the job's harbor-async.json is read whole; each option of `run` is one of these.
 #: Options of one invocation, not of the job: a resume takes them as given.
-_INVOCATION_OPTIONS = frozenset({"ctx", "resume", "json_path", "log_level", "debug", "quiet", "yes", "log_format"})
+_INVOCATION_OPTIONS = frozenset({"ctx", "resume", "json_path", "log_level", "debug", "quiet", "yes", "log_format", "dry_run"})
 #: Options that choose the job's tasks and folder: the job keeps its plan (the episodes) and its folder.
 _PLAN_OPTIONS = frozenset({
     "suite", "path", "dataset", "registry_url", "registry_path", "n_tasks", "num_tasks", "include", "exclude", "indices",
@@ -152,6 +152,7 @@ def run(
     debug: Annotated[bool, typer.Option("--debug", help="Debug logging (as --log-level debug).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "--silent", "-q", help="No progress bar.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Accepted for harbor run's command lines: harbor-async never asks.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the tasks and print the plan; start no sandbox, write no job folder.")] = False,
     log_format: Annotated[str | None, typer.Option(help="console or json.", show_default="$HARBOR_ASYNC_LOG_FORMAT or console")] = None,
     budget: cluster_opts.BudgetOpt = "local",
     ray_address: cluster_opts.RayAddressOpt = None,
@@ -193,6 +194,7 @@ def run(
             max_model_server_failures=max_model_server_failures,
         )  # fmt: skip
         settings.agent_kwargs = _agent_kwargs(settings.agent, model, ak, base_url, api_key_name)
+        unsaid = _defaults_line(env or backend, n_concurrent or concurrency, settings)
         loaded = load_tasks(
             settings.suite, n_tasks=n_tasks or num_tasks, indices=parse_indices(indices), include=include, exclude=exclude
         )
@@ -214,6 +216,9 @@ def run(
             spec.check_installed(episodes[0].task, settings.environment_kwargs)
         except BackendError as exc:
             raise fail(exc) from None
+    if dry_run:  # harbor run's --dry-run: every check above passed; the plan, and nothing else
+        _print_plan(episodes, settings, resume)
+        return
     actor = _actor(settings)  # a Harbor agent is built once with its options, nothing started
     if settings.agent not in MODEL_FREE_AGENTS:  # its model server answers GET /models, else one line before any job folder
         from harbor_async.errors import AgentConfigError
@@ -249,6 +254,8 @@ def run(
     if resume is not None:
         err.print(Text(escape_controls(f"resuming {job.path}: {len(episodes) - len(todo)} of {len(episodes)} episodes kept, {len(todo)} to run")))
     else:
+        if unsaid is not None:
+            err.print(Text(unsaid))
         err.print(Text(escape_controls(f"job folder {job.path}")))
 
     interrupts = Interrupts()
@@ -388,6 +395,32 @@ async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, engine_kw
             task_path=lambda task: suite_task_path(task, root), stop=interrupts.arm,
         )  # fmt: skip
     interrupts.disarm()
+
+
+def _print_plan(episodes: list[PlannedEpisode], settings: JobSettings, resume: Path | None) -> None:
+    """``--dry-run``'s output: the episodes per task on stdout, one line of what would run on stderr."""
+    per_task = Counter(e.task.name for e in episodes)
+    table = Table("task", "episodes")
+    for name, count in per_task.items():
+        table.add_row(Text(escape_controls(name)), str(count))
+    out.print(table)
+    plan = f"the plan of {resume}" if resume is not None else settings.suite
+    say("dry run:", f"{len(episodes)} episodes of {len(per_task)} tasks ({plan}), -e {settings.environment_type}, "
+        f"-a {settings.agent}, -n {settings.n_concurrent}; every check passed, nothing started", "bold")
+
+
+#: ``harbor run``'s own defaults of ``-e`` and ``-n``, which differ from ours.
+HARBOR_DEFAULTS = {"env": "docker", "n_concurrent": 4}
+
+
+def _defaults_line(env: str | None, n_concurrent: int | None, settings: JobSettings) -> str | None:
+    """One line naming the backend and concurrency a run took by default, beside ``harbor run``'s (``None``: both given)."""
+    said = []
+    if env is None:
+        said.append(f"-e {settings.environment_type} (harbor run's default: -e {HARBOR_DEFAULTS['env']})")
+    if n_concurrent is None:
+        said.append(f"-n {settings.n_concurrent} (harbor run's: -n {HARBOR_DEFAULTS['n_concurrent']})")
+    return f"defaults: {', '.join(said)}; give -e/-n to choose" if said else None
 
 
 def _server_url(settings: JobSettings) -> str:
