@@ -41,6 +41,26 @@ def throughput(backend: str, episodes: int, levels: list[int], kwargs: dict, out
     return path
 
 
+def fork_bombs(repeats: int, seconds: float, bomber_cpus: float, out: Path) -> Path:
+    """Fork bombs killed while other sandboxes exec (:mod:`benchmarks.fork_bombs`); writes ``fork-bombs.json``."""
+    from benchmarks.fork_bombs import run_fork_bombs
+
+    result = run_fork_bombs(repeats, seconds=seconds, bomber_cpus=bomber_cpus)
+    for number, found in enumerate(result["rounds"], 1):
+        err.print(
+            f"round {number}: probe p99 {found['idle_p99_ms']} ms idle, {found['bombed_p99_ms']} ms under bombs "
+            f"({found['p99_ratio']}x); {found['kills']} kills, p50 {found['kill_p50_s']} s; walk of the host "
+            f"{found['table_walk_ms']} ms ({found['host_processes']} processes), of a bomber's cgroup "
+            f"{found['cgroup_walk_ms']} ms ({found['cgroup_processes']})",
+            markup=False,
+        )
+    ratio = result["p99_ratio"]
+    err.print(f"p99 under bombs / idle: median {ratio['median']}x ({ratio['min']}-{ratio['max']})", markup=False)
+    path = write_json(out / "fork-bombs.json", "fork-bombs", result)
+    err.print(f"wrote {path}", markup=False)
+    return path
+
+
 def overhead(calls: int, sizes: list[int], out: Path, bound_us: float = 20_000.0) -> Path:
     """The portal round trip and the loop thread's capacity; writes ``overhead.json`` (no plot)."""
     result = run_overhead(calls=calls, sizes=sizes, bound_us=bound_us)

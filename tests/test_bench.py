@@ -16,6 +16,8 @@ from pathlib import Path
 
 pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
 
+from tests.requirements import needs_bwrap
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -84,6 +86,21 @@ def test_overhead_reports_the_round_trip_and_capacity(tmp_path):
     assert [s["young_threshold"] for s in capacity] == [700, 101 * 10], capacity
     # Which event loop the loop thread ran: the figures depend on it.
     assert data["event_loop"] == "asyncio.unix_events._UnixSelectorEventLoop"
+
+
+@needs_bwrap
+def test_fork_bombs_are_killed_while_probes_exec(tmp_path):
+    """The bombs go off (hundreds of processes in a bomber's cgroup), every one is ended by its timeout, and the
+    probes' execs go on in both halves of the round; the ratio is the benchmark's to report, not this test's."""
+    run = bench("fork-bombs", "--repeats", "1", "--seconds", "3", out=tmp_path)
+    data = json.loads((tmp_path / "fork-bombs.json").read_text())
+    (found,) = data["rounds"]
+    assert found["kills"] >= 2 and found["probe_execs_idle"] > 0 and found["probe_execs_bombed"] > 0, found
+    assert found["host_processes"] > found["cgroup_processes"] >= 100, found  # the bomb went off, in its cgroup
+    assert data["p99_ratio"]["median"] == found["p99_ratio"] > 0
+    assert "p99 under bombs / idle" in run["stderr"]
+    leftovers = subprocess.run(["pgrep", "-fc", "bomb"], capture_output=True, text=True)
+    assert leftovers.stdout.strip() in ("", "0"), leftovers.stdout  # every bomb ended with its sandbox
 
 
 def test_grpo_step_replay_with_prefetch_claims_every_later_start_and_leaves_nothing(example_tasks):

@@ -340,7 +340,8 @@ async def test_exec_timeout_kills_the_process_tree(env: LocalEnvironment) -> Non
 async def test_an_exec_tree_is_walked_and_killed_off_the_loop_thread(
     env: LocalEnvironment, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The walk over every host process (long under a fork bomb) must not stall the other sandboxes' loop."""
+    """The walk of the sandbox's processes (long under a fork bomb; every host process without cgroups) must not
+    stall the other sandboxes' loop."""
     import threading
 
     from harbor_async.backends.local import proctree
@@ -348,9 +349,9 @@ async def test_an_exec_tree_is_walked_and_killed_off_the_loop_thread(
     threads = []
     real = proctree.kill_exec_tree
 
-    def recording(leader: int) -> None:
+    def recording(leader: int, procs_files=()) -> None:
         threads.append(threading.current_thread())
-        real(leader)
+        real(leader, procs_files)
 
     monkeypatch.setattr(proctree, "kill_exec_tree", recording)
     with pytest.raises(ExecTimeoutError):
@@ -358,6 +359,33 @@ async def test_an_exec_tree_is_walked_and_killed_off_the_loop_thread(
     assert threads and threading.current_thread() not in threads
     await anyio.sleep(0.2)
     assert host_processes("sleep 173[78]") == []
+
+
+@pytest.mark.anyio
+async def test_a_timed_out_exec_is_found_in_its_sandboxs_cgroup_not_the_hosts_table(
+    env: LocalEnvironment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the sandbox has cgroups (as root), a kill reads only them: a fork bomb elsewhere costs it nothing."""
+    from harbor_async.backends.local import proctree
+    from tests.requirements import IN_CI
+
+    if not env._procs_files():
+        if IN_CI:
+            pytest.fail("CI runs as root: the sandbox must have cgroups")
+        pytest.skip("no cgroups for this process (not root)")
+    walked: list[object] = []
+    real = proctree.process_table
+
+    def recording(pids=None):
+        walked.append(pids)
+        return real(pids)
+
+    monkeypatch.setattr(proctree, "process_table", recording)
+    with pytest.raises(ExecTimeoutError):
+        await env.exec("sleep 1747 & setsid sleep 1748 & sleep 1749", timeout_sec=1)
+    await anyio.sleep(0.2)
+    assert host_processes("sleep 174[789]") == []
+    assert walked and all(pids is not None and len(pids) < 50 for pids in walked), walked  # never the host's table
 
 
 @pytest.mark.anyio

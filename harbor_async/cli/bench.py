@@ -123,6 +123,21 @@ def overhead(
     run_it(calls, _ints(sizes, "--sizes"), out, bound_us)
 
 
+@bench_app.command("fork-bombs")
+def fork_bombs(
+    repeats: Annotated[int, typer.Option(min=1, help="Rounds (each: the probes idle, then beside the bombs).")] = 3,
+    seconds: Annotated[float, typer.Option(min=1.0, help="Seconds of each half of a round.")] = 6.0,
+    bomber_cpus: Annotated[float, typer.Option(min=0.1, help="The bombers' task's cpus (their cgroup's quota, as root).")] = 0.5,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file.")] = DEFAULT_OUT,
+    log_level: LogOpt = None,
+) -> None:
+    """Local sandboxes exec while fork bombs in others are killed: the probes' p99 against idle; writes fork-bombs.json."""
+    _setup(log_level or "error")
+    from benchmarks.cli import fork_bombs as run_it
+
+    run_it(repeats, seconds, bomber_cpus, out)
+
+
 @bench_app.command("grpo-step")
 def grpo_step(
     env: EnvOpt = None,

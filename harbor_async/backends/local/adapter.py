@@ -390,7 +390,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
                     await anyio.sleep(0.005)
             self._keeper.kill_init()
             for process in list(self._running.values()):
-                await end_exec(process)
+                await end_exec(process, self._procs_files())
             await self._end_keeper()
             piece = Piece(folder=self._root, confinement=self._confinement, mount=self._mount)
             await anyio.to_thread.run_sync(functools.partial(start_keeper, piece, self._tools, restart=True))
@@ -401,6 +401,11 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
     def _sandbox_uid(self) -> int | None:
         """The host uid files made for the sandbox belong to (None: the caller's, root inside already)."""
         return self._confinement.uid if self._confinement is not None else None
+
+    def _procs_files(self) -> list[str]:
+        """The sandbox's ``cgroup.procs`` files, which hold every process of its execs (none without cgroups)."""
+        confinement = self._confinement
+        return confinement.cgroups.procs_files if confinement is not None and confinement.cgroups is not None else []
 
     def _teardown(self, delete: bool) -> None:
         """Remove the cgroups, unmount and (``delete``) remove the folder, release the uid (no process left)."""
@@ -439,7 +444,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             if self._keeper is not None:
                 self._keeper.kill_init()
             for process in list(self._running.values()):
-                await end_exec(process)  # it ends with its command, killed with the namespace
+                await end_exec(process, self._procs_files())  # it ends with its command, killed with the namespace
             # No nsenter is running now: the namespace files may be closed.
             await self._end_keeper()
             try:
@@ -516,7 +521,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         finally:
             with anyio.CancelScope(shield=True):
                 if not ended:  # timed out or cancelled
-                    await end_exec(process)
+                    await end_exec(process, self._procs_files())
                 await process.aclose()
             self._running.pop(process.pid, None)
             for pipe in (out, err):

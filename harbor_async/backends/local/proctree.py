@@ -5,36 +5,51 @@ from __future__ import annotations
 import os
 import signal
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 
 import anyio
-import psutil
 from anyio.abc import Process
 
 
 def stat_fields(pid: int) -> tuple[int, int, int]:
-    """(parent pid, process group, session) of a host process.
+    """(parent pid, process group, session) of a host process, from one read of ``/proc/PID/stat``.
 
     Raises:
         OSError: the process does not exist (any more).
     """
     try:
-        parent = psutil.Process(pid).ppid()
-    except psutil.NoSuchProcess as exc:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            data = stat.read()
+        # after "pid (comm) ": state, ppid, pgrp, session; comm may hold spaces and parentheses
+        fields = data[data.rindex(b")") + 2 :].split()
+        return int(fields[1]), int(fields[2]), int(fields[3])
+    except (ValueError, IndexError) as exc:
         raise ProcessLookupError(pid) from exc
-    except psutil.Error as exc:
-        raise OSError(str(exc)) from exc
-    return parent, os.getpgid(pid), os.getsid(pid)
 
 
-def process_table() -> dict[int, tuple[int, int, int]]:
-    """pid -> (parent pid, process group, session) of every host process."""
+def process_table(pids: Iterable[int] | None = None) -> dict[int, tuple[int, int, int]]:
+    """pid -> (parent pid, process group, session) of ``pids`` (default: every host process)."""
+    if pids is None:
+        pids = (int(name) for name in os.listdir("/proc") if name.isdigit())
     table = {}
-    for process in psutil.process_iter(["ppid"]):
+    for pid in pids:
         try:
-            table[process.pid] = (process.info["ppid"], os.getpgid(process.pid), os.getsid(process.pid))
+            table[pid] = stat_fields(pid)
         except OSError:
             continue  # ended while listing
     return table
+
+
+def cgroup_pids(procs_files: Sequence[str]) -> set[int]:
+    """The pids in a sandbox's ``cgroup.procs`` files (unreadable ones skipped)."""
+    found: set[int] = set()
+    for path in procs_files:
+        try:
+            with open(path) as procs:
+                found.update(int(line) for line in procs if line.strip())
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def exec_tree(leader: int, table: dict[int, tuple[int, int, int]]) -> set[int]:
@@ -56,7 +71,7 @@ def exec_tree(leader: int, table: dict[int, tuple[int, int, int]]) -> set[int]:
     return members
 
 
-def kill_exec_tree(leader: int) -> None:
+def kill_exec_tree(leader: int, procs_files: Sequence[str] = ()) -> None:
     """Stop, then SIGKILL, every process of one exec but its nsenter (see :func:`exec_tree`).
 
     Stopping first means nothing can fork away while the tree is collected.
@@ -72,7 +87,9 @@ def kill_exec_tree(leader: int) -> None:
     held: dict[int, int] = {}  # pid -> pidfd
     try:
         for _round in range(50):
-            table = process_table()
+            # Scoped to the sandbox's own cgroup where it has one: every process an exec makes stays in it (a
+            # sandbox cannot move a process out), so a fork bomb's walk is its own 1,024 pids, not the host's table.
+            table = process_table({leader} | cgroup_pids(procs_files)) if procs_files else process_table()
             new = exec_tree(leader, table) - held.keys() - {leader}
             if not new:
                 break
@@ -102,19 +119,21 @@ def kill_exec_tree(leader: int) -> None:
         pass
 
 
-async def end_exec(process: Process) -> None:
+async def end_exec(process: Process, procs_files: Sequence[str] = ()) -> None:
     """Kill an exec's process tree and wait for its nsenter to exit (it reaps its child, then dies of it).
 
     Repeated while the nsenter lives: one still entering the namespaces forks
     its child after a round. Past five seconds the nsenter is killed too. Each
-    round walks every host process (a fork bomb makes that long): in a worker
-    thread, so the other sandboxes' execs on this loop go on meanwhile.
+    round reads the sandbox's own processes (``procs_files``: its
+    ``cgroup.procs``), or every host process where it has no cgroup (a fork
+    bomb elsewhere makes that long): in a worker thread, so the other
+    sandboxes' execs on this loop go on meanwhile.
     """
     for _round in range(50):
         try:
-            await anyio.to_thread.run_sync(kill_exec_tree, process.pid)
+            await anyio.to_thread.run_sync(kill_exec_tree, process.pid, procs_files)
         except RuntimeError:  # no new thread at interpreter shutdown (the exit's stops): on the loop, then
-            kill_exec_tree(process.pid)
+            kill_exec_tree(process.pid, procs_files)
         with anyio.move_on_after(0.1):
             await process.wait()
         if process.returncode is not None:

@@ -1,0 +1,156 @@
+"""Fork bombs killed while other sandboxes exec (issue 44): does one sandbox's kill stall the others?
+
+On the local backend, some sandboxes (the probes) run ``true`` one exec after
+another while the others (the bombers) run a fork bomb under an exec timeout,
+again and again: each timeout ends the exec's process tree
+(:func:`harbor_async.backends.local.proctree.end_exec`: a walk of the
+sandbox's own cgroup, or of every host process where it has none, in a
+worker thread, then a kill through pidfds). The probes'
+round trips are measured idle (no bomber running) and under the bombs, in
+the same run and engine; the figure is the ratio of the two p99s (target:
+at most 2x). Each kill is timed too (from the timeout to the exec's return),
+and so are, mid-bomb, one walk of the host's whole process table and one of
+a bomber's cgroup (what a kill reads where the sandbox has cgroups).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import anyio
+
+from harbor_async.backends.local.proctree import cgroup_pids, process_table
+from harbor_async.engine import Engine
+from harbor_async.errors import SandboxTimeout
+from harbor_async.policy import Limits
+from harbor_async.stats import percentile
+from harbor_async.suites import example_suite_path
+from harbor_async.tasks import load_suite, load_task
+
+#: Each bomb forks until the sandbox's pids limit (1,024 on local), then the timeout ends it.
+FORK_BOMB = "bomb() { bomb | bomb & }; bomb"
+
+
+@dataclass
+class ForkBombRound:
+    """One round: the probes' exec round trips idle and under bombs (ms), the kills (s)."""
+
+    idle_p50_ms: float
+    idle_p99_ms: float
+    bombed_p50_ms: float
+    bombed_p99_ms: float
+    p99_ratio: float
+    probe_execs_idle: int
+    probe_execs_bombed: int
+    kills: int
+    kill_p50_s: float
+    kill_max_s: float
+    table_walk_ms: float  # one walk of the host's whole process table while the bombs run
+    host_processes: int  # how many that walk found
+    cgroup_walk_ms: float  # one walk of a bomber's own cgroup (what a kill reads where the sandbox has cgroups)
+    cgroup_processes: int  # how many that walk found (0: no cgroups here, kills walk the host's table)
+
+
+def _ms(values: list[float], q: float) -> float:
+    return round(percentile(values, q) * 1e3, 2)
+
+
+async def _probe(sandbox, until: float, into: list[float]) -> None:
+    while time.monotonic() < until:
+        begin = time.perf_counter()
+        await sandbox.exec("true")
+        into.append(time.perf_counter() - begin)
+
+
+async def _bomb(sandbox, until: float, timeout: float, kills: list[float]) -> None:
+    while time.monotonic() < until:
+        begin = time.perf_counter()
+        try:
+            await sandbox.exec(FORK_BOMB, timeout=timeout)
+        except SandboxTimeout:
+            kills.append(time.perf_counter() - begin - timeout)
+
+
+def _task_with_cpus(folder: Path, cpus: float):
+    """The bundled suite's first task, copied into ``folder`` with the task's ``cpus`` set (the bombers' share)."""
+    source = load_suite(example_suite_path()).tasks[0]
+    target = folder / source.name
+    shutil.copytree(source.paths.task_dir, target)
+    toml = target / "task.toml"
+    toml.write_text(toml.read_text().replace("[environment]\n", f"[environment]\ncpus = {cpus}\n", 1))
+    return load_task(target)
+
+
+async def run_round(
+    *, probes: int = 2, bombers: int = 2, seconds: float = 6.0, timeout: float = 1.0, bomber_cpus: float = 0.5
+) -> ForkBombRound:
+    """Start ``probes + bombers`` local sandboxes; time the probes idle, then beside the bombers.
+
+    The bombers' task asks for ``bomber_cpus`` CPUs (enforced by the sandbox's cgroup, as root): what a bomb
+    takes from the others is then its share, and what is left to measure is the cost of ending it.
+    """
+    task = load_suite(example_suite_path()).tasks[0]
+    with tempfile.TemporaryDirectory() as scratch:
+        bomber_task = _task_with_cpus(Path(scratch), bomber_cpus)
+        return await _measure(task, bomber_task, probes, bombers, seconds, timeout)
+
+
+async def _measure(task, bomber_task, probes: int, bombers: int, seconds: float, timeout: float) -> ForkBombRound:
+    async with Engine(limits=Limits(live_sandboxes=probes + bombers)) as engine:
+        sandboxes = [engine.launch(task, "local") for _ in range(probes)]
+        sandboxes += [engine.launch(bomber_task, "local") for _ in range(bombers)]
+        for sandbox in sandboxes:
+            await sandbox.wait_started()
+        probing, bombing = sandboxes[:probes], sandboxes[probes:]
+        idle: list[float] = []
+        until = time.monotonic() + seconds
+        async with anyio.create_task_group() as group:
+            for sandbox in probing:
+                group.start_soon(_probe, sandbox, until, idle)
+        bombed: list[float] = []
+        kills: list[float] = []
+        walks: list[tuple[float, int]] = []
+        until = time.monotonic() + seconds
+
+        async def walk() -> None:  # mid-bomb: the host's whole process table, and one bomber's cgroup as a kill reads it
+            await anyio.sleep(timeout * 0.8)
+            begin = time.perf_counter()
+            table = await anyio.to_thread.run_sync(process_table)
+            walks.append((time.perf_counter() - begin, len(table)))
+            procs_files = bombing[0].environment._procs_files()
+            begin = time.perf_counter()
+            table = await anyio.to_thread.run_sync(lambda: process_table(cgroup_pids(procs_files)) if procs_files else {})
+            walks.append((time.perf_counter() - begin, len(table)))
+
+        async with anyio.create_task_group() as group:
+            for sandbox in bombing:
+                group.start_soon(_bomb, sandbox, until, timeout, kills)
+            for sandbox in probing:
+                group.start_soon(_probe, sandbox, until, bombed)
+            group.start_soon(walk)
+        for sandbox in sandboxes:
+            await sandbox.stop()
+    (walk_s, found), (cgroup_s, in_cgroup) = walks
+    return ForkBombRound(
+        idle_p50_ms=_ms(idle, 50), idle_p99_ms=_ms(idle, 99), bombed_p50_ms=_ms(bombed, 50),
+        bombed_p99_ms=_ms(bombed, 99), p99_ratio=round(percentile(bombed, 99) / percentile(idle, 99), 2),
+        probe_execs_idle=len(idle), probe_execs_bombed=len(bombed), kills=len(kills),
+        kill_p50_s=round(percentile(kills, 50), 3) if kills else 0.0, kill_max_s=round(max(kills, default=0.0), 3),
+        table_walk_ms=round(walk_s * 1e3, 1), host_processes=found, cgroup_walk_ms=round(cgroup_s * 1e3, 1),
+        cgroup_processes=in_cgroup,
+    )  # fmt: skip
+
+
+def run_fork_bombs(repeats: int = 3, **options: float) -> dict:
+    """``repeats`` rounds and the median ratio over them (the figure)."""
+    rounds = [anyio.run(lambda: run_round(**options)) for _ in range(repeats)]
+    ratios = sorted(r.p99_ratio for r in rounds)
+    return {
+        "options": {"probes": 2, "bombers": 2, "seconds": 6.0, "timeout": 1.0, "bomber_cpus": 0.5, **options},
+        "rounds": [asdict(r) for r in rounds],
+        "p99_ratio": {"median": ratios[len(ratios) // 2], "min": ratios[0], "max": ratios[-1]},
+    }
