@@ -49,7 +49,7 @@ def fork_bombs(repeats: int, seconds: float, bomber_cpus: float, out: Path) -> P
     for number, found in enumerate(result["rounds"], 1):
         err.print(
             f"round {number}: probe p99 {found['idle_p99_ms']} ms idle, {found['bombed_p99_ms']} ms under bombs "
-            f"({found['p99_ratio']}x); {found['kills']} kills, p50 {found['kill_p50_s']} s; walk of the host "
+            f"({found['p99_ratio']}x; bombs never killed: {found['unkilled_p99_ms']} ms, {found['unkilled_ratio']}x); {found['kills']} kills, p50 {found['kill_p50_s']} s; walk of the host "
             f"{found['table_walk_ms']} ms ({found['host_processes']} processes), of a bomber's cgroup "
             f"{found['cgroup_walk_ms']} ms ({found['cgroup_processes']})",
             markup=False,

@@ -8,7 +8,9 @@ sandbox's own cgroup, or of every host process where it has none, in a
 worker thread, then a kill through pidfds). The probes'
 round trips are measured idle (no bomber running) and under the bombs, in
 the same run and engine; the figure is the ratio of the two p99s (target:
-at most 2x). Each kill is timed too (from the timeout to the exec's return),
+at most 2x). A control half runs the same bombs through the whole window
+with no kill in it, so that what the bombs take (their CPU share) and what
+their kills add are told apart. Each kill is timed too (from the timeout to the exec's return),
 and so are, mid-bomb, one walk of the host's whole process table and one of
 a bomber's cgroup (what a kill reads where the sandbox has cgroups).
 """
@@ -44,6 +46,8 @@ class ForkBombRound:
     bombed_p50_ms: float
     bombed_p99_ms: float
     p99_ratio: float
+    unkilled_p99_ms: float  # the control: the same bombs running through the window, none killed in it
+    unkilled_ratio: float
     probe_execs_idle: int
     probe_execs_bombed: int
     kills: int
@@ -132,12 +136,23 @@ async def _measure(task, bomber_task, probes: int, bombers: int, seconds: float,
             for sandbox in probing:
                 group.start_soon(_probe, sandbox, until, bombed)
             group.start_soon(walk)
+        # The control: the same bombs left running through the whole window (no kill in it), then ended.
+        unkilled: list[float] = []
+        until = time.monotonic() + seconds
+        async with anyio.create_task_group() as bombs:
+            for sandbox in bombing:
+                bombs.start_soon(_bomb, sandbox, until + 3 * seconds, 4 * seconds, [])
+            async with anyio.create_task_group() as group:
+                for sandbox in probing:
+                    group.start_soon(_probe, sandbox, until, unkilled)
+            bombs.cancel_scope.cancel()  # the bombs' execs end here, outside the window
         for sandbox in sandboxes:
             await sandbox.stop()
     (walk_s, found), (cgroup_s, in_cgroup) = walks
     return ForkBombRound(
         idle_p50_ms=_ms(idle, 50), idle_p99_ms=_ms(idle, 99), bombed_p50_ms=_ms(bombed, 50),
         bombed_p99_ms=_ms(bombed, 99), p99_ratio=round(percentile(bombed, 99) / percentile(idle, 99), 2),
+        unkilled_p99_ms=_ms(unkilled, 99), unkilled_ratio=round(percentile(unkilled, 99) / percentile(idle, 99), 2),
         probe_execs_idle=len(idle), probe_execs_bombed=len(bombed), kills=len(kills),
         kill_p50_s=round(percentile(kills, 50), 3) if kills else 0.0, kill_max_s=round(max(kills, default=0.0), 3),
         table_walk_ms=round(walk_s * 1e3, 1), host_processes=found, cgroup_walk_ms=round(cgroup_s * 1e3, 1),
