@@ -322,3 +322,48 @@ def test_a_multi_step_episode_shows_its_steps(tab: Page, tmp_path: Path) -> None
     _until(lambda: "single" in tab.page.inner_text("#ep-title"), 10, "the single-step episode")
     assert tab.page.locator("#ep-steps").count() == 0
     assert tab.errors == []
+
+
+# ── the failure corpus: every job the project writes when things go wrong ──────────────────────────────────
+
+
+@pytest.fixture(scope="module")
+def failure_corpus(tmp_path_factory) -> dict[str, Path]:
+    from tests.report_corpus import make_failure_corpus
+
+    return make_failure_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+CORPUS = ["stopped by the failure budget", "model-server failures only", "interrupted", "zero episodes", "resumed", "previous release"]
+
+
+@pytest.mark.parametrize("name", CORPUS)
+def test_every_job_of_the_failure_corpus_renders_with_its_not_judged_count(
+    tab: Page, failure_corpus: dict[str, Path], name: str, tmp_path: Path
+) -> None:
+    """`report` (the command, as a user runs it) and `view` both render it: no console error, and the count of
+    episodes not judged is on the page, never a 0.000 mean for a job nobody was judged in."""
+    from tests.cli_helpers import harbor_async
+
+    job = failure_corpus[name]
+    records = list(JobFolder(job).latest().values())
+    not_judged = sum(1 for r in records if r.rerun)
+    html = tmp_path / "report.html"
+    done = harbor_async("report", str(job), "-o", str(html))
+    assert done.returncode == 0, done.stderr[-3000:]
+    server = ReportServer(job, port=0)
+    url = server.start()
+    try:
+        for address in (html.as_uri(), url):
+            tab.page.goto(address)
+            tab.page.wait_for_selector("#not-judged")
+            shown = tab.page.inner_text("#not-judged")
+            assert "not judged" in shown and str(not_judged) in shown.split(), (name, shown)
+            if records and not_judged == len(records):  # nothing judged: no mean reward anywhere, least of all 0
+                assert "0.000" not in tab.page.inner_text("#summary"), tab.page.inner_text("#summary")
+            if not records:
+                assert "No episode of this job has ended" in tab.page.inner_text("#no-episodes")
+        _artifact(tmp_path, tab, f"report-corpus-{name.replace(' ', '-')}.png")
+    finally:
+        server.stop()
+    assert tab.errors == [], tab.errors
