@@ -51,25 +51,6 @@ async def collect_artifacts(environment: BaseEnvironment, task: Task, target: Pa
         await _handler(task, step).download_artifacts(environment, target, source_artifacts_dir=paths.artifacts_dir)
 
 
-def drop_if_empty(folder: Path, root: Path) -> None:
-    """Remove ``folder`` when it holds nothing but a manifest of successes, then its empty parents below ``root``."""
-    import json
-
-    try:
-        entries = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    if any(p.is_file() and p.name != "manifest.json" for p in folder.rglob("*")):
-        return
-    if not isinstance(entries, list) or any(e.get("status") != "ok" for e in entries if isinstance(e, dict)):
-        return  # a failed collection stays on record
-    shutil.rmtree(folder, ignore_errors=True)
-    parent = folder.parent
-    while parent != root and parent.is_relative_to(root) and parent.is_dir() and not any(parent.iterdir()):
-        parent.rmdir()
-        parent = parent.parent
-
-
 async def upload_artifacts(environment: BaseEnvironment, task: Task, source: Path, step: StepConfig | None = None) -> None:
     """Put the collected artifacts back at their paths in a separate verifier's sandbox."""
     from harbor.models.trial.paths import EnvironmentPaths

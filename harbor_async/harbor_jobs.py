@@ -7,10 +7,14 @@ Next to ``harbor-async.json``, ``episodes.jsonl`` and ``summary.json`` a job fol
   stats of each eval (Harbor's ``agent__model__dataset`` key: a sweep is one
   job with one eval per model), and at the end its metrics (mean) and pass@k;
 - one trial folder per episode, ``<task>__<id>/``: ``config.json``
-  (``TrialConfig``), ``result.json`` (``TrialResult`` with its timings, rewards,
-  token usage and exception), ``exception.txt``, ``agent/`` (the agent's logs;
+  (``TrialConfig``), ``lock.json`` (Harbor's resolved inputs), ``result.json``
+  (``TrialResult`` with its timings, rewards, token usage and exception, named
+  as Harbor names it: a verifier that left no reward has no ``verifier_result``
+  and ``RewardFileNotFoundError``, while ``episodes.jsonl`` keeps our class and
+  its 0), ``trial.log``, ``exception.txt``, ``agent/`` (the agent's logs;
   a harness's transcript as an ATIF ``trajectory.json``), ``verifier/`` (the
-  reward file and the test script's stdout and stderr) and ``artifacts/``.
+  reward file and the test script's stdout and stderr) and ``artifacts/`` (with
+  Harbor's ``manifest.json``).
 
 So ``harbor view``, ``harbor job regrade`` and the rest of Harbor's tooling work
 on a ``run`` or ``eval`` job. The record names its trial folder (``trial``); a
@@ -40,6 +44,17 @@ log = get_logger()
 
 CONFIG_NAME = "config.json"
 RESULT_NAME = "result.json"
+LOCK_NAME = "lock.json"
+LOG_NAME = "trial.log"
+#: Harbor's verifier exceptions, found in the text of our verifier failures (raised by Harbor's own Verifier).
+HARBOR_VERIFIER_ERRORS = (
+    "RewardFileNotFoundError", "RewardFileEmptyError", "VerifierOutputParseError", "AddTestsDirError",
+    "DownloadVerifierDirError",
+)  # fmt: skip
+#: Exception types of a trial whose verifier ran and gave no reward: scored 0, judged (Harbor's names and ours).
+VERIFIER_FAILURES = frozenset({
+    *HARBOR_VERIFIER_ERRORS, "VerifierTimeoutError", "VerifierFailure", "VerifierDiskLimitError", "FinalStepRewardError",
+})  # fmt: skip
 #: The folders Harbor keeps in a trial folder, moved from the sandbox's trial folder at its stop.
 TRIAL_LOG_FOLDERS = ("agent", "verifier", "steps")
 
@@ -48,6 +63,32 @@ def trial_name(task_name: str) -> str:
     """A trial folder's name as Harbor makes it: ``<task, 32 chars>__<7 random>``."""
     short = task_name.split("/")[-1][:32].rstrip("_-") or "task"
     return f"{short}__{uuid.uuid4().hex[:7]}"
+
+
+def harbor_exception_type(record: EpisodeRecord) -> str:
+    """The exception name Harbor's own trial gives this outcome (``episodes.jsonl`` keeps ours).
+
+    A verifier that left no reward is Harbor's ``RewardFileNotFoundError`` (and
+    kin) or ``VerifierTimeoutError``; an agent or a start past its budget is
+    ``AgentTimeoutError`` or ``EnvironmentStartTimeoutError``; anything Harbor
+    has no name for keeps ours.
+    """
+    ours = record.error_type or record.error_class or "Error"
+    text = record.error or ""
+    if record.error_class == "verifier":
+        named = next((name for name in HARBOR_VERIFIER_ERRORS if name in text), None)
+        if named is not None:
+            return named
+        return "VerifierTimeoutError" if ours == "VerifierFailure" and "timed out" in text else ours
+    if ours == "SandboxTimeout":
+        return {"agent": "AgentTimeoutError", "start": "EnvironmentStartTimeoutError"}.get(record.error_phase or "", ours)
+    return ours
+
+
+def judged_trial(trial: Any) -> bool:
+    """Whether a trial was judged: it has a verifier result, or its verifier ran and left none (scored 0)."""
+    info = trial.exception_info
+    return trial.verifier_result is not None or (info is not None and info.exception_type in VERIFIER_FAILURES)
 
 
 def keep_trial_logs(sandbox_trial_dir: Path | None, target: Path, only: tuple[str, ...] = TRIAL_LOG_FOLDERS) -> None:
@@ -85,6 +126,21 @@ def _drop_links(folder: Path) -> None:
             path = Path(root) / name
             if path.is_symlink():
                 path.unlink()
+
+
+def _trial_log(record: EpisodeRecord, trial: Any) -> str:
+    """The trial's ``trial.log``, as Harbor's viewer shows it: what happened, phase by phase, and how it ended."""
+    lines = [f"trial {trial.trial_name}: task {record.task}, agent {record.agent or 'oracle'}, model {record.model or '-'}"]
+    lines.append(f"sandbox {record.sandbox or '-'}, started {record.started_at or '-'}, start attempts {record.start_attempts}")
+    for span in record.phases:
+        lines.append(f"{span.phase}: {span.start:.3f} s -> {span.end:.3f} s ({span.end - span.start:.3f} s)")
+    for step in record.steps:
+        lines.append(f"step {step.get('name')}: reward {step.get('reward')}" + (f", {step['error']}" if step.get("error") else ""))
+    if record.error_class is not None:
+        lines.append(f"{record.error_class} failure in {record.error_phase or '-'}: {harbor_exception_type(record)}: {record.error}")
+    judged = "judged" if record.judged else "not judged (a resume reruns it)"
+    lines.append(f"finished {record.finished_at or '-'}: reward {record.reward}, {judged}")
+    return "\n".join(lines) + "\n"
 
 
 def _time(value: str | None) -> datetime | None:
@@ -146,6 +202,7 @@ class HarborJob:
         self._stats = JobStats()
         self._result: JobResult | None = None
         self._checksums: dict[Path, str] = {}
+        self._locks: dict[tuple[Path, str | None], str | None] = {}
         self._job_id = uuid.uuid4()
 
     # ── the job ─────────────────────────────────────────────────────────
@@ -183,6 +240,9 @@ class HarborJob:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / CONFIG_NAME).write_text(trial.config.model_dump_json(indent=4), encoding="utf-8")
         (folder / RESULT_NAME).write_text(trial.model_dump_json(indent=4), encoding="utf-8")
+        if (lock := self._lock(trial)) is not None:
+            (folder / LOCK_NAME).write_text(lock, encoding="utf-8")
+        (folder / LOG_NAME).write_text(_trial_log(record, trial), encoding="utf-8")
         if record.error:
             (folder / "exception.txt").write_text(f"{record.error_type or 'Error'}: {record.error}\n", encoding="utf-8")
         if record.transcript and not (folder / "agent" / "trajectory.json").exists():  # an agent's own stays
@@ -209,7 +269,7 @@ class HarborJob:
 
         if self._result is None:
             return
-        judged = [trial for trial in self._trials.values() if trial.verifier_result is not None]
+        judged = [trial for trial in self._trials.values() if judged_trial(trial)]
         rewards: dict[str, list[Any]] = {}
         for trial in judged:
             key = self._stats.format_agent_evals_key(
@@ -277,13 +337,14 @@ class HarborJob:
         exception = None
         if record.error_class is not None:
             exception = ExceptionInfo(
-                exception_type=record.error_type or record.error_class,
+                exception_type=harbor_exception_type(record),
                 exception_message=record.error or "",
                 exception_traceback="",
                 occurred_at=finished,
             )
-        judged = record.reward is not None
-        verifier = VerifierResult(rewards=dict(record.rewards) or {"reward": record.reward}) if judged else None
+        # A verifier that left no reward leaves Harbor's verifier_result empty (the 0 is ours, in episodes.jsonl).
+        rewarded = record.reward is not None and record.error_class != "verifier"
+        verifier = VerifierResult(rewards=dict(record.rewards) or {"reward": record.reward}) if rewarded else None
         steps = [
             StepResult(
                 step_name=str(step.get("name")),
@@ -291,7 +352,7 @@ class HarborJob:
             )
             for step in record.steps
         ] or None
-        model = ModelInfo(name=record.model) if record.model else None  # a served name or a checkpoint path, whole
+        model = self._model_info(record.model)
         return TrialResult(
             task_name=record.task,
             trial_name=name,
@@ -319,6 +380,40 @@ class HarborJob:
         if ":" in agent:
             return AgentConfig(import_path=agent, model_name=model)
         return AgentConfig(name=agent, model_name=model)
+
+    def _model_info(self, model: str | None) -> Any:
+        """Harbor's ``ModelInfo``: a Harbor agent's ``provider/name`` split as Harbor splits it; an eval's model whole."""
+        from harbor.models.trial.result import ModelInfo
+
+        if not model:
+            return None
+        provider, slash, name = model.partition("/")
+        if self.settings.command == "run" and slash:  # -m hosted_vllm/NAME: Harbor records NAME from hosted_vllm
+            return ModelInfo(name=name, provider=provider)
+        return ModelInfo(name=model)  # a served name or a checkpoint path, whole: a sweep's key
+
+    def _lock(self, trial: Any) -> str | None:
+        """Harbor's ``lock.json`` of a trial (its resolved inputs: the task's content digest, the agent, the
+        multipliers), made by Harbor's own builder; ``None`` where the installed Harbor has none or it fails."""
+        try:
+            from harbor.models.job.lock import build_trial_lock
+        except ImportError:
+            return None
+        from types import SimpleNamespace
+
+        task_dir = Path(trial.config.task.path) if trial.config.task.path is not None else None
+        if task_dir is None or not task_dir.is_dir():
+            return None
+        key = (task_dir, trial.agent_info.model_info.name if trial.agent_info.model_info else None)
+        if key not in self._locks:
+            resolved = SimpleNamespace(path=task_dir, content_hash=None, resolved_git_commit_id=None)
+            try:
+                lock = build_trial_lock(trial_config=trial.config, task_download_result=resolved)
+                self._locks[key] = lock.model_dump_json(indent=4, exclude_none=True)
+            except Exception as exc:  # noqa: BLE001 - another Harbor's builder: the trial's other files still stand
+                log.debug("lock.json not written", task=str(task_dir), error=repr(exc))
+                self._locks[key] = None
+        return self._locks[key]
 
     def _registry_dataset(self) -> tuple[str | None, str | None]:
         """A Harbor registry dataset's name and version (``-d name@version``); ``(None, None)`` for a folder or ``hf:``."""

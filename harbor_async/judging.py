@@ -55,7 +55,7 @@ async def judge(episode: Episode, step: StepConfig | None = None) -> VerifyResul
     sandbox of the task's environment, given the collected artifacts
     (:mod:`harbor_async.artifacts`); it is stopped once it has judged.
     """
-    from harbor_async.artifacts import collect_artifacts, drop_if_empty, upload_artifacts
+    from harbor_async.artifacts import collect_artifacts, upload_artifacts
     from harbor_async.harbor_jobs import keep_trial_logs
     from harbor_async.task_support import separate_verifier
     from harbor_async.verifier_env import verifier_task
@@ -71,9 +71,7 @@ async def judge(episode: Episode, step: StepConfig | None = None) -> VerifyResul
         folder = trial / "collected-artifacts" if separate and trial is not None else None
     if folder is not None:
         await sandbox.wait_started()
-        await collect_artifacts(sandbox.environment, episode.task, folder, step)
-        if root is not None and not separate:  # nothing published: no folder in the job
-            drop_if_empty(folder, root)
+        await collect_artifacts(sandbox.environment, episode.task, folder, step)  # its manifest.json kept, as Harbor's
     logs = None if root is None else root / "steps" / step.name if step is not None else root
     if not separate:
         await enter_network_phase(sandbox.environment, episode.task, "verifier", step)

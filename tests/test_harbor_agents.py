@@ -126,7 +126,7 @@ def test_run_takes_terminus2_with_model_and_agent_kwargs(tmp_path: Path, host_tm
     trial = job / record["trial"]
     assert json.loads((trial / "agent" / "trajectory.json").read_text())["steps"]
     harbor_result = json.loads((trial / "result.json").read_text())
-    assert harbor_result["agent_info"]["model_info"]["name"] == "hosted_vllm/terminus"
+    assert harbor_result["agent_info"]["model_info"] == {"name": "terminus", "provider": "hosted_vllm"}  # as Harbor splits it
     assert harbor_result["agent_result"]["n_input_tokens"] == usage["n_input_tokens"]
     assert harbor_result["agent_result"]["cost_usd"] == pytest.approx(expected_cost)
     summary = json.loads((job / "summary.json").read_text())  # and the job's totals

@@ -220,3 +220,49 @@ def test_harbors_metrics_leave_out_what_nobody_judged(tmp_path: Path) -> None:
     assert all(value == 1.0 for value in some["pass_at_k"].values())
     (none,) = json.loads((jobs / "none" / "result.json").read_text())["stats"]["evals"].values()
     assert none["metrics"] == [] and none["pass_at_k"] == {}  # not a mean of 0.0
+
+
+def test_our_trial_files_are_harbors_for_the_same_outcomes(tmp_path: Path) -> None:
+    """The same two tasks under `harbor run` and `harbor-async run` (local): one solved, one whose test leaves no
+    reward. Each trial folder has Harbor's files (lock.json, trial.log, artifacts/manifest.json); the unrewarded
+    trial has no verifier_result and Harbor's RewardFileNotFoundError in both; and the job's mean counts it as the
+    0 it is (judged), as Harbor's does, while episodes.jsonl keeps our class."""
+    from harbor.models.job.lock import TrialLock
+    from harbor.models.trial.result import TrialResult
+
+    suite = tmp_path / "suite"
+    shutil.copytree(example_suite_path() / "tasks" / "csv-column-sum", suite / "tasks" / "solved")
+    shutil.copytree(example_suite_path() / "tasks" / "csv-column-sum", suite / "tasks" / "no-reward")
+    (suite / "tasks" / "no-reward" / "tests" / "test.sh").write_text("#!/bin/bash\necho 'no reward written'\n")
+    jobs = tmp_path / "jobs"
+    done = harbor_async("run", "-p", str(suite), "-e", "local", "--ek", f"sandbox_root={tmp_path / 'sb'}", "-o", str(jobs), "--job-name", "ours")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = _harbor("run", "-p", str(suite / "tasks"), "-e", LOCAL, "-a", "oracle", "-o", str(jobs), "--job-name", "theirs", "-y", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    def trials(job: str) -> dict[str, tuple[TrialResult, Path]]:
+        found = {}
+        for folder in (jobs / job).iterdir():
+            if (folder / "result.json").is_file():
+                trial = TrialResult.model_validate_json((folder / "result.json").read_text())
+                found[trial.task_name.split("/")[-1]] = (trial, folder)
+        return found
+
+    ours, theirs = trials("ours"), trials("theirs")
+    assert set(ours) == set(theirs) == {"solved", "no-reward"}
+    for task in ("solved", "no-reward"):
+        (mine, my_folder), (harbors, their_folder) = ours[task], theirs[task]
+        outcome = lambda t: (t.verifier_result is None, t.exception_info.exception_type if t.exception_info else None)  # noqa: E731
+        assert outcome(mine) == outcome(harbors), (task, outcome(mine), outcome(harbors))
+        for name in ("lock.json", "trial.log", "artifacts/manifest.json"):
+            assert (their_folder / name).is_file() and (my_folder / name).is_file(), (task, name)
+        lock = TrialLock.model_validate_json((my_folder / "lock.json").read_text())
+        theirs_lock = TrialLock.model_validate_json((their_folder / "lock.json").read_text())
+        assert lock.task.digest == theirs_lock.task.digest  # the same task content, hashed by Harbor's own code
+    assert outcome(ours["no-reward"][0]) == (True, "RewardFileNotFoundError")
+    assert "RewardFileNotFoundError" in (ours["no-reward"][1] / "trial.log").read_text()
+    (evals,) = json.loads((jobs / "ours" / "result.json").read_text())["stats"]["evals"].values()
+    (their_evals,) = json.loads((jobs / "theirs" / "result.json").read_text())["stats"]["evals"].values()
+    assert evals["metrics"] == their_evals["metrics"] == [{"mean": 0.5}]
+    by_task = {r["task"]: r for r in records(jobs / "ours")}
+    assert (by_task["no-reward"]["error_class"], by_task["no-reward"]["reward"]) == ("verifier", 0.0)  # ours, kept

@@ -313,7 +313,7 @@ def host_server():
 @pytest.mark.usefixtures("docker_daemon")
 def test_docker_honours_network_mode_users_and_multi_step_tasks(tmp_path: Path, host_server: int, request) -> None:
     """A separate verifier judges the artifacts in a fresh container; a no-network task has no route out (Harbor's egress sidecar needs Docker Hub: Compose's ``network_mode: none``
-    honours a task that is offline in every phase); a public one reaches the host; ``[agent] user`` runs the agent,
+    honours a task that is offline in every phase); a public one reaches the host where allowed (host_access); ``[agent] user`` runs the agent,
     the verifier stays root; a multi-step task's steps each see only their own tests."""
     suite = tmp_path / "suite"
     verifier_image = f"harbor-async-test-verifier:{os.getpid()}"
@@ -369,6 +369,7 @@ def test_docker_honours_network_mode_users_and_multi_step_tasks(tmp_path: Path, 
     request.addfinalizer(lambda: subprocess.run(["docker", "rmi", "-f", verifier_image], capture_output=True))
     done = harbor_async(
         "run", "-p", str(suite), "-e", "docker", "-a", "oracle", "-o", str(tmp_path / "jobs"), "--env-allow", "PROBE_PORT",
+        "--ek", "host_access=true",  # the probe's server is the host's: a public task reaches it only when allowed
         env={"PROBE_PORT": str(host_server)}, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
