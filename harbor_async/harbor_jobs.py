@@ -318,7 +318,7 @@ class HarborJob:
         """Harbor's ``TrialResult`` of one episode."""
         from harbor.models.task.id import LocalTaskId
         from harbor.models.trial.config import EnvironmentConfig, TaskConfig, TrialConfig
-        from harbor.models.trial.result import AgentInfo, ExceptionInfo, ModelInfo, StepResult, TrialResult
+        from harbor.models.trial.result import AgentInfo, ExceptionInfo, StepResult, TrialResult
         from harbor.models.verifier.result import VerifierResult
 
         name = record.trial or trial_name(record.task)
