@@ -194,7 +194,7 @@ def test_dataset_goes_to_the_hub(tmp_path):
 
 def test_older_spellings_still_work_but_are_hidden(tmp_path):
     result = harbor_async(
-        "run", "--backend", "simulated", "-c", "2", "--num-tasks", "2", "-o", str(tmp_path), "--job-name", "old"
+        "run", "--backend", "simulated", "--concurrency", "2", "--num-tasks", "2", "-o", str(tmp_path), "--job-name", "old"
     )
     assert result.returncode == 0, result.stderr
     assert len(records(tmp_path / "old")) == 2

@@ -9,7 +9,7 @@ import pytest
 import typer
 
 from harbor_async.cli import app
-from harbor_async.cli.harbor_flags import REFUSED, SHARED_SHORT, refusal
+from harbor_async.cli.harbor_flags import REFUSED, refusal
 from tests.cli_helpers import harbor_async
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
@@ -31,8 +31,8 @@ def _our_run_flags() -> set[str]:
 
 @pytest.mark.range
 def test_every_harbor_run_flag_is_taken_or_refused_with_a_reason() -> None:
-    ours, refused = _our_run_flags(), {s for spellings in REFUSED for s in spellings} | set(SHARED_SHORT)
-    assert not ours & refused - set(SHARED_SHORT)  # a flag is one or the other (-c: a number is ours, else --config)
+    ours, refused = _our_run_flags(), {s for spellings in REFUSED for s in spellings}
+    assert not ours & refused  # a flag is one or the other
     missing = [spellings for spellings in _harbor_run_flags() if not set(spellings) & (ours | refused) and spellings != ("--help", "-h")]
     assert missing == []
     for spellings in _harbor_run_flags():  # a flag we take, we take in every spelling Harbor has (-k and --n-attempts)
@@ -57,4 +57,4 @@ def test_a_flag_we_cannot_honour_is_one_line_with_its_reason_before_anything_sta
     assert not (tmp_path / "jobs").exists()
     assert refusal(["-p", "x", "--ve=A=1"]).startswith("--ve (a `harbor run` flag)")
     assert refusal(["--", "--upload"]) is None and refusal(["-k", "2"]) is None
-    assert refusal(["-c", "4"]) is None and refusal(["-c", "job.yaml"]).startswith("--config")
+    assert refusal(["-c", "job.yaml"]) is None and refusal(["--print-config"]) is None  # Harbor's job configs are read

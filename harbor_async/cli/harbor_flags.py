@@ -16,12 +16,9 @@ from collections.abc import Sequence
 _HUB = "Harbor Hub's hosted service (hosted runs, upload, sharing, secrets); the job folder is in Harbor's format: `harbor upload JOB_DIR`"
 _USER = "simulated-user (multi-turn) trials are not run by harbor-async"
 _EXPORT = "trace export runs on Harbor's job folder afterwards: `harbor traces export` on the job folder (Harbor's format)"
-_CONFIG = "harbor-async keeps a job's settings in its harbor-async.json (`--resume JOB_DIR`); give the settings as flags"
 
 #: Each refused flag (every spelling) -> why.
 REFUSED: dict[tuple[str, ...], str] = {
-    ("--config",): _CONFIG,
-    ("--print-config",): _CONFIG,
     ("--diff",): "comparing against an earlier job is Harbor's `harbor run --diff`; `harbor-async run --resume JOB_DIR` reruns what failed",
     ("--n-concurrent-agents",): "one concurrency limit, -n, bounds the episodes (and so the agents) of a run",
     ("-r", "--max-retries"): "a sandbox start is retried by the engine (tenacity, transient errors only); a trial is never rerun blindly: `--resume` reruns episodes that failed for an infrastructure reason",
@@ -105,19 +102,14 @@ REFUSED: dict[tuple[str, ...], str] = {
 }
 
 _BY_SPELLING = {spelling: reason for spellings, reason in REFUSED.items() for spelling in spellings}
-#: Harbor's ``-c`` is ``--config``; ours, an earlier release's ``--concurrency``: a number is ours.
-SHARED_SHORT = {"-c": "--config"}
 
 
 def refusal(args: Sequence[str]) -> str | None:
     """The line refusing the first ``harbor run`` flag in ``args`` that ``harbor-async run`` does not honour, if any."""
-    for index, arg in enumerate(args):
+    for arg in args:
         if arg == "--":
             break
         flag = arg.split("=", 1)[0]
-        if flag in SHARED_SHORT:
-            value = arg.split("=", 1)[1] if "=" in arg else (args[index + 1] if index + 1 < len(args) else "")
-            flag = flag if value.isdigit() else SHARED_SHORT[flag]
         reason = _BY_SPELLING.get(flag)
         if reason is not None:
             return f"{flag} (a `harbor run` flag) is not honoured by harbor-async run: {reason}"

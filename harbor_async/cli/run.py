@@ -80,7 +80,7 @@ IndicesOpt = Annotated[str | None, typer.Option("--indices", help="Comma-separat
 
 # With --resume the job's harbor-async.json is read whole; each option of `run` is one of these.
 #: Options of one invocation, not of the job: a resume takes them as given.
-_INVOCATION_OPTIONS = frozenset({"ctx", "resume", "json_path", "log_level", "debug", "quiet", "yes", "log_format", "dry_run"})
+_INVOCATION_OPTIONS = frozenset({"ctx", "resume", "json_path", "log_level", "debug", "quiet", "yes", "log_format", "dry_run", "config", "print_config"})
 #: Options that choose the job's tasks and folder: the job keeps its plan (the episodes) and its folder.
 _PLAN_OPTIONS = frozenset({
     "suite", "path", "dataset", "registry_url", "registry_path", "n_tasks", "num_tasks", "include", "exclude", "indices",
@@ -120,7 +120,7 @@ def run(
     base_url: Annotated[str | None, typer.Option("--base-url", help="The agent's inference server (a Harbor agent's api_base or base_url; --ak wins).")] = None,
     api_key_name: Annotated[str | None, typer.Option("--api-key-name", help="The variable holding the agent's inference API key.")] = None,
     n_concurrent: Annotated[int | None, typer.Option("--n-concurrent", "-n", min=1, help="Episodes (and live sandboxes) at once.", show_default=setting_opts.setting_default("n_concurrent"))] = None,
-    concurrency: Annotated[int | None, typer.Option("--concurrency", "-c", min=1, hidden=True)] = None,
+    concurrency: Annotated[int | None, typer.Option("--concurrency", min=1, hidden=True)] = None,
     n_attempts: Annotated[int | None, typer.Option("--n-attempts", "-k", min=1, help="Episodes per task; pass@k is reported when above 1.", show_default=setting_opts.setting_default("n_attempts"))] = None,
     n_tasks: NTasksOpt = None,
     num_tasks: OldNumTasksOpt = None,
@@ -153,6 +153,8 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "--silent", "-q", help="No progress bar.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Accepted for harbor run's command lines: harbor-async never asks.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the tasks and print the plan; start no sandbox, write no job folder.")] = False,
+    config: Annotated[list[str] | None, typer.Option("--config", "-c", help="Harbor's job config (YAML or JSON JobConfig, as harbor run -c takes it; repeatable, later wins); flags given too override it.")] = None,
+    print_config: Annotated[bool, typer.Option("--print-config", help="Print the run's Harbor JobConfig (JSON, as harbor run --print-config) and exit.")] = False,
     log_format: Annotated[str | None, typer.Option(help="console or json.", show_default="$HARBOR_ASYNC_LOG_FORMAT or console")] = None,
     budget: cluster_opts.BudgetOpt = "local",
     ray_address: cluster_opts.RayAddressOpt = None,
@@ -168,6 +170,10 @@ def run(
     """
     from harbor_async.jobs import JobFolder, JobFolderError
 
+    if config:  # Harbor's job config: its values where the command line gave none, then the run as if typed
+        if resume is not None:
+            raise fail("--resume runs the job's stored settings; drop -c/--config")
+        return run(**_with_config(ctx, config))
     setup_logging(log_level or ("debug" if debug else None), log_format)
     del yes  # harbor run's -y: harbor-async asks nothing
     if resume is not None:
@@ -218,6 +224,11 @@ def run(
             raise fail(exc) from None
     if dry_run:  # harbor run's --dry-run: every check above passed; the plan, and nothing else
         _print_plan(episodes, settings, resume)
+        return
+    if print_config:  # harbor run's --print-config: the job as Harbor's JobConfig, nothing run
+        _print_job_config(settings, spec, jobs_dir, job_name, selection={
+            "task_names": include or None, "exclude_task_names": exclude or None, "n_tasks": n_tasks or num_tasks,
+        })  # fmt: skip
         return
     actor = _actor(settings)  # a Harbor agent is built once with its options, nothing started
     if settings.agent not in MODEL_FREE_AGENTS:  # its model server answers GET /models, else one line before any job folder
@@ -395,6 +406,49 @@ async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, engine_kw
             task_path=lambda task: suite_task_path(task, root), stop=interrupts.arm,
         )  # fmt: skip
     interrupts.disarm()
+
+
+def _with_config(ctx: typer.Context, sources: list[str]) -> dict[str, Any]:
+    """``run``'s arguments: the command line's, over the job config's where the command line gave none.
+
+    ``--ak``/``--ek`` add to the config's kwargs (a key given on the command line wins), as in Harbor.
+    """
+    from harbor_async.job_config import JobConfigError, load_job_config, run_options
+
+    try:
+        from_config = run_options(load_job_config(sources))
+    except JobConfigError as exc:
+        raise fail(f"-c/--config: {exc}") from None
+    typed = {name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"}
+    arguments = {**ctx.params, "ctx": ctx, "config": None}
+    for name, value in from_config.items():
+        if name in ("ak", "ek") and name in typed:
+            arguments[name] = [*value, *(ctx.params[name] or [])]
+        elif name not in typed:
+            arguments[name] = value
+    return arguments
+
+
+def _print_job_config(
+    settings: JobSettings, spec: Any, jobs_dir: Path, job_name: str | None, selection: dict[str, Any]
+) -> None:
+    """The run as Harbor's ``JobConfig``, printed as ``harbor run --print-config`` prints it (defaults left out).
+
+    ``selection``: ``-i``, ``-x`` and ``-l`` as the dataset's ``task_names``, ``exclude_task_names``, ``n_tasks``.
+    """
+    from harbor_async.harbor_jobs import HarborJob
+
+    root = Path(settings.suite) if settings.suite else None
+    folder = jobs_dir / (job_name or "job")
+    config = HarborJob(folder, settings, root, spec).job_config()
+    for dataset in config.datasets:
+        for field, value in selection.items():
+            if value is not None:
+                setattr(dataset, field, value)
+    printed = config.model_dump(mode="json", exclude_defaults=True)
+    if job_name is None:  # no name given: a timestamp when it runs, left out as Harbor leaves out its default
+        printed.pop("job_name", None)
+    typer.echo(json.dumps(printed, indent=2, ensure_ascii=False))
 
 
 def _print_plan(episodes: list[PlannedEpisode], settings: JobSettings, resume: Path | None) -> None:

@@ -1,0 +1,185 @@
+"""Harbor's job config files (``harbor run -c FILE``), read with Harbor's own code and run by ``harbor-async run``.
+
+A Harbor user's job lives in a YAML or JSON ``JobConfig`` (what ``harbor run
+--print-config`` prints). :func:`load_job_config` reads one or several (later
+ones override earlier ones) exactly as the installed Harbor does: its own
+loader (a file or a GitHub URL), its own merge and legacy migration, its own
+``JobConfig`` model, so a file Harbor accepts is accepted here and one it
+refuses is refused with Harbor's words. :func:`run_options` maps the config
+onto ``run``'s options, Harbor's defaults included (a config that names no
+environment runs on docker, 4 at once, with the oracle, as under Harbor).
+Every field set to something this project does not honour is refused, one
+line naming the field (:class:`JobConfigError`), before anything starts;
+unknown fields of a newer Harbor are refused the same way, never ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from harbor_async.errors import HarborAsyncError
+
+#: Harbor's fields ``run`` takes, each with what it becomes (the rest of a config, when set, is refused).
+_TOP = {
+    "job_name", "jobs_dir", "n_attempts", "timeout_multiplier", "agent_timeout_multiplier",
+    "verifier_timeout_multiplier", "agent_setup_timeout_multiplier", "environment_build_timeout_multiplier",
+    "n_concurrent_trials", "debug", "quiet", "environment", "agents", "datasets", "tasks",
+}  # fmt: skip
+_ENVIRONMENT = {"type", "import_path", "kwargs"}
+_AGENT = {"name", "import_path", "model_name", "base_url", "model_api_key_name", "kwargs"}
+_DATASET = {"path", "name", "version", "registry_url", "registry_path", "task_names", "exclude_task_names", "n_tasks"}
+_TASK = {"path"}
+
+
+class JobConfigError(HarborAsyncError):
+    """A Harbor job config that cannot be read, or a field of it that ``harbor-async run`` does not honour.
+
+    Attributes:
+        field: the config's field (``environment.mounts``), or ``None`` for the file as a whole.
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+def load_job_config(sources: Sequence[str]) -> Any:
+    """The ``JobConfig`` of ``sources`` (files or GitHub URLs), merged and validated as the installed Harbor does.
+
+    Raises:
+        JobConfigError: a file that cannot be read, is not a mapping, or that Harbor's model refuses.
+    """
+    from harbor.cli.config_sources import load_config_source, merge_config
+    from harbor.models.job.config import JobConfig
+    from pydantic import ValidationError
+    from yaml import YAMLError
+
+    try:  # Harbor's own merge rules (which lists a later file appends to), where this Harbor has them
+        from harbor.cli import jobs as harbor_jobs_cli
+
+        merge_rules = {
+            "append_paths": getattr(harbor_jobs_cli, "_APPEND_CONFIG_PATHS", frozenset()),
+            "exclusive_groups": getattr(harbor_jobs_cli, "_EXCLUSIVE_CONFIG_GROUPS", {}),
+        }
+    except ImportError:
+        merge_rules = {}
+    data: dict[str, Any] = {}
+    for source in sources:
+        try:
+            layer = load_config_source(source)
+        except (OSError, ValueError, YAMLError) as exc:
+            raise JobConfigError(f"cannot read the job config {source}: {exc}") from None
+        if not isinstance(layer, dict):
+            raise JobConfigError(f"the job config {source} must hold a mapping")
+        try:
+            data = merge_config(data, layer, **merge_rules)
+        except TypeError:  # a Harbor whose merge takes no rules
+            data = merge_config(data, layer)
+        except ValueError as exc:
+            raise JobConfigError(str(exc)) from None
+    try:
+        from harbor.models.job.config import migrate_legacy_job_config
+    except ImportError:  # a Harbor with no legacy form to migrate
+        pass
+    else:
+        data = migrate_legacy_job_config(data)
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise JobConfigError(error["msg"], where or None) from None
+
+
+def run_options(config: Any) -> dict[str, Any]:
+    """``run``'s option values of a Harbor ``JobConfig`` (by ``run``'s parameter names), Harbor's defaults included.
+
+    Raises:
+        JobConfigError: a field set to what ``harbor-async run`` does not honour (named).
+    """
+    set_fields = config.model_dump(mode="json", exclude_defaults=True)
+    _refuse_unknown(set_fields, _TOP, "")
+    _refuse_unknown(set_fields.get("environment") or {}, _ENVIRONMENT, "environment.")
+    agents = config.agents or []
+    if len(agents) != 1:
+        raise JobConfigError("harbor-async run takes one agent (a sweep of models: harbor-async eval)", "agents")
+    _refuse_unknown((set_fields.get("agents") or [{}])[0], _AGENT, "agents[0].")
+    for index, dataset in enumerate(set_fields.get("datasets") or []):
+        _refuse_unknown(dataset, _DATASET, f"datasets[{index}].")
+    for index, task in enumerate(set_fields.get("tasks") or []):
+        _refuse_unknown(task, _TASK, f"tasks[{index}].")
+    options: dict[str, Any] = {
+        "job_name": config.job_name, "jobs_dir": Path(config.jobs_dir), "n_attempts": config.n_attempts,
+        "n_concurrent": config.n_concurrent_trials, "timeout_multiplier": config.timeout_multiplier,
+        "agent_timeout_multiplier": config.agent_timeout_multiplier,
+        "verifier_timeout_multiplier": config.verifier_timeout_multiplier,
+        "agent_setup_timeout_multiplier": config.agent_setup_timeout_multiplier,
+        "environment_build_timeout_multiplier": config.environment_build_timeout_multiplier,
+    }  # fmt: skip
+    if config.debug:
+        options["debug"] = True
+    if config.quiet:
+        options["quiet"] = True
+    environment = config.environment
+    options["env"] = environment.import_path or (environment.type.value if environment.type is not None else "docker")
+    if environment.kwargs:
+        options["ek"] = [f"{key}={_text(value)}" for key, value in environment.kwargs.items()]
+    options.update(_agent_options(agents[0]))
+    options.update(_selection(config))
+    return options
+
+
+def _agent_options(agent: Any) -> dict[str, Any]:
+    options: dict[str, Any] = {"agent": agent.import_path or agent.name or "oracle"}
+    if agent.model_name:
+        options["model"] = agent.model_name
+    if agent.base_url:
+        options["base_url"] = agent.base_url
+    if agent.model_api_key_name:
+        options["api_key_name"] = agent.model_api_key_name
+    if agent.kwargs:
+        options["ak"] = [f"{key}={_text(value)}" for key, value in agent.kwargs.items()]
+    return options
+
+
+def _selection(config: Any) -> dict[str, Any]:
+    """Where the tasks come from: one dataset (a folder or the registry's ``name@version``) or one task folder."""
+    datasets, tasks = config.datasets or [], config.tasks or []
+    if len(datasets) + len(tasks) != 1:
+        raise JobConfigError("harbor-async run takes one dataset or one task (give -p or -d)", "datasets")
+    if tasks:
+        if tasks[0].path is None:
+            raise JobConfigError("a registry or git task is not run by harbor-async; give its folder", "tasks[0]")
+        return {"path": Path(tasks[0].path)}
+    dataset = datasets[0]
+    found: dict[str, Any] = {}
+    if dataset.path is not None:
+        found["path"] = Path(dataset.path)
+    else:
+        found["dataset"] = f"{dataset.name}@{dataset.version}" if dataset.version else dataset.name
+        if dataset.registry_url:
+            found["registry_url"] = dataset.registry_url
+        if dataset.registry_path:
+            found["registry_path"] = Path(dataset.registry_path)
+    if dataset.task_names:
+        found["include"] = list(dataset.task_names)
+    if dataset.exclude_task_names:
+        found["exclude"] = list(dataset.exclude_task_names)
+    if dataset.n_tasks:
+        found["n_tasks"] = dataset.n_tasks
+    return found
+
+
+def _refuse_unknown(values: dict[str, Any], taken: set[str], prefix: str) -> None:
+    for name in values:
+        if name not in taken:
+            raise JobConfigError("not honoured by harbor-async run (see docs/cli.md, Harbor's job configs)", prefix + name)
+
+
+def _text(value: Any) -> str:
+    """A kwarg's value as ``--ak``/``--ek`` take it (JSON for what is not a plain string)."""
+    import json
+
+    return value if isinstance(value, str) else json.dumps(value)
