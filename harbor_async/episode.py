@@ -136,7 +136,7 @@ class Episode:
         if engine.trials_dir is not None:  # Harbor's trial folder of this episode in the job (harbor_async.harbor_jobs)
             from harbor_async.harbor_jobs import trial_name
 
-            self.record.trial = trial_name(task.name)
+            self.record.trial = trial_name(Path(task.paths.task_dir).name)  # the folder's name, as Harbor's
         self.sandbox: Sandbox | None = None
         self.error: BaseException | None = None
         self.verify_error: SandboxError | None = None

@@ -49,7 +49,7 @@ from harbor_async.records import EpisodeRecord, episode_key
 from harbor_async.runner import FailureBudget, PlannedEpisode, run_suite
 from harbor_async.scoring import summarize, sweep_summary
 from harbor_async.settings import JobSettings
-from harbor_async.task_support import check_tasks
+from harbor_async.task_support import Refusal, check_tasks, refused_summary
 from harbor_async.tasks import suite_task_path
 
 if TYPE_CHECKING:
@@ -261,6 +261,7 @@ async def evaluate(
     on_record: Callable[[EpisodeRecord], None] | None = None,
     on_plan: Callable[[int, int], None] | None = None,
     on_status: Callable[[str], None] | None = None,
+    on_refused: Callable[[list[Refusal]], None] | None = None,
     **settings: Any,
 ) -> EvalResult:
     """Evaluate ``models`` on ``suite`` with a training harness; write and return the job.
@@ -280,6 +281,8 @@ async def evaluate(
         on_record: called with each record as it is written (the CLI's progress bar).
         on_plan: called once with (episodes to run now, episodes of the job).
         on_status: called with what a managed server answers while it is awaited (the CLI's progress line).
+        on_refused: called once, before anything starts, with the feature refusals of the tasks left out
+            (a task the backend cannot honour is refused alone; the rest runs; ``summary["refused"]``).
         **settings: the fields of :class:`~harbor_async.settings.JobSettings` (``agent``,
             ``environment_type``, ``environment_kwargs``, ``n_attempts``, ``n_concurrent``,
             ``base_url``, ``serve_cmd``, ``api_key_name``, ``sampling``, ``limits``, ``slot_timeout``,
@@ -330,19 +333,25 @@ async def evaluate(
     harbor = resolve_eval_agent(config)  # a Harbor agent, else a tool harness (checked)
     backend = resolve_backend(config.environment_type)
     backend.check_options(config.environment_kwargs)  # before any server or job folder
-    # every ${VAR} allowed, every feature of every task honoured: else a table (exit 2)
-    check_tasks(loaded.tasks, backend, driver=eval_driver(harbor), env_allow=config.env_allow, backend_kwargs=config.environment_kwargs)
+    # every ${VAR} allowed (else a table, exit 2); a task the backend cannot honour is refused alone (all: exit 2)
+    refused = check_tasks(
+        loaded.tasks, backend, driver=eval_driver(harbor), env_allow=config.env_allow,
+        backend_kwargs=config.environment_kwargs, alone=True,
+    )  # fmt: skip
+    tasks = [task for task in loaded.tasks if task.name not in {r.task for r in refused}]
+    if refused and on_refused is not None:
+        on_refused(refused)
     if harbor is not None:  # built once with its options (nothing started): bad --ak fails now
         check_harbor_options(harbor, config, specs[0].name)
     try:
-        backend.check_installed(loaded.tasks[0], config.environment_kwargs)
+        backend.check_installed(tasks[0], config.environment_kwargs)
     except BackendError as exc:
         raise EvalConfigError(str(exc)) from exc
     api_key(config.api_key_name)  # a missing key is bad input: fail before the job folder
     if resume is None:
         job = JobFolder.create(jobs_dir, job_name, config.to_dict())
     run = _Run(config, job, on_record, on_status)
-    tasks, root = list(loaded.tasks), Path(loaded.root)
+    root = Path(loaded.root)
     all_keys = _keys(specs, tasks, root, config.n_attempts)
     job.keep_harbor_layout(config, backend, len(all_keys), root)  # harbor view, harbor job regrade read the job
     if on_plan is not None:
@@ -370,6 +379,8 @@ async def evaluate(
         summary, latest = _summaries(config, specs, job, all_keys)
         summary["planned_episodes"] = len(all_keys)
         summary["complete"] = len(latest) == len(all_keys) and not any(r.rerun for r in latest)
+        if refused:
+            summary["refused"] = refused_summary(refused)
         if run.interrupted is not None:
             summary["interrupted_by"] = signal.Signals(run.interrupted).name
         if isinstance(error, ModelServerRefusedError):

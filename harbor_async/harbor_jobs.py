@@ -60,9 +60,11 @@ TRIAL_LOG_FOLDERS = ("agent", "verifier", "steps")
 
 
 def trial_name(task_name: str) -> str:
-    """A trial folder's name as Harbor makes it: ``<task, 32 chars>__<7 random>``."""
+    """A trial folder's name as Harbor makes it: ``<task folder, 32 chars>__<7 random letters and digits>``."""
+    from shortuuid import ShortUUID  # Harbor's own (TrialConfig.generate_trial_name)
+
     short = task_name.split("/")[-1][:32].rstrip("_-") or "task"
-    return f"{short}__{uuid.uuid4().hex[:7]}"
+    return f"{short}__{ShortUUID().random(length=7)}"
 
 
 def harbor_exception_type(record: EpisodeRecord) -> str:
@@ -321,7 +323,7 @@ class HarborJob:
         from harbor.models.trial.result import AgentInfo, ExceptionInfo, StepResult, TrialResult
         from harbor.models.verifier.result import VerifierResult
 
-        name = record.trial or trial_name(record.task)
+        name = record.trial or trial_name(Path(record.task_path or record.task).name)
         task_dir = self._task_dir(record)
         source = self._source()
         config = TrialConfig(

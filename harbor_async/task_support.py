@@ -130,13 +130,18 @@ def check_tasks(
     env_allow: Collection[str] = (),
     backend_kwargs: Mapping[str, Any] | None = None,
     allow_flag: str = "--env-allow NAME",
-) -> None:
+    alone: bool = False,
+) -> list[Refusal]:
     """Refuse the run if any task cannot be run as written; check every ``${VAR}`` it needs.
+
+    ``alone``: a task with a feature that cannot be honoured is refused alone
+    (Harbor runs the rest of a suite too): its refusals are returned, and the
+    run goes on without it; only when every task is refused is the run.
 
     Raises:
         UnsupportedAgentError: the driver's agent cannot run on ``backend`` at all (one line).
         MissingVariablesError: a table of every missing variable of every task.
-        UnsupportedTaskError: one line per task feature that cannot be honoured.
+        UnsupportedTaskError: one line per task feature that cannot be honoured (with ``alone``: of every task).
     """
     if driver.agent is not None:
         from harbor_async.backends.local import LocalEnvironment
@@ -154,8 +159,14 @@ def check_tasks(
         raise MissingVariablesError(missing, allow_flag)
     kwargs = dict(backend_kwargs or {})
     refusals = [r for task in _distinct(tasks) for r in task_refusals(task, backend, driver=driver, backend_kwargs=kwargs)]
-    if refusals:
+    if refusals and (not alone or {r.task for r in refusals} >= {task.name for task in tasks}):
         raise UnsupportedTaskError(refusals, backend.name)
+    return refusals
+
+
+def refused_summary(refusals: Sequence[Refusal]) -> list[dict[str, str]]:
+    """The refused tasks as a job's ``summary.json`` lists them (``refused``)."""
+    return [{"task": r.task, "feature": r.feature, "reason": r.reason} for r in refusals]
 
 
 def _distinct(tasks: Sequence[Task]) -> list[Task]:

@@ -260,6 +260,10 @@ def test_our_trial_files_are_harbors_for_the_same_outcomes(tmp_path: Path) -> No
         theirs_lock = TrialLock.model_validate_json((their_folder / "lock.json").read_text())
         assert lock.task.digest == theirs_lock.task.digest  # the same task content, hashed by Harbor's own code
     assert outcome(ours["no-reward"][0]) == (True, "RewardFileNotFoundError")
+    import re
+
+    for found in (ours, theirs):  # trial folders named as Harbor names them: the task folder, 7 of ShortUUID's letters
+        assert all(re.fullmatch(rf"{task}__[0-9A-Za-z]{{7}}", folder.name) for task, (_, folder) in found.items()), found
     assert "RewardFileNotFoundError" in (ours["no-reward"][1] / "trial.log").read_text()
     (evals,) = json.loads((jobs / "ours" / "result.json").read_text())["stats"]["evals"].values()
     (their_evals,) = json.loads((jobs / "theirs" / "result.json").read_text())["stats"]["evals"].values()

@@ -31,6 +31,7 @@ from harbor_async.task_support import (
 )
 from harbor_async.tasks import load_task
 from tests.cli_helpers import REPO, harbor_async, records
+from tests.scripted_server import ScriptedServer
 
 # `range` (every version the ranges allow): the parity runs against Harbor's CLI on local; docker's in the main suite.
 
@@ -187,10 +188,7 @@ def test_features_local_cannot_honour_are_refused_up_front_one_line_each(tmp_pat
     plain_task(suite, "gpu", "[environment]\ngpus = 1\n")
     plain_task(suite, "fine")
 
-    done = harbor_async("run", "-p", str(suite), "-a", "oracle", "-o", str(tmp_path / "jobs"), "--ek", f"sandbox_root={tmp_path / 'sb'}")
-    assert done.returncode == 2, done.stderr[-3000:]
-    text = done.stderr
-    for line in (
+    expected = (
         "task own-verifier-image: [verifier] environment: a verifier image of its own needs a backend that builds images",
         "task agent-user: [agent] user = 'agent': local sandboxes run every command as their root",
         "task needs-internet: network_mode = 'public': local sandboxes have no network",
@@ -198,11 +196,33 @@ def test_features_local_cannot_honour_are_refused_up_front_one_line_each(tmp_pat
         "task allowlist: network_mode: network_mode='allowlist' is not supported by local environment",
         "task copy-from: environment/Dockerfile line 3: COPY --from=b /etc/hostname /x",
         "task gpu: [environment] gpus",
-    ):
-        assert line in text, text
-    assert "task fine" not in text
-    assert not (tmp_path / "jobs").exists() or not any((tmp_path / "jobs").iterdir())  # no job folder, no sandbox
-    assert not (tmp_path / "sb").exists() or not any((tmp_path / "sb").iterdir())
+    )
+    # Each refused task alone, listed first; the rest runs (as Harbor runs the rest); the exit status says so.
+    jobs = tmp_path / "jobs"
+    done = harbor_async("run", "-p", str(suite), "-a", "oracle", "-o", str(jobs), "--job-name", "run", "--ek", f"sandbox_root={tmp_path / 'sb'}")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.index("refused: 7 task(s)") < done.stderr.index("job folder")
+    for line in expected:
+        assert line in done.stderr, done.stderr
+    assert "task fine" not in done.stderr and "7 task(s) were not run" in done.stderr
+    assert [(r["task"], r["reward"]) for r in records(jobs / "run")] == [("fine", 1.0)]
+    refused = json.loads((jobs / "run" / "summary.json").read_text())["refused"]
+    assert len({r["task"] for r in refused}) == 7 and {"task", "feature", "reason"} <= set(refused[0])
+    # eval: the same tasks left out, the same summary (one path)
+    with ScriptedServer(suite) as server:
+        evaluated = harbor_async(
+            "eval", "-p", str(suite), "-m", "solver", "--base-url", server.base_url, "-o", str(jobs), "--job-name", "eval",
+            "--ek", f"sandbox_root={tmp_path / 'sb'}",
+        )  # fmt: skip
+    assert evaluated.returncode == 1, evaluated.stderr[-3000:]
+    assert {r["task"] for r in json.loads((jobs / "eval" / "summary.json").read_text())["refused"]} == {r["task"] for r in refused}
+    assert [r["task"] for r in records(jobs / "eval")] == ["fine"]
+    # every task refused: nothing to run, bad input, no job folder and no sandbox
+    shutil.rmtree(suite / "fine")
+    none_left = harbor_async("run", "-p", str(suite), "-a", "oracle", "-o", str(tmp_path / "none"), "--ek", f"sandbox_root={tmp_path / 'sb2'}")
+    assert none_left.returncode == 2, none_left.stderr[-3000:]
+    assert all(line in none_left.stderr for line in expected)
+    assert not (tmp_path / "none").exists() and not (tmp_path / "sb2").exists()
 
 
 def test_a_task_that_asks_for_the_network_runs_offline_on_local_when_allowed(tmp_path: Path) -> None:

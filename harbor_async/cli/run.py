@@ -41,7 +41,7 @@ from harbor_async.disk_bounds import JobDiskLimitError
 from harbor_async.interrupts import Interrupts
 from harbor_async.errors import BackendError, ResumeConflictError, SettingError, UnknownSettingError
 from harbor_async.printing import escape_controls
-from harbor_async.task_support import RUN, MissingVariablesError, UnsupportedTaskError, check_tasks
+from harbor_async.task_support import RUN, MissingVariablesError, UnsupportedTaskError, check_tasks, refused_summary
 from harbor_async.cli.selection import (
     describe_episodes,
     load_tasks,
@@ -213,10 +213,18 @@ def run(
             timeouts.for_task(episode.task)
         except SettingError as exc:
             raise fail(f"task {episode.task.name}: {exc}") from None
-    try:  # every ${VAR} allowed, every feature of every task honoured (else a table, exit 2)
-        check_tasks([e.task for e in episodes], spec, driver=_driver(settings), env_allow=settings.env_allow, backend_kwargs=settings.environment_kwargs)
+    try:  # every ${VAR} allowed; a task with a feature the backend cannot honour is refused alone (all of them: exit 2)
+        refused = check_tasks(
+            [e.task for e in episodes], spec, driver=_driver(settings), env_allow=settings.env_allow,
+            backend_kwargs=settings.environment_kwargs, alone=resume is None,
+        )  # fmt: skip
     except (MissingVariablesError, UnsupportedTaskError) as exc:
         raise fail(exc) from None
+    if refused:  # listed first, left out of the plan, kept in the summary; the exit status says so
+        names = {r.task for r in refused}
+        episodes = [e for e in episodes if e.task.name not in names]
+        lines = "\n".join("  " + r.line() for r in refused)
+        say("refused:", f"{len(names)} task(s) cannot be run as written on -e {settings.environment_type}; the rest runs:\n{lines}", "bold red")
     if episodes:  # a missing client package is one line, before any sandbox or job folder
         try:
             spec.check_installed(episodes[0].task, settings.environment_kwargs)
@@ -292,6 +300,12 @@ def run(
     summary = _summary(records, len(episodes), settings, interrupted=interrupts.name or None)
     if failures.error is not None:
         summary["stopped_by"] = str(failures.error)
+    if resume is not None and not refused:  # what the first run refused stays on record
+        refused_before = _previous_refusals(job)
+    else:
+        refused_before = refused_summary(refused)
+    if refused_before:
+        summary["refused"] = refused_before
     job.write_summary(summary)
     _print_summary(summary, records)
     if export is not None:
@@ -310,9 +324,11 @@ def run(
         say(f"interrupted by {interrupts.name}:", f"{left} episodes to run; resume with `harbor-async run --resume {job.path}`")
         raise typer.Exit(interrupts.exit_code)
     broken = [r for r in records if not r.judged]
-    if broken:
-        for r in broken:
-            say(f"{r.error_class} failure", f"{r.task} (attempt {r.attempt}): {r.error}", "bold red")
+    for r in broken:
+        say(f"{r.error_class} failure", f"{r.task} (attempt {r.attempt}): {r.error}", "bold red")
+    if refused:
+        say("refused:", f"{len({r.task for r in refused})} task(s) were not run (listed at the start and in summary.json)", "bold red")
+    if broken or refused:
         raise typer.Exit(1)
 
 
@@ -406,6 +422,17 @@ async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, engine_kw
             task_path=lambda task: suite_task_path(task, root), stop=interrupts.arm,
         )  # fmt: skip
     interrupts.disarm()
+
+
+def _previous_refusals(job: Any) -> list[dict[str, str]]:
+    """The tasks the job's first run refused (its ``summary.json``), kept by a resume's summary."""
+    from harbor_async.jobs import JobFolderError
+
+    try:
+        found = job.read_json("summary.json")
+    except JobFolderError:
+        return []
+    return list(found.get("refused") or []) if isinstance(found, dict) else []
 
 
 def _with_config(ctx: typer.Context, sources: list[str]) -> dict[str, Any]:
