@@ -312,6 +312,7 @@ class HarborJob:
             environment=EnvironmentConfig(**self._environment()),
             agents=[self._agent_config(model) for model in models],
             datasets=datasets,
+            retry=self._retry_config(),
         )
 
     # ── one trial ───────────────────────────────────────────────────────
@@ -382,6 +383,18 @@ class HarborJob:
         if ":" in agent:
             return AgentConfig(import_path=agent, model_name=model)
         return AgentConfig(name=agent, model_name=model)
+
+    def _retry_config(self) -> Any:
+        """Harbor's ``RetryConfig`` of ``-r``, ``--retry-include``, ``--retry-exclude`` (Harbor's defaults otherwise)."""
+        from harbor.models.job.config import RetryConfig
+
+        s = self.settings
+        given: dict[str, Any] = {"max_retries": getattr(s, "max_retries", 0)}
+        if getattr(s, "retry_include", None):
+            given["include_exceptions"] = set(s.retry_include)
+        if getattr(s, "retry_exclude", None) is not None:
+            given["exclude_exceptions"] = set(s.retry_exclude)
+        return RetryConfig(**given)
 
     def _model_info(self, model: str | None) -> Any:
         """Harbor's ``ModelInfo``: a Harbor agent's ``provider/name`` split as Harbor splits it; an eval's model whole."""

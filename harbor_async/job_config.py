@@ -25,8 +25,9 @@ from harbor_async.errors import HarborAsyncError
 _TOP = {
     "job_name", "jobs_dir", "n_attempts", "timeout_multiplier", "agent_timeout_multiplier",
     "verifier_timeout_multiplier", "agent_setup_timeout_multiplier", "environment_build_timeout_multiplier",
-    "n_concurrent_trials", "debug", "quiet", "environment", "agents", "datasets", "tasks",
+    "n_concurrent_trials", "debug", "quiet", "environment", "agents", "datasets", "tasks", "retry",
 }  # fmt: skip
+_RETRY = {"max_retries", "include_exceptions", "exclude_exceptions"}
 _ENVIRONMENT = {"type", "import_path", "kwargs"}
 _AGENT = {"name", "import_path", "model_name", "base_url", "model_api_key_name", "kwargs"}
 _DATASET = {"path", "name", "version", "registry_url", "registry_path", "task_names", "exclude_task_names", "n_tasks"}
@@ -102,6 +103,7 @@ def run_options(config: Any) -> dict[str, Any]:
     set_fields = config.model_dump(mode="json", exclude_defaults=True)
     _refuse_unknown(set_fields, _TOP, "")
     _refuse_unknown(set_fields.get("environment") or {}, _ENVIRONMENT, "environment.")
+    _refuse_unknown(set_fields.get("retry") or {}, _RETRY, "retry.")
     agents = config.agents or []
     if len(agents) != 1:
         raise JobConfigError("harbor-async run takes one agent (a sweep of models: harbor-async eval)", "agents")
@@ -118,6 +120,13 @@ def run_options(config: Any) -> dict[str, Any]:
         "agent_setup_timeout_multiplier": config.agent_setup_timeout_multiplier,
         "environment_build_timeout_multiplier": config.environment_build_timeout_multiplier,
     }  # fmt: skip
+    retry = config.retry
+    if retry.max_retries:
+        options["max_retries"] = retry.max_retries
+    if retry.include_exceptions:
+        options["retry_include"] = sorted(retry.include_exceptions)
+    if "exclude_exceptions" in (set_fields.get("retry") or {}):
+        options["retry_exclude"] = sorted(retry.exclude_exceptions or ())
     if config.debug:
         options["debug"] = True
     if config.quiet:

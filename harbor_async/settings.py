@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import (
     Field,
@@ -25,6 +25,7 @@ from pydantic import (
 
 from harbor_async.disk_bounds import DEFAULT_EPISODE_DISK_MB, DEFAULT_JOB_DISK_MB, DiskLimits
 from harbor_async.errors import ResumeConflictError, UnknownSettingError
+from harbor_async.retries import EpisodeRetries
 from harbor_async.scoring import DEFAULT_SUCCESS_THRESHOLD
 from harbor_async.serve import DEFAULT_ERROR_TIMEOUT, DEFAULT_READY_TIMEOUT
 from harbor_async.setting_fields import (
@@ -120,6 +121,10 @@ class JobSettings(EngineSettings):
     exclude: list[str] | None = Field(None, strict=False)
     agent_setup_timeout_multiplier: float | None = knob("timeouts", "agent_setup_timeout_multiplier")
     ray: bool = False
+    # harbor run's trial retries (-r): failed episodes a resume would rerun, rerun at once (harbor_async.retries)
+    max_retries: NonNegativeInt = 0
+    retry_include: list[str] | None = Field(None, strict=False)
+    retry_exclude: list[str] | None = Field(None, strict=False)
     # what the job folder gets of each episode (the shim keeps no trial folders: nothing to bound)
     episode_disk_limit_mb: PositiveInt | None = DEFAULT_EPISODE_DISK_MB
     job_disk_limit_mb: PositiveInt | None = may_change_on_resume(DEFAULT_JOB_DISK_MB)  # the results do not depend on it
@@ -236,6 +241,16 @@ class JobSettings(EngineSettings):
         if moved.get("serve_cmd") and "base_url" not in moved:
             moved["base_url"] = None
         return self.model_copy(update=moved)
+
+    def retries(self) -> EpisodeRetries:
+        """The run's trial retries (``-r``, ``--retry-include``, ``--retry-exclude``)."""
+        return EpisodeRetries.of(self.max_retries, self.retry_include, self.retry_exclude)
+
+    @model_validator(mode="after")
+    def retries_name_no_judged_outcome(self) -> Self:
+        """A judged outcome named in ``retry_include`` is refused (it is never rerun)."""
+        self.retries()
+        return self
 
     def budget_factory(self) -> Any:
         """The ``Engine(budget=...)`` factory: ``None`` (this process's limits) or the cluster's Ray budget."""

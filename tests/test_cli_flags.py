@@ -285,3 +285,22 @@ def test_dry_run_checks_and_prints_the_plan_and_starts_nothing(tmp_path):
     # what a run refuses before any sandbox, a dry run refuses too
     refused = harbor_async("run", "-p", str(suite), "-e", "simulated", "--timeout-multiplier", "0", "--dry-run", "-o", str(tmp_path / "jobs"))
     assert refused.returncode == 2 and not (tmp_path / "jobs").exists(), refused.stderr
+
+
+def test_max_retries_reruns_what_was_not_judged_and_never_a_judged_outcome(tmp_path):
+    """`-r`: the first starts of each task fail (transient, the engine's own start retry off): rerun at once they are
+    judged; `--retry-include` of another outcome reruns nothing; a judged outcome named is refused in one line."""
+    suite = make_suite(tmp_path / "suite", ["t1", "t2"])
+    flaky = ["-p", str(suite), "-e", "simulated", "--ek", "fail_first_starts=1", "--start-attempts", "1", "-a", "none"]
+    plain, found, _ = run_job(tmp_path, *flaky, name="plain", code=1)
+    assert {r["error_class"] for r in found} == {"infrastructure"}  # without -r: not judged, left to a resume
+    retried, found, summary = run_job(tmp_path, *flaky, "-r", "2", name="retried")
+    for task in ("t1", "t2"):  # each failed start is kept in the records, followed by its judged rerun
+        assert [r["error_class"] for r in found if r["task"] == task] == ["infrastructure", None], found
+    assert "retrying: 2 episodes not judged (retry 1 of 2)" in retried.stderr and "retry 2" not in retried.stderr
+    assert summary["not_judged"] == 0
+    other, found, _ = run_job(tmp_path, *flaky, "-r", "2", "--retry-include", "EnvironmentStartTimeoutError", name="other", code=1)
+    assert "retrying" not in other.stderr and {r["error_class"] for r in found} == {"infrastructure"}
+    refused = harbor_async("run", *flaky, "-r", "1", "--retry-include", "RewardFileNotFoundError", "-o", str(tmp_path / "x"))
+    assert refused.returncode == 2 and "--retry-include" in refused.stderr and "never rerun" in refused.stderr, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()

@@ -82,7 +82,8 @@ def test_a_harbor_config_runs_the_same_tasks_attempts_agent_and_backend_as_harbo
     ("content", "field"),
     [
         ({"environment": {"mounts": [{"type": "bind", "source": "/", "target": "/host"}]}}, "environment.mounts"),
-        ({"retry": {"max_retries": 3}}, "retry"),
+        ({"retry": {"max_retries": 3, "max_wait_sec": 5}}, "retry.max_wait_sec"),
+        ({"retry": {"max_retries": 3, "include_exceptions": ["VerifierTimeoutError"]}}, "--retry-include"),
         ({"agents": [{"name": "oracle"}, {"name": "nop"}]}, "agents"),
         ({"verifier": {"disable": True}}, "verifier"),
         ({"n_attempts": 0}, "n_attempts"),  # Harbor's own model refuses it, in its words
@@ -96,7 +97,7 @@ def test_what_cannot_be_honoured_is_refused_in_one_line_naming_the_field(tmp_pat
     done = harbor_async("run", "-c", str(path), "-o", str(tmp_path / "jobs"))
     assert done.returncode == 2, done.stderr
     (line,) = done.stderr.strip().splitlines()
-    assert line.startswith("error: -c/--config: ") and field in line, line
+    assert line.startswith("error: ") and field in line, line
     assert not (tmp_path / "jobs").exists()
 
 

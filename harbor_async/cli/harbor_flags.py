@@ -21,9 +21,6 @@ _EXPORT = "trace export runs on Harbor's job folder afterwards: `harbor traces e
 REFUSED: dict[tuple[str, ...], str] = {
     ("--diff",): "comparing against an earlier job is Harbor's `harbor run --diff`; `harbor-async run --resume JOB_DIR` reruns what failed",
     ("--n-concurrent-agents",): "one concurrency limit, -n, bounds the episodes (and so the agents) of a run",
-    ("-r", "--max-retries"): "a sandbox start is retried by the engine (tenacity, transient errors only); a trial is never rerun blindly: `--resume` reruns episodes that failed for an infrastructure reason",
-    ("--retry-include",): "retries follow harbor-async's error-policy table (`harbor_async/policy.py`); see -r",
-    ("--retry-exclude",): "retries follow harbor-async's error-policy table (`harbor_async/policy.py`); see -r",
     ("--agent-import-path",): "deprecated by Harbor: pass the import path to -a",
     ("--api-format",): "Harbor agents get the model server through --ak (e.g. api_base); the API format is the agent's own",
     ("--skip-model-parsing-and-provider-mapping", "--sm"): "the model name is passed to the agent as given",

@@ -47,6 +47,11 @@ class EpisodeProgress:
         """Start the bar over the ``pending`` episodes this invocation runs."""
         self.task = self.bar.add_task("episodes", total=pending, mean="-", failures="", status="")
 
+    def more(self, episodes: int) -> None:
+        """Add ``episodes`` to the bar's total (a retry round)."""
+        if self.task is not None:
+            self.bar.update(self.task, total=(self.bar.tasks[0].total or 0) + episodes)
+
     def status(self, text: str) -> None:
         """A passing word on the line (what the model server answers while it is awaited)."""
         if self.task is not None:

@@ -93,6 +93,7 @@ _SETTING_OF = {
     "env": "environment_type", "backend": "environment_type", "agent": "agent", "n_concurrent": "n_concurrent",
     "concurrency": "n_concurrent", "n_attempts": "n_attempts", "env_allow": "env_allow", "strict_verify": "strict_verify",
     "episode_disk_limit_mb": "episode_disk_limit_mb", "job_disk_limit_mb": "job_disk_limit_mb",
+    "max_retries": "max_retries", "retry_include": "retry_include", "retry_exclude": "retry_exclude",
     "timeout_multiplier": "timeout_multiplier", "agent_timeout_multiplier": "agent_timeout_multiplier",
     "verifier_timeout_multiplier": "verifier_timeout_multiplier",
     "environment_build_timeout_multiplier": "environment_build_timeout_multiplier",
@@ -131,6 +132,9 @@ def run(
     strict_verify: StrictVerifyOpt = True,
     episode_disk_limit_mb: EpisodeDiskLimitOpt = None,
     job_disk_limit_mb: JobDiskLimitOpt = None,
+    max_retries: Annotated[int | None, typer.Option("--max-retries", "-r", min=0, help="Rerun an episode that was not judged (infrastructure, the model server) up to this many times in this run; a judged one never is.", show_default="0")] = None,
+    retry_include: Annotated[list[str] | None, typer.Option("--retry-include", help="Rerun only these outcomes (Harbor's exception names, ours, or a class: infrastructure; repeatable).")] = None,
+    retry_exclude: Annotated[list[str] | None, typer.Option("--retry-exclude", help="Never rerun these outcomes (repeatable; default Harbor's list).")] = None,
     ek: Annotated[list[str] | None, typer.Option("--ek", "--environment-kwarg", help="Backend keyword argument key=value (repeatable); values are read as JSON when they parse.")] = None,
     timeout_multiplier: Annotated[float | None, typer.Option("--timeout-multiplier", help="Multiplies the start, exec, agent and verifier budgets.", show_default=setting_opts.setting_default("timeout_multiplier"))] = None,
     agent_timeout_multiplier: Annotated[float | None, typer.Option("--agent-timeout-multiplier", help="Multiplies the agent budget (overrides --timeout-multiplier).")] = None,
@@ -188,7 +192,8 @@ def run(
             ctx, suite=suite_source(suite, path, dataset, registry_url, registry_path), dataset=dataset,
             environment_type=env or backend, agent=agent, models=[model] if model else [], n_attempts=n_attempts,
             n_concurrent=n_concurrent or concurrency, environment_kwargs=parse_kwargs(ek), env_allow=env_allow or [],
-            strict_verify=strict_verify, episode_disk_limit_mb=episode_disk_limit_mb,
+            strict_verify=strict_verify, episode_disk_limit_mb=episode_disk_limit_mb, max_retries=max_retries,
+            retry_include=retry_include, retry_exclude=retry_exclude,
             job_disk_limit_mb=job_disk_limit_mb, timeout_multiplier=timeout_multiplier,
             agent_timeout_multiplier=agent_timeout_multiplier, verifier_timeout_multiplier=verifier_timeout_multiplier,
             environment_build_timeout_multiplier=environment_build_timeout_multiplier,
@@ -288,10 +293,19 @@ def run(
 
         try:
             engine_kwargs = settings.engine_kwargs(budget_factory, job.path)  # the one Engine of run, eval and the cluster
-            if todo and on_ray:
-                _on_cluster(todo, settings, concurrency, engine_kwargs, job, sink, interrupts, root, failures)
-            elif todo:
-                anyio.run(_batch, todo, spec, actor, concurrency, engine_kwargs, sink, interrupts, root, _model(settings), failures)
+            retries, by_key = settings.retries(), dict(zip(keys, episodes, strict=True))
+            for round_number in range(retries.max_retries + 1):  # -r: what was not judged, rerun at once
+                if round_number:
+                    latest = job.latest(root)
+                    todo = [by_key[key] for key in keys if key in latest and retries.wants(latest[key])]
+                    if not todo or interrupts.exit_code is not None or failures.error is not None:
+                        break
+                    progress.more(len(todo))
+                    say("retrying:", f"{len(todo)} episodes not judged (retry {round_number} of {retries.max_retries})")
+                if todo and on_ray:
+                    _on_cluster(todo, settings, concurrency, engine_kwargs, job, sink, interrupts, root, failures)
+                elif todo:
+                    anyio.run(_batch, todo, spec, actor, concurrency, engine_kwargs, sink, interrupts, root, _model(settings), failures)
         finally:
             job.close()
     latest = job.latest(root)
@@ -447,7 +461,8 @@ def _with_config(ctx: typer.Context, sources: list[str]) -> dict[str, Any]:
     except JobConfigError as exc:
         raise fail(f"-c/--config: {exc}") from None
     typed = {name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"}
-    arguments = {**ctx.params, "ctx": ctx, "config": None}
+    # Click's raw values: an unset repeatable option is (), which typer turns into None for the function
+    arguments = {**{name: None if value == () else value for name, value in ctx.params.items()}, "ctx": ctx, "config": None}
     for name, value in from_config.items():
         if name in ("ak", "ek") and name in typed:
             arguments[name] = [*value, *(ctx.params[name] or [])]
