@@ -158,6 +158,8 @@ def eval_command(
     from harbor_async.evaluation import evaluate
 
     setup_logging(log_level, log_format)  # the flag, else $HARBOR_ASYNC_LOG_LEVEL/_FORMAT; a bad one: one line, exit 2
+    if _names_a_harbor_agent(agent):  # its libraries take seconds to load: say so now
+        say("loading:", f"-a {agent} (Harbor's agent and its model libraries take a few seconds)", "dim")
     cluster_opts.budget_from_options(budget, ray_address, max_live, creates_per_second, on_ray)  # checks the combination
     if on_ray:
         cluster_opts.require_ray()
@@ -266,6 +268,13 @@ def eval_command(
         say("refused:", f"{len(refused)} task(s) were not run (listed at the start and in summary.json)", "bold red")
     if any(r.rerun for r in result.records) or result.summary.get("refused"):
         raise typer.Exit(1)
+
+
+def _names_a_harbor_agent(agent: str) -> bool:
+    """Whether ``-a`` names one of Harbor's agents by name (read off Harbor's list, which loads no agent)."""
+    from harbor.models.agent.name import AgentName
+
+    return agent in {name.value for name in AgentName} and agent not in ("oracle", "nop")
 
 
 def _say_refused(refused: list) -> None:

@@ -204,6 +204,8 @@ def run(
             cluster_max_live=max_live, cluster_creates_per_second=creates_per_second,
             max_model_server_failures=max_model_server_failures,
         )  # fmt: skip
+        if settings.agent not in MODEL_FREE_AGENTS and not quiet:  # its libraries take seconds to load: say so now
+            say("loading:", f"-a {settings.agent} (Harbor's agent and its model libraries take a few seconds)", "dim")
         settings.agent_kwargs = _agent_kwargs(settings.agent, model, ak, base_url, api_key_name)
         unsaid = _defaults_line(env or backend, n_concurrent or concurrency, settings)
         loaded = load_tasks(
