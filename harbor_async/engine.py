@@ -76,6 +76,9 @@ class Engine:
             :mod:`harbor_async.verifier_isolation`.
         disk_limits: what one episode and one job folder may copy to the host
             (default: 2048 MiB and 50 GiB; see :mod:`harbor_async.disk_bounds`).
+        force_build: ask the backend to build each task's environment again at
+            its start (Harbor's ``force_build``; the docker fast start builds
+            each image once per process then).
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class Engine:
         strict_verify: bool = True,
         trials_dir: str | Path | None = None,
         disk_limits: DiskLimits | None = None,
+        force_build: bool = False,
     ) -> None:
         self.limits = limits or Limits()
         self.timeouts = timeouts or Timeouts()
@@ -108,6 +112,7 @@ class Engine:
         self.env_allow = frozenset(env_allow)
         self.strict_verify = strict_verify
         self.disk_limits = disk_limits or DiskLimits()
+        self.force_build = force_build
         #: the job folder where each episode keeps a Harbor trial folder: its agent and verifier logs and its
         #: artifacts (``None``: nothing kept; see harbor_async.harbor_jobs and harbor_async.artifacts)
         self.trials_dir = Path(trials_dir) if trials_dir is not None else None
@@ -147,7 +152,7 @@ class Engine:
             budget=self._budget_factory(self.limits) if self._budget_factory else LocalBudget(self.limits),
             stats=self._stats,
             on_done=self._forget,
-            start_options={"docker_overlay": self.docker_overlay},
+            start_options={"docker_overlay": self.docker_overlay, "force_build": self.force_build},
             strict_verify=self.strict_verify,
         )
         if self.reap_stale:

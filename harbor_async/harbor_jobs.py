@@ -445,7 +445,10 @@ class HarborJob:
 
     def _environment(self) -> dict[str, Any]:
         spec = self.environment
-        return {"type": spec.type, "import_path": spec.import_path, "kwargs": dict(self.settings.environment_kwargs)}
+        found = {"type": spec.type, "import_path": spec.import_path, "kwargs": dict(self.settings.environment_kwargs)}
+        if getattr(self.settings, "force_build", False):
+            found["force_build"] = True
+        return found
 
     def _task_dir(self, record: EpisodeRecord) -> Path:
         path = Path(record.task_path or record.task)

@@ -28,7 +28,7 @@ _TOP = {
     "n_concurrent_trials", "debug", "quiet", "environment", "agents", "datasets", "tasks", "retry",
 }  # fmt: skip
 _RETRY = {"max_retries", "include_exceptions", "exclude_exceptions"}
-_ENVIRONMENT = {"type", "import_path", "kwargs"}
+_ENVIRONMENT = {"type", "import_path", "kwargs", "force_build"}
 _AGENT = {"name", "import_path", "model_name", "base_url", "model_api_key_name", "kwargs"}
 _DATASET = {"path", "name", "version", "registry_url", "registry_path", "task_names", "exclude_task_names", "n_tasks"}
 _TASK = {"path"}
@@ -133,6 +133,8 @@ def run_options(config: Any) -> dict[str, Any]:
         options["quiet"] = True
     environment = config.environment
     options["env"] = environment.import_path or (environment.type.value if environment.type is not None else "docker")
+    if environment.force_build:
+        options["force_build"] = True
     if environment.kwargs:
         options["ek"] = [f"{key}={_text(value)}" for key, value in environment.kwargs.items()]
     options.update(_agent_options(agents[0]))

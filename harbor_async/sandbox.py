@@ -486,7 +486,7 @@ class Sandbox:
                     backend_kwargs=self._backend_kwargs,
                     options=self.context.start_options,
                 )
-                await self._env.start(force_build=False)
+                await self._env.start(force_build=bool(self.context.start_options.get("force_build", False)))
                 await self._env.run_healthcheck()
             except BaseException as exc:
                 await self._discard_failed_start()

@@ -121,6 +121,7 @@ class JobSettings(EngineSettings):
     exclude: list[str] | None = Field(None, strict=False)
     agent_setup_timeout_multiplier: float | None = knob("timeouts", "agent_setup_timeout_multiplier")
     ray: bool = False
+    force_build: bool = may_change_on_resume(False)  # build each task's image again at its first start (docker)
     # harbor run's trial retries (-r): failed episodes a resume would rerun, rerun at once (harbor_async.retries)
     max_retries: NonNegativeInt = 0
     retry_include: list[str] | None = Field(None, strict=False)
@@ -274,6 +275,7 @@ class JobSettings(EngineSettings):
             **self.engine_knobs(),
             "trials_dir": None if job_dir is None else str(job_dir),
             "disk_limits": DiskLimits(self.episode_disk_limit_mb, self.job_disk_limit_mb),
+            "force_build": self.force_build,
             "backend_kwargs": dict(self.environment_kwargs),
             "budget": budget if budget is not None else self.budget_factory(),
             "reap_stale": True,  # what killed runs left on this machine goes first (dead owners only)

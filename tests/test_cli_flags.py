@@ -304,3 +304,26 @@ def test_max_retries_reruns_what_was_not_judged_and_never_a_judged_outcome(tmp_p
     refused = harbor_async("run", *flaky, "-r", "1", "--retry-include", "RewardFileNotFoundError", "-o", str(tmp_path / "x"))
     assert refused.returncode == 2 and "--retry-include" in refused.stderr and "never rerun" in refused.stderr, refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
+def test_harbors_import_path_spellings_name_the_agent_and_the_environment(tmp_path):
+    shown = harbor_async(
+        "run", "-p", str(make_suite(tmp_path / "suite", ["t1"])), "--print-config",
+        "--environment-import-path", "harbor_async.backends.simulated:SimulatedEnvironment",
+        "--agent-import-path", "harbor.agents.nop:NopAgent",
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    config = json.loads(shown.stdout)
+    assert config["environment"]["import_path"] == "harbor_async.backends.simulated:SimulatedEnvironment"
+    assert config["agents"][0]["import_path"] == "harbor.agents.nop:NopAgent"
+    both = harbor_async("run", "-a", "oracle", "--agent-import-path", "harbor.agents.nop:NopAgent", "--print-config")
+    assert both.returncode == 2 and "not both" in both.stderr
+
+
+def test_force_build_reaches_the_engine_and_harbors_config():
+    from harbor_async.settings import JobSettings
+
+    settings = JobSettings(force_build=True)
+    assert settings.engine_kwargs()["force_build"] is True and JobSettings().engine_kwargs()["force_build"] is False
+    shown = harbor_async("run", "-e", "simulated", "--force-build", "--print-config")
+    assert json.loads(shown.stdout)["environment"]["force_build"] is True

@@ -116,7 +116,8 @@ async def test_plain_docker_is_the_fast_start_and_harbors_start_is_one_option_aw
 
 @pytest.mark.anyio
 async def test_an_image_already_on_the_daemon_is_not_built_again(example_tasks, tmp_path):
-    """The tag hashes the environment folder: a new folder is built (once); a new process finds it and skips the build."""
+    """The tag hashes the environment folder: a new folder is built (once); a new process finds it and skips the build;
+    with force_build (run's --force-build) it is built again."""
     import shutil
     import uuid
 
@@ -131,9 +132,9 @@ async def test_an_image_already_on_the_daemon_is_not_built_again(example_tasks, 
     builds: list[list[tuple[str, bool]]] = []
     image = None
     try:
-        for _ in range(2):
+        for force_build in (False, False, True):  # the third: --force-build builds what is there
             FastStartDockerEnvironment.forget_images()  # as a new process would
-            async with Engine() as engine, engine.episode(fresh, "docker") as sandbox:
+            async with Engine(force_build=force_build) as engine, engine.episode(fresh, "docker") as sandbox:
                 environment = sandbox.environment
                 image = environment._main_image_name
                 assert (await sandbox.exec("echo ok")).output.strip() == "ok"
@@ -144,6 +145,7 @@ async def test_an_image_already_on_the_daemon_is_not_built_again(example_tasks, 
             await anyio.run_process(["docker", "rmi", "-f", image], check=False)
     assert builds[0] == [("docker image inspect (built?)", False), ("compose build", False)]
     assert builds[1] == [("docker image inspect (built?)", False), ("compose build", True)]
+    assert builds[2] == [("compose build", False)]  # forced: not even asked whether it is there
     assert docker_leftovers(OUR_PREFIX) == {}
 
 

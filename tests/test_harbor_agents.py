@@ -284,3 +284,35 @@ def test_a_harbor_agent_gets_the_tasks_mcp_servers_and_skills_as_in_harbors_tria
     assert [server.name for server in agent.mcp_servers] == ["files"] and agent.skills_dir == "/skills"
     bare = HarborAgentSpec("terminus-2", "hosted_vllm/x").build(tmp_path / "logs2")
     assert bare.mcp_servers == [] and bare.skills_dir is None
+
+
+def test_a_person_at_a_terminal_is_told_at_once_that_a_harbor_agent_is_loading(tmp_path: Path) -> None:
+    """On a terminal the first line comes before Harbor's agent libraries load (seconds); piped, errors stay one line."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    from tests.cli_helpers import REPO
+
+    leader, follower = pty.openpty()
+    argv = [sys.executable, "-m", "harbor_async", "run", "-e", "simulated", "-l", "1", "-a", "terminus-2", "-m", "hosted_vllm/x",
+            "--base-url", "http://127.0.0.1:9/v1", "-o", str(tmp_path / "jobs")]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=follower, stdin=subprocess.DEVNULL)
+    os.close(follower)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    proc.wait(timeout=120)
+    os.close(leader)
+    import re
+
+    text = " ".join(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", output.decode(errors="replace")).split())  # no styles, no wraps
+    assert proc.returncode == 2
+    assert text.index("loading: -a terminus-2") < text.index("unreachable"), text

@@ -74,7 +74,7 @@ def test_a_resume_takes_where_the_server_is_and_how_many_at_once_anew(name: str)
 
 
 def test_only_the_server_s_place_the_concurrency_and_the_job_bound_may_change_on_a_resume() -> None:
-    assert RESUME_MAY_CHANGE == {"base_url", "serve_cmd", "api_key_name", "n_concurrent", "job_disk_limit_mb"}
+    assert RESUME_MAY_CHANGE == {"base_url", "serve_cmd", "api_key_name", "n_concurrent", "job_disk_limit_mb", "force_build"}
 
 
 @pytest.mark.parametrize(

@@ -158,7 +158,7 @@ def eval_command(
     from harbor_async.evaluation import evaluate
 
     setup_logging(log_level, log_format)  # the flag, else $HARBOR_ASYNC_LOG_LEVEL/_FORMAT; a bad one: one line, exit 2
-    if _names_a_harbor_agent(agent):  # its libraries take seconds to load: say so now
+    if err.is_terminal and _names_a_harbor_agent(agent):  # its libraries take seconds to load: say so now (a person)
         say("loading:", f"-a {agent} (Harbor's agent and its model libraries take a few seconds)", "dim")
     cluster_opts.budget_from_options(budget, ray_address, max_live, creates_per_second, on_ray)  # checks the combination
     if on_ray:

@@ -21,7 +21,6 @@ _EXPORT = "trace export runs on Harbor's job folder afterwards: `harbor traces e
 REFUSED: dict[tuple[str, ...], str] = {
     ("--diff",): "comparing against an earlier job is Harbor's `harbor run --diff`; `harbor-async run --resume JOB_DIR` reruns what failed",
     ("--n-concurrent-agents",): "one concurrency limit, -n, bounds the episodes (and so the agents) of a run",
-    ("--agent-import-path",): "deprecated by Harbor: pass the import path to -a",
     ("--api-format",): "Harbor agents get the model server through --ak (e.g. api_base); the API format is the agent's own",
     ("--skip-model-parsing-and-provider-mapping", "--sm"): "the model name is passed to the agent as given",
     ("--effort",): "pass the agent's own reasoning-effort kwarg with --ak",
@@ -43,8 +42,6 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--bridge",): _USER,
     ("--bridge-prompt-path",): _USER,
     ("--bk", "--bridge-kwarg"): _USER,
-    ("--environment-import-path",): "deprecated by Harbor: pass the import path to -e",
-    ("--force-build", "--no-force-build"): "the backend builds a task's environment when it starts (Docker's build cache applies); remove the image to rebuild",
     ("--delete", "--no-delete"): "every sandbox is stopped and removed (kept ones would leak); the job folder keeps the logs and artifacts",
     ("--stream", "--no-stream"): "live trajectory sync and VS Code over SSH are Harbor Hub features",
     ("--cpus",): "task.toml's cpus are enforced as limits (docker: Compose limits; local: cgroups)",

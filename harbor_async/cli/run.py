@@ -94,6 +94,7 @@ _SETTING_OF = {
     "concurrency": "n_concurrent", "n_attempts": "n_attempts", "env_allow": "env_allow", "strict_verify": "strict_verify",
     "episode_disk_limit_mb": "episode_disk_limit_mb", "job_disk_limit_mb": "job_disk_limit_mb",
     "max_retries": "max_retries", "retry_include": "retry_include", "retry_exclude": "retry_exclude",
+    "force_build": "force_build",
     "timeout_multiplier": "timeout_multiplier", "agent_timeout_multiplier": "agent_timeout_multiplier",
     "verifier_timeout_multiplier": "verifier_timeout_multiplier",
     "environment_build_timeout_multiplier": "environment_build_timeout_multiplier",
@@ -115,6 +116,9 @@ def run(
     registry_path: RegistryPathOpt = None,
     env: Annotated[str | None, typer.Option("--env", "-e", help="Harbor type (docker, e2b, ...), 'local', 'simulated' or module:Class.", show_default="local")] = None,
     backend: Annotated[str | None, typer.Option("--backend", "-b", hidden=True)] = None,
+    environment_import_path: Annotated[str | None, typer.Option("--environment-import-path", help="An environment class, module:Class (as -e module:Class; Harbor's older spelling).")] = None,
+    agent_import_path: Annotated[str | None, typer.Option("--agent-import-path", help="An agent class, module:Class (as -a module:Class; Harbor's older spelling).")] = None,
+    force_build: Annotated[bool, typer.Option("--force-build/--no-force-build", help="Build each task's environment again at its first start in this run, even where its image is there (docker).")] = False,
     agent: Annotated[str | None, typer.Option("--agent", "-a", help="A Harbor agent (oracle, none/nop: no agent, terminus-2, claude-code, ...) or module:Class.", show_default=setting_opts.setting_default("agent"))] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help="The agent's model, as Harbor names it (LiteLLM's provider/model, e.g. hosted_vllm/NAME).")] = None,
     ak: AgentKwargOpt = None,
@@ -174,6 +178,10 @@ def run(
     """
     from harbor_async.jobs import JobFolder, JobFolderError
 
+    if agent_import_path or environment_import_path:  # Harbor's older spellings of -a/-e module:Class
+        if (agent and agent_import_path) or ((env or backend) and environment_import_path):
+            raise fail("give -a or --agent-import-path (-e or --environment-import-path), not both")
+        agent, env = agent or agent_import_path, env or environment_import_path
     if config:  # Harbor's job config: its values where the command line gave none, then the run as if typed
         if resume is not None:
             raise fail("--resume runs the job's stored settings; drop -c/--config")
@@ -192,7 +200,7 @@ def run(
             ctx, suite=suite_source(suite, path, dataset, registry_url, registry_path), dataset=dataset,
             environment_type=env or backend, agent=agent, models=[model] if model else [], n_attempts=n_attempts,
             n_concurrent=n_concurrent or concurrency, environment_kwargs=parse_kwargs(ek), env_allow=env_allow or [],
-            strict_verify=strict_verify, episode_disk_limit_mb=episode_disk_limit_mb, max_retries=max_retries,
+            strict_verify=strict_verify, force_build=force_build, episode_disk_limit_mb=episode_disk_limit_mb, max_retries=max_retries,
             retry_include=retry_include, retry_exclude=retry_exclude,
             job_disk_limit_mb=job_disk_limit_mb, timeout_multiplier=timeout_multiplier,
             agent_timeout_multiplier=agent_timeout_multiplier, verifier_timeout_multiplier=verifier_timeout_multiplier,
@@ -204,7 +212,7 @@ def run(
             cluster_max_live=max_live, cluster_creates_per_second=creates_per_second,
             max_model_server_failures=max_model_server_failures,
         )  # fmt: skip
-        if settings.agent not in MODEL_FREE_AGENTS and not quiet:  # its libraries take seconds to load: say so now
+        if settings.agent not in MODEL_FREE_AGENTS and not quiet and err.is_terminal:  # seconds to load: say so now
             say("loading:", f"-a {settings.agent} (Harbor's agent and its model libraries take a few seconds)", "dim")
         settings.agent_kwargs = _agent_kwargs(settings.agent, model, ak, base_url, api_key_name)
         unsaid = _defaults_line(env or backend, n_concurrent or concurrency, settings)
