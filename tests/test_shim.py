@@ -131,7 +131,14 @@ def test_bash_tool_schema_is_trls():
     theirs = get_json_schema(TRLBashEnv.bash)
     assert ours == theirs
     assert ours["function"]["name"] == "bash"
-    assert shim.HarborBashEnv.PROMPT_SUFFIX == TRLBashEnv.PROMPT_SUFFIX
+    # TRL's prompt less its two claims the sandbox does not back (files in /home/user/input, pandas & co)
+    from harbor_async.harnesses.bash import TRL_PROMPT_SUFFIX
+
+    assert TRL_PROMPT_SUFFIX == TRLBashEnv.PROMPT_SUFFIX  # kept word for word, for a subclass that must match it
+    ours_prompt = shim.HarborBashEnv.PROMPT_SUFFIX
+    assert "pandas" not in ours_prompt and "/home/user/input" not in ours_prompt
+    submit = TRLBashEnv.PROMPT_SUFFIX[TRLBashEnv.PROMPT_SUFFIX.index("**Submit"):]
+    assert ours_prompt.endswith(submit) and ours_prompt.startswith(TRLBashEnv.PROMPT_SUFFIX.split(" The dataset")[0])
     assert shim.HarborEnv.PROMPT_SUFFIX == ""
 
 
@@ -635,7 +642,9 @@ def test_same_rollouts_give_trls_prompts_outputs_and_rewards():
     def play(env) -> list[object]:
         record: list[object] = []
         for name, commands in ROLLOUTS.items():
-            record.append(env.reset(task_dir=str(TASKS / name), prompt=[], task_index=0))
+            prompt = env.reset(task_dir=str(TASKS / name), prompt=[], task_index=0)
+            assert prompt.endswith(type(env).PROMPT_SUFFIX)  # each its own suffix: ours claims no packages (test above)
+            record.append(prompt.removesuffix(type(env).PROMPT_SUFFIX))
             record.extend(env.bash(command) for command in SCRIPT + commands)
             record.append(env.reward)
         return record
