@@ -12,6 +12,7 @@ from benchmarks.overhead import run_overhead
 from benchmarks.report import (
     grpo_table,
     harbor_table,
+    harbor_task_table,
     overhead_table,
     plot_grpo,
     print_tables,
@@ -121,7 +122,7 @@ def harbor(suite: Path, env: str, agent: str, n: int, n_tasks: int | None, repea
             f"({side.episodes_per_second:.2f}/s)", markup=False,
         ),
     )  # fmt: skip
-    print_tables(harbor_table(result))
+    print_tables(harbor_table(result), harbor_task_table(result))
     name = env.replace(":", "_").replace(".", "_")
     path = write_json(out / f"harbor-vs-harbor-async-{name}.json", "harbor", result)
     err.print(f"wrote {path}", markup=False)

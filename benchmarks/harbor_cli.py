@@ -14,6 +14,7 @@ stops the environment before it stamps ``finished_at``).
 from __future__ import annotations
 
 import json
+from collections import Counter
 import os
 import shlex
 import statistics
@@ -47,6 +48,9 @@ class SideRun:
     phases: dict[str, list[float]] = field(default_factory=dict)
     # First trial start to last trial end: the wall time less the CLI's start-up and exit.
     trials_span_s: float | None = None
+    # Per task (its folder's name): each trial's (reward, Harbor's exception name or None, seconds).
+    tasks: dict[str, list[tuple[float | None, str | None, float | None]]] = field(default_factory=dict)
+    exit_code: int = 0
 
     @property
     def episodes(self) -> int:
@@ -106,20 +110,26 @@ def _time(text: str) -> datetime:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
-def read_trials(jobs: Path) -> tuple[list[float | None], int, dict[str, list[float]], float | None]:
-    """Rewards, error count, per-phase seconds, and the span from the first trial's start to the last one's end.
+def read_trials(jobs: Path) -> tuple[list[float | None], int, dict[str, list[float]], float | None, dict[str, list]]:
+    """Rewards, error count, per-phase seconds, the span from the first trial's start to the last one's end, and
+    per task (its folder's name) each trial's (reward, exception name, seconds).
 
-    Read from every ``<job>/<trial>/result.json`` under ``jobs``.
+    Read from every ``<job>/<trial>/result.json`` under ``jobs``: Harbor's layout, which both CLIs write.
     """
     rewards: list[float | None] = []
     errors = 0
     phases: dict[str, list[float]] = {p: [] for p in PHASES}
     ends: list[datetime] = []
+    tasks: dict[str, list[tuple[float | None, str | None, float | None]]] = {}
     for path in sorted(jobs.glob("*/*/result.json")):
         trial = json.loads(path.read_text())
         ends += [_time(trial[k]) for k in ("started_at", "finished_at") if trial.get(k)]
-        rewards.append(((trial.get("verifier_result") or {}).get("rewards") or {}).get("reward"))
+        reward = ((trial.get("verifier_result") or {}).get("rewards") or {}).get("reward")
+        rewards.append(reward)
         errors += trial.get("exception_info") is not None
+        exception = (trial.get("exception_info") or {}).get("exception_type")
+        task = str(trial.get("task_name") or path.parent.name).split("/")[-1]
+        tasks.setdefault(task, []).append((reward, exception, _seconds(trial)))
         setup = [s for s in (_seconds(trial.get("environment_setup")), _seconds(trial.get("agent_setup"))) if s is not None]
         if setup:
             phases["start"].append(sum(setup))
@@ -130,7 +140,7 @@ def read_trials(jobs: Path) -> tuple[list[float | None], int, dict[str, list[flo
         if last.get("finished_at") and trial.get("finished_at"):
             phases["stop"].append((_time(trial["finished_at"]) - _time(last["finished_at"])).total_seconds())
     span = (max(ends) - min(ends)).total_seconds() if ends else None
-    return rewards, errors, phases, span
+    return rewards, errors, phases, span, tasks
 
 
 def run_side(cli: str, command: list[str], jobs: Path, timeout_s: float) -> SideRun:
@@ -142,12 +152,12 @@ def run_side(cli: str, command: list[str], jobs: Path, timeout_s: float) -> Side
     except subprocess.TimeoutExpired as exc:
         raise HarborBenchError(f"{cli} ran past {timeout_s:g} s: {shlex.join(command)}") from exc
     wall = time.perf_counter() - t0
-    if done.returncode != 0:
+    if done.returncode not in (0, 1):  # 1: some episodes failed (recorded), the per-task table shows them
         raise HarborBenchError(f"{cli} exited {done.returncode}: {shlex.join(command)}\n{(done.stdout + done.stderr)[-3000:]}")
-    rewards, errors, phases, span = read_trials(jobs / cli)
+    rewards, errors, phases, span, tasks = read_trials(jobs / cli)
     if not rewards:
         raise HarborBenchError(f"{cli} wrote no trial result.json under {jobs / cli}")
-    return SideRun(cli, wall, rewards, errors, phases, span)
+    return SideRun(cli, wall, rewards, errors, phases, span, tasks, done.returncode)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -170,6 +180,26 @@ def portable(text: str, scratch: Path | str | None = None) -> str:
         text = text.replace(str(scratch), "$SCRATCH")
     text = text.replace(f"{Path(sys.executable).parent}/", "")  # the venv's bin: harbor-async, harbor
     return text.replace(f"{REPO}/", "").replace(str(REPO), ".")
+
+
+def task_table(rounds: list[dict[str, SideRun]]) -> dict[str, Any]:
+    """Per task, over every round: each CLI's rewards, exception names (Harbor's, as both write them) and median
+    seconds, and whether the rewards agree (the same sorted list)."""
+    names = sorted({task for sides in rounds for side in sides.values() for task in side.tasks})
+    table: dict[str, Any] = {}
+    for task in names:
+        row: dict[str, Any] = {}
+        for cli in CLIS:
+            trials = [trial for sides in rounds for trial in sides[cli].tasks.get(task, [])]
+            seconds = [t[2] for t in trials if t[2] is not None]
+            row[cli] = {
+                "rewards": sorted((t[0] for t in trials), key=lambda r: (r is None, r or 0.0)),
+                "exceptions": dict(sorted(Counter(t[1] for t in trials if t[1]).items())),
+                "seconds_p50": round(statistics.median(seconds), 3) if seconds else None,
+            }
+        row["same_rewards"] = row["harbor"]["rewards"] == row["harbor-async"]["rewards"]
+        table[task] = row
+    return table
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -221,6 +251,7 @@ def compare(
         "commands": shown,  # the last round's; earlier rounds differ only in their scratch folders (round-N)
         "clis": per_cli,
         "ratio_episodes_per_second": {"of": "harbor-async / harbor", **_spread(ratios)},
+        "tasks": task_table(rounds),
         "rounds": [
             {"round": i, "first": (CLIS if i % 2 == 0 else CLIS[::-1])[0], "ratio": round(ratio, 3),
              **{cli: r[cli].to_dict() for cli in CLIS}}

@@ -158,6 +158,24 @@ def harbor_table(result: dict) -> Table:
     return table
 
 
+def harbor_task_table(result: dict) -> Table:
+    """Per task: each CLI's rewards, Harbor's exception names and median seconds; a difference of rewards marked."""
+    tasks = result.get("tasks") or {}
+    differ = sum(1 for row in tasks.values() if not row["same_rewards"])
+    table = Table(title=f"per task: {len(tasks)} tasks, {differ} whose rewards differ")
+    for column in ("task", "harbor rewards", "harbor-async rewards", "harbor exceptions", "harbor-async exceptions", "s harbor", "s harbor-async", "same"):
+        table.add_column(column)
+    for task, row in tasks.items():
+        cells = []
+        for key in ("rewards", "exceptions"):
+            for cli in ("harbor", "harbor-async"):
+                value = row[cli][key]
+                cells.append(", ".join(f"{k} x{n}" for k, n in value.items()) if isinstance(value, dict) else " ".join(map(str, value)))
+        seconds = [str(row[cli]["seconds_p50"] if row[cli]["seconds_p50"] is not None else "-") for cli in ("harbor", "harbor-async")]
+        table.add_row(task, *cells, *seconds, "yes" if row["same_rewards"] else "NO")
+    return table
+
+
 def print_tables(*tables: Table) -> None:
     """Print tables to stdout."""
     console = Console()

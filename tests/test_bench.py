@@ -190,6 +190,12 @@ def test_harbor_bench_runs_both_clis_on_the_same_tasks(tmp_path):
         assert side["wall_s"]["median"] > 0 and side["episodes_per_second"]["median"] > 0
         assert set(side["phases"]) == {"start", "agent", "verify", "stop"}
         assert all(0 <= p["p50"] <= p["p99"] and p["n"] == 2 for p in side["phases"].values())
+    # the per-task table: both CLIs ran the same two tasks, with the same rewards, no exception
+    assert len(data["tasks"]) == 2 and all(row["same_rewards"] for row in data["tasks"].values()), data["tasks"]
+    for row in data["tasks"].values():
+        assert row["harbor"]["rewards"] == row["harbor-async"]["rewards"] == [1.0] and row["harbor-async"]["exceptions"] == {}
+        assert row["harbor"]["seconds_p50"] > 0 and row["harbor-async"]["seconds_p50"] > 0
+    assert "per task: 2 tasks, 0 whose rewards differ" in run["stdout"]
     ratio = data["ratio_episodes_per_second"]
     assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
     [only] = data["rounds"]
