@@ -448,6 +448,9 @@ class HarborJob:
         found = {"type": spec.type, "import_path": spec.import_path, "kwargs": dict(self.settings.environment_kwargs)}
         if getattr(self.settings, "force_build", False):
             found["force_build"] = True
+        for name in ("override_cpus", "override_memory_mb", "override_storage_mb", "override_gpus"):
+            if getattr(self.settings, name, None) is not None:
+                found[name] = getattr(self.settings, name)
         return found
 
     def _task_dir(self, record: EpisodeRecord) -> Path:

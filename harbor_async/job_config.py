@@ -28,7 +28,10 @@ _TOP = {
     "n_concurrent_trials", "debug", "quiet", "environment", "agents", "datasets", "tasks", "retry",
 }  # fmt: skip
 _RETRY = {"max_retries", "include_exceptions", "exclude_exceptions"}
-_ENVIRONMENT = {"type", "import_path", "kwargs", "force_build"}
+_ENVIRONMENT = {
+    "type", "import_path", "kwargs", "force_build", "override_cpus", "override_memory_mb", "override_storage_mb",
+    "override_gpus",
+}  # fmt: skip
 _AGENT = {"name", "import_path", "model_name", "base_url", "model_api_key_name", "kwargs"}
 _DATASET = {"path", "name", "version", "registry_url", "registry_path", "task_names", "exclude_task_names", "n_tasks"}
 _TASK = {"path"}
@@ -135,6 +138,9 @@ def run_options(config: Any) -> dict[str, Any]:
     options["env"] = environment.import_path or (environment.type.value if environment.type is not None else "docker")
     if environment.force_build:
         options["force_build"] = True
+    for name in ("override_cpus", "override_memory_mb", "override_storage_mb", "override_gpus"):
+        if getattr(environment, name, None) is not None:
+            options[name] = getattr(environment, name)
     if environment.kwargs:
         options["ek"] = [f"{key}={_text(value)}" for key, value in environment.kwargs.items()]
     options.update(_agent_options(agents[0]))

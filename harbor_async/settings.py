@@ -122,6 +122,11 @@ class JobSettings(EngineSettings):
     agent_setup_timeout_multiplier: float | None = knob("timeouts", "agent_setup_timeout_multiplier")
     ray: bool = False
     force_build: bool = may_change_on_resume(False)  # build each task's image again at its first start (docker)
+    # harbor run's --override-*: every task's resources, bounded by the backend as a task's own values are
+    override_cpus: float | None = Field(None, gt=0)
+    override_memory_mb: PositiveInt | None = None
+    override_storage_mb: PositiveInt | None = None
+    override_gpus: NonNegativeInt | None = None
     # harbor run's trial retries (-r): failed episodes a resume would rerun, rerun at once (harbor_async.retries)
     max_retries: NonNegativeInt = 0
     retry_include: list[str] | None = Field(None, strict=False)
@@ -242,6 +247,12 @@ class JobSettings(EngineSettings):
         if moved.get("serve_cmd") and "base_url" not in moved:
             moved["base_url"] = None
         return self.model_copy(update=moved)
+
+    def resource_overrides(self) -> dict[str, Any]:
+        """The ``[environment]`` values ``--override-*`` set on every task (``cpus``, ``memory_mb``, ...)."""
+        given = {"cpus": self.override_cpus, "memory_mb": self.override_memory_mb,
+                 "storage_mb": self.override_storage_mb, "gpus": self.override_gpus}  # fmt: skip
+        return {name: value for name, value in given.items() if value is not None}
 
     def retries(self) -> EpisodeRetries:
         """The run's trial retries (``-r``, ``--retry-include``, ``--retry-exclude``)."""

@@ -26,9 +26,10 @@ import operator
 import os
 import re
 import tomllib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from harbor.models.task.config import TaskConfig
 from harbor.models.task.task import Task
@@ -525,3 +526,12 @@ class NoMatchingTaskError(EmptySuiteError):
 
     def __reduce__(self):
         return (type(self), (self.root, self.include, self.exclude))
+
+
+def override_resources(tasks: Sequence[Task], overrides: Mapping[str, Any]) -> None:
+    """Set ``overrides`` (``cpus``, ``memory_mb``, ``storage_mb``, ``gpus``) in every task's ``[environment]``, as
+    Harbor's ``--override-*`` do; the backend then bounds them as it bounds a task's own values."""
+    if not overrides:
+        return
+    for task in {id(t): t for t in tasks}.values():
+        task.config.environment = task.config.environment.model_copy(update=dict(overrides))

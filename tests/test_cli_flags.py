@@ -327,3 +327,34 @@ def test_force_build_reaches_the_engine_and_harbors_config():
     assert settings.engine_kwargs()["force_build"] is True and JobSettings().engine_kwargs()["force_build"] is False
     shown = harbor_async("run", "-e", "simulated", "--force-build", "--print-config")
     assert json.loads(shown.stdout)["environment"]["force_build"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.usefixtures("docker_daemon")
+def test_override_flags_set_every_tasks_resources_as_harbor_run_does(tmp_path):
+    """--override-memory-mb and --override-cpus reach the container as the task's own values would (the cgroup's
+    limits); --override-gpus 0 runs a task that asked for a GPU; -c's environment.override_* are the same flags."""
+    suite = make_suite(tmp_path / "suite", ["t1"])
+    task = suite / "tasks" / "t1"
+    toml = task / "task.toml"
+    toml.write_text(toml.read_text().replace("[environment]\n", "[environment]\ngpus = 1\n", 1))
+    probe = (
+        "#!/bin/bash\nm=$(cat /sys/fs/cgroup/memory/memory.limit_in_bytes /sys/fs/cgroup/memory.max 2>/dev/null | head -1)\n"
+        "q=$(cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us /sys/fs/cgroup/cpu.max 2>/dev/null | head -1 | cut -d' ' -f1)\n"
+        '[ "$m" = $((300 * 1024 * 1024)) ] && [ "$q" = 100000 ] && echo 1 > /logs/verifier/reward.txt || '
+        'echo "memory $m quota $q" > /logs/verifier/reward.txt\n'
+    )
+    refused = harbor_async("run", "-p", str(suite), "-e", "local", "-a", "none", "--dry-run")
+    assert refused.returncode == 2 and "gpus" in refused.stderr  # as written: a GPU task, refused on local
+    planned = harbor_async("run", "-p", str(suite), "-e", "local", "-a", "none", "--override-gpus", "0", "--dry-run")
+    assert planned.returncode == 0, planned.stderr  # its GPU overridden away: it runs
+    (task / "tests" / "test.sh").write_text(probe)
+    _, found, _ = run_job(tmp_path, "-p", str(suite), "-e", "docker", "--override-memory-mb", "300", "--override-cpus", "1", "--override-gpus", "0", name="flags")
+    assert [r["reward"] for r in found] == [1.0], found
+    config = harbor_async("run", "-p", str(suite), "-e", "docker", "--override-memory-mb", "300", "--override-cpus", "1", "--override-gpus", "0", "--print-config")
+    shown = json.loads(config.stdout)["environment"]
+    assert (shown["override_memory_mb"], shown["override_cpus"], shown["override_gpus"]) == (300, 1.0, 0)
+    (tmp_path / "job.json").write_text(config.stdout)
+    _, found, _ = run_job(tmp_path, "-c", str(tmp_path / "job.json"), name="config")
+    assert [r["reward"] for r in found] == [1.0], found

@@ -122,6 +122,10 @@ def eval_command(
     strict_verify: StrictVerifyOpt = True,
     episode_disk_limit_mb: EpisodeDiskLimitOpt = None,
     job_disk_limit_mb: JobDiskLimitOpt = None,
+    override_cpus: Annotated[float | None, typer.Option("--override-cpus", min=0.01, help="Every task's cpus (bounded as a task's own).")] = None,
+    override_memory_mb: Annotated[int | None, typer.Option("--override-memory-mb", min=1, help="Every task's memory_mb (bounded as a task's own).")] = None,
+    override_storage_mb: Annotated[int | None, typer.Option("--override-storage-mb", min=1, help="Every task's storage_mb (bounded as a task's own).")] = None,
+    override_gpus: Annotated[int | None, typer.Option("--override-gpus", min=0, help="Every task's gpus.")] = None,
     max_model_server_failures: Annotated[
         int | None,
         typer.Option(
@@ -177,6 +181,10 @@ def eval_command(
         strict_verify=strict_verify,
         episode_disk_limit_mb=episode_disk_limit_mb,
         job_disk_limit_mb=job_disk_limit_mb,
+        override_cpus=override_cpus,
+        override_memory_mb=override_memory_mb,
+        override_storage_mb=override_storage_mb,
+        override_gpus=override_gpus,
         agent=agent,
         agent_kwargs=parsed_agent_kwargs(ak),
         environment_type=env,
