@@ -220,6 +220,30 @@ def test_harbors_metrics_leave_out_what_nobody_judged(tmp_path: Path) -> None:
     assert all(value == 1.0 for value in some["pass_at_k"].values())
     (none,) = json.loads((jobs / "none" / "result.json").read_text())["stats"]["evals"].values()
     assert none["metrics"] == [] and none["pass_at_k"] == {}  # not a mean of 0.0
+    # and Harbor's own viewer, through its API, shows no result for the job nobody was judged in, 1.0 for the other
+    port = _free_port()
+    viewer = subprocess.Popen(
+        [str(HARBOR), "view", str(jobs), "--port", str(port), "--host", "127.0.0.1", "--no-build", "--jobs"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                _get(base, "/api/health")
+                break
+            except OSError:
+                assert viewer.poll() is None and time.monotonic() < deadline, "harbor view did not come up"
+                time.sleep(0.3)
+        listed = {job["name"]: job for job in _get(base, "/api/jobs")["items"]}
+        metrics = {name: [m for e in listed[name]["evals"].values() for m in e["metrics"]] for name in ("some", "none")}
+        assert metrics == {"some": [{"mean": 1.0}], "none": []}, metrics
+        rewards = {item["reward"] for item in _get(base, "/api/jobs/none/trials")["items"]}
+        assert rewards == {None}  # no trial of it shows 0.0
+    finally:
+        viewer.terminate()
+        viewer.wait(timeout=30)
 
 
 def test_our_trial_files_are_harbors_for_the_same_outcomes(tmp_path: Path) -> None:
