@@ -8,6 +8,7 @@ validate with Harbor's ``JobResult`` and ``TrialResult``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,30 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def harbor_view(jobs: Path) -> Iterator[str]:
+    """Harbor's own ``harbor view`` over ``jobs``, up and answering; yields its base URL."""
+    port = _free_port()
+    viewer = subprocess.Popen(
+        [str(HARBOR), "view", str(jobs), "--port", str(port), "--host", "127.0.0.1", "--no-build", "--jobs"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                _get(base, "/api/health")
+                break
+            except OSError:
+                assert viewer.poll() is None and time.monotonic() < deadline, "harbor view did not come up"
+                time.sleep(0.3)
+        yield base
+    finally:
+        viewer.terminate()
+        viewer.wait(timeout=30)
 
 
 def _validate(job: Path, trials: int) -> None:
@@ -97,21 +123,7 @@ def test_harbor_view_lists_our_run_and_eval_jobs_as_it_lists_its_own(tmp_path: P
     # our own readers still read the same folder
     assert len(JobFolder(jobs / "sweep").records()) == 8 and JobFolder(jobs / "sweep").settings_path.name == "harbor-async.json"
 
-    port = _free_port()
-    viewer = subprocess.Popen(
-        [str(HARBOR), "view", str(jobs), "--port", str(port), "--host", "127.0.0.1", "--no-build", "--jobs"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                _get(base, "/api/health")
-                break
-            except OSError:
-                assert viewer.poll() is None and time.monotonic() < deadline, "harbor view did not come up"
-                time.sleep(0.3)
+    with harbor_view(jobs) as base:
         listed = {job["name"]: job for job in _get(base, "/api/jobs")["items"]}
         assert {"ours", "sweep", "theirs"} <= set(listed)
         for name, trials in (("ours", 2), ("sweep", 8), ("theirs", 2)):
@@ -135,9 +147,6 @@ def test_harbor_view_lists_our_run_and_eval_jobs_as_it_lists_its_own(tmp_path: P
         steps = _get(base, f"/api/jobs/sweep/trials/{sweep_trial}/trajectory")["steps"]
         calls = [step for step in steps if step.get("tool_calls")]
         assert calls and calls[0]["observation"]["results"][0]["content"] is not None
-    finally:
-        viewer.terminate()
-        viewer.wait(timeout=30)
 
 
 SEPARATE = Path(__file__).resolve().parent / "corpus" / "separate-verifier"
@@ -221,29 +230,12 @@ def test_harbors_metrics_leave_out_what_nobody_judged(tmp_path: Path) -> None:
     (none,) = json.loads((jobs / "none" / "result.json").read_text())["stats"]["evals"].values()
     assert none["metrics"] == [] and none["pass_at_k"] == {}  # not a mean of 0.0
     # and Harbor's own viewer, through its API, shows no result for the job nobody was judged in, 1.0 for the other
-    port = _free_port()
-    viewer = subprocess.Popen(
-        [str(HARBOR), "view", str(jobs), "--port", str(port), "--host", "127.0.0.1", "--no-build", "--jobs"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                _get(base, "/api/health")
-                break
-            except OSError:
-                assert viewer.poll() is None and time.monotonic() < deadline, "harbor view did not come up"
-                time.sleep(0.3)
+    with harbor_view(jobs) as base:
         listed = {job["name"]: job for job in _get(base, "/api/jobs")["items"]}
         metrics = {name: [m for e in listed[name]["evals"].values() for m in e["metrics"]] for name in ("some", "none")}
         assert metrics == {"some": [{"mean": 1.0}], "none": []}, metrics
         rewards = {item["reward"] for item in _get(base, "/api/jobs/none/trials")["items"]}
         assert rewards == {None}  # no trial of it shows 0.0
-    finally:
-        viewer.terminate()
-        viewer.wait(timeout=30)
 
 
 def test_our_trial_files_are_harbors_for_the_same_outcomes(tmp_path: Path) -> None:

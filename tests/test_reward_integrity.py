@@ -181,19 +181,23 @@ chmod +x /solution/inject
 """
 
 
-@pytest.mark.slow
-@pytest.mark.docker
-@pytest.mark.usefixtures("docker_daemon")
-def test_on_docker_no_process_the_agent_hid_under_the_main_command_outlives_the_agent(tmp_path: Path) -> None:
+def ptrace_task(tasks: Path, solve: str, test: str) -> None:
+    """The task ``ptrace``: its solution and the static injector it runs (tests/attacks/inject.c, compiled here)."""
     import subprocess
 
-    tasks = tmp_path / "suite" / "tasks"
-    make_task(tasks, "ptrace", INJECTOR, HONEST_TEST)
+    make_task(tasks, "ptrace", solve, test)
     subprocess.run(
         ["gcc", "-static", "-O1", "-o", str(tasks / "ptrace" / "solution" / "inject"),
          str(Path(__file__).parent / "attacks" / "inject.c")],
         check=True, timeout=120,
     )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.usefixtures("docker_daemon")
+def test_on_docker_no_process_the_agent_hid_under_the_main_command_outlives_the_agent(tmp_path: Path) -> None:
+    ptrace_task(tmp_path / "suite" / "tasks", INJECTOR, HONEST_TEST)
     found = run_job(tmp_path / "suite", tmp_path / "jobs", "-e", "docker", "--no-strict-verify")
     assert found["ptrace"]["reward"] == 1.0  # the attack is real: where nothing ends it, it writes the reward
     found = run_job(tmp_path / "suite", tmp_path / "jobs-strict", "-e", "docker")
@@ -238,15 +242,7 @@ if [ -e /tmp/survivor ]; then echo 0 > /logs/verifier/reward.txt; else echo 1 > 
 
 
 def test_on_local_no_process_the_agent_hid_under_the_init_outlives_the_agent(tmp_path: Path) -> None:
-    import subprocess
-
-    tasks = tmp_path / "suite" / "tasks"
-    make_task(tasks, "ptrace", LOCAL_INJECTOR, ALONE_TEST)
-    subprocess.run(
-        ["gcc", "-static", "-O1", "-o", str(tasks / "ptrace" / "solution" / "inject"),
-         str(Path(__file__).parent / "attacks" / "inject.c")],
-        check=True, timeout=120,
-    )  # fmt: skip
+    ptrace_task(tmp_path / "suite" / "tasks", LOCAL_INJECTOR, ALONE_TEST)
     found = run_job(tmp_path / "suite", tmp_path / "jobs", "--no-strict-verify")
     assert found["ptrace"]["reward"] == 0.0, failure(found["ptrace"])  # the attack is real: the process ran on
     found = run_job(tmp_path / "suite", tmp_path / "jobs-strict")
