@@ -50,7 +50,7 @@ from harbor_async.runner import FailureBudget, PlannedEpisode, run_suite
 from harbor_async.scoring import summarize, sweep_summary
 from harbor_async.settings import JobSettings
 from harbor_async.task_support import Refusal, check_tasks, refused_summary
-from harbor_async.tasks import override_resources, suite_task_path
+from harbor_async.tasks import add_artifacts, override_resources, suite_task_path
 
 if TYPE_CHECKING:
     from harbor_async.engine import Engine
@@ -324,6 +324,7 @@ async def evaluate(
         config.suite, num_tasks=config.n_tasks, indices=config.indices, include=config.include, exclude=config.exclude
     )
     override_resources(loaded.tasks, config.resource_overrides())  # --override-*, before the checks
+    add_artifacts(loaded.tasks, config.artifacts)  # harbor run's --artifact (the eval setting, in Python)
     timeouts = config.timeouts()
     for task in loaded.tasks:  # checked before any server or sandbox: every budget finite
         try:

@@ -313,6 +313,7 @@ class HarborJob:
             agents=[self._agent_config(model) for model in models],
             datasets=datasets,
             retry=self._retry_config(),
+            artifacts=list(getattr(s, "artifacts", None) or []),
         )
 
     # ── one trial ───────────────────────────────────────────────────────

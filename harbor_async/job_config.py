@@ -25,7 +25,7 @@ from harbor_async.errors import HarborAsyncError
 _TOP = {
     "job_name", "jobs_dir", "n_attempts", "timeout_multiplier", "agent_timeout_multiplier",
     "verifier_timeout_multiplier", "agent_setup_timeout_multiplier", "environment_build_timeout_multiplier",
-    "n_concurrent_trials", "debug", "quiet", "environment", "agents", "datasets", "tasks", "retry",
+    "n_concurrent_trials", "debug", "quiet", "environment", "agents", "datasets", "tasks", "retry", "artifacts",
 }  # fmt: skip
 _RETRY = {"max_retries", "include_exceptions", "exclude_exceptions"}
 _ENVIRONMENT = {
@@ -123,6 +123,11 @@ def run_options(config: Any) -> dict[str, Any]:
         "agent_setup_timeout_multiplier": config.agent_setup_timeout_multiplier,
         "environment_build_timeout_multiplier": config.environment_build_timeout_multiplier,
     }  # fmt: skip
+    if config.artifacts:
+        artifacts = [a if isinstance(a, str) else a.source for a in config.artifacts]
+        if any(not isinstance(a, str) and (a.destination or getattr(a, "exclude", None)) for a in config.artifacts):
+            raise JobConfigError("an artifact with a destination or exclusions is a task's (task.toml), not a run's", "artifacts")
+        options["artifact"] = artifacts
     retry = config.retry
     if retry.max_retries:
         options["max_retries"] = retry.max_retries

@@ -127,6 +127,7 @@ class JobSettings(EngineSettings):
     override_memory_mb: PositiveInt | None = None
     override_storage_mb: PositiveInt | None = None
     override_gpus: NonNegativeInt | None = None
+    artifacts: list[str] = Field(default_factory=list, strict=False)  # harbor run's --artifact: collected from every task
     # harbor run's trial retries (-r): failed episodes a resume would rerun, rerun at once (harbor_async.retries)
     max_retries: NonNegativeInt = 0
     retry_include: list[str] | None = Field(None, strict=False)

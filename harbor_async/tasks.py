@@ -535,3 +535,12 @@ def override_resources(tasks: Sequence[Task], overrides: Mapping[str, Any]) -> N
         return
     for task in {id(t): t for t in tasks}.values():
         task.config.environment = task.config.environment.model_copy(update=dict(overrides))
+
+
+def add_artifacts(tasks: Sequence[Task], paths: Sequence[str]) -> None:
+    """Collect ``paths`` from every task's sandbox too, as Harbor's ``--artifact`` does (after the task's own)."""
+    if not paths:
+        return
+    for task in {id(t): t for t in tasks}.values():
+        known = [a if isinstance(a, str) else a.source for a in task.config.artifacts]
+        task.config.artifacts = [*task.config.artifacts, *(p for p in paths if p not in known)]

@@ -358,3 +358,16 @@ def test_override_flags_set_every_tasks_resources_as_harbor_run_does(tmp_path):
     (tmp_path / "job.json").write_text(config.stdout)
     _, found, _ = run_job(tmp_path, "-c", str(tmp_path / "job.json"), name="config")
     assert [r["reward"] for r in found] == [1.0], found
+
+
+def test_artifact_collects_a_sandbox_path_from_every_task(tmp_path):
+    suite = make_suite(tmp_path / "suite", ["t1", "t2"])
+    _, found, _ = run_job(tmp_path, "-p", str(suite), "-e", "local", "--artifact", "/workdir/answer.txt", "--ek", f"sandbox_root={tmp_path / 'sb'}", name="art")
+    job = tmp_path / "jobs" / "art"
+    for record in found:
+        collected = job / record["trial"] / "artifacts"
+        assert (collected / "workdir" / "answer.txt").read_text().strip(), record  # the oracle's answer, collected
+        manifest = json.loads((collected / "manifest.json").read_text())
+        assert any(e["source"] == "/workdir/answer.txt" and e["status"] == "ok" for e in manifest), manifest
+    shown = harbor_async("run", "-p", str(suite), "--artifact", "/workdir/answer.txt", "--print-config")
+    assert json.loads(shown.stdout)["artifacts"] == ["/workdir/answer.txt"]

@@ -69,7 +69,6 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--export-repo",): _EXPORT,
     ("--export-instruction-metadata", "--no-export-instruction-metadata"): _EXPORT,
     ("--export-verifier-metadata", "--no-export-verifier-metadata"): _EXPORT,
-    ("--artifact",): "artifacts are the task's own (task.toml `artifacts` and /logs/artifacts)",
     ("--plugin",): "Harbor's job plugins hook Harbor's own job runner, which harbor-async replaces",
     ("--pk", "--plugin-kwarg"): "Harbor's job plugins hook Harbor's own job runner, which harbor-async replaces",
     ("-t", "--task"): "a single registry task is a Harbor Hub package; give its folder with -p, or its dataset with -d name@version -i NAME",

@@ -53,7 +53,7 @@ from harbor_async.cli.selection import (
     RegistryUrlOpt,
 )
 from harbor_async.records import EpisodeRecord
-from harbor_async.tasks import override_resources
+from harbor_async.tasks import add_artifacts, override_resources
 from harbor_async.runner import MODEL_FREE_AGENTS, FailureBudget, PlannedEpisode
 from harbor_async.settings import JobSettings
 
@@ -96,7 +96,7 @@ _SETTING_OF = {
     "episode_disk_limit_mb": "episode_disk_limit_mb", "job_disk_limit_mb": "job_disk_limit_mb",
     "max_retries": "max_retries", "retry_include": "retry_include", "retry_exclude": "retry_exclude",
     "force_build": "force_build", "override_cpus": "override_cpus", "override_memory_mb": "override_memory_mb",
-    "override_storage_mb": "override_storage_mb", "override_gpus": "override_gpus",
+    "override_storage_mb": "override_storage_mb", "override_gpus": "override_gpus", "artifact": "artifacts",
     "timeout_multiplier": "timeout_multiplier", "agent_timeout_multiplier": "agent_timeout_multiplier",
     "verifier_timeout_multiplier": "verifier_timeout_multiplier",
     "environment_build_timeout_multiplier": "environment_build_timeout_multiplier",
@@ -124,6 +124,7 @@ def run(
     override_memory_mb: Annotated[int | None, typer.Option("--override-memory-mb", min=1, help="Every task's memory_mb (bounded as a task's own).")] = None,
     override_storage_mb: Annotated[int | None, typer.Option("--override-storage-mb", min=1, help="Every task's storage_mb (bounded as a task's own).")] = None,
     override_gpus: Annotated[int | None, typer.Option("--override-gpus", min=0, help="Every task's gpus (a task asking for GPUs is refused where the backend has none).")] = None,
+    artifact: Annotated[list[str] | None, typer.Option("--artifact", help="A sandbox path to collect into each trial's artifacts/ after the agent, besides the task's own (repeatable).")] = None,
     force_build: Annotated[bool, typer.Option("--force-build/--no-force-build", help="Build each task's environment again at its first start in this run, even where its image is there (docker).")] = False,
     agent: Annotated[str | None, typer.Option("--agent", "-a", help="A Harbor agent (oracle, none/nop: no agent, terminus-2, claude-code, ...) or module:Class.", show_default=setting_opts.setting_default("agent"))] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help="The agent's model, as Harbor names it (LiteLLM's provider/model, e.g. hosted_vllm/NAME).")] = None,
@@ -206,7 +207,7 @@ def run(
             ctx, suite=suite_source(suite, path, dataset, registry_url, registry_path), dataset=dataset,
             environment_type=env or backend, agent=agent, models=[model] if model else [], n_attempts=n_attempts,
             n_concurrent=n_concurrent or concurrency, environment_kwargs=parse_kwargs(ek), env_allow=env_allow or [],
-            strict_verify=strict_verify, force_build=force_build, override_cpus=override_cpus,
+            strict_verify=strict_verify, force_build=force_build, override_cpus=override_cpus, artifacts=artifact,
             override_memory_mb=override_memory_mb, override_storage_mb=override_storage_mb, override_gpus=override_gpus, episode_disk_limit_mb=episode_disk_limit_mb, max_retries=max_retries,
             retry_include=retry_include, retry_exclude=retry_exclude,
             job_disk_limit_mb=job_disk_limit_mb, timeout_multiplier=timeout_multiplier,
@@ -229,6 +230,7 @@ def run(
         settings.suite = str(loaded.root)
         episodes = plan_episodes(loaded.tasks, settings.n_attempts)
     override_resources([e.task for e in episodes], settings.resource_overrides())  # --override-*, before the checks
+    add_artifacts([e.task for e in episodes], settings.artifacts)  # --artifact
     concurrency, on_ray = settings.n_concurrent, settings.ray
     spec, timeouts = _resolve(settings)
     for episode in episodes:  # checked before any sandbox starts: every budget finite
