@@ -615,3 +615,16 @@ def test_a_dockerfile_docker_cannot_build_is_an_invalid_task_tried_once(tmp_path
     (record,) = records(next((tmp_path / "jobs").iterdir()))
     assert (record["error_class"], record["start_attempts"], record["reward"]) == ("invalid_task", 1, None)
     assert "unknown instruction: BOGUS" in record["error"]
+
+
+def test_the_local_refusal_of_a_compose_file_says_what_it_holds(tmp_path: Path) -> None:
+    from harbor_async.backends.local.dockerfile import unsupported_instructions
+
+    only_main = plain_task(tmp_path, "only-main")
+    write(only_main / "environment" / "docker-compose.yaml", "services:\n  main:\n    environment:\n      A: '1'\n    mem_limit: 1g\n")
+    (said,) = unsupported_instructions(only_main / "environment" / "Dockerfile")
+    assert said == "docker-compose.yaml (its settings of the main service: environment, mem_limit; a local sandbox runs the Dockerfile alone)"
+    sidecar = plain_task(tmp_path, "sidecar")
+    write(sidecar / "environment" / "docker-compose.yaml", "services:\n  main: {}\n  db:\n    image: postgres\n  cache:\n    image: redis\n")
+    (said,) = unsupported_instructions(sidecar / "environment" / "Dockerfile")
+    assert said == "docker-compose.yaml (services besides the main one: cache, db)"

@@ -35,7 +35,7 @@ from harbor_async.naming import LABEL_OWNER_PID, LABEL_PID_NS, LABEL_RUN, LABEL_
 PIDS_LIMIT = 1024
 
 
-def _task_services(environment_dir: Path | None) -> dict[str, Any]:
+def task_services(environment_dir: Path | None) -> dict[str, Any]:
     """The ``services`` of a task's ``environment/docker-compose.yaml`` ({} without one, or where it cannot be read)."""
     import yaml
 
@@ -51,7 +51,7 @@ def _task_services(environment_dir: Path | None) -> dict[str, Any]:
 
 def compose_services(environment_dir: Path | None) -> list[str]:
     """The services a task's ``environment/docker-compose.yaml`` declares besides ``main`` (none without one)."""
-    return [name for name in _task_services(environment_dir) if isinstance(name, str) and name != "main"]
+    return [name for name in task_services(environment_dir) if isinstance(name, str) and name != "main"]
 
 
 def deploy_pids(environment_dir: Path | None) -> int | None:
@@ -61,7 +61,7 @@ def deploy_pids(environment_dir: Path | None) -> int | None:
     distinct values"), so the overlay then bounds the same key instead. A value
     that is not a number counts as unbounded: the overlay's own limit applies.
     """
-    main = _task_services(environment_dir).get("main")
+    main = task_services(environment_dir).get("main")
     try:
         pids = main["deploy"]["resources"]["limits"]["pids"]  # type: ignore[index]
     except (KeyError, TypeError):

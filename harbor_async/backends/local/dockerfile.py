@@ -202,12 +202,26 @@ def unsupported_instructions(dockerfile: Path) -> list[str]:
     """
     found = []
     if (dockerfile.parent / "docker-compose.yaml").exists():
-        found.append("docker-compose.yaml (services besides the main one)")
+        found.append(_compose_refusal(dockerfile.parent))
     try:
         found += parse_dockerfile(dockerfile.read_text(encoding="utf-8")).unsupported
     except (OSError, UnicodeDecodeError, SandboxBuildFailedError):
         pass
     return found
+
+
+def _compose_refusal(environment_dir: Path) -> str:
+    """What the task's ``docker-compose.yaml`` asks for that one local sandbox cannot give, as it says it."""
+    from harbor_async.backends.docker.overlay import task_services
+
+    services = task_services(environment_dir)
+    others = sorted(str(name) for name in services if name != "main")
+    if others:
+        return f"docker-compose.yaml (services besides the main one: {', '.join(others)})"
+    main = services.get("main")
+    keys = sorted(str(key) for key in main) if isinstance(main, dict) else []
+    said = f"its settings of the main service: {', '.join(keys)}" if keys else "a Compose file"
+    return f"docker-compose.yaml ({said}; a local sandbox runs the Dockerfile alone)"
 
 
 def _short(line: str, limit: int = 70) -> str:
