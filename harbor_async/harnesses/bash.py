@@ -2,10 +2,11 @@
 
 The tool (its name, arguments and description) is TRL's, so that a policy
 trained through either sees the same schema. The prompt's suffix is TRL's
-less two claims the sandbox does not back: TRL's text says the dataset files
-are in ``/home/user/input/`` and that Python 3 with pandas, numpy and
-scikit-learn is preinstalled, which neither the bundled suite's image nor a
-local sandbox has; a policy told so learns to call tools that are not there.
+less its claim that Python 3 with pandas, numpy and scikit-learn is
+preinstalled, which neither the bundled suite's image nor a local sandbox
+has: a policy told so learns to call tools that are not there. (The dataset
+files are in ``/home/user/input/``, as TRL's text says: the bundled suite's
+tasks put them there, and the harness makes the folder.)
 :data:`TRL_PROMPT_SUFFIX` is TRL's text, for a subclass that must match it.
 """
 
@@ -21,10 +22,10 @@ TRL_PROMPT_SUFFIX = (
     'tool**, e.g. `echo -n "<value>" > /workdir/answer.txt`. Stating the answer in prose does NOT submit '
     "it; only writing the file counts. Keep the answer short, and do not end your turn without submitting."
 )
-#: TRL's text without what the sandbox does not promise: where the files are is the instruction's to say.
+#: TRL's text without the packages the sandbox does not promise.
 PROMPT_SUFFIX = (
     "\n\nYou have a single `bash` tool: run a shell command in the sandbox and get its stdout+stderr. "
-    "The instruction says where the task's files are; look before you assume a program is installed. "
+    "The dataset files are in /home/user/input/. Look before you assume a program is installed. "
     "**Submit your final answer by writing it to /workdir/answer.txt via the `bash` "
     'tool**, e.g. `echo -n "<value>" > /workdir/answer.txt`. Stating the answer in prose does NOT submit '
     "it; only writing the file counts. Keep the answer short, and do not end your turn without submitting."
