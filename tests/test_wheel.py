@@ -52,7 +52,7 @@ def test_wheel_holds_the_product_and_its_package_data_only(venv):
 
 def test_main_job_runs_from_the_wheel(venv, tmp_path: Path):
     records = tmp_path / "episodes.jsonl"
-    done = _run(venv, [str(venv.cli), "run", "--backend", "local", "-c", "4", "--json", str(records)], tmp_path)
+    done = _run(venv, [str(venv.cli), "run", "--backend", "local", "-n", "4", "--json", str(records)], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in records.read_text().splitlines()]
     assert len(rows) == 10
@@ -86,7 +86,7 @@ def newest():
 @pytest.mark.docker
 def test_newest_install_runs_the_main_job_on_docker(newest, docker_daemon, tmp_path: Path):
     records = tmp_path / "episodes.jsonl"
-    done = _run(newest, [str(newest.cli), "run", "-e", "docker", "-c", "4", "--json", str(records), "-o", str(tmp_path / "jobs")], tmp_path)
+    done = _run(newest, [str(newest.cli), "run", "-e", "docker", "-n", "4", "--json", str(records), "-o", str(tmp_path / "jobs")], tmp_path)
     versions = {d: newest.version(d) for d in ("harbor", "trl", "transformers", "openai")}
     assert done.returncode == 0, (versions, done.stderr[-3000:])
     rows = [json.loads(line) for line in records.read_text().splitlines()]
