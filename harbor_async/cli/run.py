@@ -10,7 +10,6 @@ runs what a job is missing. Signals stop the batch cleanly (see
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 from typing import IO, Annotated, Any
 
@@ -37,6 +36,8 @@ from harbor_async.cli.common import (
 )
 from harbor_async.cli.eval import MODEL_SERVER_DOWN_EXIT
 from harbor_async.cli.progress import EpisodeProgress
+from harbor_async.cli.run_output import print_summary, print_table
+from harbor_async.cli.run_options import defaults_line, previous_refusals, print_job_config, print_plan, with_config
 from harbor_async.disk_bounds import JobDiskLimitError
 from harbor_async.interrupts import Interrupts
 from harbor_async.errors import BackendError, ResumeConflictError, SettingError, UnknownSettingError
@@ -57,7 +58,6 @@ from harbor_async.tasks import add_artifacts, override_resources
 from harbor_async.runner import MODEL_FREE_AGENTS, FailureBudget, PlannedEpisode
 from harbor_async.settings import JobSettings
 
-PHASES = ("start", "agent", "verify", "stop")
 DEFAULT_JOBS_DIR = Path("jobs")
 
 
@@ -192,7 +192,7 @@ def run(
     if config:  # Harbor's job config: its values where the command line gave none, then the run as if typed
         if resume is not None:
             raise fail("--resume runs the job's stored settings; drop -c/--config")
-        return run(**_with_config(ctx, config))
+        return run(**with_config(ctx, config))
     setup_logging(log_level or ("debug" if debug else None), log_format)
     del yes  # harbor run's -y: harbor-async asks nothing
     if resume is not None:
@@ -223,7 +223,7 @@ def run(
         if settings.agent not in MODEL_FREE_AGENTS and not quiet and err.is_terminal:  # seconds to load: say so now
             say("loading:", f"-a {settings.agent} (Harbor's agent and its model libraries take a few seconds)", "dim")
         settings.agent_kwargs = _agent_kwargs(settings.agent, model, ak, base_url, api_key_name)
-        unsaid = _defaults_line(env or backend, n_concurrent or concurrency, settings)
+        unsaid = defaults_line(env or backend, n_concurrent or concurrency, settings)
         loaded = load_tasks(
             settings.suite, n_tasks=n_tasks or num_tasks, indices=parse_indices(indices), include=include, exclude=exclude
         )
@@ -256,10 +256,10 @@ def run(
         except BackendError as exc:
             raise fail(exc) from None
     if dry_run:  # harbor run's --dry-run: every check above passed; the plan, and nothing else
-        _print_plan(episodes, settings, resume)
+        print_plan(episodes, settings, resume)
         return
     if print_config:  # harbor run's --print-config: the job as Harbor's JobConfig, nothing run
-        _print_job_config(settings, spec, jobs_dir, job_name, selection={
+        print_job_config(settings, spec, jobs_dir, job_name, selection={
             "task_names": include or None, "exclude_task_names": exclude or None, "n_tasks": n_tasks or num_tasks,
         })  # fmt: skip
         return
@@ -330,18 +330,18 @@ def run(
             job.close()
     latest = job.latest(root)
     records = [latest[key] for key in keys if key in latest]
-    _print_table(records)
+    print_table(records)
     summary = _summary(records, len(episodes), settings, interrupted=interrupts.name or None)
     if failures.error is not None:
         summary["stopped_by"] = str(failures.error)
     if resume is not None and not refused:  # what the first run refused stays on record
-        refused_before = _previous_refusals(job)
+        refused_before = previous_refusals(job)
     else:
         refused_before = refused_summary(refused)
     if refused_before:
         summary["refused"] = refused_before
     job.write_summary(summary)
-    _print_summary(summary, records)
+    print_summary(summary, records)
     if export is not None:
         with export:
             for record in records:
@@ -458,87 +458,6 @@ async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, engine_kw
     interrupts.disarm()
 
 
-def _previous_refusals(job: Any) -> list[dict[str, str]]:
-    """The tasks the job's first run refused (its ``summary.json``), kept by a resume's summary."""
-    from harbor_async.jobs import JobFolderError
-
-    try:
-        found = job.read_json("summary.json")
-    except JobFolderError:
-        return []
-    return list(found.get("refused") or []) if isinstance(found, dict) else []
-
-
-def _with_config(ctx: typer.Context, sources: list[str]) -> dict[str, Any]:
-    """``run``'s arguments: the command line's, over the job config's where the command line gave none.
-
-    ``--ak``/``--ek`` add to the config's kwargs (a key given on the command line wins), as in Harbor.
-    """
-    from harbor_async.job_config import JobConfigError, load_job_config, run_options
-
-    try:
-        from_config = run_options(load_job_config(sources))
-    except JobConfigError as exc:
-        raise fail(f"-c/--config: {exc}") from None
-    typed = {name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"}
-    # Click's raw values: an unset repeatable option is (), which typer turns into None for the function
-    arguments = {**{name: None if value == () else value for name, value in ctx.params.items()}, "ctx": ctx, "config": None}
-    for name, value in from_config.items():
-        if name in ("ak", "ek") and name in typed:
-            arguments[name] = [*value, *(ctx.params[name] or [])]
-        elif name not in typed:
-            arguments[name] = value
-    return arguments
-
-
-def _print_job_config(
-    settings: JobSettings, spec: Any, jobs_dir: Path, job_name: str | None, selection: dict[str, Any]
-) -> None:
-    """The run as Harbor's ``JobConfig``, printed as ``harbor run --print-config`` prints it (defaults left out).
-
-    ``selection``: ``-i``, ``-x`` and ``-l`` as the dataset's ``task_names``, ``exclude_task_names``, ``n_tasks``.
-    """
-    from harbor_async.harbor_jobs import HarborJob
-
-    root = Path(settings.suite) if settings.suite else None
-    folder = jobs_dir / (job_name or "job")
-    config = HarborJob(folder, settings, root, spec).job_config()
-    for dataset in config.datasets:
-        for field, value in selection.items():
-            if value is not None:
-                setattr(dataset, field, value)
-    printed = config.model_dump(mode="json", exclude_defaults=True)
-    if job_name is None:  # no name given: a timestamp when it runs, left out as Harbor leaves out its default
-        printed.pop("job_name", None)
-    typer.echo(json.dumps(printed, indent=2, ensure_ascii=False))
-
-
-def _print_plan(episodes: list[PlannedEpisode], settings: JobSettings, resume: Path | None) -> None:
-    """``--dry-run``'s output: the episodes per task on stdout, one line of what would run on stderr."""
-    per_task = Counter(e.task.name for e in episodes)
-    table = Table("task", "episodes")
-    for name, count in per_task.items():
-        table.add_row(Text(escape_controls(name)), str(count))
-    out.print(table)
-    plan = f"the plan of {resume}" if resume is not None else settings.suite
-    say("dry run:", f"{len(episodes)} episodes of {len(per_task)} tasks ({plan}), -e {settings.environment_type}, "
-        f"-a {settings.agent}, -n {settings.n_concurrent}; every check passed, nothing started", "bold")
-
-
-#: ``harbor run``'s own defaults of ``-e`` and ``-n``, which differ from ours.
-HARBOR_DEFAULTS = {"env": "docker", "n_concurrent": 4}
-
-
-def _defaults_line(env: str | None, n_concurrent: int | None, settings: JobSettings) -> str | None:
-    """One line naming the backend and concurrency a run took by default, beside ``harbor run``'s (``None``: both given)."""
-    said = []
-    if env is None:
-        said.append(f"-e {settings.environment_type} (harbor run's default: -e {HARBOR_DEFAULTS['env']})")
-    if n_concurrent is None:
-        said.append(f"-n {settings.n_concurrent} (harbor run's: -n {HARBOR_DEFAULTS['n_concurrent']})")
-    return f"defaults: {', '.join(said)}; give -e/-n to choose" if said else None
-
-
 def _server_url(settings: JobSettings) -> str:
     """The model server a Harbor agent's episodes call (its ``api_base``/``base_url``), else its model's name."""
     options = settings.agent_kwargs
@@ -607,50 +526,6 @@ def _summary(records: list[EpisodeRecord], planned: int, settings: JobSettings, 
     if k == 1:
         summary["pass_at_k"] = {}
     return summary
-
-
-def _print_table(records: list[EpisodeRecord]) -> None:
-    if not records:
-        return
-    names = Counter(name for name, _ in {(r.task, r.task_path) for r in records})
-    attempts = any(r.attempt for r in records)
-    table = Table(title="episodes")
-    table.add_column("task", overflow="fold")
-    if attempts:
-        table.add_column("attempt", justify="right")
-    table.add_column("reward", justify="right")
-    used = [p for p in PHASES if any(s.phase == p for r in records for s in r.phases)]
-    for phase in used:
-        table.add_column(f"{phase} s", justify="right")
-    table.add_column("failure")
-    table.add_column("error", overflow="fold", ratio=1)
-    for r in records:
-        spans = {s.phase: s.seconds for s in r.phases}
-        name = r.task if names[r.task] == 1 else r.task_path  # same names: tell them apart by path
-        row = [Text(escape_controls(name))]
-        if attempts:
-            row.append(str(r.attempt))
-        row.append("-" if r.reward is None else f"{r.reward:g}")
-        row += [f"{spans[p]:.3f}" if p in spans else "" for p in used]
-        row += [Text(r.error_class or ""), Text(escape_controls(r.error or ""))]
-        table.add_row(*row)
-    out.print(table)
-
-
-def _print_summary(summary: dict[str, Any], records: list[EpisodeRecord]) -> None:
-    def fmt(value: float | None) -> str:
-        return "-" if value is None else f"{value:.3f}"
-
-    failures = ", ".join(f"{n} {cls}" for cls, n in summary["failures"].items()) or "none"
-    unjudged = ", ".join(f"{n} {cls}" for cls, n in summary["not_judged_by_class"].items())
-    fix = "; fix invalid tasks first" if "invalid_task" in summary["not_judged_by_class"] else ""
-    out.print(Text(
-        f"{summary['episodes']} episodes: mean reward {fmt(summary['mean_reward'])} over the {summary['completed']} judged"
-        + (f", {summary['not_judged']} not judged ({unjudged}: rerun by --resume{fix})" if summary["not_judged"] else "")
-        + f"; failures: {failures}"
-    ))  # fmt: skip
-    if summary["pass_at_k"]:
-        out.print(Text("  ".join(f"pass@{k} {fmt(v['value'])}" for k, v in summary["pass_at_k"].items())))
 
 
 def tasks(

@@ -1,0 +1,99 @@
+"""``run``'s options in Harbor's dialect: its job config files (``-c``), ``--print-config``, ``--dry-run``'s plan,
+the one line naming our defaults where they differ from ``harbor run``'s, and what a resumed job refused before."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from harbor_async.cli.common import fail, out, say
+from harbor_async.printing import escape_controls
+from harbor_async.runner import PlannedEpisode
+from harbor_async.settings import JobSettings
+
+
+def previous_refusals(job: Any) -> list[dict[str, str]]:
+    """The tasks the job's first run refused (its ``summary.json``), kept by a resume's summary."""
+    from harbor_async.jobs import JobFolderError
+
+    try:
+        found = job.read_json("summary.json")
+    except JobFolderError:
+        return []
+    return list(found.get("refused") or []) if isinstance(found, dict) else []
+
+
+def with_config(ctx: typer.Context, sources: list[str]) -> dict[str, Any]:
+    """``run``'s arguments: the command line's, over the job config's where the command line gave none.
+
+    ``--ak``/``--ek`` add to the config's kwargs (a key given on the command line wins), as in Harbor.
+    """
+    from harbor_async.job_config import JobConfigError, load_job_config, run_options
+
+    try:
+        from_config = run_options(load_job_config(sources))
+    except JobConfigError as exc:
+        raise fail(f"-c/--config: {exc}") from None
+    typed = {name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"}
+    # Click's raw values: an unset repeatable option is (), which typer turns into None for the function
+    arguments = {**{name: None if value == () else value for name, value in ctx.params.items()}, "ctx": ctx, "config": None}
+    for name, value in from_config.items():
+        if name in ("ak", "ek") and name in typed:
+            arguments[name] = [*value, *(ctx.params[name] or [])]
+        elif name not in typed:
+            arguments[name] = value
+    return arguments
+
+
+def print_job_config(
+    settings: JobSettings, spec: Any, jobs_dir: Path, job_name: str | None, selection: dict[str, Any]
+) -> None:
+    """The run as Harbor's ``JobConfig``, printed as ``harbor run --print-config`` prints it (defaults left out).
+
+    ``selection``: ``-i``, ``-x`` and ``-l`` as the dataset's ``task_names``, ``exclude_task_names``, ``n_tasks``.
+    """
+    from harbor_async.harbor_jobs import HarborJob
+
+    root = Path(settings.suite) if settings.suite else None
+    folder = jobs_dir / (job_name or "job")
+    config = HarborJob(folder, settings, root, spec).job_config()
+    for dataset in config.datasets:
+        for field, value in selection.items():
+            if value is not None:
+                setattr(dataset, field, value)
+    printed = config.model_dump(mode="json", exclude_defaults=True)
+    if job_name is None:  # no name given: a timestamp when it runs, left out as Harbor leaves out its default
+        printed.pop("job_name", None)
+    typer.echo(json.dumps(printed, indent=2, ensure_ascii=False))
+
+
+def print_plan(episodes: list[PlannedEpisode], settings: JobSettings, resume: Path | None) -> None:
+    """``--dry-run``'s output: the episodes per task on stdout, one line of what would run on stderr."""
+    per_task = Counter(e.task.name for e in episodes)
+    table = Table("task", "episodes")
+    for name, count in per_task.items():
+        table.add_row(Text(escape_controls(name)), str(count))
+    out.print(table)
+    plan = f"the plan of {resume}" if resume is not None else settings.suite
+    say("dry run:", f"{len(episodes)} episodes of {len(per_task)} tasks ({plan}), -e {settings.environment_type}, "
+        f"-a {settings.agent}, -n {settings.n_concurrent}; every check passed, nothing started", "bold")
+
+
+#: ``harbor run``'s own defaults of ``-e`` and ``-n``, which differ from ours.
+HARBOR_DEFAULTS = {"env": "docker", "n_concurrent": 4}
+
+
+def defaults_line(env: str | None, n_concurrent: int | None, settings: JobSettings) -> str | None:
+    """One line naming the backend and concurrency a run took by default, beside ``harbor run``'s (``None``: both given)."""
+    said = []
+    if env is None:
+        said.append(f"-e {settings.environment_type} (harbor run's default: -e {HARBOR_DEFAULTS['env']})")
+    if n_concurrent is None:
+        said.append(f"-n {settings.n_concurrent} (harbor run's: -n {HARBOR_DEFAULTS['n_concurrent']})")
+    return f"defaults: {', '.join(said)}; give -e/-n to choose" if said else None
