@@ -234,6 +234,8 @@ def row_suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     tag = f"{3000 + os.getpid() % 1000}.{time.monotonic_ns() % 10**6}"
     for name in ("slow-verifier", "slow-solution", "disk-dumper"):
         shutil.copytree(TASK.task_dir, tasks / name)
+    with (tasks / "disk-dumper" / "instruction.md").open("a") as instruction:  # the scripted server tells tasks by it
+        instruction.write("\nLeave nothing else behind.\n")
     with (tasks / "disk-dumper" / "solution" / "solve.sh").open("a") as dumper:
         dumper.write("\nmkdir -p /logs/artifacts && truncate -s 6M /logs/artifacts/a.bin /logs/artifacts/b.bin /logs/artifacts/c.bin\n")
     toml = tasks / "slow-verifier" / "task.toml"

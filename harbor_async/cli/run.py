@@ -95,7 +95,7 @@ _SETTING_OF = {
     "concurrency": "n_concurrent", "n_attempts": "n_attempts", "env_allow": "env_allow", "strict_verify": "strict_verify",
     "episode_disk_limit_mb": "episode_disk_limit_mb", "job_disk_limit_mb": "job_disk_limit_mb",
     "max_retries": "max_retries", "retry_include": "retry_include", "retry_exclude": "retry_exclude",
-    "force_build": "force_build", "override_cpus": "override_cpus", "override_memory_mb": "override_memory_mb",
+    "force_build": "force_build", "agent_import_path": "agent", "environment_import_path": "environment_type", "override_cpus": "override_cpus", "override_memory_mb": "override_memory_mb",
     "override_storage_mb": "override_storage_mb", "override_gpus": "override_gpus", "artifact": "artifacts",
     "timeout_multiplier": "timeout_multiplier", "agent_timeout_multiplier": "agent_timeout_multiplier",
     "verifier_timeout_multiplier": "verifier_timeout_multiplier",
