@@ -149,3 +149,15 @@ JobDiskLimitOpt = Annotated[
         help="MiB the job folder may hold: the download that passes it stops the job (exit 1), resumable.",
     ),
 ]
+
+
+def say_refused(refusals: Any, backend: str | None = None) -> None:
+    """The tasks a run leaves out, one line each, before anything starts (``run`` and ``eval``; the rest runs)."""
+    where = f" on -e {backend}" if backend else ""
+    lines = "\n".join("  " + r.line() for r in refusals)
+    say("refused:", f"{len({r.task for r in refusals})} task(s) cannot be run as written{where}; the rest runs:\n{lines}", "bold red")
+
+
+def say_refused_at_end(tasks: int) -> None:
+    """The last word of a run that left tasks out (its exit status is 1)."""
+    say("refused:", f"{tasks} task(s) were not run (listed at the start and in summary.json)", "bold red")

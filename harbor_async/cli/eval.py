@@ -12,7 +12,7 @@ from harbor_async.cli import cluster as cluster_opts
 from harbor_async.cli import setting_opts
 from harbor_async.cli.agents import AgentKwargOpt, parsed_agent_kwargs
 from harbor_async.cli.progress import EpisodeProgress
-from harbor_async.cli.common import EpisodeDiskLimitOpt, JobDiskLimitOpt, StrictVerifyOpt, checked_backend, say, err, fail, out, parse_kwargs, setup_logging
+from harbor_async.cli.common import EpisodeDiskLimitOpt, JobDiskLimitOpt, StrictVerifyOpt, checked_backend, say, say_refused, say_refused_at_end, err, fail, out, parse_kwargs, setup_logging
 from harbor_async.cli.selection import DatasetOpt, RegistryPathOpt, RegistryUrlOpt, suite_source
 from harbor_async.printing import escape_controls
 
@@ -242,7 +242,7 @@ def eval_command(
                     on_record=progress.record,
                     on_plan=lambda pending, _total: progress.plan(pending),
                     on_status=progress.status,
-                    on_refused=_say_refused,
+                    on_refused=say_refused,
                     **settings,
                 )
             )
@@ -272,8 +272,7 @@ def eval_command(
     _print_summary(result.summary)
     err.print(f"job folder: {result.job_dir}")
     if result.summary.get("refused"):
-        refused = {r["task"] for r in result.summary["refused"]}
-        say("refused:", f"{len(refused)} task(s) were not run (listed at the start and in summary.json)", "bold red")
+        say_refused_at_end(len({r["task"] for r in result.summary["refused"]}))
     if any(r.rerun for r in result.records) or result.summary.get("refused"):
         raise typer.Exit(1)
 
@@ -283,12 +282,6 @@ def _names_a_harbor_agent(agent: str) -> bool:
     from harbor.models.agent.name import AgentName
 
     return agent in {name.value for name in AgentName} and agent not in ("oracle", "nop")
-
-
-def _say_refused(refused: list) -> None:
-    """The tasks left out, one line each, before anything starts (the rest runs)."""
-    lines = "\n".join("  " + r.line() for r in refused)
-    say("refused:", f"{len({r.task for r in refused})} task(s) cannot be run as written; the rest runs:\n{lines}", "bold red")
 
 
 #: The flags whose setting has another name.

@@ -32,6 +32,8 @@ from harbor_async.cli.common import (
     parse_indices,
     parse_kwargs,
     say,
+    say_refused,
+    say_refused_at_end,
     setup_logging,
 )
 from harbor_async.cli.eval import MODEL_SERVER_DOWN_EXIT
@@ -248,8 +250,7 @@ def run(
     if refused:  # listed first, left out of the plan, kept in the summary; the exit status says so
         names = {r.task for r in refused}
         episodes = [e for e in episodes if e.task.name not in names]
-        lines = "\n".join("  " + r.line() for r in refused)
-        say("refused:", f"{len(names)} task(s) cannot be run as written on -e {settings.environment_type}; the rest runs:\n{lines}", "bold red")
+        say_refused(refused, settings.environment_type)
     if episodes:  # a missing client package is one line, before any sandbox or job folder
         try:
             spec.check_installed(episodes[0].task, settings.environment_kwargs)
@@ -361,7 +362,7 @@ def run(
     for r in broken:
         say(f"{r.error_class} failure", f"{r.task} (attempt {r.attempt}): {r.error}", "bold red")
     if refused:
-        say("refused:", f"{len({r.task for r in refused})} task(s) were not run (listed at the start and in summary.json)", "bold red")
+        say_refused_at_end(len({r.task for r in refused}))
     if broken or refused:
         raise typer.Exit(1)
 
