@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -17,12 +17,14 @@ from harbor_async.collector import TUNING
 from harbor_async.disk_bounds import DiskLimits
 from harbor_async.errors import EngineClosedError
 from harbor_async.logs import get_logger
+from harbor_async.mounts import check_backend as check_mounts
 from harbor_async.naming import new_run_label
 from harbor_async.policy import Limits, RetryPolicy, Timeouts
 from harbor_async.results import TRUNCATION_MARKER
 from harbor_async.sandbox import Sandbox, SandboxContext
 from harbor_async.stats import EngineStats, StatsRecorder
 from harbor_async.task_env import compose_fills, with_allowed_env
+from harbor_async.task_overrides import TaskOverrides
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -79,6 +81,22 @@ class Engine:
         force_build: ask the backend to build each task's environment again at
             its start (Harbor's ``force_build``; the docker fast start builds
             each image once per process then).
+        delete: Harbor's ``delete`` (``--delete``): at the close, delete what
+            the sandboxes' stops kept for later starts (the docker fast start's
+            task images, :meth:`~harbor_async.backends.docker.fast_start.FastStartDockerEnvironment.delete_kept_builds`);
+            not at each stop, since the run's other sandboxes start from them.
+            Containers and volumes are removed at every stop either way.
+        mounts: host paths mounted into every sandbox (harbor run's ``--mounts``,
+            as :func:`harbor_async.mounts.normalized` gives them: read-only unless
+            one says otherwise); a backend that cannot honour them is refused at launch.
+        task_overrides: what the run sets on every task it starts (harbor
+            run's ``--override-*``, ``--artifact``, ``--ve``; see
+            :mod:`harbor_async.task_overrides`).
+        agent_env: variables over every command of the agent phase (harbor run's
+            ``--ae``), never the verifier's; literal (the driver fills a
+            ``${VAR}`` from its own allowed host variables:
+            :func:`harbor_async.task_env.fill_values`), so a cluster's workers
+            get the driver's values.
     """
 
     def __init__(
@@ -99,6 +117,10 @@ class Engine:
         trials_dir: str | Path | None = None,
         disk_limits: DiskLimits | None = None,
         force_build: bool = False,
+        delete: bool = False,
+        mounts: Sequence[Mapping[str, Any]] = (),
+        task_overrides: TaskOverrides | None = None,
+        agent_env: Mapping[str, str] | None = None,
     ) -> None:
         self.limits = limits or Limits()
         self.timeouts = timeouts or Timeouts()
@@ -113,6 +135,11 @@ class Engine:
         self.strict_verify = strict_verify
         self.disk_limits = disk_limits or DiskLimits()
         self.force_build = force_build
+        self.delete = delete
+        self._kept: dict[type, set[str]] = {}  # environment class -> what its sandboxes' stops kept (see delete)
+        self.mounts = [dict(m) for m in mounts]
+        self.task_overrides = task_overrides or TaskOverrides()
+        self.agent_env = dict(agent_env or {})
         #: the job folder where each episode keeps a Harbor trial folder: its agent and verifier logs and its
         #: artifacts (``None``: nothing kept; see harbor_async.harbor_jobs and harbor_async.artifacts)
         self.trials_dir = Path(trials_dir) if trials_dir is not None else None
@@ -152,8 +179,9 @@ class Engine:
             budget=self._budget_factory(self.limits) if self._budget_factory else LocalBudget(self.limits),
             stats=self._stats,
             on_done=self._forget,
-            start_options={"docker_overlay": self.docker_overlay, "force_build": self.force_build},
+            start_options={"docker_overlay": self.docker_overlay, "force_build": self.force_build, "mounts": self.mounts},
             strict_verify=self.strict_verify,
+            agent_env=self.agent_env,
         )
         if self.reap_stale:
             from harbor_async.reaper import reap_stale_once
@@ -212,6 +240,8 @@ class Engine:
                         await anyio.to_thread.run_sync(release)
                     except RuntimeError:  # no new threads at interpreter shutdown
                         release()
+                if self.delete:
+                    await self._delete_kept()
             finally:  # a second close waits for this one: it must never wait for ever
                 self._drained.set()
         self.request_close()
@@ -251,6 +281,7 @@ class Engine:
                 the options: nothing is started.
             TaskEnvError: the task's ``${VAR}`` names a host variable not in
                 ``env_allow``, with no default: nothing is started.
+            MountError: the engine's ``mounts`` on a backend that cannot honour them: nothing is started.
         """
         if self._tg is None or self._closing:
             raise EngineClosedError("the engine is not running (closed, or not entered)")
@@ -269,6 +300,8 @@ class Engine:
         options = {**self.backend_kwargs, **(backend_kwargs or {})}
         spec.check_options(options)  # so do options the backend does not take
         cls = spec.environment_class()
+        check_mounts(cls, spec.name, self.mounts)  # a backend that cannot honour --mounts: nothing starts
+        task = self.task_overrides.apply(task)  # the run's flags over every task, wherever it was loaded
         task = with_allowed_env(task, self.env_allow, compose=compose_fills(cls))  # raises TaskEnvError: nothing starts
         # What the backend keeps warm for this run (e.g. the local backend's ready sandboxes), under the label
         # its sandboxes get (the user's ``run_label`` option, if given, else the engine's).
@@ -332,3 +365,21 @@ class Engine:
     def _forget(self, sandbox: Sandbox) -> None:
         if self._ledger.pop(sandbox.id, None) is not None:  # once per sandbox: its stop runs once
             TUNING.remove()
+        if sandbox.kept_build is not None:
+            self._kept.setdefault(sandbox.backend.environment_class(), set()).add(sandbox.kept_build)
+
+    async def _delete_kept(self) -> None:
+        """``delete``: what the sandboxes' stops kept goes now; one left (in use elsewhere) is a warning, not an error."""
+        kept, self._kept = self._kept, {}
+        for cls, builds in kept.items():
+            delete = getattr(cls, "delete_kept_builds", None)
+            if delete is None:
+                continue
+            try:
+                left = await anyio.to_thread.run_sync(delete, sorted(builds))
+            except RuntimeError:  # no new threads at interpreter shutdown
+                left = delete(sorted(builds))
+            except Exception as exc:  # noqa: BLE001 - the run's results stand; the builds stay, said once
+                left = [f"{len(builds)} kept builds: {exc!r}"]
+            if left:
+                self._log.warning("delete: builds left", left=left)

@@ -122,7 +122,7 @@ class Episode:
         self.on_done = on_done
         #: Told once whether the sandbox started (``None``) or why not (the shim's failure guard counts starts).
         self.on_started = on_started
-        self.task = task
+        self.task = engine.task_overrides.apply(task)  # the run's --override-*, --artifact, --ve: as its sandbox gets it
         self.backend = backend
         self.backend_kwargs = backend_kwargs or {}
         self.record = EpisodeRecord(

@@ -50,7 +50,7 @@ from harbor_async.runner import FailureBudget, PlannedEpisode, run_suite
 from harbor_async.scoring import summarize, sweep_summary
 from harbor_async.settings import JobSettings
 from harbor_async.task_support import Refusal, check_tasks, refused_summary
-from harbor_async.tasks import add_artifacts, override_resources, suite_task_path
+from harbor_async.tasks import suite_task_path
 
 if TYPE_CHECKING:
     from harbor_async.engine import Engine
@@ -323,8 +323,6 @@ async def evaluate(
     loaded = load_suite(
         config.suite, num_tasks=config.n_tasks, indices=config.indices, include=config.include, exclude=config.exclude
     )
-    override_resources(loaded.tasks, config.resource_overrides())  # --override-*, before the checks
-    add_artifacts(loaded.tasks, config.artifacts)  # harbor run's --artifact (the eval setting, in Python)
     timeouts = config.timeouts()
     for task in loaded.tasks:  # checked before any server or sandbox: every budget finite
         try:
@@ -338,7 +336,7 @@ async def evaluate(
     # every ${VAR} allowed (else a table, exit 2); a task the backend cannot honour is refused alone (all: exit 2)
     refused = check_tasks(
         loaded.tasks, backend, driver=eval_driver(harbor), env_allow=config.env_allow,
-        backend_kwargs=config.environment_kwargs, alone=True,
+        backend_kwargs=config.environment_kwargs, alone=True, overrides=config.task_overrides(),
     )  # fmt: skip
     tasks = [task for task in loaded.tasks if task.name not in {r.task for r in refused}]
     if refused and on_refused is not None:

@@ -66,7 +66,7 @@ class HarborEpisodeAgent:
         timeouts = episode.engine.timeouts
         budget = cls.DEFAULT_SETUP_TIMEOUT_SEC * (timeouts.agent_setup_timeout_multiplier or timeouts.timeout_multiplier)  # Harbor's rule
         environment = sandbox.environment
-        with environment.with_default_user(episode.task.config.agent.user), environment.scoped_exec_env(self._agent.extra_env):
+        with environment.with_default_user(episode.task.config.agent.user), environment.scoped_exec_env({**self._agent.extra_env, **sandbox.context.agent_env}):
             async with sandbox.context.budget.exec_slot(), sandbox.bounded_phase(Phase.START, budget=budget):
                 await self._agent.setup(environment)
 
@@ -81,7 +81,7 @@ class HarborEpisodeAgent:
         again = self._acted and sandbox.context.strict_verify and self._keeps_processes()
         self._acted = True
         try:
-            with environment.scoped_exec_env(self._agent.extra_env):
+            with environment.scoped_exec_env({**self._agent.extra_env, **sandbox.context.agent_env}):
                 async with sandbox.context.budget.exec_slot(), sandbox.bounded_phase(Phase.AGENT, budget=episode.agent_budget):
                     if again:
                         # The last step's strict verify ended every process the agent had (terminus-2's terminal):

@@ -291,12 +291,20 @@ class HarborJob:
     def job_config(self) -> Any:
         """Harbor's ``JobConfig`` of this job: its agents (one per model of a sweep), dataset and environment."""
         from harbor.models.job.config import DatasetConfig, JobConfig
-        from harbor.models.trial.config import EnvironmentConfig
+        from harbor.models.trial.config import EnvironmentConfig, VerifierConfig
 
         s = self.settings
         models = list(s.models) or [None]
         name, version = self._registry_dataset()
-        if name is not None:
+        tasks = []
+        if getattr(s, "task_ref", None):  # -t: one registry task, as harbor run -t writes it
+            from harbor.models.trial.config import TaskConfig
+
+            from harbor_async.registry import parse_task_ref
+
+            task, ref = parse_task_ref(s.task_ref)
+            datasets, tasks = [], [TaskConfig(name=task, ref=ref)]
+        elif name is not None:
             datasets = [DatasetConfig(name=name, version=version)]
         else:
             datasets = [DatasetConfig(path=self.root)] if self.root is not None else []
@@ -312,8 +320,10 @@ class HarborJob:
             environment=EnvironmentConfig(**self._environment()),
             agents=[self._agent_config(model) for model in models],
             datasets=datasets,
+            tasks=tasks,
             retry=self._retry_config(),
             artifacts=list(getattr(s, "artifacts", None) or []),
+            verifier=VerifierConfig(env=dict(getattr(s, "verifier_env", None) or {})),  # --ve
         )
 
     # ── one trial ───────────────────────────────────────────────────────
@@ -380,10 +390,10 @@ class HarborJob:
     def _agent_config(self, model: str | None) -> Any:
         from harbor.models.trial.config import AgentConfig
 
-        agent = self.settings.agent or "oracle"
+        agent, env = self.settings.agent or "oracle", dict(getattr(self.settings, "agent_env", None) or {})  # --ae
         if ":" in agent:
-            return AgentConfig(import_path=agent, model_name=model)
-        return AgentConfig(name=agent, model_name=model)
+            return AgentConfig(import_path=agent, model_name=model, env=env)
+        return AgentConfig(name=agent, model_name=model, env=env)
 
     def _retry_config(self) -> Any:
         """Harbor's ``RetryConfig`` of ``-r``, ``--retry-include``, ``--retry-exclude`` (Harbor's defaults otherwise)."""
@@ -449,6 +459,9 @@ class HarborJob:
         found = {"type": spec.type, "import_path": spec.import_path, "kwargs": dict(self.settings.environment_kwargs)}
         if getattr(self.settings, "force_build", False):
             found["force_build"] = True
+        if getattr(self.settings, "mounts", None):  # --mounts, in Harbor's form (read_only: true unless writable)
+            found["mounts"] = [dict(m) for m in self.settings.mounts]
+        found["delete"] = bool(getattr(self.settings, "delete", False))  # Harbor's default deletes; ours keeps images
         for name in ("override_cpus", "override_memory_mb", "override_storage_mb", "override_gpus"):
             if getattr(self.settings, name, None) is not None:
                 found[name] = getattr(self.settings, name)

@@ -26,22 +26,24 @@ _TOP = {
     "job_name", "jobs_dir", "n_attempts", "timeout_multiplier", "agent_timeout_multiplier",
     "verifier_timeout_multiplier", "agent_setup_timeout_multiplier", "environment_build_timeout_multiplier",
     "n_concurrent_trials", "debug", "quiet", "environment", "agents", "datasets", "tasks", "retry", "artifacts",
+    "verifier",
 }  # fmt: skip
+_VERIFIER = {"env"}
 _RETRY = {"max_retries", "include_exceptions", "exclude_exceptions"}
 _ENVIRONMENT = {
     "type", "import_path", "kwargs", "force_build", "override_cpus", "override_memory_mb", "override_storage_mb",
-    "override_gpus",
+    "override_gpus", "delete", "mounts",
 }  # fmt: skip
-_AGENT = {"name", "import_path", "model_name", "base_url", "model_api_key_name", "kwargs"}
+_AGENT = {"name", "import_path", "model_name", "base_url", "model_api_key_name", "kwargs", "env"}
 _DATASET = {"path", "name", "version", "registry_url", "registry_path", "task_names", "exclude_task_names", "n_tasks"}
-_TASK = {"path"}
+_TASK = {"path", "name", "ref"}  # a folder, or a registry task (-t name@ref); not a git task
 
 
 class JobConfigError(HarborAsyncError):
     """A Harbor job config that cannot be read, or a field of it that ``harbor-async run`` does not honour.
 
     Attributes:
-        field: the config's field (``environment.mounts``), or ``None`` for the file as a whole.
+        field: the config's field (``environment.override_tpu``), or ``None`` for the file as a whole.
     """
 
     def __init__(self, message: str, field: str | None = None) -> None:
@@ -107,6 +109,7 @@ def run_options(config: Any) -> dict[str, Any]:
     _refuse_unknown(set_fields, _TOP, "")
     _refuse_unknown(set_fields.get("environment") or {}, _ENVIRONMENT, "environment.")
     _refuse_unknown(set_fields.get("retry") or {}, _RETRY, "retry.")
+    _refuse_unknown(set_fields.get("verifier") or {}, _VERIFIER, "verifier.")
     agents = config.agents or []
     if len(agents) != 1:
         raise JobConfigError("harbor-async run takes one agent (a sweep of models: harbor-async eval)", "agents")
@@ -135,6 +138,8 @@ def run_options(config: Any) -> dict[str, Any]:
         options["retry_include"] = sorted(retry.include_exceptions)
     if "exclude_exceptions" in (set_fields.get("retry") or {}):
         options["retry_exclude"] = sorted(retry.exclude_exceptions or ())
+    if config.verifier.env:
+        options["verifier_env"] = [f"{key}={value}" for key, value in config.verifier.env.items()]
     if config.debug:
         options["debug"] = True
     if config.quiet:
@@ -143,6 +148,9 @@ def run_options(config: Any) -> dict[str, Any]:
     options["env"] = environment.import_path or (environment.type.value if environment.type is not None else "docker")
     if environment.force_build:
         options["force_build"] = True
+    if environment.mounts:  # as --mounts takes them: read-only unless --mounts-writable is given too
+        options["mounts"] = _text(list(environment.mounts))
+    options["delete"] = bool(environment.delete)  # Harbor's default (true) included: a file is run as Harbor runs it
     for name in ("override_cpus", "override_memory_mb", "override_storage_mb", "override_gpus"):
         if getattr(environment, name, None) is not None:
             options[name] = getattr(environment, name)
@@ -163,18 +171,22 @@ def _agent_options(agent: Any) -> dict[str, Any]:
         options["api_key_name"] = agent.model_api_key_name
     if agent.kwargs:
         options["ak"] = [f"{key}={_text(value)}" for key, value in agent.kwargs.items()]
+    if agent.env:
+        options["agent_env"] = [f"{key}={value}" for key, value in agent.env.items()]
     return options
 
 
 def _selection(config: Any) -> dict[str, Any]:
-    """Where the tasks come from: one dataset (a folder or the registry's ``name@version``) or one task folder."""
+    """Where the tasks come from: one dataset (a folder or the registry's ``name@version``), one task folder, or one
+    registry task (``name``/``ref``: ``-t``)."""
     datasets, tasks = config.datasets or [], config.tasks or []
     if len(datasets) + len(tasks) != 1:
-        raise JobConfigError("harbor-async run takes one dataset or one task (give -p or -d)", "datasets")
+        raise JobConfigError("harbor-async run takes one dataset or one task (give -p, -d or -t)", "datasets")
     if tasks:
-        if tasks[0].path is None:
-            raise JobConfigError("a registry or git task is not run by harbor-async; give its folder", "tasks[0]")
-        return {"path": Path(tasks[0].path)}
+        task = tasks[0]  # a git task (git_url) was refused above, with the other fields run does not take
+        if task.name is not None:  # harbor run -t: a registry task (a --registry-path given beside -c is its registry)
+            return {"task_ref": f"{task.name}@{task.ref}" if task.ref else task.name}
+        return {"path": Path(task.path)}
     dataset = datasets[0]
     found: dict[str, Any] = {}
     if dataset.path is not None:

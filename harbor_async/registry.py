@@ -14,6 +14,17 @@
   still does for one release, with a deprecation notice, when the registry does
   not know the name (or Harbor's default registry cannot be reached).
 
+``-t NAME[@REF]`` (:func:`resolve_task`) is one task, downloaded the same way:
+
+- in a registry file or ``--registry-url`` document, ``NAME`` is a task's
+  ``name`` as its datasets list it (any dataset, any version) and ``REF`` its
+  git commit (a prefix will do); a name the datasets list as different tasks
+  (another git URL, commit or path) is refused, naming them, unless ``@REF``
+  picks one;
+- in Harbor's own registry (neither option), ``org/name[@ref]`` is a Harbor
+  package (``ref``: a tag, revision or digest, ``latest`` by default), fetched
+  by Harbor's :class:`~harbor.tasks.client.TaskClient` as ``harbor run -t`` does.
+
 Every registry call runs in its own short-lived thread with its own event loop:
 callers may be inside a running loop (a notebook building a ``HarborSpec``), and
 a registry that never answers is abandoned after :data:`LOOKUP_TIMEOUT`, never
@@ -27,10 +38,10 @@ import difflib
 import os
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from harbor_async.errors import (
     RegistryError,
@@ -41,16 +52,21 @@ from harbor_async.errors import (
 from harbor_async.logs import get_logger
 
 if TYPE_CHECKING:
-    from harbor.models.registry import DatasetMetadata
+    from harbor.models.registry import DatasetMetadata, RegistryTaskId
     from harbor.registry.client.base import BaseRegistryClient
 
-__all__ = ["HF_PREFIXES", "Dataset", "Registry", "fetch_dataset", "parse_hf", "resolve_dataset"]
+__all__ = [
+    "HF_PREFIXES", "AmbiguousTaskError", "Dataset", "Registry", "RegistryTask", "UnknownTaskError", "fetch_dataset",
+    "parse_hf", "parse_task_ref", "resolve_dataset", "resolve_task",
+]  # fmt: skip
 
 log = get_logger(__name__)
 T = TypeVar("T")
 
 #: The spellings of a Hugging Face dataset repo: ``hf:org/name`` (``hf://`` as earlier releases wrote it).
 HF_PREFIXES = ("hf://", "hf:")
+#: The ref of ``-t NAME`` without one, as Harbor writes it (``harbor run -t org/name`` is ``org/name@latest``).
+LATEST = "latest"
 #: Seconds a registry lookup may take (``HARBOR_ASYNC_REGISTRY_TIMEOUT``); downloads are not bounded, as in Harbor.
 LOOKUP_TIMEOUT = float(os.environ.get("HARBOR_ASYNC_REGISTRY_TIMEOUT") or 60.0)
 
@@ -91,6 +107,55 @@ class Dataset:
     source: str | tuple[Path, ...]
     name: str
     deprecation: str | None = None
+
+
+class UnknownTaskError(RegistryError):
+    """The registry lists no task of that name (``-t NAME``), or none at that git commit (``-t NAME@REF``).
+
+    Attributes:
+        name: the task's name.
+        ref: the ref asked for (``None``: the name itself is unknown).
+        known: the task's commits (a ref unknown), or registry task names close to the name.
+    """
+
+    def __init__(self, message: str, name: str, ref: str | None, known: Sequence[str]) -> None:
+        super().__init__(message)
+        self.name, self.ref, self.known = name, ref, list(known)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.name, self.ref, self.known))
+
+
+class AmbiguousTaskError(RegistryError):
+    """``-t NAME`` names different tasks in the registry's datasets (another git URL, commit or path).
+
+    Attributes:
+        name: the task's name.
+        datasets: each dataset (``name@version``) listing it, with the commit it pins (``None``: its HEAD).
+    """
+
+    def __init__(self, message: str, name: str, datasets: Sequence[tuple[str, str | None]]) -> None:
+        super().__init__(message)
+        self.name, self.datasets = name, list(datasets)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.name, self.datasets))
+
+
+@dataclass(frozen=True)
+class RegistryTask:
+    """A resolved ``-t``: the task's folder (downloaded into Harbor's cache) and what it was resolved as.
+
+    Attributes:
+        path: the task's folder.
+        name: the task's name as given (``NAME``), ``ref`` the ref given (``latest`` when none, as Harbor writes it).
+        source: where it came from, for messages: ``dataset@version`` (commit) or ``org/name@ref``.
+    """
+
+    path: Path
+    name: str
+    ref: str
+    source: str
 
 
 def parse_hf(text: str) -> tuple[str, str | None] | None:
@@ -168,8 +233,38 @@ def fetch_dataset(name: str, version: str | None = None, registry: Registry | No
     if not metadata.task_ids:
         raise RegistryError(f"dataset {label} of {registry} lists no tasks")
     log.info("downloading registry dataset", dataset=label, tasks=len(metadata.task_ids), registry=str(registry))
-    paths = _bounded(lambda: _download(metadata, label), None, str(registry))
+    paths = _bounded(lambda: _download(list(metadata.task_ids), f"dataset {label}"), None, str(registry))
     return Dataset(tuple(dict.fromkeys(paths)), label)  # a task listed twice runs once, as Harbor dedupes
+
+
+def parse_task_ref(text: str) -> tuple[str, str]:
+    """``(name, ref)`` of ``-t NAME[@REF]`` as Harbor parses it: the last ``@`` splits; no ref is ``latest``."""
+    name, at, ref = text.strip().rpartition("@")
+    return (name, ref or LATEST) if at else (ref, LATEST)
+
+
+def resolve_task(text: str, *, registry_url: str | None = None, registry_path: Path | str | None = None) -> RegistryTask:
+    """Resolve ``-t NAME[@REF]`` before any sandbox starts: one registry task, downloaded (see the module doc).
+
+    Args:
+        text: ``NAME`` or ``NAME@REF`` (a registry file's task and its git commit; Harbor's ``org/name@ref``).
+        registry_url, registry_path: Harbor's ``--registry-url`` / ``--registry-path`` (neither: Harbor's registry).
+
+    Raises:
+        RegistryError: one line saying why (its subclasses: :class:`UnknownTaskError`, :class:`AmbiguousTaskError`,
+            the registry unreachable or its file invalid, a download failed).
+    """
+    from harbor.constants import DEFAULT_REGISTRY_URL
+
+    name, ref = parse_task_ref(text)
+    if not name:
+        raise RegistryError(f"-t {text!r} has no task name (write NAME or NAME@REF)")
+    registry = Registry(registry_url, Path(registry_path).expanduser() if registry_path is not None else None)
+    if registry.path is None and registry.url in (None, DEFAULT_REGISTRY_URL):  # Harbor's registry: its packages
+        return _bounded(lambda: _fetch_package(name, ref), None, str(registry))
+    found, source = _bounded(lambda: _find_task(name, ref, registry), LOOKUP_TIMEOUT, str(registry))
+    paths = _bounded(lambda: _download([found.to_source_task_id()], f"task {name}"), None, str(registry))
+    return RegistryTask(paths[0], name, ref, source)
 
 
 # ── Harbor's registry client, on a thread of its own ─────────────────────────
@@ -246,19 +341,94 @@ def _lookup(name: str, version: str | None, registry: Registry) -> DatasetMetada
     raise RegistryUnreachableError(f"{registry} failed to give dataset {ref}: {_first_line(miss)}")
 
 
-def _download(metadata: DatasetMetadata, label: str) -> list[Path]:
-    """The tasks' folders, downloaded (git: shallow sparse clones) into Harbor's task cache by Harbor's client."""
+def _download(task_ids: list[Any], what: str, passed: type[BaseException] | tuple[()] = ()) -> list[Path]:
+    """The tasks' folders, downloaded (git: shallow sparse clones) into Harbor's task cache by Harbor's client.
+
+    ``what``: ``dataset NAME@VERSION`` or ``task NAME``, for the error's message; ``passed``: raised as it is
+    (the caller's to type), out of the task group Harbor's client may wrap it in.
+    """
     from harbor.tasks.client import TaskClient
 
     try:
-        result = asyncio.run(TaskClient().download_tasks(task_ids=list(metadata.task_ids)))
-    except subprocess.CalledProcessError as exc:
+        result = asyncio.run(TaskClient().download_tasks(task_ids=list(task_ids)))
+    except Exception as group:  # noqa: BLE001 - typed below, by the error inside any task group
+        exc = group
+        while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+            exc = exc.exceptions[0]
+        if passed and isinstance(exc, passed):
+            raise exc from None
+        _download_failed(exc, what)
+    return [Path(path).expanduser() for path in result.paths]
+
+
+def _download_failed(exc: BaseException, what: str) -> NoReturn:
+    if isinstance(exc, subprocess.CalledProcessError):
         stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr or "")
         detail = next((line for line in reversed(stderr.splitlines()) if line.strip()), f"exit status {exc.returncode}")
-        raise RegistryError(f"downloading dataset {label} failed: {' '.join(map(str, exc.cmd[:2]))}: {detail}") from None
-    except Exception as exc:  # noqa: BLE001 - a missing local task, a link out of a task, no git
-        raise RegistryError(f"downloading dataset {label} failed: {_first_line(exc)}") from None
-    return [Path(path).expanduser() for path in result.paths]
+        raise RegistryError(f"downloading {what} failed: {' '.join(map(str, exc.cmd[:2]))}: {detail}") from None
+    # a missing local task, a link out of a task, no git; the package service unreachable
+    raise RegistryError(f"downloading {what} failed: {_first_line(exc)}") from None
+
+
+def _find_task(name: str, ref: str, registry: Registry) -> tuple[RegistryTaskId, str]:
+    """The registry task ``name`` (at commit ``ref``: a prefix will do; ``latest`` or none: any), and its source.
+
+    Every dataset of every version is searched; the same task (git URL, commit, path) listed by several is one.
+    """
+    client = _open(registry)
+    specs = getattr(client, "dataset_specs", None)
+    if specs is None:  # a Harbor registry service, not a document: its tasks are packages (org/name)
+        raise RegistryError(f"{registry} lists no tasks by name; give a registry file's task, or Harbor's org/name")
+    listed = [(f"{d.name}@{d.version}", t) for versions in specs.values() for d in versions.values() for t in d.tasks]
+    named = [(label, task) for label, task in listed if task.name == name]
+    if not named:
+        names = sorted({task.name for _, task in listed})
+        near = names if len(names) <= 10 else difflib.get_close_matches(name, names, n=5)
+        hint = f"; {'its tasks' if len(names) <= 10 else 'close names'}: {', '.join(near)}" if near else ""
+        raise UnknownTaskError(f"{registry} has no task {name!r}{hint}", name, None, near)
+    if ref and ref != LATEST:
+        commits = sorted({task.git_commit_id for _, task in named if task.git_commit_id})
+        named = [(label, task) for label, task in named if (task.git_commit_id or "").startswith(ref)]
+        if not named:
+            raise UnknownTaskError(
+                f"{registry} has no task {name!r} at commit {ref!r}; its commits: {', '.join(commits) or 'none (HEAD)'}",
+                name, ref, commits,
+            )  # fmt: skip
+    sources: dict[tuple[Any, ...], list[str]] = {}
+    for label, task in named:
+        sources.setdefault((task.git_url, task.git_commit_id, str(task.path)), []).append(label)
+    if len(sources) > 1:
+        pinned = [(label, key[1]) for key, labels in sources.items() for label in labels]
+        each = "; ".join(f"{', '.join(labels)}: {key[1] or 'HEAD'} of {key[0] or 'a local path'}, {key[2]}" for key, labels in sources.items())
+        raise AmbiguousTaskError(
+            f"{registry} lists different tasks named {name!r} ({each}); pick one with -t {name}@COMMIT "
+            "(a prefix will do)", name, pinned,
+        )  # fmt: skip
+    (key, labels), = sources.items()
+    task = next(task for label, task in named if label == labels[0])
+    return task, f"{labels[0]} ({key[1] or 'HEAD'})"
+
+
+def _fetch_package(name: str, ref: str) -> RegistryTask:
+    """Harbor's package ``org/name@ref``, downloaded into Harbor's package cache as ``harbor run -t`` does."""
+    import re
+
+    try:
+        from harbor.constants import ORG_NAME_PATTERN
+        from harbor.db.client import TaskVersionNotFoundError
+        from harbor.models.task.id import PackageTaskId
+    except ImportError:  # a Harbor without packages
+        raise RegistryError("this Harbor has no task packages: give a registry file's task with --registry-path") from None
+    if not re.match(ORG_NAME_PATTERN, name) or ".." in name:
+        raise RegistryError(
+            f"-t {name}: Harbor's registry names a task org/name; a registry file's task by its name needs --registry-path"
+        )
+    org, _, short = name.partition("/")
+    try:
+        paths = _download([PackageTaskId(org=org, name=short, ref=ref)], f"task {name}@{ref}", TaskVersionNotFoundError)
+    except TaskVersionNotFoundError:
+        raise UnknownTaskError(f"Harbor's registry has no task {name}@{ref}", name, ref, []) from None
+    return RegistryTask(paths[0], name, ref, f"{name}@{ref}")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -39,6 +39,7 @@ from harbor_async.errors import (
 from harbor_async.logs import get_logger
 from harbor_async.records import EpisodeRecord
 from harbor_async.steps import run_steps
+from harbor_async.task_overrides import agent_exec_env
 
 if TYPE_CHECKING:
     from harbor.models.task.config import StepConfig
@@ -112,8 +113,9 @@ async def run_oracle(sandbox: Sandbox, step: StepConfig | None, budget: float | 
             logs_dir=paths.agent_dir, task_dir=sandbox.task.paths.task_dir, trial_paths=paths, agent_timeout_sec=budget
         )
     instruction = sandbox.task.step_instruction(step.name) if step is not None else sandbox.task.instruction
-    async with sandbox.context.budget.exec_slot(), sandbox.bounded_phase(Phase.AGENT, budget=budget):
-        await oracle.run(instruction, sandbox.environment, AgentContext())
+    with agent_exec_env(sandbox.environment, sandbox.context.agent_env):  # --ae: the agent's commands, not the verifier's
+        async with sandbox.context.budget.exec_slot(), sandbox.bounded_phase(Phase.AGENT, budget=budget):
+            await oracle.run(instruction, sandbox.environment, AgentContext())
 
 
 @dataclass(frozen=True)

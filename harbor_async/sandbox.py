@@ -69,6 +69,7 @@ class SandboxContext:
         trial_names: the run's Harbor trial-folder names.
         strict_verify: end every agent process before the verifier runs
             (default; :mod:`harbor_async.verifier_isolation`).
+        agent_env: the run's variables over the agent phase's commands (``--ae``, filled).
     """
 
     run_label: str
@@ -82,6 +83,7 @@ class SandboxContext:
     start_options: Mapping[str, Any] = field(default_factory=dict)
     trial_names: TrialDirNames | None = None
     strict_verify: bool = True
+    agent_env: Mapping[str, str] = field(default_factory=dict)
 
     _timeouts_seen: dict[Timeouts, Timeouts] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -141,6 +143,9 @@ class Sandbox:
         self._deadline = math.inf
         self.renew_deadline()
         self._env: BaseEnvironment | None = None
+        #: what the backend keeps after this sandbox's stop for later starts (the docker fast start's task image),
+        #: read before each stop; the engine deletes it at its close when asked (Harbor's ``--delete``)
+        self.kept_build: str | None = None
         self._trial_dir: Path | None = None
         # Whether the start is over (up or failed) and the stop done; an event (three objects for the
         # collector to walk, per live sandbox) exists only while someone waits for one (see _until).
@@ -360,6 +365,7 @@ class Sandbox:
                     self.state = SandboxState.STOPPING
                     try:
                         async with self._phase(Phase.STOP, budget=self.timeouts.stop):
+                            self.kept_build = getattr(self._env, "kept_build", None) or self.kept_build
                             await self._env.stop(delete=True)
                     except SandboxError as exc:
                         self.stop_error = exc
@@ -500,6 +506,7 @@ class Sandbox:
         with anyio.CancelScope(shield=True):
             env, self._env = self._env, None
             if env is not None:
+                self.kept_build = getattr(env, "kept_build", None) or self.kept_build  # built before the start failed
                 with anyio.move_on_after(self.timeouts.stop or math.inf):
                     try:
                         await env.stop(delete=True)

@@ -28,6 +28,8 @@ from harbor_async.errors import ResumeConflictError, UnknownSettingError
 from harbor_async.retries import EpisodeRetries
 from harbor_async.scoring import DEFAULT_SUCCESS_THRESHOLD
 from harbor_async.serve import DEFAULT_ERROR_TIMEOUT, DEFAULT_READY_TIMEOUT
+from harbor_async.task_env import fill_values
+from harbor_async.task_overrides import TaskOverrides
 from harbor_async.setting_fields import (
     RESUME_MARK,
     AgentLimits,
@@ -109,6 +111,7 @@ class JobSettings(EngineSettings):
     command: Literal["run", "eval"] = "run"
     suite: str | list[str] | None = None  # a folder, a dataset id, or a registry dataset's task folders
     dataset: str | None = None
+    task_ref: str | None = None  # harbor run's -t NAME[@REF]: the one registry task the suite is (suite: its folder)
     agent: str = "oracle"
     agent_kwargs: dict[str, Any] = Field(default_factory=dict)  # a Harbor agent's options (--ak)
     environment_type: str = "local"
@@ -122,12 +125,22 @@ class JobSettings(EngineSettings):
     agent_setup_timeout_multiplier: float | None = knob("timeouts", "agent_setup_timeout_multiplier")
     ray: bool = False
     force_build: bool = may_change_on_resume(False)  # build each task's image again at its first start (docker)
+    # harbor run's --delete: at the run's end, delete what its sandboxes' stops kept for reuse (docker's task images);
+    # containers and volumes go at every stop either way. Our default keeps the images (Harbor's deletes them).
+    delete: bool = may_change_on_resume(False)
     # harbor run's --override-*: every task's resources, bounded by the backend as a task's own values are
     override_cpus: float | None = Field(None, gt=0)
     override_memory_mb: PositiveInt | None = None
     override_storage_mb: PositiveInt | None = None
     override_gpus: NonNegativeInt | None = None
     artifacts: list[str] = Field(default_factory=list, strict=False)  # harbor run's --artifact: collected from every task
+    # harbor run's --mounts, normalized (harbor_async.mounts: read-only unless --mounts-writable let one be writable)
+    mounts: list[dict[str, Any]] = Field(default_factory=list, strict=False)
+    mounts_writable: bool = False
+    # harbor run's --ae/--ve (values as given: a ${VAR} is filled at each start from --env-allow'ed host variables)
+    agent_env: dict[str, str] = Field(default_factory=dict)
+    verifier_env: dict[str, str] = Field(default_factory=dict)
+    env_file: str | None = may_change_on_resume()  # harbor run's --env-file: loaded into this process's environment
     # harbor run's trial retries (-r): failed episodes a resume would rerun, rerun at once (harbor_async.retries)
     max_retries: NonNegativeInt = 0
     retry_include: list[str] | None = Field(None, strict=False)
@@ -255,6 +268,10 @@ class JobSettings(EngineSettings):
                  "storage_mb": self.override_storage_mb, "gpus": self.override_gpus}  # fmt: skip
         return {name: value for name, value in given.items() if value is not None}
 
+    def task_overrides(self) -> TaskOverrides:
+        """What the run sets on every task (``--override-*``, ``--artifact``, ``--ve``): the engine applies it."""
+        return TaskOverrides(self.resource_overrides(), tuple(self.artifacts), dict(self.verifier_env))
+
     def retries(self) -> EpisodeRetries:
         """The run's trial retries (``-r``, ``--retry-include``, ``--retry-exclude``)."""
         return EpisodeRetries.of(self.max_retries, self.retry_include, self.retry_exclude)
@@ -288,6 +305,10 @@ class JobSettings(EngineSettings):
             "trials_dir": None if job_dir is None else str(job_dir),
             "disk_limits": DiskLimits(self.episode_disk_limit_mb, self.job_disk_limit_mb),
             "force_build": self.force_build,
+            "mounts": list(self.mounts),
+            "delete": self.delete,
+            "task_overrides": self.task_overrides(),
+            "agent_env": fill_values(self.agent_env, self.env_allow, "--ae"),  # here: the workers get the driver's
             "backend_kwargs": dict(self.environment_kwargs),
             "budget": budget if budget is not None else self.budget_factory(),
             "reap_stale": True,  # what killed runs left on this machine goes first (dead owners only)

@@ -25,10 +25,10 @@ from __future__ import annotations
 import copy
 import os
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
-from harbor_async.errors import TaskLoadError
+from harbor_async.errors import HarborAsyncError, TaskLoadError
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
@@ -143,6 +143,34 @@ def _filled(task: Task, allowed: Collection[str], compose: bool) -> tuple[list[t
                 problems.append(f"[{section}] {key} = {result!r} (would be filled from the host again)")
             filled.append((section, key, result))
     return filled, problems
+
+
+class RunEnvError(HarborAsyncError, ValueError):
+    """A run's own variables (``--ae``) name a host variable the user did not allow (or not set) with no default."""
+
+
+def fill_values(values: Mapping[str, str], allowed: Collection[str], flag: str) -> dict[str, str]:
+    """A run flag's ``KEY=VALUE`` variables (``--ae``) with their ``${VAR}`` filled as a task's are: allowed host
+    variables, else defaults; the result is literal (nothing fills it again).
+
+    Raises:
+        RunEnvError: a reference to a variable not allowed (or not set) with no default, or one not fillable.
+    """
+    filled: dict[str, str] = {}
+    problems: list[str] = []
+    for key, value in values.items():
+        missing: list[str] = []
+        try:
+            filled[key] = expand(value, allowed, missing)
+        except ValueError as exc:
+            problems.append(f"{flag} {key}={exc}")
+            continue
+        problems.extend(f"{flag} {key}=${{{name}}}" for name in dict.fromkeys(missing))
+    if problems:
+        raise RunEnvError(
+            f"{'; '.join(problems)}: not an allowed host variable (allow it with --env-allow NAME), and no default"
+        )
+    return filled
 
 
 def missing_variables(task: Task, allowed: Collection[str]) -> list[str]:

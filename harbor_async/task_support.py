@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from harbor.models.task.task import Task
 
     from harbor_async.backends import BackendSpec
+    from harbor_async.task_overrides import TaskOverrides
 
 ROOT_USERS = (None, 0, "0", "root")
 
@@ -131,12 +132,15 @@ def check_tasks(
     backend_kwargs: Mapping[str, Any] | None = None,
     allow_flag: str = "--env-allow NAME",
     alone: bool = False,
+    overrides: TaskOverrides | None = None,
 ) -> list[Refusal]:
     """Refuse the run if any task cannot be run as written; check every ``${VAR}`` it needs.
 
     ``alone``: a task with a feature that cannot be honoured is refused alone
     (Harbor runs the rest of a suite too): its refusals are returned, and the
     run goes on without it; only when every task is refused is the run.
+    ``overrides``: the run's changes of every task (:mod:`harbor_async.task_overrides`), checked as the
+    engine will start the tasks.
 
     Raises:
         UnsupportedAgentError: the driver's agent cannot run on ``backend`` at all (one line).
@@ -150,6 +154,8 @@ def check_tasks(
         reason = backend_refusal(driver.agent, local=issubclass(backend.environment_class(), LocalEnvironment))
         if reason is not None:
             raise UnsupportedAgentError(reason, backend.name)
+    if overrides:
+        tasks = list(overrides.apply_all(tasks).values())
     missing = [
         MissingVariable(task.name, *_split(line))
         for task in _distinct(tasks)

@@ -26,10 +26,9 @@ import operator
 import os
 import re
 import tomllib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from harbor.models.task.config import TaskConfig
 from harbor.models.task.task import Task
@@ -526,21 +525,3 @@ class NoMatchingTaskError(EmptySuiteError):
 
     def __reduce__(self):
         return (type(self), (self.root, self.include, self.exclude))
-
-
-def override_resources(tasks: Sequence[Task], overrides: Mapping[str, Any]) -> None:
-    """Set ``overrides`` (``cpus``, ``memory_mb``, ``storage_mb``, ``gpus``) in every task's ``[environment]``, as
-    Harbor's ``--override-*`` do; the backend then bounds them as it bounds a task's own values."""
-    if not overrides:
-        return
-    for task in {id(t): t for t in tasks}.values():
-        task.config.environment = task.config.environment.model_copy(update=dict(overrides))
-
-
-def add_artifacts(tasks: Sequence[Task], paths: Sequence[str]) -> None:
-    """Collect ``paths`` from every task's sandbox too, as Harbor's ``--artifact`` does (after the task's own)."""
-    if not paths:
-        return
-    for task in {id(t): t for t in tasks}.values():
-        known = [a if isinstance(a, str) else a.source for a in task.config.artifacts]
-        task.config.artifacts = [*task.config.artifacts, *(p for p in paths if p not in known)]

@@ -55,6 +55,6 @@ def test_a_flag_we_cannot_honour_is_one_line_with_its_reason_before_anything_sta
     (line,) = done.stderr.strip().splitlines()
     assert "--upload" in line and "harbor upload JOB_DIR" in line
     assert not (tmp_path / "jobs").exists()
-    assert refusal(["-p", "x", "--ve=A=1"]).startswith("--ve (a `harbor run` flag)")
+    assert refusal(["-p", "x", "--stream"]).startswith("--stream (a `harbor run` flag)")
     assert refusal(["--", "--upload"]) is None and refusal(["-k", "2"]) is None
     assert refusal(["-c", "job.yaml"]) is None and refusal(["--print-config"]) is None  # Harbor's job configs are read

@@ -98,7 +98,7 @@ def test_a_harbor_config_runs_the_same_tasks_attempts_agent_and_backend_as_harbo
 @pytest.mark.parametrize(
     ("content", "field"),
     [
-        ({"environment": {"mounts": [{"type": "bind", "source": "/", "target": "/host"}]}}, "environment.mounts"),
+        ({"environment": {"mounts": [{"type": "bind", "source": "relative/path", "target": "/host"}]}}, "environment.mounts"),
         ({"retry": {"max_retries": 3, "max_wait_sec": 5}}, "retry.max_wait_sec"),
         ({"retry": {"max_retries": 3, "include_exceptions": ["VerifierTimeoutError"]}}, "--retry-include"),
         ({"agents": [{"name": "oracle"}, {"name": "nop"}]}, "agents"),

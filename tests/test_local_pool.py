@@ -261,7 +261,7 @@ def test_a_kind_that_could_not_be_made_is_tried_again_after_a_while(monkeypatch:
     blocked.write_text("a file where the sandbox folders go: every piece fails")
     pool = pool_module.RootPool()
     release = pool.hold("run-f")
-    key = (str(blocked), "run-f", ResourceLimits(), False)
+    key = (str(blocked), "run-f", ResourceLimits(), False, ())  # no host binds (--mounts)
     try:
         assert pool.take(key, find_tools()) is None
         deadline = time.monotonic() + 20

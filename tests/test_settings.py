@@ -46,7 +46,7 @@ def _another(annotation: Any, current: Any) -> Any:
     if origin in (list, tuple):
         return [*(current or ()), _another(args[0], None)]
     if origin is dict:
-        return {**(current or {}), "x": 1}
+        return {**(current or {}), "x": _another(args[1], None) if args else 1}
     if annotation is typing.Any:
         return "x"
     raise AssertionError(f"no other value for {annotation}")
@@ -74,7 +74,7 @@ def test_a_resume_takes_where_the_server_is_and_how_many_at_once_anew(name: str)
 
 
 def test_only_the_server_s_place_the_concurrency_and_the_job_bound_may_change_on_a_resume() -> None:
-    assert RESUME_MAY_CHANGE == {"base_url", "serve_cmd", "api_key_name", "n_concurrent", "job_disk_limit_mb", "force_build"}
+    assert RESUME_MAY_CHANGE == {"base_url", "serve_cmd", "api_key_name", "n_concurrent", "job_disk_limit_mb", "force_build", "delete", "env_file"}
 
 
 @pytest.mark.parametrize(

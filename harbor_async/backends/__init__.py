@@ -72,6 +72,8 @@ class BackendSpec:
 
         ``backend_kwargs`` are the user's options; the run label is added where
         the backend takes it, and :meth:`start_extras` where it wants them.
+        ``options["mounts"]``: the run's host mounts (``--mounts``, :mod:`harbor_async.mounts`),
+        passed as Harbor's own ``mounts`` (never a user's option: the backend's checks stand).
         Nothing is started.
         """
         from harbor.environments.factory import EnvironmentFactory
@@ -96,6 +98,7 @@ class BackendSpec:
             task_env_config=task.config.environment,
             network_policy=baseline,
             phase_network_policies=phases,
+            **({"mounts": [dict(m) for m in options["mounts"]]} if options.get("mounts") else {}),
         )
 
     def construction_error(self, task: Task, backend_kwargs: Mapping[str, Any]) -> Exception | None:

@@ -39,11 +39,15 @@ from harbor_async.cli.common import (
 from harbor_async.cli.eval import MODEL_SERVER_DOWN_EXIT
 from harbor_async.cli.progress import EpisodeProgress
 from harbor_async.cli.run_output import print_summary, print_table
-from harbor_async.cli.run_options import defaults_line, previous_refusals, print_job_config, print_plan, with_config
+from harbor_async.cli.run_options import (
+    checked_mounts, defaults_line, env_pairs, load_env_file, mounts_option, previous_refusals, print_job_config, print_plan,
+    with_config,
+)  # fmt: skip
 from harbor_async.disk_bounds import JobDiskLimitError
 from harbor_async.interrupts import Interrupts
 from harbor_async.errors import BackendError, ResumeConflictError, SettingError, UnknownSettingError
 from harbor_async.printing import escape_controls
+from harbor_async.task_env import RunEnvError, fill_values
 from harbor_async.task_support import RUN, MissingVariablesError, UnsupportedTaskError, check_tasks, refused_summary
 from harbor_async.cli.selection import (
     describe_episodes,
@@ -54,9 +58,9 @@ from harbor_async.cli.selection import (
     DatasetOpt,
     RegistryPathOpt,
     RegistryUrlOpt,
+    TaskRefOpt,
 )
 from harbor_async.records import EpisodeRecord
-from harbor_async.tasks import add_artifacts, override_resources
 from harbor_async.runner import MODEL_FREE_AGENTS, FailureBudget, PlannedEpisode
 from harbor_async.settings import JobSettings
 
@@ -86,7 +90,7 @@ IndicesOpt = Annotated[str | None, typer.Option("--indices", help="Comma-separat
 _INVOCATION_OPTIONS = frozenset({"ctx", "resume", "json_path", "log_level", "debug", "quiet", "yes", "log_format", "dry_run", "config", "print_config"})
 #: Options that choose the job's tasks and folder: the job keeps its plan (the episodes) and its folder.
 _PLAN_OPTIONS = frozenset({
-    "suite", "path", "dataset", "registry_url", "registry_path", "n_tasks", "num_tasks", "include", "exclude", "indices",
+    "suite", "path", "dataset", "task_ref", "registry_url", "registry_path", "n_tasks", "num_tasks", "include", "exclude", "indices",
     "jobs_dir", "job_name",
 })  # fmt: skip
 #: Options that set one job setting (by its name): given on a resume, they must equal the stored value.
@@ -97,7 +101,7 @@ _SETTING_OF = {
     "concurrency": "n_concurrent", "n_attempts": "n_attempts", "env_allow": "env_allow", "strict_verify": "strict_verify",
     "episode_disk_limit_mb": "episode_disk_limit_mb", "job_disk_limit_mb": "job_disk_limit_mb",
     "max_retries": "max_retries", "retry_include": "retry_include", "retry_exclude": "retry_exclude",
-    "force_build": "force_build", "agent_import_path": "agent", "environment_import_path": "environment_type", "override_cpus": "override_cpus", "override_memory_mb": "override_memory_mb",
+    "force_build": "force_build", "delete": "delete", "mounts_writable": "mounts_writable", "agent_import_path": "agent", "environment_import_path": "environment_type", "override_cpus": "override_cpus", "override_memory_mb": "override_memory_mb",
     "override_storage_mb": "override_storage_mb", "override_gpus": "override_gpus", "artifact": "artifacts",
     "timeout_multiplier": "timeout_multiplier", "agent_timeout_multiplier": "agent_timeout_multiplier",
     "verifier_timeout_multiplier": "verifier_timeout_multiplier",
@@ -105,10 +109,10 @@ _SETTING_OF = {
     "agent_setup_timeout_multiplier": "agent_setup_timeout_multiplier", "episode_timeout": "episode_timeout",
     "start_timeout": "start_timeout", "budget": "budget", "ray_address": "ray_address", "max_live": "cluster_max_live",
     "creates_per_second": "cluster_creates_per_second", "on_ray": "ray",
-    "max_model_server_failures": "max_model_server_failures",
+    "max_model_server_failures": "max_model_server_failures", "env_file": "env_file",
 }  # fmt: skip
 #: Options whose value is converted before it is compared (the agent's model and options, where its server is now; --ek).
-_CONVERTED_OPTIONS = frozenset({"model", "ak", "ek", "base_url", "api_key_name"})
+_CONVERTED_OPTIONS = frozenset({"model", "ak", "ek", "base_url", "api_key_name", "agent_env", "verifier_env", "mounts"})
 
 
 def run(
@@ -118,6 +122,7 @@ def run(
     dataset: DatasetOpt = None,
     registry_url: RegistryUrlOpt = None,
     registry_path: RegistryPathOpt = None,
+    task_ref: TaskRefOpt = None,
     env: Annotated[str | None, typer.Option("--env", "-e", help="Harbor type (docker, e2b, ...), 'local', 'simulated' or module:Class.", show_default="local")] = None,
     backend: Annotated[str | None, typer.Option("--backend", "-b", hidden=True)] = None,
     environment_import_path: Annotated[str | None, typer.Option("--environment-import-path", help="An environment class, module:Class (as -e module:Class; Harbor's older spelling).")] = None,
@@ -127,7 +132,13 @@ def run(
     override_storage_mb: Annotated[int | None, typer.Option("--override-storage-mb", min=1, help="Every task's storage_mb (bounded as a task's own).")] = None,
     override_gpus: Annotated[int | None, typer.Option("--override-gpus", min=0, help="Every task's gpus (a task asking for GPUs is refused where the backend has none).")] = None,
     artifact: Annotated[list[str] | None, typer.Option("--artifact", help="A sandbox path to collect into each trial's artifacts/ after the agent, besides the task's own (repeatable).")] = None,
+    agent_env: Annotated[list[str] | None, typer.Option("--ae", "--agent-env", help="KEY=VALUE over every command of the agent (repeatable; not the verifier's); a ${VAR} is filled from --env-allow'ed host variables.")] = None,
+    verifier_env: Annotated[list[str] | None, typer.Option("--ve", "--verifier-env", help="KEY=VALUE of every verification, over the task's [verifier.env] (repeatable); a ${VAR} as in task.toml.")] = None,
+    env_file: Annotated[Path | None, typer.Option("--env-file", help="A .env file loaded into this process's environment first; a task or --ae/--ve still reads a variable only through --env-allow NAME.")] = None,
+    mounts: Annotated[str | None, typer.Option("--mounts", "--mounts-json", help="JSON array of host paths mounted into every sandbox (Compose volumes: '[\"/data:/data\"]' or {type: bind, source, target}); read-only, whatever it says (local, docker).")] = None,
+    mounts_writable: Annotated[bool, typer.Option("--mounts-writable", help="DANGEROUS: let a --mounts entry be writable as the JSON says (rw, read_only: false): the sandbox's code can then change those host files.")] = False,
     force_build: Annotated[bool, typer.Option("--force-build/--no-force-build", help="Build each task's environment again at its first start in this run, even where its image is there (docker).")] = False,
+    delete: setting_opts.DeleteOpt = False,
     agent: Annotated[str | None, typer.Option("--agent", "-a", help="A Harbor agent (oracle, none/nop: no agent, terminus-2, claude-code, ...) or module:Class.", show_default=setting_opts.setting_default("agent"))] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help="The agent's model, as Harbor names it (LiteLLM's provider/model, e.g. hosted_vllm/NAME).")] = None,
     ak: AgentKwargOpt = None,
@@ -201,15 +212,18 @@ def run(
         try:
             job = JobFolder.open(resume)
             settings = _resumed(ctx, JobSettings.from_dict(job.config))
+            load_env_file(settings.env_file)  # the job's --env-file (or the one given now) again
         except (JobFolderError, ResumeConflictError, SettingError, UnknownSettingError) as exc:
             raise fail(exc) from None
         episodes = reload_episodes(settings.episodes)
     else:
         settings = _settings(
-            ctx, suite=suite_source(suite, path, dataset, registry_url, registry_path), dataset=dataset,
+            ctx, suite=suite_source(suite, path, dataset, registry_url, registry_path, task_ref), dataset=dataset, task_ref=task_ref,
             environment_type=env or backend, agent=agent, models=[model] if model else [], n_attempts=n_attempts,
             n_concurrent=n_concurrent or concurrency, environment_kwargs=parse_kwargs(ek), env_allow=env_allow or [],
-            strict_verify=strict_verify, force_build=force_build, override_cpus=override_cpus, artifacts=artifact,
+            strict_verify=strict_verify, force_build=force_build, delete=delete, agent_env=env_pairs(agent_env, "--ae"),
+            mounts=mounts_option(mounts, mounts_writable), mounts_writable=mounts_writable,
+            verifier_env=env_pairs(verifier_env, "--ve"), env_file=load_env_file(env_file), override_cpus=override_cpus, artifacts=artifact,
             override_memory_mb=override_memory_mb, override_storage_mb=override_storage_mb, override_gpus=override_gpus, episode_disk_limit_mb=episode_disk_limit_mb, max_retries=max_retries,
             retry_include=retry_include, retry_exclude=retry_exclude,
             job_disk_limit_mb=job_disk_limit_mb, timeout_multiplier=timeout_multiplier,
@@ -231,8 +245,6 @@ def run(
         )
         settings.suite = str(loaded.root)
         episodes = plan_episodes(loaded.tasks, settings.n_attempts)
-    override_resources([e.task for e in episodes], settings.resource_overrides())  # --override-*, before the checks
-    add_artifacts([e.task for e in episodes], settings.artifacts)  # --artifact
     concurrency, on_ray = settings.n_concurrent, settings.ray
     spec, timeouts = _resolve(settings)
     for episode in episodes:  # checked before any sandbox starts: every budget finite
@@ -243,9 +255,10 @@ def run(
     try:  # every ${VAR} allowed; a task with a feature the backend cannot honour is refused alone (all of them: exit 2)
         refused = check_tasks(
             [e.task for e in episodes], spec, driver=_driver(settings), env_allow=settings.env_allow,
-            backend_kwargs=settings.environment_kwargs, alone=resume is None,
+            backend_kwargs=settings.environment_kwargs, alone=resume is None, overrides=settings.task_overrides(),
         )  # fmt: skip
-    except (MissingVariablesError, UnsupportedTaskError) as exc:
+        fill_values(settings.agent_env, settings.env_allow, "--ae")
+    except (MissingVariablesError, UnsupportedTaskError, RunEnvError) as exc:
         raise fail(exc) from None
     if refused:  # listed first, left out of the plan, kept in the summary; the exit status says so
         names = {r.task for r in refused}
@@ -384,6 +397,13 @@ def _resumed(ctx: typer.Context, stored: JobSettings) -> JobSettings:
         checks.append(("model", "models", [given["model"]]))
     if given.get("ek") is not None:
         checks.append(("ek", "environment_kwargs", parse_kwargs(given["ek"])))
+    if given.get("mounts") is not None:  # parsed as the job's were: writable as it was started, unless given anew
+        checks.append(("mounts", "mounts", mounts_option(given["mounts"], given.get("mounts_writable", stored.mounts_writable))))
+    for name in ("agent_env", "verifier_env"):
+        if given.get(name) is not None:
+            checks.append((name, name, env_pairs(given[name], flag_of[name])))
+    if given.get("env_file") is not None:
+        checks[:] = [c for c in checks if c[0] != "env_file"] + [("env_file", "env_file", load_env_file(given["env_file"]))]
     for name, field, value in checks:
         try:
             settings = settings.resumed({field: value})
@@ -412,6 +432,7 @@ def _settings(ctx: typer.Context, **values: Any) -> JobSettings:
 def _resolve(settings: JobSettings):
     """The backend (resolved and loaded once, here) and the phase budgets of a job's settings."""
     spec = checked_backend(settings.environment_type, settings.environment_kwargs)
+    checked_mounts(spec, settings)  # --mounts: host paths still there, on a backend that honours them
     return spec, settings.timeouts()
 
 

@@ -48,6 +48,13 @@ def with_config(ctx: typer.Context, sources: list[str]) -> dict[str, Any]:
             arguments[name] = [*value, *(ctx.params[name] or [])]
         elif name not in typed:
             arguments[name] = value
+    if "mounts" in from_config and "mounts" not in typed:  # checked here to name the file's field, not --mounts
+        from harbor_async.mounts import MountError, parse_mounts
+
+        try:
+            parse_mounts(from_config["mounts"], writable=bool(arguments.get("mounts_writable")), flag="environment.mounts")
+        except MountError as exc:
+            raise fail(f"-c/--config: {exc}") from None
     return arguments
 
 
@@ -97,3 +104,52 @@ def defaults_line(env: str | None, n_concurrent: int | None, settings: JobSettin
     if n_concurrent is None:
         said.append(f"-n {settings.n_concurrent} (harbor run's: -n {HARBOR_DEFAULTS['n_concurrent']})")
     return f"defaults: {', '.join(said)}; give -e/-n to choose" if said else None
+
+
+def env_pairs(pairs: list[str] | None, flag: str) -> dict[str, str] | None:
+    """``--ae``/``--ve``'s ``KEY=VALUE`` pairs (``None``: not given); a malformed pair exits 2 naming it."""
+    from harbor_async.task_overrides import parse_env_pairs
+
+    if pairs is None:
+        return None
+    try:
+        return parse_env_pairs(pairs, flag)
+    except ValueError as exc:
+        raise fail(exc) from None
+
+
+def load_env_file(path: Path | str | None) -> str | None:
+    """Harbor's ``--env-file``: the file's variables into this process's environment (over the shell's, as Harbor
+    loads it); what reaches a task or an agent is still only what ``--env-allow`` names. Its path, for the job."""
+    if path is None:
+        return None
+    from dotenv import load_dotenv
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise fail(f"--env-file {path}: no such file")
+    load_dotenv(path, override=True)
+    return str(path.resolve())
+
+
+def mounts_option(text: str | None, writable: bool) -> list[dict[str, Any]]:
+    """``--mounts``' JSON, normalized (:mod:`harbor_async.mounts`: read-only unless ``--mounts-writable``); else exit 2."""
+    from harbor_async.mounts import MountError, parse_mounts
+
+    try:
+        return parse_mounts(text, writable=writable)
+    except MountError as exc:
+        raise fail(exc) from None
+
+
+def checked_mounts(spec: Any, settings: JobSettings) -> None:
+    """A job's mounts checked again (a resume's host paths may be gone) and against its backend; else exit 2."""
+    from harbor_async.mounts import MountError, check_backend, normalized
+
+    if "mounts" in settings.environment_kwargs:  # Harbor's keyword as it is: writable unless each says not
+        raise fail("--ek mounts: give the mounts as --mounts (read-only unless --mounts-writable)")
+    try:
+        normalized(settings.mounts, writable=settings.mounts_writable)
+        check_backend(spec.environment_class(), spec.name, settings.mounts)
+    except MountError as exc:
+        raise fail(exc) from None

@@ -1,4 +1,4 @@
-"""Which tasks a command runs: Harbor's ``-p``/``-d``, ``-i``/``-x`` globs, ``-l``, ``--indices``, ``-k``."""
+"""Which tasks a command runs: Harbor's ``-p``/``-d``/``-t``, ``-i``/``-x`` globs, ``-l``, ``--indices``, ``-k``."""
 
 from __future__ import annotations
 
@@ -23,15 +23,23 @@ DatasetOpt = Annotated[
     typer.Option(
         "--dataset", "-d",
         help="A Harbor registry dataset, name@version (name: its default version), "
-        "or a Hugging Face dataset repo, hf:org/name[@revision].",
+        "or a Hugging Face dataset repo, hf:org/name\\[@revision].",
     ),
 ]  # fmt: skip
 RegistryUrlOpt = Annotated[
-    str | None, typer.Option("--registry-url", help="A registry.json URL to resolve -d in.", show_default="Harbor's registry")
+    str | None, typer.Option("--registry-url", help="A registry.json URL to resolve -d or -t in.", show_default="Harbor's registry")
 ]
 RegistryPathOpt = Annotated[
-    Path | None, typer.Option("--registry-path", help="A local registry.json file to resolve -d in.", show_default=False)
+    Path | None, typer.Option("--registry-path", help="A local registry.json file to resolve -d or -t in.", show_default=False)
 ]
+TaskRefOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--task", "-t",
+        help="One registry task, run alone: NAME\\[@COMMIT] as a --registry-path/--registry-url file's datasets list it, "
+        "or Harbor's package org/name\\[@ref] (neither option).",
+    ),
+]  # fmt: skip
 
 
 def suite_source(
@@ -40,20 +48,31 @@ def suite_source(
     dataset: str | None,
     registry_url: str | None = None,
     registry_path: Path | None = None,
+    task_ref: str | None = None,
 ) -> str | Path | list[str] | None:
-    """The one suite source of ``SUITE`` (hidden, older spelling), ``-p`` or ``-d``; ``None``: the bundled suite.
+    """The one suite source of ``SUITE`` (hidden, older spelling), ``-p``, ``-d`` or ``-t``; ``None``: the bundled suite.
 
-    ``-d`` is resolved here, before any sandbox starts: a registry dataset is
-    downloaded (its task folders are the source), ``hf:org/name`` stays a repo id.
+    ``-d`` and ``-t`` are resolved here, before any sandbox starts: a registry
+    dataset is downloaded (its task folders are the source), and so is a
+    registry task (its one folder); ``hf:org/name`` stays a repo id.
     A deprecated spelling is said once on stderr; any error exits 2 in one line.
     """
-    given = [name for name, value in (("SUITE", suite), ("-p/--path", path), ("-d/--dataset", dataset)) if value]
+    sources = (("SUITE", suite), ("-p/--path", path), ("-d/--dataset", dataset), ("-t/--task", task_ref))
+    given = [name for name, value in sources if value]
     if len(given) > 1:
         raise fail(f"give one suite, not {' and '.join(given)}")
-    if (registry_url is not None or registry_path is not None) and not dataset:
-        raise fail("--registry-url and --registry-path resolve -d/--dataset; give -d name@version")
+    if (registry_url is not None or registry_path is not None) and not (dataset or task_ref):
+        raise fail("--registry-url and --registry-path resolve -d/--dataset or -t/--task; give -d name@version")
     if path is not None:
         return Path(path)  # a Path is always local
+    if task_ref:
+        from harbor_async.registry import resolve_task
+
+        try:
+            found = resolve_task(task_ref, registry_url=registry_url, registry_path=registry_path)
+        except HarborAsyncError as exc:
+            raise fail(exc) from None
+        return [str(found.path)]  # as text: the source is kept in the job's settings (JSON)
     if dataset:
         from harbor_async.registry import resolve_dataset
 

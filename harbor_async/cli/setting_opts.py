@@ -49,3 +49,11 @@ StartRetryMaxTotalOpt = Annotated[
     float | None,
     typer.Option(help="Seconds all attempts of one start may take.", show_default=setting_default("start_retry_max_total")),
 ]
+DeleteOpt = Annotated[
+    bool,
+    typer.Option(
+        "--delete/--no-delete",
+        help="At the run's end, delete the task images its docker sandboxes built or reused (Harbor's --delete; "
+        "default here: kept for the next run). Containers and volumes are removed at every stop either way.",
+    ),
+]

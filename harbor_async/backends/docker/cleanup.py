@@ -265,12 +265,20 @@ def task_images() -> list[str]:
 
 def prune_task_images() -> tuple[list[str], list[str]]:
     """Remove every task image no container uses; returns (removed, kept with the daemon's reason)."""
+    return remove_task_images(task_images())
+
+
+def remove_task_images(images: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Remove these images where no container uses them; returns (removed, kept with the daemon's reason).
+
+    An image already gone counts as removed (another run's ``--delete`` or a prune got there first).
+    """
     removed, kept = [], []
-    for image in task_images():
+    for image in images:
         result = _docker("rmi", image)  # never -f: an image a container (a live sandbox) uses stays
-        if result.returncode == 0:
+        reason = ((result.stderr or result.stdout).strip().splitlines() or ["in use"])[-1]
+        if result.returncode == 0 or "No such image" in reason:
             removed.append(image)
         else:
-            reason = ((result.stderr or result.stdout).strip().splitlines() or ["in use"])[-1]
             kept.append(f"{image}: {reason}")
     return removed, kept

@@ -30,7 +30,11 @@ calls it makes (by overriding the two helpers the start goes through):
   (Harbor's per-image lock serialises it), the others reuse the image, and the
   stop's ``down`` runs without ``--rmi local`` (which would delete it). The images stay in the
   daemon's cache after the run, as Harbor's prebuilt images do (``docker rmi
-  'hb__*'`` removes them). Tasks with a prebuilt image are left as they are.
+  'hb__*'`` or ``harbor-async sandboxes prune`` removes them), unless the run
+  asks for Harbor's ``--delete``: its engine then removes the images its
+  sandboxes kept (:attr:`~FastStartDockerEnvironment.kept_build`,
+  :meth:`~FastStartDockerEnvironment.delete_kept_builds`) when it closes, not at
+  each stop (the run's other sandboxes start from them). Tasks with a prebuilt image are left as they are.
 - the image's OS is inspected once per image per process;
 - a command in the ``main`` container runs through ``docker exec`` on the
   container (found once, by its Compose labels) instead of ``docker compose
@@ -118,6 +122,27 @@ class FastStartDockerEnvironment(ConfinedDockerEnvironment):
         cls._built_images.clear()
         cls._checked_images.clear()
         cls._healthchecks.clear()
+
+    @property
+    def kept_build(self) -> str | None:
+        """The task image this sandbox's stop keeps for later starts (``None``: a prebuilt image, or Harbor's start,
+        whose stop removes its per-sandbox image itself)."""
+        if self.fast_start and not getattr(self, "_use_prebuilt", True):
+            return self._main_image_name
+        return None
+
+    @classmethod
+    def delete_kept_builds(cls, images: list[str]) -> list[str]:
+        """Remove the task images a run's sandboxes kept (Harbor's ``--delete``, at the run's end); the images
+        left, each with the daemon's reason (one a container still uses: another run's sandbox)."""
+        from harbor_async.backends.docker.cleanup import remove_task_images
+
+        removed, kept = remove_task_images(images)
+        for image in removed:  # a later start in this process builds it again
+            cls._built_images.discard(image)
+            cls._checked_images.discard(image)
+            cls._healthchecks.pop(image, None)
+        return kept
 
     async def start(self, force_build: bool) -> None:
         if not self.fast_start:  # Harbor's own start, call for call

@@ -61,7 +61,7 @@ from harbor_async.backends.local.rootfs import (
     remove_sandbox_folder,
 )
 from harbor_async.backends.local.pool import POOL, Piece, build_piece, discard_piece, start_keeper
-from harbor_async.backends.local.sandboxing import Confinement, join_spec
+from harbor_async.backends.local.sandboxing import Confinement, host_binds, join_spec
 from harbor_async.backends.local.template import task_entries, write_entries
 from harbor_async.backends.local.transfers import DEFAULT_TRANSFER_LIMIT_MB, SandboxTransfers
 from harbor_async.backends.local.verifier_ns import VerifierNamespace
@@ -98,10 +98,14 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
       ``TransferLimitError``).
     - ``allow_offline``: run tasks whose ``network_mode`` is ``"public"`` without
       network (a sandbox has none; by default such a task is refused).
+
+    Harbor's own ``mounts`` (``--mounts``) are bound by bwrap, read-only where they say so.
     """
 
     #: written with anyio only: safe to drive from trio as well as asyncio.
     ANYIO_NATIVE = True
+    #: what of ``--mounts`` it can bind, checked before a run starts (harbor_async.mounts.check_backend)
+    check_host_mounts = staticmethod(host_binds)
 
     def __init__(
         self,
@@ -159,6 +163,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             environment_dir, environment_name, session_id, trial_paths, task_env_config,
             logger=logger, **kwargs,
         )  # fmt: skip
+        self._binds = host_binds(self._host_mounts)  # Harbor's mounts (--mounts): bound by the keeper
 
     # -- Harbor's description of this backend --------------------------------
 
@@ -169,7 +174,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
 
     @property
     def capabilities(self) -> EnvironmentCapabilities:
-        """No network at all (so "no-network" tasks are honoured); no host mounts."""
+        """No network at all (so "no-network" tasks are honoured); no mounts of Harbor's output folders."""
         return EnvironmentCapabilities(disable_internet=True, mounted=False)
 
     @classmethod
@@ -244,8 +249,6 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             ignored.append("docker-compose.yaml (single sandbox only)")
         if self.task_env_config.docker_image and not dockerfile.is_file():
             ignored.append(f"docker_image {self.task_env_config.docker_image} (host /usr is used)")
-        if self._host_mounts:
-            ignored.append(f"mounts {[m.get('target') for m in self._host_mounts]}")
         if ignored and (key := (str(self.environment_dir), tuple(ignored))) not in _WARNED:  # once a process
             _WARNED.add(key)
             self.logger.warning(  # the task's names and lines, made safe to print
@@ -269,7 +272,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             if self._root.exists():  # left by a killed run with the same label and session
                 self.logger.warning("removing stale local sandbox %s", self._root)
                 await anyio.to_thread.run_sync(remove_sandbox_folder, self._root, stale_mount(self._root))
-            key = (str(self._base), self.run_label, limits, self._require_limits)
+            key = (str(self._base), self.run_label, limits, self._require_limits, self._binds)
             with POOL.building_own():
                 piece = POOL.take(key, tools)
                 if piece is None:
@@ -277,7 +280,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
                     with anyio.CancelScope(shield=True):
                         piece = await anyio.to_thread.run_sync(
                             build_piece, self._root, self.run_label, limits, self._require_limits, tools,
-                            self.session_id,
+                            self.session_id, self._binds,
                         )  # fmt: skip
             self._adopt(piece)  # no await since the build: from here on stop() removes it
             await anyio.to_thread.run_sync(self._apply_task)

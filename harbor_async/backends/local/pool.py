@@ -13,7 +13,7 @@ meanwhile.
 
 A piece is used by one sandbox, once: nothing is ever given back, so nothing
 one sandbox wrote can reach another; ``stop()`` removes it all as before.
-Pieces are made per (base folder, run label, limits), and only for a run
+Pieces are made per (base folder, run label, limits, host binds), and only for a run
 label an engine holds: the release of a label's last holder removes every
 piece of that label not taken (keepers killed, cgroups, mounts, folders and
 uids freed), and waits for one being built, while the engines of other runs
@@ -46,7 +46,7 @@ from harbor_async.backends.local.keeper import KEEPER_THREAD, Keeper, Tools
 from harbor_async.backends.local.layout import KEEPER_START_TIMEOUT
 from harbor_async.backends.local.limits import LimitError, ResourceLimits, UidLease, pool_uids_mapped, sandbox_cgroups
 from harbor_async.backends.local.rootfs import mount_hub, mount_tmpfs, remove_sandbox_folder
-from harbor_async.backends.local.sandboxing import Confinement, keeper_argv
+from harbor_async.backends.local.sandboxing import Confinement, HostBind, keeper_argv
 from harbor_async.backends.local.template import forget, write_base_tree
 from harbor_async.naming import MARKER_NAME, local_folder_name
 
@@ -102,9 +102,10 @@ def write_marker(folder: Path, marker: dict) -> None:
 
 
 def build_piece(
-    folder: Path, run_label: str, limits: ResourceLimits, require_limits: bool, tools: Tools, session_id: str = ""
+    folder: Path, run_label: str, limits: ResourceLimits, require_limits: bool, tools: Tools, session_id: str = "",
+    binds: tuple[HostBind, ...] = (),
 ) -> Piece:
-    """Make a sandbox at ``folder`` up to its running keeper (blocking; in a worker thread).
+    """Make a sandbox at ``folder`` up to its running keeper (blocking; in a worker thread); ``binds``: ``--mounts``.
 
     Raises:
         LimitUnavailableError: cgroups are required and cannot be made (nothing is left behind).
@@ -112,7 +113,7 @@ def build_piece(
         SandboxBuildFailedError: bubblewrap could not make the sandbox.
         OSError: the folder or its root could not be made.
     """
-    piece = Piece(folder, Confinement(limits))
+    piece = Piece(folder, Confinement(limits, binds=binds))
     session_id = session_id or folder.name
     try:
         _build_tree(piece, run_label, session_id, require_limits)
@@ -245,7 +246,8 @@ def discard_piece(piece: Piece) -> None:
             piece.lease.release()
 
 
-Key = tuple[str, str, ResourceLimits, bool]  # base folder, run label, limits, limits required
+#: base folder, run label, limits, limits required, host binds (--mounts: the keeper makes them)
+Key = tuple[str, str, ResourceLimits, bool, tuple[HostBind, ...]]
 
 
 class RootPool:
@@ -357,11 +359,11 @@ class RootPool:
 
     def _make(self, key: Key | None, tools: Tools | None) -> None:
         assert key is not None and tools is not None
-        base, label, limits, require = key
+        base, label, limits, require, binds = key
         session = f"{POOL_SESSION_PREFIX}{os.getpid()}-{next(_numbers)}"
         folder = Path(base) / local_folder_name(label, session)
         try:
-            piece: Piece | None = build_piece(folder, label, limits, require, tools, session)
+            piece: Piece | None = build_piece(folder, label, limits, require, tools, session, binds)
         except Exception as exc:  # noqa: BLE001 - starts then build their own, and report the error
             log.warning("local sandbox pool: cannot make %s (starts build their own): %s", folder.name, exc)
             piece = None

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -36,9 +38,12 @@ from harbor_async.backends.local.layout import (
     MASKED_PATHS,
     READONLY_PATHS,
     SHM_SIZE,
+    SPECIAL_DIRS,
     SYSTEM_DIRS,
+    under,
 )
-from harbor_async.backends.local.limits import Cgroups, ResourceLimits
+from harbor_async.backends.local.limits import Cgroups, ResourceLimits, pool_uids_mapped
+from harbor_async.mounts import MountError
 
 _HELPERS = resources.files("harbor_async.backends.local") / "helpers"
 
@@ -48,13 +53,68 @@ def helper(name: str) -> str:
     return str(_HELPERS / name)
 
 
+@dataclass(frozen=True)
+class HostBind:
+    """A host path bound into the sandbox (``--mounts``): bwrap's ``--ro-bind``, or ``--bind`` when writable."""
+
+    source: str
+    target: str
+    read_only: bool = True
+
+
+def host_binds(mounts: Sequence[Mapping[str, Any]] | None) -> tuple[HostBind, ...]:
+    """Harbor's mounts (``BaseEnvironment``'s ``mounts``) as this backend's binds; read-only unless one says not.
+
+    Only binds of absolute host paths onto absolute sandbox paths outside the host's read-only
+    system folders (``/usr``, ``/lib``, ...: bwrap cannot make a mount point in them) and the
+    kernel's folders are taken (``harbor-async run`` has checked the rest: :mod:`harbor_async.mounts`).
+
+    Raises:
+        MountError: a mount this backend cannot bind.
+    """
+    binds = []
+    for mount in mounts or ():
+        source, target = str(mount.get("source") or ""), str(mount.get("target") or "")
+        if mount.get("type", "bind") != "bind" or not os.path.isabs(source) or not target.startswith("/"):
+            raise MountError(f"local backend: only binds of absolute host paths are taken, got {dict(mount)!r}")
+        target = "/" + os.path.normpath(target).lstrip("/")
+        if target == "/" or under(target, SYSTEM_DIRS + SPECIAL_DIRS):
+            raise MountError(f"local backend: cannot mount onto {target} (/, {', '.join(SYSTEM_DIRS + SPECIAL_DIRS)})")
+        if os.geteuid() == 0 and pool_uids_mapped() and (closed := _closed_folder(source)) is not None:
+            raise MountError(
+                f"local backend: the sandbox's own host uid cannot reach {source}: {closed} gives other users "
+                "no search (x) permission"
+            )
+        binds.append(HostBind(source, target, bool(mount.get("read_only", False))))
+    return tuple(binds)
+
+
+def _closed_folder(source: str) -> str | None:
+    """The first folder above ``source`` that other users may not pass, if any.
+
+    As root, a sandbox is a host uid of its own with no groups, and bwrap binds the source as that
+    uid: it needs other users' search permission on every folder above it (else the start fails).
+    """
+    folder = os.path.dirname(os.path.abspath(source))
+    while True:
+        try:
+            if not os.stat(folder).st_mode & stat.S_IXOTH:
+                return folder
+        except OSError:
+            return folder
+        if folder == "/":
+            return None
+        folder = os.path.dirname(folder)
+
+
 @dataclass
 class Confinement:
-    """One sandbox's host identity and limits."""
+    """One sandbox's host identity and limits, and the host paths bound into it (``--mounts``)."""
 
     limits: ResourceLimits
     uid: int | None = None  # the sandbox's host uid (None: the caller's own, not root)
     cgroups: Cgroups | None = None
+    binds: tuple[HostBind, ...] = ()
 
     def host_prefix(self, tools: Tools) -> list[str]:
         """What every process of the sandbox starts with on the host (see the module's docstring)."""
@@ -90,6 +150,10 @@ def keeper_argv(tools: Tools, fs: Path, info_fd: int, confinement: Confinement, 
     for name in SYSTEM_DIRS:
         if os.path.isdir(name) and not os.path.islink(name):
             argv += ["--ro-bind", name, name]
+    # --mounts, before the kernel's folders and masks (which a bind could otherwise cover). bwrap binds the
+    # source as the sandbox's uid: a path that uid cannot reach fails the start, named in the keeper's log.
+    for bind in confinement.binds:
+        argv += ["--ro-bind" if bind.read_only else "--bind", bind.source, bind.target]
     argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(SHM_SIZE), "--tmpfs", "/dev/shm"]
     argv += ["--ro-bind", "/sys", "/sys"]
     # The host's cgroup tree would show every sandbox's name and usage: a sandbox sees its own
