@@ -89,6 +89,9 @@ class Engine:
         mounts: host paths mounted into every sandbox (harbor run's ``--mounts``,
             as :func:`harbor_async.mounts.normalized` gives them: read-only unless
             one says otherwise); a backend that cannot honour them is refused at launch.
+        verify: run each episode's verifier (default); off, as harbor run's
+            ``--disable-verification``, the agent runs and its artifacts are
+            collected, and the record is not judged (no reward, not rerun).
         task_overrides: what the run sets on every task it starts (harbor
             run's ``--override-*``, ``--artifact``, ``--ve``; see
             :mod:`harbor_async.task_overrides`).
@@ -114,6 +117,7 @@ class Engine:
         budget: Callable[[Limits], Budget] | None = None,
         env_allow: Collection[str] = (),
         strict_verify: bool = True,
+        verify: bool = True,
         trials_dir: str | Path | None = None,
         disk_limits: DiskLimits | None = None,
         force_build: bool = False,
@@ -133,6 +137,7 @@ class Engine:
         self.docker_overlay = docker_overlay
         self.env_allow = frozenset(env_allow)
         self.strict_verify = strict_verify
+        self.verify = verify
         self.disk_limits = disk_limits or DiskLimits()
         self.force_build = force_build
         self.delete = delete

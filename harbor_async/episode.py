@@ -467,6 +467,9 @@ class Episode:
                 self.record.verifier_output = found or await verifier_output(self)
                 self.fail_with(exc)
             else:
+                if result is None:  # no verifier (--disable-verification): no reward, not judged
+                    self.settle()
+                    return
                 # No output and the test's stdout file came back with the verifier folder: it was empty, and reading
                 # it again from the sandbox would put a round trip between the verdict and the waiting trainer.
                 fetched = result.output is not None or stdout_came_back(self)

@@ -140,7 +140,7 @@ def _trial_log(record: EpisodeRecord, trial: Any) -> str:
         lines.append(f"step {step.get('name')}: reward {step.get('reward')}" + (f", {step['error']}" if step.get("error") else ""))
     if record.error_class is not None:
         lines.append(f"{record.error_class} failure in {record.error_phase or '-'}: {harbor_exception_type(record)}: {record.error}")
-    judged = "judged" if record.judged else "not judged (a resume reruns it)"
+    judged = "judged" if record.judged else "not judged (verification disabled)" if record.verification_disabled else "not judged (a resume reruns it)"
     lines.append(f"finished {record.finished_at or '-'}: reward {record.reward}, {judged}")
     return "\n".join(lines) + "\n"
 
@@ -323,7 +323,9 @@ class HarborJob:
             tasks=tasks,
             retry=self._retry_config(),
             artifacts=list(getattr(s, "artifacts", None) or []),
-            verifier=VerifierConfig(env=dict(getattr(s, "verifier_env", None) or {})),  # --ve
+            verifier=VerifierConfig(  # --ve, --disable-verification
+                env=dict(getattr(s, "verifier_env", None) or {}), disable=bool(getattr(s, "disable_verification", False))
+            ),
         )
 
     # ── one trial ───────────────────────────────────────────────────────

@@ -28,7 +28,7 @@ _TOP = {
     "n_concurrent_trials", "debug", "quiet", "environment", "agents", "datasets", "tasks", "retry", "artifacts",
     "verifier",
 }  # fmt: skip
-_VERIFIER = {"env"}
+_VERIFIER = {"env", "disable"}
 _RETRY = {"max_retries", "include_exceptions", "exclude_exceptions"}
 _ENVIRONMENT = {
     "type", "import_path", "kwargs", "force_build", "override_cpus", "override_memory_mb", "override_storage_mb",
@@ -138,6 +138,8 @@ def run_options(config: Any) -> dict[str, Any]:
         options["retry_include"] = sorted(retry.include_exceptions)
     if "exclude_exceptions" in (set_fields.get("retry") or {}):
         options["retry_exclude"] = sorted(retry.exclude_exceptions or ())
+    if config.verifier.disable:
+        options["disable_verification"] = True
     if config.verifier.env:
         options["verifier_env"] = [f"{key}={value}" for key, value in config.verifier.env.items()]
     if config.debug:

@@ -48,8 +48,11 @@ class Episode(Protocol):
     def trial_folder(self) -> Path | None: ...
 
 
-async def judge(episode: Episode, step: StepConfig | None = None) -> VerifyResult:
+async def judge(episode: Episode, step: StepConfig | None = None) -> VerifyResult | None:
     """Collect ``episode``'s artifacts, then run the verifier (of ``step``): in its sandbox, or in a fresh one.
+
+    ``None``: the engine runs no verifier (harbor run's ``--disable-verification``); the artifacts are
+    collected all the same, as Harbor collects them, and the record says it was not judged.
 
     A separate verifier (``environment_mode = "separate"``) runs in a new
     sandbox of the task's environment, given the collected artifacts
@@ -73,6 +76,11 @@ async def judge(episode: Episode, step: StepConfig | None = None) -> VerifyResul
         await sandbox.wait_started()
         await collect_artifacts(sandbox.environment, episode.task, folder, step)  # its manifest.json kept, as Harbor's
     logs = None if root is None else root / "steps" / step.name if step is not None else root
+    if not episode.engine.verify:
+        episode.record.verification_disabled = True
+        if logs is not None and step is not None:
+            keep_trial_logs(sandbox.trial_dir, logs, only=("agent",))
+        return None
     if not separate:
         await enter_network_phase(sandbox.environment, episode.task, "verifier", step)
         try:

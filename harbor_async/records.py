@@ -69,6 +69,7 @@ class EpisodeRecord:
     finish_reason: str | None = None
     steps: list[dict[str, Any]] = field(default_factory=list)  # a multi-step task's: name, reward, rewards, error
     trial: str | None = None  # the episode's Harbor trial folder in the job folder (harbor_async.harbor_jobs)
+    verification_disabled: bool = False  # harbor run's --disable-verification: the agent ran, nobody judged it
     version: int = RECORD_VERSION
 
     @property
@@ -89,9 +90,12 @@ class EpisodeRecord:
 
     @property
     def judged(self) -> bool:
-        """Whether the episode scores (no failure, or the model's own); else it is left out of every score."""
+        """Whether the episode scores (no failure, or the model's own); else it is left out of every score.
+
+        An episode whose verification was disabled is not judged either (no reward, in no score), and not rerun.
+        """
         failure = self.failure
-        return failure is None or failure.scored
+        return not self.verification_disabled and (failure is None or failure.scored)
 
     @property
     def infrastructure_failure(self) -> bool:

@@ -140,6 +140,7 @@ class JobSettings(EngineSettings):
     # harbor run's --ae/--ve (values as given: a ${VAR} is filled at each start from --env-allow'ed host variables)
     agent_env: dict[str, str] = Field(default_factory=dict)
     verifier_env: dict[str, str] = Field(default_factory=dict)
+    disable_verification: bool = False  # harbor run's --disable-verification: no verifier, nobody judged
     env_file: str | None = may_change_on_resume()  # harbor run's --env-file: loaded into this process's environment
     # harbor run's trial retries (-r): failed episodes a resume would rerun, rerun at once (harbor_async.retries)
     max_retries: NonNegativeInt = 0
@@ -308,6 +309,7 @@ class JobSettings(EngineSettings):
             "mounts": list(self.mounts),
             "delete": self.delete,
             "task_overrides": self.task_overrides(),
+            "verify": not self.disable_verification,
             "agent_env": fill_values(self.agent_env, self.env_allow, "--ae"),  # here: the workers get the driver's
             "backend_kwargs": dict(self.environment_kwargs),
             "budget": budget if budget is not None else self.budget_factory(),

@@ -62,7 +62,8 @@ async def run_steps(episode: Episode, actor: Any) -> None:
             entry["error"] = str(exc)
             return
         await actor.act(episode)
-        if episode.error is not None or not episode.record.judged:
+        failure = episode.record.failure
+        if episode.error is not None or (failure is not None and not failure.scored):
             entry["error"] = episode.record.error
             return  # the model server or the sandbox failed: no verdict on this episode
         episode.enter(Phase.VERIFY)
@@ -80,6 +81,8 @@ async def run_steps(episode: Episode, actor: Any) -> None:
             episode.fail_with(exc)
             entry["error"] = str(exc)
             return
+        if result is None:  # no verifier (--disable-verification): the next step's agent runs all the same
+            continue
         entry["reward"], entry["rewards"] = result.reward, dict(result.rewards)
         episode.record.verifier_output = result.output
         judged.append(dict(result.rewards))

@@ -80,5 +80,8 @@ def make_failure_corpus(jobs: Path) -> dict[str, Path]:
     again = harbor_async("run", "--resume", str(jobs / "resumed"))
     assert again.returncode == 1 and "resuming" in again.stderr, again.stderr[-2000:]
     corpus["resumed"] = jobs / "resumed"
+    unverified = harbor_async("run", "-e", "simulated", "-l", "2", "--disable-verification", "-o", str(jobs), "--job-name", "unverified")
+    assert unverified.returncode == 0, unverified.stderr[-2000:]
+    corpus["verification disabled"] = jobs / "unverified"
     corpus["previous release"] = _previous_release(jobs / "server-failures", jobs / "previous-release")
     return corpus

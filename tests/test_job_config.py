@@ -102,7 +102,7 @@ def test_a_harbor_config_runs_the_same_tasks_attempts_agent_and_backend_as_harbo
         ({"retry": {"max_retries": 3, "max_wait_sec": 5}}, "retry.max_wait_sec"),
         ({"retry": {"max_retries": 3, "include_exceptions": ["VerifierTimeoutError"]}}, "--retry-include"),
         ({"agents": [{"name": "oracle"}, {"name": "nop"}]}, "agents"),
-        ({"verifier": {"disable": True}}, "verifier"),
+        ({"verifier": {"kwargs": {"x": 1}}}, "verifier.kwargs"),
         ({"n_attempts": 0}, "n_attempts"),  # Harbor's own model refuses it, in its words
     ],
 )

@@ -51,7 +51,6 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--verifier",): "the task's own verifier judges every episode (a custom verifier class is not run)",
     ("--verifier-import-path",): "deprecated by Harbor: see --verifier",
     ("--verifier-kwarg",): "the task's own verifier judges every episode (a custom verifier class is not run)",
-    ("--disable-verification", "--enable-verification"): "every episode is verified: a reward is the verifier's alone",
     ("--install-only",): "agents are installed in each episode's sandbox, not ahead of a run",
     ("--extra-instruction-path",): "the instruction is the task's own, as training sees it",
     ("--extra-instruction",): "the instruction is the task's own, as training sees it",

@@ -110,6 +110,7 @@ _SETTING_OF = {
     "start_timeout": "start_timeout", "budget": "budget", "ray_address": "ray_address", "max_live": "cluster_max_live",
     "creates_per_second": "cluster_creates_per_second", "on_ray": "ray",
     "max_model_server_failures": "max_model_server_failures", "env_file": "env_file",
+    "disable_verification": "disable_verification",
 }  # fmt: skip
 #: Options whose value is converted before it is compared (the agent's model and options, where its server is now; --ek).
 _CONVERTED_OPTIONS = frozenset({"model", "ak", "ek", "base_url", "api_key_name", "agent_env", "verifier_env", "mounts"})
@@ -134,6 +135,7 @@ def run(
     artifact: Annotated[list[str] | None, typer.Option("--artifact", help="A sandbox path to collect into each trial's artifacts/ after the agent, besides the task's own (repeatable).")] = None,
     agent_env: Annotated[list[str] | None, typer.Option("--ae", "--agent-env", help="KEY=VALUE over every command of the agent (repeatable; not the verifier's); a ${VAR} is filled from --env-allow'ed host variables.")] = None,
     verifier_env: Annotated[list[str] | None, typer.Option("--ve", "--verifier-env", help="KEY=VALUE of every verification, over the task's [verifier.env] (repeatable); a ${VAR} as in task.toml.")] = None,
+    disable_verification: Annotated[bool, typer.Option("--disable-verification/--enable-verification", help="Run the agents and collect their artifacts, no verifier: every episode is recorded not judged (no reward, in no score, never rerun).")] = False,
     env_file: Annotated[Path | None, typer.Option("--env-file", help="A .env file loaded into this process's environment first; a task or --ae/--ve still reads a variable only through --env-allow NAME.")] = None,
     mounts: Annotated[str | None, typer.Option("--mounts", "--mounts-json", help="JSON array of host paths mounted into every sandbox (Compose volumes: '[\"/data:/data\"]' or {type: bind, source, target}); read-only, whatever it says (local, docker).")] = None,
     mounts_writable: Annotated[bool, typer.Option("--mounts-writable", help="DANGEROUS: let a --mounts entry be writable as the JSON says (rw, read_only: false): the sandbox's code can then change those host files.")] = False,
@@ -223,7 +225,7 @@ def run(
             n_concurrent=n_concurrent or concurrency, environment_kwargs=parse_kwargs(ek), env_allow=env_allow or [],
             strict_verify=strict_verify, force_build=force_build, delete=delete, agent_env=env_pairs(agent_env, "--ae"),
             mounts=mounts_option(mounts, mounts_writable), mounts_writable=mounts_writable,
-            verifier_env=env_pairs(verifier_env, "--ve"), env_file=load_env_file(env_file), override_cpus=override_cpus, artifacts=artifact,
+            verifier_env=env_pairs(verifier_env, "--ve"), disable_verification=disable_verification, env_file=load_env_file(env_file), override_cpus=override_cpus, artifacts=artifact,
             override_memory_mb=override_memory_mb, override_storage_mb=override_storage_mb, override_gpus=override_gpus, episode_disk_limit_mb=episode_disk_limit_mb, max_retries=max_retries,
             retry_include=retry_include, retry_exclude=retry_exclude,
             job_disk_limit_mb=job_disk_limit_mb, timeout_multiplier=timeout_multiplier,
@@ -371,7 +373,7 @@ def run(
         left = len(episodes) - sum(1 for r in records if not r.rerun)
         say(f"interrupted by {interrupts.name}:", f"{left} episodes to run; resume with `harbor-async run --resume {job.path}`")
         raise typer.Exit(interrupts.exit_code)
-    broken = [r for r in records if not r.judged]
+    broken = [r for r in records if not r.judged and not r.verification_disabled]
     for r in broken:
         say(f"{r.error_class} failure", f"{r.task} (attempt {r.attempt}): {r.error}", "bold red")
     if refused:

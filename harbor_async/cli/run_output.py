@@ -51,11 +51,14 @@ def print_summary(summary: dict[str, Any], records: list[EpisodeRecord]) -> None
         return "-" if value is None else f"{value:.3f}"
 
     failures = ", ".join(f"{n} {cls}" for cls, n in summary["failures"].items()) or "none"
-    unjudged = ", ".join(f"{n} {cls}" for cls, n in summary["not_judged_by_class"].items())
-    fix = "; fix invalid tasks first" if "invalid_task" in summary["not_judged_by_class"] else ""
+    by_class = dict(summary["not_judged_by_class"])
+    disabled = by_class.pop("verification_disabled", 0)  # asked for (--disable-verification): nothing to rerun
+    unjudged = ", ".join(f"{n} {cls}" for cls, n in by_class.items())
+    fix = "; fix invalid tasks first" if "invalid_task" in by_class else ""
     out.print(Text(
         f"{summary['episodes']} episodes: mean reward {fmt(summary['mean_reward'])} over the {summary['completed']} judged"
-        + (f", {summary['not_judged']} not judged ({unjudged}: rerun by --resume{fix})" if summary["not_judged"] else "")
+        + (f", {summary['not_judged'] - disabled} not judged ({unjudged}: rerun by --resume{fix})" if by_class else "")
+        + (f", {disabled} not verified (--disable-verification)" if disabled else "")
         + f"; failures: {failures}"
     ))  # fmt: skip
     if summary["pass_at_k"]:
