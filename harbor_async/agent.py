@@ -222,7 +222,7 @@ class Agent:
                     usage["requests"] = usage.get("requests", 0) + 1
                     async with self.request_limiter:
                         return await self.client.chat.completions.create(
-                            model=self.model, messages=wire, tools=tools, **sampling.request_kwargs()
+                            model=self.model, messages=wire, tools=tools, **sampling.request_kwargs()  # type: ignore[arg-type]  # plain dicts for OpenAI's TypedDicts
                         )
         except openai.APIError as exc:
             verdict = classify(exc, wire)
@@ -232,7 +232,7 @@ class Agent:
             raise model_server_error(exc, self.model, verdict) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _call_tool(self, toolset: Toolset, name: str, arguments: str | None) -> tuple[str, bool]:
+    async def _call_tool(self, toolset: Toolset, name: str, arguments: str | None) -> tuple[str | list[Any], bool]:
         """Run one tool call; return the text for the model and whether the call failed."""
         try:
             args = json.loads(arguments or "{}")

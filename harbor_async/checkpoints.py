@@ -126,7 +126,7 @@ def server_groups(
             groups.append(
                 ServerGroup(
                     [spec],
-                    lambda port, s=spec: _serve.vllm_command(
+                    lambda port, s=spec: _serve.vllm_command(  # type: ignore[misc]  # mypy infers no lambda with defaults
                         s.checkpoint, port, served_name=s.name, extra_args=list(vllm_args)
                     ),
                 )
@@ -135,7 +135,7 @@ def server_groups(
         groups.append(
             ServerGroup(
                 adapters,
-                lambda port, b=base, a=adapters: _serve.vllm_command(
+                lambda port, b=base, a=adapters: _serve.vllm_command(  # type: ignore[misc]  # mypy infers no lambda with defaults
                     b, port, lora_adapters={s.name: s.checkpoint for s in a}, extra_args=list(vllm_args)
                 ),
             )

@@ -53,7 +53,7 @@ def _declared_ranges() -> dict[str, str]:
     """The ranges harbor-async's installed metadata declares (pyproject.toml's, extras included)."""
     from packaging.requirements import Requirement
 
-    ranges = {}
+    ranges: dict[str, str] = {}
     for line in importlib.metadata.requires("harbor-async") or ():
         requirement = Requirement(line)
         if requirement.name != "harbor-async":  # the bench extra names the trl one
@@ -501,7 +501,7 @@ def check_docker_host_network() -> Check:
     from harbor_async.backends.docker.host_network import daemon_forwards, describe
 
     kept_off, text = describe(daemon_forwards())
-    fix = None if kept_off else "drop the bridges' traffic to this host in its firewall, or accept it"
+    fix = "" if kept_off else "drop the bridges' traffic to this host in its firewall, or accept it"
     return Check("docker host network", kept_off, text, fix)
 
 

@@ -6,7 +6,7 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -18,6 +18,7 @@ from harbor_async.disk_bounds import DiskLimits
 from harbor_async.errors import EngineClosedError
 from harbor_async.logs import get_logger
 from harbor_async.mounts import check_backend as check_mounts
+from harbor_async.mounts import normalized, refuse_mounting_options
 from harbor_async.naming import new_run_label
 from harbor_async.policy import Limits, RetryPolicy, Timeouts
 from harbor_async.results import TRUNCATION_MARKER
@@ -86,9 +87,11 @@ class Engine:
             task images, :meth:`~harbor_async.backends.docker.fast_start.FastStartDockerEnvironment.delete_kept_builds`);
             not at each stop, since the run's other sandboxes start from them.
             Containers and volumes are removed at every stop either way.
-        mounts: host paths mounted into every sandbox (harbor run's ``--mounts``,
-            as :func:`harbor_async.mounts.normalized` gives them: read-only unless
-            one says otherwise); a backend that cannot honour them is refused at launch.
+        mounts: host paths mounted into every sandbox but a separate verifier's
+            (harbor run's ``--mounts``), checked by :func:`harbor_async.mounts.normalized`:
+            each read-only, unless ``mounts_writable`` (``--mounts-writable``) lets one
+            that does not say ``read_only`` be writable; a backend that cannot honour
+            them is refused at launch.
         verify: run each episode's verifier (default); off, as harbor run's
             ``--disable-verification``, the agent runs and its artifacts are
             collected, and the record is not judged (no reward, not rerun).
@@ -123,6 +126,7 @@ class Engine:
         force_build: bool = False,
         delete: bool = False,
         mounts: Sequence[Mapping[str, Any]] = (),
+        mounts_writable: bool = False,
         task_overrides: TaskOverrides | None = None,
         agent_env: Mapping[str, str] | None = None,
     ) -> None:
@@ -142,7 +146,8 @@ class Engine:
         self.force_build = force_build
         self.delete = delete
         self._kept: dict[type, set[str]] = {}  # environment class -> what its sandboxes' stops kept (see delete)
-        self.mounts = [dict(m) for m in mounts]
+        # Checked again here (every caller's, not only the CLI's), read-only unless ``mounts_writable`` lets one not be.
+        self.mounts = normalized(list(mounts), writable=mounts_writable)
         self.task_overrides = task_overrides or TaskOverrides()
         self.agent_env = dict(agent_env or {})
         #: the job folder where each episode keeps a Harbor trial folder: its agent and verifier logs and its
@@ -184,7 +189,8 @@ class Engine:
             budget=self._budget_factory(self.limits) if self._budget_factory else LocalBudget(self.limits),
             stats=self._stats,
             on_done=self._forget,
-            start_options={"docker_overlay": self.docker_overlay, "force_build": self.force_build, "mounts": self.mounts},
+            start_options={"docker_overlay": self.docker_overlay, "force_build": self.force_build, "mounts": self.mounts,
+                           "env_allow": sorted(self.env_allow)},
             strict_verify=self.strict_verify,
             agent_env=self.agent_env,
         )
@@ -196,7 +202,7 @@ class Engine:
         self._tg = await self._stack.enter_async_context(anyio.create_task_group())
         return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
+    async def __aexit__(self, *exc_info: Any) -> None:
         try:
             await self.aclose()
             close_budget = getattr(self._context.budget, "close", None) if self._context else None
@@ -215,7 +221,7 @@ class Engine:
         """Run the engine until :meth:`request_close`; for ``portal.start_task``."""
         async with self:
             task_status.started(self)
-            await self._close_requested.wait()
+            await cast(anyio.Event, self._close_requested).wait()  # set by __aenter__
 
     def request_close(self) -> None:
         """Ask :meth:`serve` to close the engine (call on the loop)."""
@@ -273,6 +279,7 @@ class Engine:
         *,
         backend_kwargs: Mapping[str, Any] | None = None,
         episode_timeout: float | None = None,
+        host_mounts: bool = True,
     ) -> Sandbox:
         """Schedule a sandbox's start in the background and return it at once.
 
@@ -297,13 +304,15 @@ class Engine:
         if isinstance(backend, BackendSpec):
             spec = backend
         else:
-            spec = self._specs.get(backend) if isinstance(backend, str) else None
-            if spec is None:
-                spec = resolve_backend(backend)
-                self._specs[backend] = spec
+            found = self._specs.get(backend) if isinstance(backend, str) else None
+            if found is None:
+                found = resolve_backend(backend)
+                self._specs[backend] = found
+            spec = found
         spec.check_async_library()  # a bad import path or library fails here, not in the background
         options = {**self.backend_kwargs, **(backend_kwargs or {})}
         spec.check_options(options)  # so do options the backend does not take
+        refuse_mounting_options(options)  # Harbor's own host mounts (writable, unchecked): only ours, --mounts
         cls = spec.environment_class()
         check_mounts(cls, spec.name, self.mounts)  # a backend that cannot honour --mounts: nothing starts
         task = self.task_overrides.apply(task)  # the run's flags over every task, wherever it was loaded
@@ -314,11 +323,12 @@ class Engine:
         if (cls, label) not in self._holds and hasattr(cls, "engine_hold"):
             self._holds[(cls, label)] = cls.engine_hold(label)
         sandbox = Sandbox(
-            self._context,
+            cast(SandboxContext, self._context),  # set while running (checked above)
             task,
             spec,
             backend_kwargs=options,
             episode_timeout=episode_timeout,
+            start_options=None if host_mounts else {"mounts": []},
         )
         self._ledger[sandbox.id] = sandbox
         TUNING.add()  # the collector's young threshold follows the ledger (harbor_async.collector)
@@ -342,7 +352,7 @@ class Engine:
         """
         if self._tg is None or self._closing:
             raise EngineClosedError("the engine is not running")
-        self._tg.start_soon(fn, *args, name=name)
+        self._tg.start_soon(fn, *args, name=name)  # type: ignore[arg-type]  # anyio takes any awaitable; typed for coroutines
 
     @asynccontextmanager
     async def episode(

@@ -260,7 +260,7 @@ class Episode:
         return sandbox
 
     async def begin(
-        self, setup: Callable[[], Awaitable[None]] | None = None, *, claim: Callable[[], Sandbox] | None = None
+        self, setup: Callable[[], Awaitable[None]] | None = None, *, claim: Callable[[], Sandbox | None] | None = None
     ) -> bool:
         """Launch the sandbox (``claim()``'s, one started ahead, if given), wait for it, run the harness ``setup``.
 
@@ -378,7 +378,7 @@ class Episode:
         host = self.engine.host
         if host is not None:  # the engine's own loop thread (the shim's): reachable before the start is scheduled
             return host.call(fn, *args)
-        return anyio.from_thread.run(fn, *args, token=self._token)
+        return anyio.from_thread.run(fn, *args, token=self._token)  # type: ignore[arg-type]  # anyio awaits any awaitable; typed for coroutines
 
     async def call_async(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Await ``fn(*args)`` on the episode's loop from async code on any loop (an async tool, ``_setup``)."""

@@ -22,7 +22,7 @@ import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 
@@ -34,7 +34,7 @@ from harbor_async.disk_bounds import JobDiskLimitError
 from harbor_async.errors import BackendError, EvalConfigError, FailureClass, HarborAsyncError, ModelServerDownError, ModelServerRefusedError, SettingError
 from harbor_async.interrupts import Interrupts
 from harbor_async.jobs import JobFolder
-from harbor_async.harbor_agents import probe_model_server
+from harbor_async.harbor_agents import HarborAgentSpec, probe_model_server
 from harbor_async.logs import get_logger
 from harbor_async.model_agent import (
     api_key,
@@ -134,7 +134,8 @@ class _Run:
             await _serve.check_models([s.name for s in group.models], listed, base_url, api_key=self.api_key())
         budget = FailureBudget(self.settings.max_model_server_failures, base_url, self.job.path)
         for spec in group.models if self.harbor is not None else ():  # where each model's agent calls: it answers
-            await probe_model_server(harbor_agent_at(self.harbor, self.settings, spec.name, base_url))  # --ak api_base wins
+            harbor = cast(HarborAgentSpec, self.harbor)  # set: the loop runs only then
+            await probe_model_server(harbor_agent_at(harbor, self.settings, spec.name, base_url))  # --ak api_base wins
         if self.settings.ray:
             await self._on_cluster(group, tasks, root, pending, base_url, budget)
         else:
@@ -361,7 +362,7 @@ async def evaluate(
         with Interrupts() as interrupts, anyio.CancelScope() as scope:
             interrupts.arm(scope.cancel)
             # The cluster's driver loop runs in a thread: a signal also stops its dispatch (it then drains).
-            run.arm = lambda stop: interrupts.arm(lambda: (stop(), scope.cancel()))
+            run.arm = lambda stop: interrupts.arm(lambda: (stop(), scope.cancel()))  # type: ignore[arg-type,func-returns-value]  # two calls in one lambda
             try:
                 if config.ray:  # the cluster's nodes run the episodes on their own engines
                     error = await _run_groups(run, groups, tasks, root)
@@ -369,7 +370,7 @@ async def evaluate(
                     from harbor_async.engine import Engine
 
                     async with Engine(**config.engine_kwargs(job_dir=job.path)) as run.engine:
-                        interrupts.leftovers = lambda: [s.id for s in run.engine.live_sandboxes()]
+                        interrupts.leftovers = lambda: [s.id for s in cast(Engine, run.engine).live_sandboxes()]  # set just above
                         error = await _run_groups(run, groups, tasks, root)
             finally:
                 interrupts.disarm()

@@ -126,7 +126,7 @@ def served_model_name(name: str) -> str:
 def _accepts(cls: type, name: str) -> bool:
     """Whether ``cls(...)`` takes the keyword ``name`` by its own signature (not only through ``**kwargs``)."""
     try:
-        return name in inspect.signature(cls.__init__).parameters
+        return name in inspect.signature(cls.__init__).parameters  # type: ignore[misc]  # the class's own __init__, as meant
     except (TypeError, ValueError):
         return False
 
@@ -327,7 +327,7 @@ def task_refusals(task: Task, cls: type) -> list[tuple[str, str]]:
     return found
 
 
-def _display_name(cls: type) -> str:
+def _display_name(cls: type[Any]) -> str:
     try:
         return str(cls.name())  # Harbor's agent name (a static method)
     except Exception:  # noqa: BLE001 - a custom agent whose name() needs an instance

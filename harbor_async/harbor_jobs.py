@@ -30,7 +30,7 @@ import uuid
 import warnings
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from harbor_async.logs import get_logger
 from harbor_async.records import EpisodeRecord
@@ -360,7 +360,7 @@ class HarborJob:
             )
         # A verifier that left no reward leaves Harbor's verifier_result empty (the 0 is ours, in episodes.jsonl).
         rewarded = record.reward is not None and record.error_class != "verifier"
-        verifier = VerifierResult(rewards=dict(record.rewards) or {"reward": record.reward}) if rewarded else None
+        verifier = VerifierResult(rewards=dict(record.rewards) or {"reward": cast(float, record.reward)}) if rewarded else None
         steps = [
             StepResult(
                 step_name=str(step.get("name")),

@@ -65,7 +65,7 @@ def load_job_config(sources: Sequence[str]) -> Any:
     try:  # Harbor's own merge rules (which lists a later file appends to), where this Harbor has them
         from harbor.cli import jobs as harbor_jobs_cli
 
-        merge_rules = {
+        merge_rules: dict[str, Any] = {
             "append_paths": getattr(harbor_jobs_cli, "_APPEND_CONFIG_PATHS", frozenset()),
             "exclusive_groups": getattr(harbor_jobs_cli, "_EXCLUSIVE_CONFIG_GROUPS", {}),
         }

@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterable, Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from harbor_async.errors import JobFolderError
 from harbor_async.harbor_jobs import HarborJob
@@ -52,11 +52,11 @@ class JobFolder:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self._episodes = None
+        self._episodes: IO[str] | None = None
         self._harbor: HarborJob | None = None
 
     @classmethod
-    def create(cls, jobs_dir: str | Path, job_name: str | None, config: dict[str, Any]) -> JobFolder:
+    def create(cls, jobs_dir: str | os.PathLike[str], job_name: str | None, config: dict[str, Any]) -> JobFolder:
         """Make ``jobs_dir/job_name`` and write its settings (``harbor-async.json``).
 
         Raises :class:`JobFolderError` when the folder exists with records in it
@@ -75,7 +75,7 @@ class JobFolder:
         return job
 
     @classmethod
-    def open(cls, path: str | Path) -> JobFolder:
+    def open(cls, path: str | os.PathLike[str]) -> JobFolder:
         """An existing job folder (for ``--resume``); it must hold its settings."""
         job = cls(Path(path))
         if job.settings_path is None:

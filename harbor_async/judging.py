@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from harbor_async.backends import BackendSpec
     from harbor_async.engine import Engine
+    from harbor_async.records import EpisodeRecord
     from harbor_async.results import VerifyResult
     from harbor_async.sandbox import Sandbox
 
@@ -43,6 +44,7 @@ class Episode(Protocol):
     backend: BackendSpec
     backend_kwargs: dict[str, Any]
     sandbox: Sandbox | None
+    record: EpisodeRecord
 
     @property
     def trial_folder(self) -> Path | None: ...
@@ -89,7 +91,8 @@ async def judge(episode: Episode, step: StepConfig | None = None) -> VerifyResul
             if logs is not None and step is not None:  # each step's agent and verifier logs, as Harbor keeps them
                 keep_trial_logs(sandbox.trial_dir, logs)
     task, tests_in_image = verifier_task(episode.task, step)  # the task's environment, or the verifier's own
-    judge_box = episode.engine.launch(task, episode.backend, backend_kwargs=episode.backend_kwargs)
+    # No host mount: what the agent wrote through a writable one, or still writes, is not the judge's to read.
+    judge_box = episode.engine.launch(task, episode.backend, backend_kwargs=episode.backend_kwargs, host_mounts=False)
     try:
         await judge_box.wait_started()
         if folder is not None:

@@ -74,7 +74,7 @@ class _Renderer:
             else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
         )
 
-    def __call__(self, logger: Any, method: str, event_dict: dict[str, Any]) -> tuple[tuple[str], dict[str, Any]]:
+    def __call__(self, logger: Any, method: str, event_dict: dict[str, Any]) -> tuple[tuple[str | bytes], dict[str, Any]]:
         # A log line may carry a task's, a sandbox's or a model's strings: no control character reaches a terminal.
         event_dict = escape_fields(event_dict)
         # The event itself rides along on the LogRecord (``record.event_dict``) for handlers that want fields.
@@ -110,7 +110,7 @@ class _LevelCheckedLogger(structlog.stdlib.BoundLogger):
             return None
         return super()._proxy_to_logger(method_name, event, *event_args, **event_kw)
 
-    def is_enabled_for(self, method_name: str) -> bool:
+    def is_enabled_for(self, method_name: str) -> bool:  # type: ignore[override]  # a level name here; structlog's takes a number
         """Whether an event of level ``method_name`` (``"debug"``...) would be logged now."""
         return not self._logger.disabled and _LEVELS[method_name] >= self._logger.getEffectiveLevel()
 
@@ -229,7 +229,7 @@ class _OffTheConsole(logging.Filter):
 
 def _quiet_litellm() -> None:
     """LiteLLM's "Give Feedback / Get Help" lines and verbose prints are ``print()`` calls, not records: off (once imported)."""
-    litellm = sys.modules.get("litellm")
+    litellm: Any = sys.modules.get("litellm")
     if litellm is not None:
         litellm.suppress_debug_info = True
         litellm.set_verbose = False

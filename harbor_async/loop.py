@@ -25,7 +25,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast, overload
 
 import anyio
 import sniffio
@@ -106,7 +106,11 @@ class LoopThread:
 
     # ── calls ───────────────────────────────────────────────────────────
 
-    def call(self, fn: Callable[..., Awaitable[T] | T], *args: Any, timeout: float | None = None) -> T:
+    @overload
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any, timeout: float | None = None) -> T: ...
+    @overload
+    def call(self, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T: ...
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
         """Run ``fn(*args)`` on the loop and block for its result.
 
         ``timeout`` bounds the wait (``TimeoutError``); the call itself is then
@@ -120,7 +124,11 @@ class LoopThread:
             future.cancel()
             raise TimeoutError(f"no result from the loop thread within {timeout} s") from None
 
-    def submit(self, fn: Callable[..., Awaitable[T] | T], *args: Any) -> Future[T]:
+    @overload
+    def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]: ...
+    @overload
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]: ...
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Schedule ``fn(*args)`` on the loop; return a future at once.
 
         A coroutine function goes straight to asyncio's
@@ -135,9 +143,10 @@ class LoopThread:
         if self.in_loop_thread():
             raise LoopThreadError("submit() is for other threads; on the loop thread, spawn a task")
         self.start()
+        aio_loop = cast(asyncio.AbstractEventLoop, self._aio_loop)  # set before start() returns
         if inspect.iscoroutinefunction(fn):
-            return asyncio.run_coroutine_threadsafe(fn(*args), self._aio_loop)
-        return asyncio.run_coroutine_threadsafe(_call_in_task(fn, *args), self._aio_loop)
+            return asyncio.run_coroutine_threadsafe(fn(*args), aio_loop)
+        return asyncio.run_coroutine_threadsafe(_call_in_task(fn, *args), aio_loop)
 
     # ── engines ─────────────────────────────────────────────────────────
 

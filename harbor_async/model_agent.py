@@ -82,7 +82,7 @@ class ModelAgent:
             harness._bind(None)
         if result.finish_reason == "agent_timeout" and by_deadline:
             result.finish_reason = "episode_deadline"
-        usage = {**result.usage, "tool_calls": result.tool_calls, "tool_failures": result.tool_failures}
+        usage: dict[str, int | float] = {**result.usage, "tool_calls": result.tool_calls, "tool_failures": result.tool_failures}
         if episode.step is not None and record.transcript:  # a later step of a multi-step task: one conversation each
             record.transcript = [*record.transcript, *result.messages]
             usage = {k: usage.get(k, 0) + record.usage.get(k, 0) for k in {*usage, *record.usage}}

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from harbor_async.errors import HarborAsyncError
@@ -39,6 +39,12 @@ from harbor_async.errors import HarborAsyncError
 WRITABLE_FLAG = "--mounts-writable"
 #: Sandbox paths no mount may cover: the kernel's, and Harbor's tests, solution and logs (the reward's folder).
 RESERVED_TARGETS = ("/proc", "/sys", "/dev", "/tests", "/solution", "/logs")
+#: Host paths no mount may come from (resolved): the kernel's and the runtime's (sockets: docker.sock, dbus, ...).
+RESERVED_SOURCES = ("/proc", "/sys", "/dev", "/run", "/var/run", "/boot")
+#: Harbor keyword options that mount host paths their own way (writable by default): refused, --mounts instead.
+MOUNTING_OPTIONS = frozenset({"mounts", "auto_mounts", "auto_mounting", "extra_docker_compose"})
+#: Entries of a mounted folder checked for sockets and devices; a larger folder is refused (mount a narrower one).
+MAX_CHECKED_ENTRIES = 100_000
 #: Keys of a mount object taken (Compose's ``bind`` options only as ``create_host_path: false``).
 _KEYS = frozenset({"type", "source", "target", "read_only", "bind"})
 
@@ -75,10 +81,11 @@ def normalized(values: Any, *, writable: bool = False, flag: str = "--mounts") -
         raise MountError(f"{flag}: expected a JSON array of mounts, got {type(values).__name__}")
     found: list[dict[str, Any]] = []
     targets: set[str] = set()
-    for index, value in enumerate(values):
+    given = []
+    for index, value in enumerate(values):  # what needs no look at the host first: the JSON's own mistakes
         where = f"{flag}[{index}]"
         source, target, mode = _fields(value, where)
-        source, target = _host_source(source, where), _sandbox_target(target, where)
+        target = _sandbox_target(target, where)
         if target in targets:
             raise MountError(f"{where}: a second mount on {target}")
         targets.add(target)
@@ -87,11 +94,40 @@ def normalized(values: Any, *, writable: bool = False, flag: str = "--mounts") -
                 f"{where}: {source} is writable in the JSON; every mount is read-only unless {WRITABLE_FLAG} is given "
                 "(a writable host folder opens the host to the sandbox's code)"
             )
-        mount: dict[str, Any] = {"type": "bind", "source": source, "target": target}
+        given.append((where, source, target, mode))
+    for where, source, target, mode in given:
+        mount: dict[str, Any] = {"type": "bind", "source": _host_source(source, where), "target": target}
         if mode == "ro" or not writable:  # unsaid: Harbor's writable, only with --mounts-writable
-            mount["read_only"] = True
+            mount["read_only"] = True  # (Harbor's model takes only true: a writable mount leaves it out)
         found.append(mount)
+    _refuse_sources_in_writable_ones(found, flag)
     return found
+
+
+def refuse_mounting_options(options: Mapping[str, Any], flag: str = "--ek") -> None:
+    """Refuse Harbor's own ways of mounting host paths in backend options (writable by default, unchecked).
+
+    Raises:
+        MountError: one of :data:`MOUNTING_OPTIONS` is set.
+    """
+    given = sorted(MOUNTING_OPTIONS & set(options))
+    if given:
+        raise MountError(f"{flag} {given[0]}: host paths are mounted with --mounts (read-only unless {WRITABLE_FLAG})")
+
+
+def refuse_protected(mounts: Sequence[Mapping[str, Any]], protected: Mapping[str, str | os.PathLike[str]]) -> None:
+    """Refuse a mount whose source holds, or lies in, a protected host folder (the suite: its tests and
+    solutions; the jobs folder: every trial's rewards), which the sandbox's code would read or change.
+
+    Raises:
+        MountError: naming the mount and the folder.
+    """
+    for index, mount in enumerate(mounts):
+        source = os.path.realpath(mount["source"])
+        for what, folder in protected.items():
+            path = os.path.realpath(folder)
+            if _within(path, source) or _within(source, path):
+                raise MountError(f"--mounts[{index}]: {mount['source']} overlaps {what} ({path}); mount a folder apart")
 
 
 def check_backend(environment_class: type, backend: str, mounts: Sequence[dict[str, Any]]) -> None:
@@ -144,17 +180,61 @@ def _fields(value: Any, where: str) -> tuple[Any, Any, str | None]:
 
 
 def _host_source(source: Any, where: str) -> str:
-    """The host path, checked: absolute, printable, existing (normalized, links kept)."""
+    """The host path, checked and resolved (links followed once, here): absolute, printable, existing, no
+    socket, FIFO or device (a read-only bind of a socket still connects: docker.sock), and none inside a folder."""
     if not isinstance(source, str) or not source:
         raise MountError(f"{where}: source must be a host path, got {source!r}")
     if not source.isprintable():
         raise MountError(f"{where}: source {source!r} has control characters")
     if not os.path.isabs(source):
         raise MountError(f"{where}: source {source!r} is relative; give an absolute host path")
-    source = os.path.normpath(source)
     if not os.path.exists(source):
-        raise MountError(f"{where}: source {source} does not exist on this host")
+        raise MountError(f"{where}: source {os.path.normpath(source)} does not exist on this host")
+    source = os.path.realpath(source)  # what is bound: a link swapped later does not move it
+    if source == "/" or any(_within(source, p) for p in RESERVED_SOURCES):
+        raise MountError(f"{where}: source {source} is reserved (/, {', '.join(RESERVED_SOURCES)} and below)")
+    if not (os.path.isfile(source) or os.path.isdir(source)):
+        raise MountError(f"{where}: source {source} is not a file or folder (a socket, FIFO or device opens the host)")
+    if os.path.isdir(source):
+        _refuse_special_files(source, where)
     return source
+
+
+def _refuse_special_files(folder: str, where: str) -> None:
+    """Refuse a folder holding a socket, FIFO or device (links are not followed: they resolve in the sandbox)."""
+    import stat
+
+    pending, seen = [folder], 0
+    while pending:
+        try:
+            entries = list(os.scandir(pending.pop()))
+        except OSError as exc:
+            raise MountError(f"{where}: cannot read {exc.filename}: {exc.strerror}") from None
+        for entry in entries:
+            seen += 1
+            if seen > MAX_CHECKED_ENTRIES:
+                raise MountError(f"{where}: {folder} holds over {MAX_CHECKED_ENTRIES} entries; mount a narrower folder")
+            mode = entry.stat(follow_symlinks=False).st_mode
+            if stat.S_ISSOCK(mode) or stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+                raise MountError(f"{where}: {entry.path} is a socket, FIFO or device (it would open the host)")
+            if stat.S_ISDIR(mode):
+                pending.append(entry.path)
+
+
+def _refuse_sources_in_writable_ones(mounts: Sequence[Mapping[str, Any]], flag: str) -> None:
+    """A source below a writable mount's source is refused: the sandbox could swap a folder on its path for a link."""
+    for index, writable in enumerate(mounts):
+        if writable.get("read_only"):
+            continue
+        for other, mount in enumerate(mounts):
+            inner = mount["source"] != writable["source"] and _within(mount["source"], writable["source"])
+            if other != index and inner:  # (the same folder twice binds the same folder: nothing to swap)
+                raise MountError(f"{flag}[{other}]: {mount['source']} overlaps the writable {writable['source']}")
+
+
+def _within(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or below it (both absolute, resolved)."""
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
 def _sandbox_target(target: Any, where: str) -> str:

@@ -12,6 +12,7 @@ import heapq
 import os
 import re
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 #: The prefix of every folder, file and label the project creates.
@@ -89,7 +90,7 @@ def owner_from_session(session: str) -> tuple[str | None, int | None]:
     return match["label"], int(match["pid"])
 
 
-def local_roots(extra: tuple[str | Path, ...] | list[str | Path] = ()) -> list[Path]:
+def local_roots(extra: Iterable[str | Path] = ()) -> list[Path]:
     """The local backend's base folders: ``$HARBOR_ASYNC_LOCAL_ROOT`` (or its default) and ``extra``."""
     roots = [Path(os.environ.get(LOCAL_ROOT_ENV) or DEFAULT_LOCAL_ROOT), *map(Path, extra)]
     return list(dict.fromkeys(r.absolute() for r in roots))

@@ -124,7 +124,7 @@ class PhaseScope:
         begin = self._begin = now()
         if limit <= 0:
             if phase is not Phase.STOP and sandbox._deadline <= begin:
-                exc: BaseException = EpisodeDeadlineError(
+                exc: BaseException | None = EpisodeDeadlineError(
                     phase, sandbox.task_name, sandbox.id, "the episode deadline has passed",
                     start_attempt=max(sandbox.start_attempts, 1),
                 )  # fmt: skip

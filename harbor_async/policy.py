@@ -381,7 +381,7 @@ class RetryPolicy:
         """
         if not callable(deadline):
             deadline = functools.partial(float, deadline)
-        stop = stop_after_attempt(max(1, self.attempts)) | _stop_at(deadline)
+        stop = stop_after_attempt(max(1, self.attempts)) | _stop_at(deadline)  # type: ignore[operator]  # tenacity takes any callable stop
         if self.max_total is not None:
             stop = stop | stop_after_delay(self.max_total)
         return AsyncRetrying(

@@ -181,6 +181,7 @@ def list_sandboxes(
     problems: list[str] = [] if errors is None else errors
     sandboxes: list[SandboxInfo] = []
     by_session: dict[str, SandboxInfo] = {}
+    info: SandboxInfo | None
     trials = _scan_trial_dirs()
     nested = nested_pids()
     if backend in ("docker", "all") and shutil.which("docker"):

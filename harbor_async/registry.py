@@ -352,7 +352,7 @@ def _download(task_ids: list[Any], what: str, passed: type[BaseException] | tupl
     try:
         result = asyncio.run(TaskClient().download_tasks(task_ids=list(task_ids)))
     except Exception as group:  # noqa: BLE001 - typed below, by the error inside any task group
-        exc = group
+        exc: BaseException = group
         while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
             exc = exc.exceptions[0]
         if passed and isinstance(exc, passed):

@@ -130,7 +130,7 @@ def parse_reward_json(text: str) -> dict[str, float | int]:
         raise InvalidRewardFileError(f"reward.json is nested deeper than {MAX_JSON_DEPTH}")
     try:
         rewards = json.loads(text, parse_int=_integer, parse_constant=_constant)
-    except ValueError as exc:  # json.JSONDecodeError
+    except json.JSONDecodeError as exc:  # the one ValueError json.loads raises on a str
         raise InvalidRewardFileError(f"reward.json is not JSON: {exc.msg} at {exc.pos}") from exc
     if not isinstance(rewards, dict) or not rewards:
         raise InvalidRewardFileError("reward.json is not an object of rewards")
@@ -263,6 +263,8 @@ class BoundedVerifier(Verifier):
             :class:`VerifierFolderResetError`, and the tests do not run.
             Every other argument is Harbor's.
     """
+
+    environment: Any  # Harbor's (set by its __init__; Harbor ships no types)
 
     def __init__(self, *args: Any, reset_verifier_dir: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

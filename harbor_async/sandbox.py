@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import anyio
 
@@ -123,8 +123,11 @@ class Sandbox:
         *,
         backend_kwargs: dict[str, Any] | None = None,
         episode_timeout: float | None = None,
+        start_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.context = context
+        #: the backend's start options: the engine's, with this sandbox's own over them (a judge's: no host mounts)
+        self.start_options = {**context.start_options, **(start_options or {})}
         self.timeouts = context.timeouts_for(task)
         self.task = task
         self.task_name: str = task.name
@@ -490,9 +493,9 @@ class Sandbox:
                     session_id=self.id,
                     run_label=self.context.run_label,
                     backend_kwargs=self._backend_kwargs,
-                    options=self.context.start_options,
+                    options=self.start_options,
                 )
-                await self._env.start(force_build=bool(self.context.start_options.get("force_build", False)))
+                await self._env.start(force_build=bool(self.start_options.get("force_build", False)))
                 await self._env.run_healthcheck()
             except BaseException as exc:
                 await self._discard_failed_start()
@@ -532,7 +535,7 @@ class Sandbox:
         return TrialPaths(trial_dir=self._trial_dir)
 
     def _make_trial_dir(self) -> Path:
-        names = self.context.trial_names
+        names = cast(TrialDirNames, self.context.trial_names)  # set by __post_init__
         while True:
             folder = Path(tempfile.gettempdir()) / names.acquire()
             try:
@@ -546,7 +549,7 @@ class Sandbox:
         if self._trial_dir is not None:
             shutil.rmtree(self._trial_dir, ignore_errors=True)
             if not self._trial_dir.exists():
-                self.context.trial_names.release(self._trial_dir.name)
+                cast(TrialDirNames, self.context.trial_names).release(self._trial_dir.name)
             self._trial_dir = None
 
     def _budget(self, phase: Phase, budget: float | None) -> float:
@@ -573,8 +576,8 @@ class Sandbox:
             error = SandboxCancelledError(phase, self.task_name, self.id, "cancelled before it finished", start_attempt=attempt)
         else:
             detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            kind = InvalidTaskError if phase is Phase.START and is_invalid_task(exc) else None
-            error = (kind or PHASE_ERRORS[phase])(phase, self.task_name, self.id, detail, start_attempt=attempt)
+            invalid = InvalidTaskError if phase is Phase.START and is_invalid_task(exc) else None
+            error = (invalid or PHASE_ERRORS[phase])(phase, self.task_name, self.id, detail, start_attempt=attempt)
         error.__cause__ = exc
         return error
 

@@ -47,7 +47,7 @@ def by_task(records: Iterable[EpisodeRecord]) -> dict[str, list[EpisodeRecord]]:
 
 
 def bootstrap_interval(
-    values: Sequence[float], *, samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED
+    values: Sequence[float] | np.ndarray, *, samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED
 ) -> tuple[float, float] | None:
     """A percentile bootstrap interval of the mean of ``values`` (``None`` for fewer than 2)."""
     if len(values) < 2:

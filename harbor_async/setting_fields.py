@@ -112,8 +112,8 @@ class Sampling(SettingsModel):
 
     model_config = ConfigDict(frozen=True)
 
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     max_tokens: PositiveInt | None = None
     seed: int | None = None
 

@@ -307,6 +307,7 @@ class JobSettings(EngineSettings):
             "disk_limits": DiskLimits(self.episode_disk_limit_mb, self.job_disk_limit_mb),
             "force_build": self.force_build,
             "mounts": list(self.mounts),
+            "mounts_writable": self.mounts_writable,
             "delete": self.delete,
             "task_overrides": self.task_overrides(),
             "verify": not self.disable_verification,

@@ -29,6 +29,7 @@ import tomllib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from harbor.models.task.config import TaskConfig
 from harbor.models.task.task import Task
@@ -320,7 +321,7 @@ def _resolve_source(source: str | os.PathLike[str] | Sequence[str | os.PathLike[
                 from harbor_async.registry import fetch_dataset
 
                 name, _, version = source.partition("@")
-                return list(fetch_dataset(name, version).source)
+                return list(cast("tuple[Path, ...]", fetch_dataset(name, version).source))  # folders, never hf://
             raise SuiteNotFoundError(
                 f"task suite path {source!r} does not exist (and is not a Hugging Face "
                 "dataset id of the form 'org/name', nor a Harbor registry dataset 'name@version')"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast, overload
 
 from harbor_async import loop as _loop
 from harbor_async.engine import Engine
@@ -50,7 +50,11 @@ def in_loop_thread() -> bool:
     return _loop.get_loop().in_loop_thread()
 
 
-def call(fn: Callable[..., Awaitable[T] | T], *args: Any, timeout: float | None = None) -> T:
+@overload
+def call(fn: Callable[..., Awaitable[T]], *args: Any, timeout: float | None = None) -> T: ...
+@overload
+def call(fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T: ...
+def call(fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
     """Run ``fn(*args)`` on the loop thread and block for its result.
 
     Every blocking call of the shim goes through here (tests count them).
@@ -58,7 +62,11 @@ def call(fn: Callable[..., Awaitable[T] | T], *args: Any, timeout: float | None 
     return _loop.get_loop().call(fn, *args, timeout=timeout)
 
 
-def submit(fn: Callable[..., Awaitable[T] | T], *args: Any) -> Future[T]:
+@overload
+def submit(fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]: ...
+@overload
+def submit(fn: Callable[..., T], *args: Any) -> Future[T]: ...
+def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
     """Schedule ``fn(*args)`` on the loop thread; return its future at once."""
     return _loop.get_loop().submit(fn, *args)
 
@@ -71,6 +79,7 @@ def engine_for(options: EngineOptions) -> Engine:
         opener = slot is None or stale
         if opener:
             slot = _engines[options] = Future()
+    slot = cast("Future[Engine]", slot)  # a new one where it was None
     if opener:  # outside the lock: opening waits for the loop thread
         try:
             slot.set_result(_loop.open_engine(**options.engine_kwargs()))

@@ -60,7 +60,7 @@ def _outcome_reward_func(
         )
     rewards = verify_environments(environments)
     ours = [env for env in environments if isinstance(env, HarborEnv) and env._episode is not None]
-    failed = [env._episode for env in ours if env._episode.reward is None]
+    failed = [episode for env in ours if (episode := env._episode) is not None and episode.reward is None]
     if log_metric is not None and environments:
         log_metric("harbor/failure_frequency", len(failed) / len(environments))
     if ours:

@@ -128,7 +128,7 @@ def _make_env(
     partial holds the importable class, not the adapted one.
     """
     cls = _env_class(_resolve_agent(cls) if isinstance(cls, str) else cls)
-    env_cls = with_env_reward(cls) if env_reward else cls
+    env_cls = with_env_reward(cls) if env_reward else cls  # type: ignore[arg-type]  # a class is hashable (mypy's check of type[...] against Hashable fails)
     env = env_cls(environment_type=environment_type)
     env._configure(options, backend_kwargs)
     if token is not None:
@@ -290,7 +290,7 @@ class HarborSpec:
         )
 
     @property
-    def reward_funcs(self) -> Callable[..., list[float]] | list[Callable[..., list[float]]]:
+    def reward_funcs(self) -> Callable[..., list[float | None]] | list[Callable[..., list[float | None]]]:
         """The verifier's outcome reward. Plugs into TRL's ``reward_funcs=``.
 
         A single function that verifies the batch concurrently; an empty list

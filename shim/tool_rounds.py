@@ -52,7 +52,7 @@ def tool_call_loop(  # TRL's own shape, kept for a line-by-line diff with its re
     tool_calls = [tool_calls[idx] for idx in idxs_with_tool]
     tool_mask = [[1] * len(ids) for ids in completion_ids]  # 0 for tool result tokens, 1 elsewhere
     # Collect images from multimodal tool responses for the forward pass
-    tool_images = [[] for _ in completion_ids]
+    tool_images: list[list[Any]] = [[] for _ in completion_ids]
     tool_call_count = 0
     tool_failure_count = 0
     iteration_num = 0
@@ -99,7 +99,7 @@ def tool_call_loop(  # TRL's own shape, kept for a line-by-line diff with its re
         for idx in range(len(idxs_with_tool)):
             idx_with_tool = idxs_with_tool[idx]
             # Extract trailing tool messages from completions
-            tool_messages = []
+            tool_messages: list[dict[str, Any]] = []
             for message in reversed(completions[idx_with_tool]):
                 if message["role"] == "tool":
                     tool_messages.insert(0, message)
@@ -146,7 +146,7 @@ def tool_call_loop(  # TRL's own shape, kept for a line-by-line diff with its re
                 ]
         loop_images = [merged_images[i] for i in idxs_with_tool] if merged_images else None
         if self._is_vlm and self.tools and any(imgs for imgs in tool_images):
-            flat_loop_images = [img for img_list in loop_images if img_list for img in img_list]
+            flat_loop_images = [img for img_list in loop_images if img_list for img in img_list]  # type: ignore[union-attr]  # set: tool_images has images
             if flat_loop_images:
                 image_inputs = self.processing_class.image_processor(images=flat_loop_images, return_tensors="pt")
                 image_inputs = super(GRPOTrainer, self)._prepare_inputs(image_inputs)
@@ -162,7 +162,7 @@ def tool_call_loop(  # TRL's own shape, kept for a line-by-line diff with its re
             split_fields = split_pixel_values_by_grid(multimodal_fields)
             loop_multimodal_fields = {}
             for k, v in split_fields.items():
-                selected = [v[i] for i in idxs_with_tool]
+                selected: Any = [v[i] for i in idxs_with_tool]  # lists or tensors
                 # Per-token type-id fields may arrive as tensors (e.g. via the padding workaround);
                 # convert them to lists so they follow the same left-padding path as list-valued
                 # per-token fields below, keeping them aligned with the left-padded input_ids.

@@ -63,7 +63,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import torch
 import trl
@@ -155,6 +155,10 @@ class HarborGRPOTrainer(GRPOTrainer):
     Raises:
         UnsupportedTRLVersionError: the installed TRL is not 1.16.x.
     """
+
+    # As GRPOTrainer sets them (transformers' Trainer types them wider: an optional model, TrainingArguments).
+    model: torch.nn.Module
+    args: trl.GRPOConfig
 
     def __init__(self, *args: Any, tool_workers: int | None = None, prefetch: bool = False, **kwargs: Any) -> None:
         check_trl_version()
@@ -262,7 +266,7 @@ class HarborGRPOTrainer(GRPOTrainer):
         started ahead (its resets may need their slots), so none are started.
         """
         accumulation = self.args.gradient_accumulation_steps
-        serves = self.num_iterations * self.args.steps_per_generation  # micro-steps that reuse this generation
+        serves = self.num_iterations * cast(int, self.args.steps_per_generation)  # micro-steps that reuse this generation (set by GRPOConfig)
         state = self.state
         into_step = self._step % accumulation
         if state.max_steps and (state.max_steps - state.global_step) * accumulation - into_step <= serves:

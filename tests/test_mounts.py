@@ -74,8 +74,9 @@ def host_folder() -> Iterator[Path]:
     a refused write is the mount's doing, not the file's permissions."""
     folder = Path(tempfile.mkdtemp(prefix="harbor-async-mounts-", dir="/tmp"))
     folder.chmod(0o755)
-    (folder / "secret.txt").write_text(CONTENT + "\n")
-    (folder / "secret.txt").chmod(0o666)
+    (folder / "data").mkdir(mode=0o755)  # apart from hint.txt: nothing mounted lies below a writable mount
+    (folder / "data" / "secret.txt").write_text(CONTENT + "\n")
+    (folder / "data" / "secret.txt").chmod(0o666)
     (folder / "hint.txt").write_text("hint\n")
     (folder / "hint.txt").chmod(0o644)
     yield folder
@@ -84,7 +85,7 @@ def host_folder() -> Iterator[Path]:
 
 def mounts_json(folder: Path) -> str:
     """Both of Compose's forms: a short string for the folder, an object for one file."""
-    return json.dumps([f"{folder}:/data", {"type": "bind", "source": str(folder / "hint.txt"), "target": "/opt/hint.txt"}])
+    return json.dumps([f"{folder / 'data'}:/data", {"type": "bind", "source": str(folder / "hint.txt"), "target": "/opt/hint.txt"}])
 
 
 def run_with_mounts(suite: Path, jobs: Path, name: str, *flags: str) -> tuple[dict, str]:
@@ -102,7 +103,7 @@ def check_read_only(tmp_path: Path, folder: Path, *backend: str) -> None:
     record, said = run_with_mounts(make_suite(tmp_path / "suite"), jobs, "ro", *backend, "--mounts", mounts_json(folder))
     assert record["reward"] == 1.0, record  # the agent and the verifier read the host's files
     assert "write: refused" in said and f"now: {CONTENT}" in said, said
-    assert (folder / "secret.txt").read_text() == CONTENT + "\n"  # the host file is unchanged
+    assert (folder / "data" / "secret.txt").read_text() == CONTENT + "\n"  # the host file is unchanged
     stored = json.loads((jobs / "ro" / "harbor-async.json").read_text())
     assert all(m["read_only"] is True for m in stored["mounts"]) and stored["mounts_writable"] is False
 
@@ -113,7 +114,7 @@ def check_writable(tmp_path: Path, folder: Path, *backend: str) -> None:
     record, said = run_with_mounts(suite, jobs, "rw", *backend, "--mounts", mounts_json(folder), "--mounts-writable")
     assert record["reward"] == 1.0, record
     assert "write: wrote" in said and "now: changed-by-sandbox" in said, said
-    assert (folder / "secret.txt").read_text() == "changed-by-sandbox\n"  # only with the flag
+    assert (folder / "data" / "secret.txt").read_text() == "changed-by-sandbox\n"  # only with the flag
 
 
 @needs_bwrap
@@ -165,27 +166,27 @@ def test_docker_mounts_are_read_only_unless_the_writable_flag_is_given(tmp_path:
     ("text", "says"),
     [
         ("not json", "not JSON"),
-        ('{"source": "/tmp"}', "expected a JSON array"),
+        ('{"source": "SRC"}', "expected a JSON array"),
         ('["relative/path:/data"]', "is relative"),
         ('["/no/such/host/path:/data"]', "does not exist"),
-        ('["/tmp:data"]', "not an absolute sandbox path"),
-        ('["/tmp"]', "SOURCE:TARGET"),
-        ('["/tmp:/data:z"]', "mode 'z'"),
-        ('["/tmp:/tests"]', "reserved"),
-        ('["/tmp:/logs/verifier"]', "reserved"),
-        ('["/tmp:/"]', "reserved"),
-        ('["/tmp:/data", "/usr:/data/"]', "a second mount on /data"),
-        ('["/tmp:/data:rw"]', "--mounts-writable"),
-        ('[{"type": "bind", "source": "/tmp", "target": "/data", "read_only": false}]', "--mounts-writable"),
+        ('["SRC:data"]', "not an absolute sandbox path"),
+        ('["SRC"]', "SOURCE:TARGET"),
+        ('["SRC:/data:z"]', "mode 'z'"),
+        ('["SRC:/tests"]', "reserved"),
+        ('["SRC:/logs/verifier"]', "reserved"),
+        ('["SRC:/"]', "reserved"),
+        ('["SRC:/data", "/usr:/data/"]', "a second mount on /data"),
+        ('["SRC:/data:rw"]', "--mounts-writable"),
+        ('[{"type": "bind", "source": "SRC", "target": "/data", "read_only": false}]', "--mounts-writable"),
         ('[{"type": "volume", "source": "cache", "target": "/data"}]', 'only "bind"'),
-        ('[{"type": "bind", "source": "/tmp", "target": "/data", "bind": {"selinux": "z"}}]', "bind options"),
-        ('[{"type": "bind", "source": "/tmp", "target": "/data", "mode": "rw"}]', "'mode' not taken"),
+        ('[{"type": "bind", "source": "SRC", "target": "/data", "bind": {"selinux": "z"}}]', "bind options"),
+        ('[{"type": "bind", "source": "SRC", "target": "/data", "mode": "rw"}]', "'mode' not taken"),
         ('[7]', "got int"),
     ],
 )
-def test_what_cannot_be_mounted_is_refused_with_the_reason(text: str, says: str) -> None:
+def test_what_cannot_be_mounted_is_refused_with_the_reason(text: str, says: str, tmp_path: Path) -> None:
     with pytest.raises(MountError) as caught:
-        parse_mounts(text)
+        parse_mounts(text.replace("SRC", str(tmp_path)))
     assert says in str(caught.value) and "\n" not in str(caught.value), caught.value
 
 
@@ -222,19 +223,93 @@ def test_only_local_and_docker_honour_mounts() -> None:
     [
         (["--mounts", "[oops"], "--mounts: not JSON"),
         (["--mounts", '["data:/data"]'], "is relative"),
-        (["--mounts", '["/tmp:/data:rw"]'], "unless --mounts-writable is given"),
-        (["--mounts", '["/tmp:/data"]', "-e", "simulated"], "backend 'simulated' cannot honour host mounts"),
-        (["--ek", 'mounts=[{"type":"bind","source":"/tmp","target":"/data"}]'], "--ek mounts: give the mounts as --mounts"),
+        (["--mounts", '["SRC:/data:rw"]'], "unless --mounts-writable is given"),
+        (["--mounts", '["SRC:/data"]', "-e", "simulated"], "backend 'simulated' cannot honour host mounts"),
+        (["--ek", 'mounts=[{"type":"bind","source":"SRC","target":"/data"}]'], "--ek mounts: host paths are mounted with --mounts"),
+        (["--ek", 'auto_mounts=[{"type":"bind","source":"SRC","target":"/x"}]'], "--ek auto_mounts: host paths are mounted with --mounts"),
+        (["--mounts", '["SUITE:/data"]'], "overlaps the suite"),
+        (["--mounts", '["JOBS:/data"]'], "overlaps the jobs folder"),
     ],
-    ids=["malformed", "relative", "writable", "backend", "ek"],
+    ids=["malformed", "relative", "writable", "backend", "ek", "ek-auto", "suite", "jobs"],
 )
 def test_the_command_refuses_in_one_line_before_anything_starts(tmp_path: Path, flags: list[str], says: str) -> None:
     suite = make_suite(tmp_path / "suite")
+    source = tmp_path / "src"
+    source.mkdir()
+    flags = [f.replace("SRC", str(source)).replace("SUITE", str(suite)).replace("JOBS", str(tmp_path)) for f in flags]
     done = harbor_async("run", "-p", str(suite), "-o", str(tmp_path / "jobs"), *flags)
     assert done.returncode == 2, done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("error: ") and says in line, line
     assert not (tmp_path / "jobs").exists()
+
+
+def test_what_would_open_the_host_is_refused_as_a_source(tmp_path: Path) -> None:
+    """A read-only bind of a socket still connects (docker.sock), a device still reads; the kernel's and the runtime's
+    folders are refused whole; a source is resolved once (a link swapped later moves nothing)."""
+    import socket
+
+    holder = Path(tempfile.mkdtemp(prefix="ha-sock-", dir="/tmp"))  # a short path: AF_UNIX's limit
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(holder / "api.sock"))
+    try:
+        for text, says in [
+            (f'["{holder / "api.sock"}:/s"]', "not a file or folder"),
+            (f'["{holder}:/d"]', "is a socket, FIFO or device"),
+            ('["/proc/self:/p"]', "reserved"),
+            ('["/var/run:/r"]', "reserved"),
+            ('["/:/host"]', "reserved"),
+            ('["/dev/null:/n"]', "reserved"),
+        ]:
+            with pytest.raises(MountError, match=says):
+                parse_mounts(text)
+    finally:
+        server.close()
+        shutil.rmtree(holder, ignore_errors=True)
+    data, link = tmp_path / "data", tmp_path / "link"
+    (data / "inner").mkdir(parents=True)
+    link.symlink_to(data)
+    assert parse_mounts(f'["{link}:/d"]')[0]["source"] == str(data)  # the folder the link named, not the link
+    with pytest.raises(MountError, match="overlaps the writable"):  # the sandbox could swap what the inner one binds
+        parse_mounts(f'["{data}:/w:rw", "{data / "inner"}:/r:ro"]', writable=True)
+
+
+def test_the_engine_mounts_read_only_what_does_not_say_and_refuses_reserved_targets(tmp_path: Path) -> None:
+    from harbor_async.engine import Engine
+
+    mount = {"type": "bind", "source": str(tmp_path), "target": "/data"}
+    assert Engine(mounts=[mount]).mounts == [{**mount, "read_only": True}]
+    assert Engine(mounts=[mount], mounts_writable=True).mounts == [mount]  # as --mounts-writable: Harbor's reading
+    with pytest.raises(MountError, match="mounts-writable"):
+        Engine(mounts=[{**mount, "read_only": False}])
+    with pytest.raises(MountError, match="reserved"):  # a Python caller's too: the reward's folder is never a mount
+        Engine(mounts=[{**mount, "target": "/logs/verifier"}], mounts_writable=True)
+
+
+@needs_bwrap
+def test_a_separate_verifier_gets_no_host_mount(tmp_path: Path, host_folder: Path) -> None:
+    """What the agent wrote (or still writes) through a writable mount is not the judge's to read."""
+    shared = host_folder / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # the sandbox's own uid may write there: only the mount decides
+    task = tmp_path / "suite" / "sep"
+    for folder in ("environment", "solution", "tests"):
+        (task / folder).mkdir(parents=True)
+    (task / "task.toml").write_text('schema_version = "1.4"\n[verifier]\nenvironment_mode = "separate"\n')
+    (task / "instruction.md").write_text("Forge.\n")
+    (task / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim\n")
+    (task / "solution" / "solve.sh").write_text("#!/bin/bash\necho 1 > /data/forged\n")
+    (task / "tests" / "test.sh").write_text(
+        '#!/bin/bash\nif [ -e /data/forged ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n'
+    )
+    done = harbor_async(
+        "run", "-p", str(tmp_path / "suite"), "-e", "local", "-o", str(tmp_path / "jobs"), "--job-name", "j",
+        "--mounts", f'["{shared}:/data:rw"]', "--mounts-writable",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (record,) = records(tmp_path / "jobs" / "j")
+    assert (shared / "forged").exists()  # the agent's sandbox had the writable mount
+    assert record["reward"] == 0.0, record  # the judge's sandbox had none
 
 
 # ── Harbor's job configs: environment.mounts ────────────────────────────────────

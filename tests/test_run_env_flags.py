@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.cli_helpers import REPO, harbor_async, make_suite, records
 
 # The agent's commands see A, the verifier's see B and not A: reward 1 only then, else a line saying what it saw.
@@ -92,3 +94,36 @@ def test_a_run_on_the_cluster_gives_its_workers_the_runs_task_changes(ray_cluste
     assert [r["reward"] for r in found] == [1.0], found[0].get("verifier_output")
     artifact = tmp_path / "sharded" / found[0]["trial"] / "artifacts" / "workdir" / "a"
     assert artifact.read_text() == "from-agent"
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.usefixtures("docker_daemon")
+def test_a_tasks_compose_file_reads_a_host_variable_only_through_env_allow(tmp_path):
+    """Compose fills ${VAR} in a task's docker-compose.yaml from its own environment: it gets only the host
+    variables it needs itself and the --env-allow'ed ones, so an --env-file's secret stays on the host."""
+    task = tmp_path / "suite" / "leak"
+    for folder in ("environment", "solution", "tests"):
+        (task / folder).mkdir(parents=True)
+    (task / "task.toml").write_text('schema_version = "1.4"\n')
+    (task / "instruction.md").write_text("Say what you see.\n")
+    (task / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim\nWORKDIR /app\n")
+    (task / "environment" / "docker-compose.yaml").write_text(
+        "services:\n  main:\n    environment:\n      LEAK: ${HA_TEST_SECRET:-unset}\n"
+    )
+    (task / "solution" / "solve.sh").write_text('#!/bin/sh\nprintf %s "$LEAK" > /app/leak\n')
+    (task / "tests" / "test.sh").write_text(
+        '#!/bin/sh\n[ "$(cat /app/leak)" = unset ] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n'
+        'echo "leak=$(cat /app/leak)"\n'
+    )
+    env_file = tmp_path / "secret.env"
+    env_file.write_text("HA_TEST_SECRET=leaked-secret\n")
+    args = ["-p", str(tmp_path / "suite"), "-e", "docker", "--env-file", str(env_file)]
+    done = harbor_async("run", *args, "-o", str(tmp_path / "jobs"), "--job-name", "kept")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (record,) = records(tmp_path / "jobs" / "kept")
+    assert record["reward"] == 1.0, record.get("verifier_output")  # the compose file got no secret
+    done = harbor_async("run", *args, "--env-allow", "HA_TEST_SECRET", "-o", str(tmp_path / "jobs"), "--job-name", "allowed")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (record,) = records(tmp_path / "jobs" / "allowed")
+    assert record["reward"] == 0.0 and "leaked-secret" in (record.get("verifier_output") or ""), record

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -39,7 +40,7 @@ class BackendSpec:
     type: str | None = None
     import_path: str | None = None
 
-    def environment_class(self) -> type:
+    def environment_class(self) -> builtins.type:  # builtins: `type` is the field above
         """The Harbor environment class (imports it; vendor SDKs load only here)."""
         return _environment_class(self)
 
@@ -80,6 +81,8 @@ class BackendSpec:
         from harbor.models.trial.config import EnvironmentConfig as TrialEnvironmentConfig
 
         kwargs = self.options().engine_options(run_label, backend_kwargs)
+        if getattr(self.environment_class(), "TAKES_COMPOSE_ENV_ALLOW", False):  # docker: Compose's host variables
+            kwargs["compose_env_allow"] = list(options.get("env_allow") or ())
         extras = self.start_extras(
             trial_dir=trial_paths.trial_dir,
             run_label=run_label,

@@ -108,7 +108,7 @@ class BackendOptions:
         """Harbor's own validation (``options_model``), its refusals turned into one typed error."""
         from pydantic import ValidationError
 
-        schema = getattr(self._cls, "options_model", None)
+        schema: Any = getattr(self._cls, "options_model", None)  # a pydantic model: source is "schema"
         try:
             schema.model_validate({k: v for k, v in options.items() if k not in self.subclass_names})
         except ValidationError as exc:
@@ -177,7 +177,7 @@ def _keywords(parameters: Any) -> set[str]:
     return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def _schema_names(schema: type) -> frozenset[str]:
+def _schema_names(schema: type[Any]) -> frozenset[str]:
     names = set()
     for name, info in schema.model_fields.items():
         names.add(name)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import typer
 from rich.text import Text
@@ -173,8 +173,9 @@ def eval_command(
         raise fail("give at least one -m MODEL (or --resume JOB_DIR)")
     backend_kwargs = parse_kwargs(backend_kwarg)
     checked_backend(env, backend_kwargs)
+    suite: str | list[str] | None = path
     if dataset or registry_url is not None or registry_path is not None:  # resolved (downloaded) as run resolves it
-        path = suite_source(None, None, dataset, registry_url, registry_path)
+        suite = cast("str | list[str] | None", suite_source(None, None, dataset, registry_url, registry_path))  # no -p: no Path
     settings: dict[str, Any] = dict(
         environment_kwargs=backend_kwargs,
         env_allow=list(env_allow or []),
@@ -235,7 +236,7 @@ def eval_command(
             result = anyio.run(
                 lambda: evaluate(
                     model,
-                    path,
+                    suite,
                     resume=resume,
                     jobs_dir=jobs_dir,
                     job_name=job_name,

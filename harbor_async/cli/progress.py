@@ -40,7 +40,7 @@ class EpisodeProgress:
         self.bar.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.bar.__exit__(*exc)
 
     def plan(self, pending: int) -> None:

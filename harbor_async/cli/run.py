@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import IO, Annotated, Any
+from typing import IO, Annotated, Any, cast
 
 import anyio
 import typer
@@ -40,7 +40,7 @@ from harbor_async.cli.eval import MODEL_SERVER_DOWN_EXIT
 from harbor_async.cli.progress import EpisodeProgress
 from harbor_async.cli.run_output import print_summary, print_table
 from harbor_async.cli.run_options import (
-    checked_mounts, defaults_line, env_pairs, load_env_file, mounts_option, previous_refusals, print_job_config, print_plan,
+    checked_mounts, defaults_line, env_pairs, load_env_file, mounts_option, previous_refusals, print_job_config, print_plan, refuse_protected_mounts,
     with_config,
 )  # fmt: skip
 from harbor_async.disk_bounds import JobDiskLimitError
@@ -248,6 +248,7 @@ def run(
         settings.suite = str(loaded.root)
         episodes = plan_episodes(loaded.tasks, settings.n_attempts)
     concurrency, on_ray = settings.n_concurrent, settings.ray
+    refuse_protected_mounts(settings, jobs_dir if resume is None else resume.resolve().parent)
     spec, timeouts = _resolve(settings)
     for episode in episodes:  # checked before any sandbox starts: every budget finite
         try:
@@ -298,12 +299,12 @@ def run(
     export = _open_export(json_path)  # an unwritable export fails now, not after the batch
     if resume is None:
         settings.episodes = describe_episodes(episodes)
-        config = settings.to_dict()
+        stored = settings.to_dict()
         try:
-            job = JobFolder.create(jobs_dir, job_name, config)
+            job = JobFolder.create(jobs_dir, job_name, stored)
         except JobFolderError as exc:
             raise fail(exc) from None
-    root = settings.suite or ""
+    root = cast(str, settings.suite or "")  # str(loaded.root) above, or the resumed job's
     try:
         job.keep_harbor_layout(settings, spec, len(episodes), root)  # harbor view, harbor job regrade read the job
     except JobFolderError as exc:
@@ -581,7 +582,7 @@ def tasks(
 
         table.add_column("image on local", overflow="fold")
     for i, task in enumerate(loaded.tasks):
-        cells = [str(i), Text(escape_controls(task.name)), Text(escape_controls(str(task.paths.task_dir)))]
+        cells: list[str | Text] = [str(i), Text(escape_controls(task.name)), Text(escape_controls(str(task.paths.task_dir)))]
         if local:
             mismatch = task_image_mismatch(task.paths.task_dir, task.config.environment.docker_image)
             cells.append(Text(escape_controls(mismatch or "ok")))

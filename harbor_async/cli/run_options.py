@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import typer
 from rich.table import Table
@@ -67,7 +67,7 @@ def print_job_config(
     """
     from harbor_async.harbor_jobs import HarborJob
 
-    root = Path(settings.suite) if settings.suite else None
+    root = Path(cast(str, settings.suite)) if settings.suite else None  # str(loaded.root) by now
     folder = jobs_dir / (job_name or "job")
     config = HarborJob(folder, settings, root, spec).job_config()
     for dataset in config.datasets:
@@ -144,12 +144,29 @@ def mounts_option(text: str | None, writable: bool) -> list[dict[str, Any]]:
 
 def checked_mounts(spec: Any, settings: JobSettings) -> None:
     """A job's mounts checked again (a resume's host paths may be gone) and against its backend; else exit 2."""
-    from harbor_async.mounts import MountError, check_backend, normalized
+    from harbor_async.mounts import MountError, check_backend, normalized, refuse_mounting_options
 
-    if "mounts" in settings.environment_kwargs:  # Harbor's keyword as it is: writable unless each says not
-        raise fail("--ek mounts: give the mounts as --mounts (read-only unless --mounts-writable)")
     try:
+        refuse_mounting_options(settings.environment_kwargs)  # Harbor's own (writable unless each says not)
         normalized(settings.mounts, writable=settings.mounts_writable)
         check_backend(spec.environment_class(), spec.name, settings.mounts)
+    except MountError as exc:
+        raise fail(exc) from None
+
+
+def refuse_protected_mounts(settings: JobSettings, jobs_dir: Path) -> None:
+    """Exit 2 when a ``--mounts`` source overlaps the suite's task folders (their tests and solutions) or the jobs
+    folder (every trial's rewards): the sandbox's code would read, or with a writable mount change, them."""
+    from harbor_async.mounts import MountError, refuse_protected
+
+    if not settings.mounts:
+        return
+    suite = settings.suite
+    folders = [suite] if isinstance(suite, str) else list(suite or [])
+    protected: dict[str, Any] = {"the jobs folder": jobs_dir}
+    local = [folder for folder in folders if "://" not in folder and Path(folder).exists()]
+    protected.update({"the suite" if len(local) == 1 else f"the suite's task folder {i}": f for i, f in enumerate(local)})
+    try:
+        refuse_protected(settings.mounts, protected)
     except MountError as exc:
         raise fail(exc) from None

@@ -35,7 +35,7 @@ def print_table(records: list[EpisodeRecord]) -> None:
     for r in records:
         spans = {s.phase: s.seconds for s in r.phases}
         name = r.task if names[r.task] == 1 else r.task_path  # same names: tell them apart by path
-        row = [Text(escape_controls(name))]
+        row: list[str | Text] = [Text(escape_controls(name))]
         if attempts:
             row.append(str(r.attempt))
         row.append("-" if r.reward is None else f"{r.reward:g}")

@@ -118,7 +118,7 @@ def load_tasks(
 def plan_episodes(tasks: list[Task], attempts: int) -> list[PlannedEpisode]:
     """``attempts`` episodes of each task; a task selected twice (``--indices 0,0``) continues its attempt count."""
     seen: dict[Path, int] = {}
-    episodes = []
+    episodes: list[PlannedEpisode] = []
     for task in tasks:
         first = seen.get(task.paths.task_dir, 0)
         episodes.extend(PlannedEpisode(task, first + a) for a in range(attempts))

@@ -47,7 +47,7 @@ import weakref
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import sniffio
@@ -116,7 +116,7 @@ class RayBudget:
             try:
                 async with self._block_lock:
                     if self._block is None:
-                        self._block = await self._lease(self.batch, "live", None)
+                        self._block = await self._lease(cast(int, self.batch), "live", None)  # set: _block_slots is
             except BaseException:
                 self._block_slots.release_on_behalf_of(owner)
                 self._maybe_return_block()

@@ -19,6 +19,7 @@ import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import cast
 
 from harbor_async.errors import HarborAsyncError
 from harbor_async.logs import get_logger
@@ -61,7 +62,7 @@ class ReportServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         """The page's address."""
-        host, port = self.server_address[:2]
+        host, port = cast(tuple[str, int], self.server_address[:2])  # a TCP server
         return f"http://{host}:{port}/"
 
     def version(self) -> str:

@@ -198,8 +198,8 @@ def scan() -> dict[str, SandboxInfo]:
         add(_session_of(repo) or "", Resource("image", ref), created.get(ref))
 
     for pid, _state, argv in processes():
-        project = _compose_project_of(argv)
-        session = _session_of(project) if project else None
+        compose_project = _compose_project_of(argv)
+        session = _session_of(compose_project) if compose_project else None
         if session is not None:
             add(session, Resource("process", str(pid), " ".join(argv[:4])), process_start_time(pid))
             for folder in _harbor_compose_dirs(_compose_config_files(argv)):

@@ -39,11 +39,13 @@ import asyncio
 import errno
 import os
 import posixpath
+import re
 import subprocess
 import tarfile
 import time
 from pathlib import Path
-from typing import IO, Any
+from collections.abc import Collection
+from typing import IO, Any, cast
 
 import anyio
 import anyio.from_thread
@@ -65,6 +67,13 @@ from harbor_async.transfer_budget import MAX_DEPTH, Budget
 #: Defaults of the bounds (the local backend's).
 DEFAULT_TRANSFER_LIMIT_MB = 512
 DEFAULT_OUTPUT_LIMIT = 1024 * 1024
+#: Host variables Docker Compose itself reads (the daemon's address and credentials store, proxies, locale,
+#: paths); a task's compose file interpolating any other one gets it only through --env-allow.
+COMPOSE_HOST_VARIABLES = re.compile(
+    r"PATH|HOME|USER|LOGNAME|SHELL|LANG|LANGUAGE|LC_\w+|TZ|TMPDIR|TERM|XDG_\w+|COMPOSE_\w+|BUILDKIT_\w+"
+    r"|DOCKER_(?:HOST|CONTEXT|CONFIG|CERT_PATH|TLS|TLS_VERIFY|BUILDKIT|DEFAULT_PLATFORM|API_VERSION)"
+    r"|BUILDX_\w+|SSL_CERT_\w+|(?i:https?_proxy|no_proxy|all_proxy)"
+)
 _CHUNK = 1 << 20
 #: The daemon's OS per Docker endpoint (``DOCKER_HOST``, ``DOCKER_CONTEXT``): (when asked, answer or None).
 _DAEMON_OS: dict[tuple[str, str], tuple[float, str | None]] = {}
@@ -81,11 +90,18 @@ class ConfinedDockerEnvironment(DockerEnvironment):
       counting apparent sizes (512; past it ``TransferLimitError``);
     - ``output_limit``: bytes of each exec stream kept, head and tail halves (1 MiB);
     - ``host_access``: let the sandbox reach this host's own addresses (default
-      false; see :mod:`.host_network`).
+      false; see :mod:`.host_network`);
+    - ``compose_env_allow``: the host variables (``--env-allow``) a task's own
+      ``docker-compose.yaml`` may interpolate; Compose gets no other host
+      variable than those it needs itself (:data:`COMPOSE_HOST_VARIABLES`), so
+      a task cannot pull a secret (one ``--env-file`` loaded) into its sandbox.
 
     A task's ``cpus``, ``memory_mb`` and ``storage_mb`` are lowered to this host's
     when the daemon is local (Docker refuses more CPUs than it has).
     """
+
+    #: the engine hands it the run's --env-allow names (``compose_env_allow``)
+    TAKES_COMPOSE_ENV_ALLOW = True
 
     def __init__(
         self,
@@ -98,9 +114,11 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         transfer_limit_mb: int | None = DEFAULT_TRANSFER_LIMIT_MB,
         output_limit: int | None = DEFAULT_OUTPUT_LIMIT,
         host_access: bool = False,
+        compose_env_allow: Collection[str] = (),
         **options: Any,
     ) -> None:
         self._host_access = bool(host_access)
+        self._compose_env_allow = frozenset(compose_env_allow)
         self._network_overlay: Path | None = None  # the default network without a host address (.host_network)
         self._transfer_limit = None if transfer_limit_mb is None else int(transfer_limit_mb) * 2**20
         self._output_limit = None if output_limit is None else int(output_limit)
@@ -116,6 +134,17 @@ class ConfinedDockerEnvironment(DockerEnvironment):
             Path(environment_dir) / "docker-compose.yaml"
         ).exists()  # one container: no service to reach
         super().__init__(environment_dir, environment_name, session_id, trial_paths, task_env_config, *args, **options)
+
+    def _compose_env_vars(self, include_os_env: bool = True) -> dict[str, str]:
+        """Harbor's Compose environment with the host's reduced to what Compose needs and what the user allowed."""
+        env = super()._compose_env_vars(include_os_env=False)
+        if not include_os_env:
+            return env
+        host = {
+            name: value for name, value in os.environ.items()
+            if name in self._compose_env_allow or COMPOSE_HOST_VARIABLES.fullmatch(name)
+        }  # fmt: skip
+        return {**host, **env}  # Harbor's order: the host's under the task's and its own
 
     # -- the daemon's OS: asked once, off the loop ---------------------------------
 
@@ -136,7 +165,7 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         await super().start(force_build)
         if watched and (container := await self._find_main_container()) is not None:
             self._watched_container = container
-            storage.WATCH.watch(container, int(storage_mb), self._storage_passed)
+            storage.WATCH.watch(container, int(cast(int, storage_mb)), self._storage_passed)  # set: watched
 
     def _storage_passed(self, error: StorageLimitError) -> None:
         """Told by the watch's thread, before it kills the container: every later command is refused."""

@@ -282,7 +282,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
                             build_piece, self._root, self.run_label, limits, self._require_limits, tools,
                             self.session_id, self._binds,
                         )  # fmt: skip
-            self._adopt(piece)  # no await since the build: from here on stop() removes it
+            self._adopt(piece)  # type: ignore[arg-type]  # built if None (nothing cancels that scope); no await since the build: from here on stop() removes it
             await anyio.to_thread.run_sync(self._apply_task)
         except BaseException:
             with anyio.CancelScope(shield=True):

@@ -245,9 +245,9 @@ async def open_join(spec: dict[str, Any], *, stdin: Any, stdout: Any, stderr: An
             for fd in theirs:
                 os.close(fd)
             if served is None:
-                for fd in ours:
-                    if fd is not None:
-                        os.close(fd)
+                for own in ours:
+                    if own is not None:
+                        os.close(own)
         if served is not None:
             served.stdin = None if ours[0] is None else _Pipe(ours[0])
             served.stdout = None if ours[1] is None else _ReadPipe(ours[1])

@@ -43,7 +43,7 @@ from harbor_async.backends.local.layout import (
     under,
 )
 from harbor_async.backends.local.limits import Cgroups, ResourceLimits, pool_uids_mapped
-from harbor_async.mounts import MountError
+from harbor_async.mounts import RESERVED_TARGETS, MountError
 
 _HELPERS = resources.files("harbor_async.backends.local") / "helpers"
 
@@ -78,14 +78,14 @@ def host_binds(mounts: Sequence[Mapping[str, Any]] | None) -> tuple[HostBind, ..
         if mount.get("type", "bind") != "bind" or not os.path.isabs(source) or not target.startswith("/"):
             raise MountError(f"local backend: only binds of absolute host paths are taken, got {dict(mount)!r}")
         target = "/" + os.path.normpath(target).lstrip("/")
-        if target == "/" or under(target, SYSTEM_DIRS + SPECIAL_DIRS):
+        if target == "/" or under(target, SYSTEM_DIRS + SPECIAL_DIRS + RESERVED_TARGETS):
             raise MountError(f"local backend: cannot mount onto {target} (/, {', '.join(SYSTEM_DIRS + SPECIAL_DIRS)})")
         if os.geteuid() == 0 and pool_uids_mapped() and (closed := _closed_folder(source)) is not None:
             raise MountError(
                 f"local backend: the sandbox's own host uid cannot reach {source}: {closed} gives other users "
                 "no search (x) permission"
             )
-        binds.append(HostBind(source, target, bool(mount.get("read_only", False))))
+        binds.append(HostBind(source, target, bool(mount.get("read_only", False))))  # Harbor's reading: the engine checked
     return tuple(binds)
 
 

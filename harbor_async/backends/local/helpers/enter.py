@@ -138,7 +138,7 @@ class _Decoding:
 
 
 def parse_spec(text: str) -> dict:
-    spec, end = _json.make_scanner(_Decoding())(text, 0)
+    spec, end = _json.make_scanner(_Decoding())(text, 0)  # type: ignore[arg-type]  # duck-typed: the attributes it reads
     if end != len(text) or not isinstance(spec, dict):
         fail("malformed SPEC")
     return spec

@@ -105,7 +105,7 @@ def serve(listener: socket.socket) -> None:
                 poller.unregister(fd)
                 os.close(fd)
                 info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-                code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+                code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status  # type: ignore[union-attr]  # None only with WNOHANG
                 if send(reply, b"exit %d" % code):
                     exited[reply] = pid
                     poller.register(reply, select.POLLIN)
