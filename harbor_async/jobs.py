@@ -169,6 +169,8 @@ class JobFolder:
         target = self.path / name
         tmp = target.with_name(f".{name}.tmp")
         tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        if name == SETTINGS_NAME:  # the run's --ae/--ve values as given (a literal secret among them): the owner's
+            tmp.chmod(0o600)
         tmp.replace(target)
 
     def read_json(self, name: str) -> Any:

@@ -73,6 +73,8 @@ def test_env_file_values_reach_a_task_only_through_env_allow(tmp_path):
     assert [r["reward"] for r in found] == [1.0], found[0].get("verifier_output")
     stored = (tmp_path / "jobs" / "file" / "config.json").read_text()
     assert "${HA_TEST_AGENT}" in stored and "from-agent" not in stored  # the job keeps the template, not the value
+    settings = tmp_path / "jobs" / "file" / "harbor-async.json"
+    assert "${HA_TEST_AGENT}" in settings.read_text() and settings.stat().st_mode & 0o777 == 0o600  # the owner's alone
     missing = harbor_async("run", "-p", str(suite), "--env-file", str(tmp_path / "nope.env"), "--dry-run")
     assert missing.returncode == 2 and "nope.env: no such file" in missing.stderr
 
