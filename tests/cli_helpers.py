@@ -109,3 +109,17 @@ def interrupt(proc: subprocess.Popen, signals: list[signal.Signals], gap: float 
         reader.join(timeout)
         err = "".join(proc.stderr_lines)
     return proc.returncode, out, err, seconds
+
+
+#: A one-step task's task.toml with Harbor's usual budgets (tests that write their own task folders).
+TASK_TOML = """schema_version = "1.4"
+
+[verifier]
+timeout_sec = 60.0
+
+[agent]
+timeout_sec = 120.0
+
+[environment]
+build_timeout_sec = 300.0
+"""

@@ -17,21 +17,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.cli_helpers import harbor_async, records
+from tests.cli_helpers import TASK_TOML, harbor_async, records
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.usefixtures("docker_daemon")]
 
-TOML = """schema_version = "1.4"
-
-[verifier]
-timeout_sec = 60.0
-
-[agent]
-timeout_sec = 120.0
-
-[environment]
-build_timeout_sec = 300.0
-"""
+TOML = TASK_TOML
 COMPOSE = """services:
   peer:
     image: debian:bookworm-slim

@@ -18,22 +18,12 @@ from pathlib import Path
 import pytest
 
 from harbor_async.mounts import MountError, check_backend, parse_mounts
-from tests.cli_helpers import harbor_async, records
+from tests.cli_helpers import TASK_TOML, harbor_async, records
 from tests.requirements import needs_bwrap
 
 CONTENT = "hello-from-host"
 
-TOML = """schema_version = "1.4"
-
-[verifier]
-timeout_sec = 60.0
-
-[agent]
-timeout_sec = 120.0
-
-[environment]
-build_timeout_sec = 300.0
-"""
+TOML = TASK_TOML
 # What a model could run: read the mounted files, then try to overwrite the folder's one: after remounting it
 # writable (in place, from a user namespace of its own) or unmounting it, then plainly.
 SOLVE = """#!/bin/bash
