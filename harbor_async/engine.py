@@ -6,7 +6,7 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from harbor.models.task.task import Task
+
+T = TypeVar("T")
 
 
 class LoopHost(Protocol):
@@ -247,10 +249,7 @@ class Engine:
                         tg.start_soon(sandbox.stop)
                 holds, self._holds = list(self._holds.values()), {}
                 for release in holds:
-                    try:
-                        await anyio.to_thread.run_sync(release)
-                    except RuntimeError:  # no new threads at interpreter shutdown
-                        release()
+                    await _off_loop(release)
                 if self.delete:
                     await self._delete_kept()
             finally:  # a second close waits for this one: it must never wait for ever
@@ -391,10 +390,16 @@ class Engine:
             if delete is None:
                 continue
             try:
-                left = await anyio.to_thread.run_sync(delete, sorted(builds))
-            except RuntimeError:  # no new threads at interpreter shutdown
-                left = delete(sorted(builds))
+                left = await _off_loop(delete, sorted(builds))
             except Exception as exc:  # noqa: BLE001 - the run's results stand; the builds stay, said once
                 left = [f"{len(builds)} kept builds: {exc!r}"]
             if left:
                 self._log.warning("delete: builds left", left=left)
+
+
+async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a worker thread (blocking work off the loop), or here at interpreter shutdown (no threads)."""
+    try:
+        return await anyio.to_thread.run_sync(fn, *args)
+    except RuntimeError:  # no new threads at interpreter shutdown
+        return fn(*args)

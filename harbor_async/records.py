@@ -98,6 +98,11 @@ class EpisodeRecord:
         return not self.verification_disabled and (failure is None or failure.scored)
 
     @property
+    def unjudged_as(self) -> str:
+        """Why the episode is not judged, as summaries count it: its failure class, or ``verification_disabled``."""
+        return self.error_class or ("verification_disabled" if self.verification_disabled else "unknown")
+
+    @property
     def infrastructure_failure(self) -> bool:
         """Whether the model was not judged (infrastructure, model server, cancelled or an invalid task)."""
         return not self.judged

@@ -83,9 +83,7 @@ def summarize(
     tasks = {key: judged for key, rs in all_tasks.items() if (judged := [r for r in rs if r.judged])}
     judged = [r for r in records if r.judged]
     failures = Counter(r.error_class for r in records if r.error_class)
-    not_judged = Counter(
-        r.error_class or ("verification_disabled" if r.verification_disabled else "unknown") for r in records if not r.judged
-    )
+    not_judged = Counter(r.unjudged_as for r in records if not r.judged)
     task_means = [float(np.mean([r.score for r in rs])) for rs in tasks.values()]
     mean = _mean([r.score for r in judged])
     summary: dict[str, Any] = {

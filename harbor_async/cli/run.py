@@ -109,11 +109,10 @@ _SETTING_OF = {
     "agent_setup_timeout_multiplier": "agent_setup_timeout_multiplier", "episode_timeout": "episode_timeout",
     "start_timeout": "start_timeout", "budget": "budget", "ray_address": "ray_address", "max_live": "cluster_max_live",
     "creates_per_second": "cluster_creates_per_second", "on_ray": "ray",
-    "max_model_server_failures": "max_model_server_failures", "env_file": "env_file",
-    "disable_verification": "disable_verification",
+    "max_model_server_failures": "max_model_server_failures", "disable_verification": "disable_verification",
 }  # fmt: skip
 #: Options whose value is converted before it is compared (the agent's model and options, where its server is now; --ek).
-_CONVERTED_OPTIONS = frozenset({"model", "ak", "ek", "base_url", "api_key_name", "agent_env", "verifier_env", "mounts"})
+_CONVERTED_OPTIONS = frozenset({"model", "ak", "ek", "base_url", "api_key_name", "agent_env", "verifier_env", "mounts", "env_file"})
 
 
 def run(
@@ -405,8 +404,8 @@ def _resumed(ctx: typer.Context, stored: JobSettings) -> JobSettings:
     for name in ("agent_env", "verifier_env"):
         if given.get(name) is not None:
             checks.append((name, name, env_pairs(given[name], flag_of[name])))
-    if given.get("env_file") is not None:
-        checks[:] = [c for c in checks if c[0] != "env_file"] + [("env_file", "env_file", load_env_file(given["env_file"]))]
+    if given.get("env_file") is not None:  # stored resolved (loaded by run, with the job's own when none is given)
+        checks.append(("env_file", "env_file", str(Path(given["env_file"]).expanduser().resolve())))
     for name, field, value in checks:
         try:
             settings = settings.resumed({field: value})

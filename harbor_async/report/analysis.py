@@ -132,7 +132,7 @@ def outcome(record: EpisodeRecord, threshold: float) -> str:
     at or above the threshold) counts as solved: the reward is what scores.
     """
     if not record.judged:
-        return str(record.error_class or ("verification_disabled" if record.verification_disabled else "unknown"))
+        return record.unjudged_as
     if record.score >= threshold:
         return SOLVED
     return record.error_class or UNSOLVED
