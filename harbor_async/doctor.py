@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -271,10 +272,20 @@ def check_cgroups(root: Path = Path("/sys/fs/cgroup")) -> Check:
         version, writable = "v1", os.access(root / "memory", os.W_OK)
     missing = [c for c in wanted if c not in controllers]
     found = f"{version}, controllers: {' '.join(sorted(controllers)) or 'none'}" + ("" if writable else ", not writable")
+    found += f"; a timed-out exec is ended {_exec_kill(root, version)}"
     if missing or not writable:
         fix = f"enable the {'/'.join(missing)} controllers" if missing else "run as root, or delegate a cgroup subtree"
         return Check("cgroups", False, found, fix + " (needed only for per-sandbox resource limits)")
     return Check("cgroups", True, found)
+
+
+def _exec_kill(root: Path, version: str) -> str:
+    """How the local backend ends a timed-out exec here (see ``backends/local/limits.py``)."""
+    release = tuple(int(part) for part in re.findall(r"\d+", os.uname().release)[:2])
+    hierarchy = root if version == "v2" else root / "unified"
+    if release >= (5, 14) and (hierarchy / "cgroup.controllers").is_file() and os.access(hierarchy, os.W_OK):
+        return f"by its own cgroup's cgroup.kill ({hierarchy})"
+    return "by walking its process tree (no writable cgroup2 hierarchy with cgroup.kill: Linux 5.14+, root)"
 
 
 # ── Docker ─────────────────────────────────────────────────────────────────

@@ -341,11 +341,13 @@ async def test_an_exec_tree_is_walked_and_killed_off_the_loop_thread(
     env: LocalEnvironment, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The walk of the sandbox's processes (long under a fork bomb; every host process without cgroups) must not
-    stall the other sandboxes' loop."""
+    stall the other sandboxes' loop. (Where the exec has a cgroup of its own, its kill is tried first and walks
+    nothing: made to fail here, so that the walk, the fallback, runs.)"""
     import threading
 
     from harbor_async.backends.local import proctree
 
+    monkeypatch.setattr(proctree, "kill_cgroup", lambda folder: False)
     threads = []
     real = proctree.kill_exec_tree
 
@@ -365,7 +367,8 @@ async def test_an_exec_tree_is_walked_and_killed_off_the_loop_thread(
 async def test_a_timed_out_exec_is_found_in_its_sandboxs_cgroup_not_the_hosts_table(
     env: LocalEnvironment, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where the sandbox has cgroups (as root), a kill reads only them: a fork bomb elsewhere costs it nothing."""
+    """Where the sandbox has cgroups (as root), a kill's walk reads only them: a fork bomb elsewhere costs it nothing.
+    (The walk is the fallback of an exec's own cgroup's kill, made to fail here.)"""
     from harbor_async.backends.local import proctree
     from tests.requirements import IN_CI
 
@@ -373,6 +376,7 @@ async def test_a_timed_out_exec_is_found_in_its_sandboxs_cgroup_not_the_hosts_ta
         if IN_CI:
             pytest.fail("CI runs as root: the sandbox must have cgroups")
         pytest.skip("no cgroups for this process (not root)")
+    monkeypatch.setattr(proctree, "kill_cgroup", lambda folder: False)
     walked: list[object] = []
     real = proctree.process_table
 
@@ -386,6 +390,35 @@ async def test_a_timed_out_exec_is_found_in_its_sandboxs_cgroup_not_the_hosts_ta
     await anyio.sleep(0.2)
     assert host_processes("sleep 174[789]") == []
     assert walked and all(pids is not None and len(pids) < 50 for pids in walked), walked  # never the host's table
+
+
+@pytest.mark.anyio
+async def test_a_timed_out_exec_is_ended_by_its_own_cgroup_with_no_walk(
+    env: LocalEnvironment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a cgroup2 hierarchy has ``cgroup.kill`` (the unified root, or v1's ``unified`` companion), each exec
+    has a cgroup of its own and one write ends it: no process table is read, a daemon that left the exec's tree
+    (double fork) dies too, an earlier exec's daemon does not, and the exec's cgroup is gone afterwards."""
+    from harbor_async.backends.local import proctree
+    from tests.requirements import IN_CI
+
+    cgroups = env._confinement.cgroups if env._confinement is not None else None
+    if cgroups is None or cgroups.kill_parent is None:
+        if IN_CI:
+            pytest.fail("CI runs as root on a kernel with cgroup.kill: each exec must have a cgroup of its own")
+        pytest.skip("no cgroup2 hierarchy with cgroup.kill here")
+    walked: list[object] = []
+    real = proctree.process_table
+    monkeypatch.setattr(proctree, "process_table", lambda pids=None: walked.append(pids) or real(pids))
+    await env.exec("(setsid sleep 1756 &) ; true")  # an earlier exec's daemon: not this kill's
+    with pytest.raises(ExecTimeoutError):
+        await env.exec("(setsid sleep 1757 &) ; sleep 1758 & sleep 1759", timeout_sec=1)
+    await anyio.sleep(0.2)
+    assert host_processes("sleep 175[789]") == []
+    assert len(host_processes("sleep 1756")) == 1
+    assert walked == []
+    # the killed exec's cgroup was removed; the earlier one, holding its daemon, stays until the stop
+    assert [p.name for p in cgroups.kill_parent.iterdir() if p.is_dir()] == ["exec-1"]
 
 
 @pytest.mark.anyio
@@ -497,8 +530,10 @@ async def test_timeout_kills_only_the_execs_own_tree(env: LocalEnvironment) -> N
     assert host_processes("sleep 181[235]") == []
     assert len(host_processes("sleep 1811")) == 1
     survivors = await env.exec("ps -eo args | grep '^sleep 181' | sort")
-    # a double fork leaves the tree at once (as in Docker): a daemon survives
-    assert survivors.stdout.splitlines() == ["sleep 1811", "sleep 1814"]
+    # A double fork leaves the tree at once: the exec's own cgroup still holds it (killed with the exec); a tree
+    # walk, where there is no such cgroup, cannot find it (as Docker does not).
+    own_cgroup = env._confinement is not None and env._confinement.cgroups is not None and env._confinement.cgroups.kill_parent
+    assert survivors.stdout.splitlines() == (["sleep 1811"] if own_cgroup else ["sleep 1811", "sleep 1814"])
     assert joined_execs() == []  # no join helper left behind
 
 

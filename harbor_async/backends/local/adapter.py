@@ -46,9 +46,11 @@ from harbor_async.backends.local.layout import (
     under,
 )
 from harbor_async.backends.local.limits import (
+    Cgroups,
     ResourceLimits,
     UidLease,
     cgroup_version,
+    exec_groups,
     parse_limit,
 )
 from harbor_async.backends.local.output import MAX_ADOPTED, OUTPUT_SINK, OutputPipe
@@ -408,7 +410,10 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
     def _procs_files(self) -> list[str]:
         """The sandbox's ``cgroup.procs`` files, which hold every process of its execs (none without cgroups)."""
         confinement = self._confinement
-        return confinement.cgroups.procs_files if confinement is not None and confinement.cgroups is not None else []
+        if confinement is None or confinement.cgroups is None:
+            return []
+        folders = confinement.cgroups.folders
+        return [*confinement.cgroups.procs_files, *(str(g / "cgroup.procs") for g in exec_groups(folders))]
 
     def _teardown(self, delete: bool) -> None:
         """Remove the cgroups, unmount and (``delete``) remove the folder, release the uid (no process left)."""
@@ -472,9 +477,10 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         The command joins the sandbox's namespaces, so what it starts in the
         background keeps running after it returns. Every command runs as root;
         ``user`` is accepted and ignored (warned once). Past ``timeout_sec``, or
-        when the caller cancels it, the command's whole process tree is killed:
-        its session, its process group and every descendant, not what earlier
-        execs left running.
+        when the caller cancels it, everything the command started is killed
+        (by its own cgroup's ``cgroup.kill`` where the host has one, daemons
+        that left its tree included; else its session, its process group and
+        every descendant), not what earlier execs left running.
 
         Raises:
             ExecTimeoutError: past ``timeout_sec`` (the process tree is killed first).
@@ -493,7 +499,8 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         variables = {**BASE_ENV, **self._spec.env, **(self._merge_env(env) or {})}
         workdir = posixpath.join(self._workdir, cwd or self._workdir)
         shell = "bash" if shutil.which("bash") else "sh"  # resolved with the sandbox's PATH, as bwrap did
-        spec = self._join(variables, workdir, [shell, "-c", command])
+        kill_group = self._confinement.cgroups.exec_group() if self._confinement and self._confinement.cgroups else None
+        spec = self._join(variables, workdir, [shell, "-c", command], kill_group=kill_group)
         out, err = OutputPipe(self._output_limit), OutputPipe(self._output_limit)
         self._launching += 1  # no await since the _started check: stop() waits for this
         try:
@@ -503,6 +510,8 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         except BaseException:
             out.close()
             err.close()
+            if kill_group is not None:
+                Cgroups.drop_exec_group(kill_group)
             raise
         finally:
             self._launching -= 1
@@ -524,8 +533,10 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         finally:
             with anyio.CancelScope(shield=True):
                 if not ended:  # timed out or cancelled
-                    await end_exec(process, self._procs_files())
+                    await end_exec(process, self._procs_files(), kill_group=kill_group)
                 await process.aclose()
+            if kill_group is not None:
+                Cgroups.drop_exec_group(kill_group)
             self._running.pop(process.pid, None)
             for pipe in (out, err):
                 pipe.settle()
@@ -543,15 +554,15 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         # Killed by a signal (stop() during the command): report it like a shell.
         return ExecResult(stdout=stdout, stderr=stderr, return_code=128 - code if code < 0 else code)
 
-    def _join(self, env: dict[str, str], cwd: str, command: list[str]) -> dict[str, Any]:
-        """The ``enter.py`` SPEC that runs ``command`` inside the sandbox."""
+    def _join(self, env: dict[str, str], cwd: str, command: list[str], kill_group: Path | None = None) -> dict[str, Any]:
+        """The ``enter.py`` SPEC that runs ``command`` inside the sandbox (joining ``kill_group``, the exec's own cgroup)."""
         assert self._keeper is not None and self._tools is not None and self._confinement is not None
         if self._verifier_mnt is not None:  # the verifier's: its own namespace, one capability more
             return join_spec(
                 self._keeper, self._confinement, env, cwd, command,
-                mnt=self._verifier_mnt, extra_caps=VERIFIER_EXTRA_CAPS,
+                mnt=self._verifier_mnt, extra_caps=VERIFIER_EXTRA_CAPS, kill_group=kill_group,
             )  # fmt: skip
-        return join_spec(self._keeper, self._confinement, env, cwd, command)
+        return join_spec(self._keeper, self._confinement, env, cwd, command, kill_group=kill_group)
 
     async def run_healthcheck(self, healthcheck: HealthcheckConfig | None = None) -> None:
         """Harbor's healthcheck loop, with anyio sleeps so that it also runs under trio."""

@@ -9,7 +9,12 @@ Each sandbox gets, when this process runs as root:
   a CPU quota; v2 where the unified hierarchy has the controllers, else v1's
   ``pids``, ``memory`` and ``cpu`` hierarchies. Every process of the sandbox
   (the keeper and each exec) is put in them before it starts, by the helper
-  ``helpers/enter-cgroups.sh``.
+  ``helpers/enter-cgroups.sh``;
+- where a cgroup2 hierarchy has ``cgroup.kill`` (Linux 5.14; the unified root,
+  or the ``unified`` companion a v1 host mounts beside its hierarchies), a
+  cgroup of each exec's own below the sandbox's there (:meth:`Cgroups.exec_group`):
+  one write to its ``cgroup.kill`` ends everything the exec started, however
+  many processes, with no walk of a process table.
 
 Without root none of this is possible: the sandbox's root is the caller's own
 uid, and there are no process, memory or CPU limits (see the README).
@@ -35,7 +40,11 @@ UID_COUNT = 65_536
 #: Where the pool's lock files live (one per uid in use; a lock dies with its holder).
 UID_LOCK_DIRS = ("/run/harbor-async-uids", "/tmp/harbor-async-uids")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: Where a v1 (hybrid) host mounts its cgroup2 hierarchy, which has no controllers but has ``cgroup.kill``.
+HYBRID_UNIFIED = CGROUP_ROOT / "unified"
 CPU_PERIOD_US = 100_000
+#: Name prefix of an exec's own cgroup below the sandbox's (see :meth:`Cgroups.exec_group`).
+EXEC_GROUP_PREFIX = "exec-"
 
 
 class LimitError(HarborAsyncError, RuntimeError):
@@ -141,6 +150,9 @@ class Cgroups:
             self.folders = [CGROUP_ROOT / PREFIX / name]
         else:
             self.folders = [CGROUP_ROOT / c / PREFIX / name for c in ("pids", "memory", "cpu")]
+        #: The sandbox's folder in a cgroup2 hierarchy with ``cgroup.kill`` (None: none): its execs' groups go below.
+        self.kill_parent: Path | None = None
+        self._execs = 0
 
     @classmethod
     def of_folders(cls, folders: list[Path]) -> Cgroups:
@@ -168,6 +180,55 @@ class Cgroups:
         except OSError as exc:
             self.remove()
             raise LimitError(f"cannot set up the sandbox's cgroups ({self.version}): {exc}") from exc
+        self._create_kill_parent()
+
+    def _create_kill_parent(self) -> None:
+        """The folder the execs' own cgroups go below, where ``cgroup.kill`` exists; else none (tree walks then)."""
+        if self.version == "v2":
+            folder = self.folders[0]
+        elif (HYBRID_UNIFIED / "cgroup.controllers").exists():
+            folder = HYBRID_UNIFIED / self.folders[0].relative_to(CGROUP_ROOT / "pids")
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                return
+            if not (folder / "cgroup.kill").exists():
+                self._rmdir_quietly(folder)
+                return
+            self.folders.append(folder)  # the keeper and each exec's nsenter join it: a reaper finds them there too
+        else:
+            return
+        if (folder / "cgroup.kill").exists():
+            self.kill_parent = folder
+
+    def exec_group(self) -> Path | None:
+        """A new cgroup for one exec, below the sandbox's: ``cgroup.kill`` there ends that exec alone.
+
+        The exec's process moves itself in (``enter.py``), not its nsenter, which must outlive it to
+        reap it. Nothing is charged differently: no controller is enabled below the sandbox's cgroup,
+        so its limits still count every process. ``None`` where it cannot be made.
+        """
+        if self.kill_parent is None:
+            return None
+        self._execs += 1
+        folder = self.kill_parent / f"{EXEC_GROUP_PREFIX}{self._execs}"
+        try:
+            folder.mkdir()
+        except OSError:
+            return None
+        return folder
+
+    @staticmethod
+    def drop_exec_group(folder: Path) -> None:
+        """Remove an exec's cgroup if it is empty; one still holding what the exec left running stays until :meth:`remove`."""
+        Cgroups._rmdir_quietly(folder)
+
+    @staticmethod
+    def _rmdir_quietly(folder: Path) -> None:
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
 
     def _create_v1(self, limits: ResourceLimits) -> None:
         pids, memory, cpu = self.folders
@@ -200,20 +261,14 @@ class Cgroups:
             _write(folder / "cpu.max", f"{max(int(limits.cpus * CPU_PERIOD_US), 1000)} {CPU_PERIOD_US}")
 
     def pids(self) -> list[int]:
-        """Every process still in the sandbox's cgroups."""
-        found: set[int] = set()
-        for name in self.procs_files:
-            try:
-                found.update(int(line) for line in Path(name).read_text().split())
-            except (OSError, ValueError):
-                continue
-        return sorted(found)
+        """Every process still in the sandbox's cgroups (its execs' own included)."""
+        return sorted(cgroup_members(self.folders))
 
     def remove(self, wait: float = 5.0) -> list[str]:
         """Remove the cgroups (they must be empty; dying processes are waited for). Returns what is left."""
         deadline = time.monotonic() + wait
         left = []
-        for folder in self.folders:
+        for folder in [*exec_groups(self.folders), *self.folders]:
             while True:
                 try:
                     folder.rmdir()
@@ -228,16 +283,34 @@ class Cgroups:
         return left
 
 
-def remove_cgroups(folders: list[str]) -> list[str]:
-    """Kill what still runs in leftover cgroup folders, then remove them; returns what is left."""
-    from harbor_async.leftovers import kill
-
-    pids: set[int] = set()
+def exec_groups(folders: list[Path]) -> list[Path]:
+    """The execs' own cgroups below the sandbox's ``folders`` (see :meth:`Cgroups.exec_group`)."""
+    found = []
     for folder in folders:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        found += [Path(e.path) for e in entries if e.name.startswith(EXEC_GROUP_PREFIX) and e.is_dir(follow_symlinks=False)]
+    return found
+
+
+def cgroup_members(folders: list[Path]) -> set[int]:
+    """The pids in ``folders`` and their execs' own cgroups (unreadable ones skipped)."""
+    pids: set[int] = set()
+    for folder in [*folders, *exec_groups(folders)]:
         try:
             pids.update(int(line) for line in Path(folder, "cgroup.procs").read_text().split())
         except (OSError, ValueError):
             continue
+    return pids
+
+
+def remove_cgroups(folders: list[str]) -> list[str]:
+    """Kill what still runs in leftover cgroup folders, then remove them; returns what is left."""
+    from harbor_async.leftovers import kill
+
+    pids = cgroup_members([Path(f) for f in folders])
     if pids:
         kill(pids)
     return Cgroups.of_folders([Path(f) for f in folders]).remove()

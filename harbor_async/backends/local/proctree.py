@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 import signal
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TypeVar
 
 import anyio
 from anyio.abc import Process
+
+T = TypeVar("T")
 
 
 def stat_fields(pid: int) -> tuple[int, int, int]:
@@ -119,21 +123,23 @@ def kill_exec_tree(leader: int, procs_files: Sequence[str] = ()) -> None:
         pass
 
 
-async def end_exec(process: Process, procs_files: Sequence[str] = ()) -> None:
+async def end_exec(process: Process, procs_files: Sequence[str] = (), kill_group: Path | None = None) -> None:
     """Kill an exec's process tree and wait for its nsenter to exit (it reaps its child, then dies of it).
 
+    Where the exec has a cgroup of its own (``kill_group``, :meth:`.Cgroups.exec_group`), one write
+    to its ``cgroup.kill`` ends every process in it at once, forks racing the kill included: nothing
+    is walked, however many processes a fork bomb made. Else (or if that write fails) the tree is
+    found by walking (:func:`kill_exec_tree`) the sandbox's own processes (``procs_files``: its
+    ``cgroup.procs``), or every host process where it has no cgroup (a fork bomb elsewhere makes that
+    long): in a worker thread, so the other sandboxes' execs on this loop go on meanwhile.
+
     Repeated while the nsenter lives: one still entering the namespaces forks
-    its child after a round. Past five seconds the nsenter is killed too. Each
-    round reads the sandbox's own processes (``procs_files``: its
-    ``cgroup.procs``), or every host process where it has no cgroup (a fork
-    bomb elsewhere makes that long): in a worker thread, so the other
-    sandboxes' execs on this loop go on meanwhile.
+    its child after a round. Past five seconds the nsenter is killed too.
     """
     for _round in range(50):
-        try:
-            await anyio.to_thread.run_sync(kill_exec_tree, process.pid, procs_files)
-        except RuntimeError:  # no new thread at interpreter shutdown (the exit's stops): on the loop, then
-            kill_exec_tree(process.pid, procs_files)
+        # The kernel signals each process within the write: a thread's wait, not the loop's.
+        if kill_group is None or not await _off_loop(kill_cgroup, kill_group):
+            await _off_loop(kill_exec_tree, process.pid, procs_files)
         with anyio.move_on_after(0.1):
             await process.wait()
         if process.returncode is not None:
@@ -143,6 +149,23 @@ async def end_exec(process: Process, procs_files: Sequence[str] = ()) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     await process.wait()
+
+
+def kill_cgroup(folder: Path) -> bool:
+    """SIGKILL every process in a cgroup2 group (``cgroup.kill``); ``False`` where it cannot be written."""
+    try:
+        with open(folder / "cgroup.kill", "w") as kill:
+            kill.write("1")
+    except OSError:
+        return False
+    return True
+
+
+async def _off_loop(function: Callable[..., T], *args: object) -> T:
+    try:
+        return await anyio.to_thread.run_sync(function, *args)
+    except RuntimeError:  # no new thread at interpreter shutdown (the exit's stops): on the loop, then
+        return function(*args)
 
 
 def pidfd_signal(fd: int, signum: int) -> None:

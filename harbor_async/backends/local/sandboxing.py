@@ -190,6 +190,7 @@ def join_spec(
     mnt: int | None = None,
     extra_caps: tuple[str, ...] = (),
     hold: tuple[str, ...] = (),
+    kill_group: Path | None = None,
 ) -> dict[str, Any]:
     """The SPEC ``enter.py`` takes to run ``command`` inside the keeper's namespaces (``ns``: name to open fd).
 
@@ -199,7 +200,8 @@ def join_spec(
     sets no-new-privs and the keeper's capabilities (plus ``extra_caps``)
     before it runs ``command`` with exactly ``env``. ``mnt`` joins another
     mount namespace of the sandbox's (the verifier's) instead of the keeper's;
-    ``hold`` makes the verifier's instead of running a command (see ``enter.py``).
+    ``hold`` makes the verifier's instead of running a command (see ``enter.py``);
+    ``kill_group``, the exec's own cgroup (:meth:`.Cgroups.exec_group`), which the command joins.
     """
     namespaces = dict(keeper.namespaces)
     if mnt is not None:
@@ -218,6 +220,7 @@ def join_spec(
         "argv": command,
         "hold": list(hold),
         "hold_mb": limits.storage_mb or 256,
+        "kill": str(kill_group / "cgroup.procs") if kill_group is not None else None,
     }
     return spec
 

@@ -13,7 +13,10 @@ capabilities are the sandbox's own.
 SPEC is JSON: ``procs`` (cgroup.procs files to join), ``uid`` (the sandbox's
 host uid, or null), ``nproc`` (RLIMIT_NPROC, or null), ``ns`` (namespace name
 to the number of an inherited namespace file: user first), ``caps`` (the
-capability numbers kept), ``cwd``, ``env``, ``argv``; and for a verifier:
+capability numbers kept), ``cwd``, ``env``, ``argv``, ``kill`` (the ``cgroup.procs``
+of the exec's own cgroup, or null: the command's process moves itself in, so that
+one write to that cgroup's ``cgroup.kill`` ends it and all it started while this
+process, outside, lives on to reap it); and for a verifier:
 ``hold`` (mount a fresh tmpfs of ``hold_mb`` at each of those paths in a new
 mount namespace, say ``ready``, and wait for stdin to close; no command is run).
 
@@ -157,6 +160,12 @@ def run(spec: dict) -> None:
                 file.write(str(os.getpid()))
         except OSError as exc:
             fail(f"cannot join {procs}: {exc}")
+    kill_group = None
+    if spec.get("kill"):  # opened as host root: the kernel checks a move against the opener's rights and namespace
+        try:
+            kill_group = os.open(spec["kill"], os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            fail(f"cannot open {spec['kill']}: {exc}")
     caps = [int(cap) for cap in spec["caps"]]
     with open("/proc/sys/kernel/cap_last_cap") as file:  # the host's, before joining anything
         last = int(file.read())
@@ -185,6 +194,11 @@ def run(spec: dict) -> None:
         hold(spec["hold"], int(spec.get("hold_mb") or 64))
     child = os.fork()  # a joined PID namespace takes children only
     if child == 0:
+        if kill_group is not None:
+            try:
+                os.write(kill_group, b"0")  # "0": the writer, whatever its pid in the sandbox
+            except OSError as exc:
+                fail(f"cannot join the exec's cgroup: {exc}")
         confine(caps, last)
         try:
             os.chdir(spec["cwd"])
@@ -192,6 +206,8 @@ def run(spec: dict) -> None:
             fail(f"cannot change to {spec['cwd']!r}: {exc.strerror}")
         os.closerange(3, 1 << 16)
         execute(spec["argv"], spec["env"])
+    if kill_group is not None:
+        os.close(kill_group)
     _, status = os.waitpid(child, 0)
     if os.WIFSIGNALED(status):
         os._exit(128 + os.WTERMSIG(status))
