@@ -247,3 +247,25 @@ def test_on_local_no_process_the_agent_hid_under_the_init_outlives_the_agent(tmp
     assert found["ptrace"]["reward"] == 0.0, failure(found["ptrace"])  # the attack is real: the process ran on
     found = run_job(tmp_path / "suite", tmp_path / "jobs-strict")
     assert found["ptrace"]["reward"] == 1.0 and found["ptrace"]["error_class"] is None, failure(found["ptrace"])
+
+
+INIT_PRELOADER = """#!/bin/bash
+cp /solution/haunt.so /haunt.so && echo /haunt.so > /etc/ld.so.preload
+"""
+
+
+def test_a_library_the_sandbox_preloads_does_not_run_as_a_new_init_before_the_verifier(tmp_path: Path) -> None:
+    """The agent names a library in its /etc/ld.so.preload that, loaded into a PID 1, forks a daemon: whatever ends
+    the agent's processes before the verifier must not start a program of the sandbox's (a restarted init would
+    load it) and so let the agent's code live on beside the tests."""
+    import subprocess
+
+    tasks = tmp_path / "suite" / "tasks"
+    make_task(tasks, "haunt", INIT_PRELOADER, ALONE_TEST)
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-O1", "-o", str(tasks / "haunt" / "solution" / "haunt.so"),
+         str(Path(__file__).parent / "attacks" / "init_daemon.c")],
+        check=True, timeout=120,
+    )  # fmt: skip
+    found = run_job(tmp_path / "suite", tmp_path / "jobs")
+    assert found["haunt"]["reward"] == 1.0 and found["haunt"]["error_class"] is None, failure(found["haunt"])

@@ -45,6 +45,7 @@ from harbor_async.backends.local.layout import (
     VERIFIER_EXTRA_CAPS,
     under,
 )
+from harbor_async.backends.local.loader_files import HIDDEN_SUFFIX, reset_loader_files
 from harbor_async.backends.local.limits import (
     Cgroups,
     ResourceLimits,
@@ -381,7 +382,9 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         under the init; a new keeper then starts over the same root, cgroups
         and uid, as ``docker restart`` keeps a container's files. What lived
         only in the old namespaces goes with them: ``/dev/shm``, listeners on
-        the sandbox's loopback, IPC objects.
+        the sandbox's loopback, IPC objects. Before the new init starts, the
+        loader's files the agent could have written (``/etc/ld.so.preload``,
+        ``/etc/ld.so.cache``) are put back to the host's (:mod:`.loader_files`).
 
         Raises:
             RuntimeError: the sandbox is not started.
@@ -397,6 +400,12 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             for process in list(self._running.values()):
                 await end_exec(process, self._procs_files())
             await self._end_keeper()
+            # No process of the sandbox runs now: the new init must not load a library the agent named.
+            if self._root_fd is not None:
+                changed = await anyio.to_thread.run_sync(reset_loader_files, self._root_fd, self._sandbox_uid())
+                if changed:
+                    self.logger.info("local sandbox %s: before the verifier, %s put back to the host's (the "
+                                     "agent's kept as *%s)", self.session_id, ", ".join(changed), HIDDEN_SUFFIX)
             piece = Piece(folder=self._root, confinement=self._confinement, mount=self._mount)
             await anyio.to_thread.run_sync(functools.partial(start_keeper, piece, self._tools, restart=True))
             self._keeper = piece.keeper
