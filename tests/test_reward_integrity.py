@@ -254,10 +254,8 @@ cp /solution/haunt.so /haunt.so && echo /haunt.so > /etc/ld.so.preload
 """
 
 
-def test_a_library_the_sandbox_preloads_does_not_run_as_a_new_init_before_the_verifier(tmp_path: Path) -> None:
-    """The agent names a library in its /etc/ld.so.preload that, loaded into a PID 1, forks a daemon: whatever ends
-    the agent's processes before the verifier must not start a program of the sandbox's (a restarted init would
-    load it) and so let the agent's code live on beside the tests."""
+def haunt_suite(tmp_path: Path) -> Path:
+    """The task ``haunt``: its solution names tests/attacks/init_daemon.c (compiled here) in /etc/ld.so.preload."""
     import subprocess
 
     tasks = tmp_path / "suite" / "tasks"
@@ -267,5 +265,20 @@ def test_a_library_the_sandbox_preloads_does_not_run_as_a_new_init_before_the_ve
          str(Path(__file__).parent / "attacks" / "init_daemon.c")],
         check=True, timeout=120,
     )  # fmt: skip
-    found = run_job(tmp_path / "suite", tmp_path / "jobs")
+    return tmp_path / "suite"
+
+
+def test_a_library_the_sandbox_preloads_does_not_run_as_a_new_init_before_the_verifier(tmp_path: Path) -> None:
+    """The agent names a library in its /etc/ld.so.preload that, loaded into a PID 1, forks a daemon: whatever ends
+    the agent's processes before the verifier must not start a program of the sandbox's (a restarted init would
+    load it) and so let the agent's code live on beside the tests."""
+    found = run_job(haunt_suite(tmp_path), tmp_path / "jobs")
+    assert found["haunt"]["reward"] == 1.0 and found["haunt"]["error_class"] is None, failure(found["haunt"])
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+@pytest.mark.usefixtures("docker_daemon")
+def test_on_docker_a_library_the_sandbox_preloads_does_not_run_in_the_restarted_main_command(tmp_path: Path) -> None:
+    found = run_job(haunt_suite(tmp_path), tmp_path / "jobs", "-e", "docker")
     assert found["haunt"]["reward"] == 1.0 and found["haunt"]["error_class"] is None, failure(found["haunt"])

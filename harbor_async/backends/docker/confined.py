@@ -58,6 +58,7 @@ from harbor.models.task.config import NetworkMode
 from harbor_async import disk_bounds
 from harbor_async.backends.docker import host_network, storage
 from harbor_async.backends.docker.cleanup import docker_is_local
+from harbor_async.backends.docker.loader_files import HIDDEN_SUFFIX, reset_loader_files
 from harbor_async.bounded_output import HeadTail
 from harbor_async.disk_bounds import StorageLimitError
 from harbor_async.errors import TransferLimitError
@@ -299,20 +300,29 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         A restart leaves no process of the agent's (not one it re-parented,
         attached to the main command by ptrace or hid under it: a kill that
         spares the main command spares what it was made to fork) and keeps the
-        filesystem, the mounts and the network. A restart that fails is the
-        daemon's failure (infrastructure).
+        filesystem, the mounts and the network. While the container is stopped
+        its loader's files are put back to the image's (:mod:`.loader_files`).
+        A restart that fails is the daemon's failure (infrastructure).
         """
         self._check_storage()  # killed past its storage_mb: restarting it would hand the verifier what outgrew it
         container = await self._find_main_container()
         if container is None:
             raise RuntimeError("the sandbox's main container is not running: it cannot be restarted for the verifier")
-        process = await asyncio.create_subprocess_exec(
-            "docker", "restart", "--time", "0", container,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
-        output, _ = await process.communicate()
-        if process.returncode != 0:
-            raise RuntimeError(f"docker restart of the main container failed: {output.decode(errors='replace')[-500:]}")
+        # Stopped, then started: in between, with nothing running, the loader's files are the image's again, so
+        # the main command does not load a library the agent named (loader_files).
+        for command in ("stop", "start"):
+            process = await asyncio.create_subprocess_exec(
+                "docker", command, *(["--time", "0"] if command == "stop" else []), container,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            )  # fmt: skip
+            output, _ = await process.communicate()
+            if process.returncode != 0:
+                raise RuntimeError(f"docker {command} of the main container failed: {output.decode(errors='replace')[-500:]}")
+            if command == "stop":
+                changed = await reset_loader_files(container)
+                if changed:
+                    self.logger.info("docker sandbox %s: before the verifier, %s put back to the image's (the "
+                                     "agent's kept as *%s)", self.session_id, ", ".join(changed), HIDDEN_SUFFIX)
 
     async def _find_main_container(self) -> str | None:
         """The id of this project's main container (looked up once, by Compose's labels)."""
