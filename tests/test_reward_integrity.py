@@ -210,17 +210,21 @@ cp /solution/forge.so /app/forge.so && echo /app/forge.so > /etc/ld.so.preload
 """
 
 
-def test_a_library_the_sandbox_preloads_does_not_run_in_the_verifier(tmp_path: Path) -> None:
-    """Named in the sandbox's own /etc/ld.so.preload, it would write 1 as the test script's bash exits."""
+def library_task(tasks: Path, name: str, solve: str, test: str, source: str, library: str) -> None:
+    """A task whose solution finds ``library``, compiled here from ``tests/attacks/<source>``, in /solution."""
     import subprocess
 
-    tasks = tmp_path / "suite" / "tasks"
-    make_task(tasks, "preload", PRELOADER, HONEST_TEST)
+    make_task(tasks, name, solve, test)
     subprocess.run(
-        ["gcc", "-shared", "-fPIC", "-O1", "-o", str(tasks / "preload" / "solution" / "forge.so"),
-         str(Path(__file__).parent / "attacks" / "reward_on_exit.c")],
+        ["gcc", "-shared", "-fPIC", "-O1", "-o", str(tasks / name / "solution" / library),
+         str(Path(__file__).parent / "attacks" / source)],
         check=True, timeout=120,
     )  # fmt: skip
+
+
+def test_a_library_the_sandbox_preloads_does_not_run_in_the_verifier(tmp_path: Path) -> None:
+    """Named in the sandbox's own /etc/ld.so.preload, it would write 1 as the test script's bash exits."""
+    library_task(tmp_path / "suite" / "tasks", "preload", PRELOADER, HONEST_TEST, "reward_on_exit.c", "forge.so")
     for flags in ((), ("--no-strict-verify",)):
         found = run_job(tmp_path / "suite", tmp_path / f"jobs{len(flags)}", *flags)
         assert found["preload"]["reward"] == 0.0 and found["preload"]["error_class"] is None, failure(found["preload"])
@@ -256,15 +260,7 @@ cp /solution/haunt.so /haunt.so && echo /haunt.so > /etc/ld.so.preload
 
 def haunt_suite(tmp_path: Path) -> Path:
     """The task ``haunt``: its solution names tests/attacks/init_daemon.c (compiled here) in /etc/ld.so.preload."""
-    import subprocess
-
-    tasks = tmp_path / "suite" / "tasks"
-    make_task(tasks, "haunt", INIT_PRELOADER, ALONE_TEST)
-    subprocess.run(
-        ["gcc", "-shared", "-fPIC", "-O1", "-o", str(tasks / "haunt" / "solution" / "haunt.so"),
-         str(Path(__file__).parent / "attacks" / "init_daemon.c")],
-        check=True, timeout=120,
-    )  # fmt: skip
+    library_task(tmp_path / "suite" / "tasks", "haunt", INIT_PRELOADER, ALONE_TEST, "init_daemon.c", "haunt.so")
     return tmp_path / "suite"
 
 
