@@ -16,10 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from harbor.environments.base import (
-    BaseEnvironment,
-    ExecResult,
-)
+from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities, EnvironmentResourceCapabilities
 from harbor.models.task.config import EnvironmentConfig, HealthcheckConfig
 from harbor.models.trial.paths import TrialPaths
@@ -46,14 +43,7 @@ from harbor_async.backends.local.layout import (
     under,
 )
 from harbor_async.backends.local.loader_files import HIDDEN_SUFFIX, reset_loader_files
-from harbor_async.backends.local.limits import (
-    Cgroups,
-    ResourceLimits,
-    UidLease,
-    cgroup_version,
-    exec_groups,
-    parse_limit,
-)
+from harbor_async.backends.local.limits import Cgroups, ResourceLimits, UidLease, cgroup_version, exec_groups, parse_limit
 from harbor_async.backends.local.output import MAX_ADOPTED, OUTPUT_SINK, OutputPipe
 from harbor_async.backends.local.proctree import end_exec
 from harbor_async.backends.local.rootfs import (
@@ -374,6 +364,20 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             await keeper.wait()
         keeper.close()
 
+    async def _end_processes(self) -> None:
+        """Kill every process of the sandbox, its PID 1 included; call shielded."""
+        # A process being spawned now would escape the kill (or join an old
+        # namespace), and an nsenter must not find the namespace files closed
+        # (their numbers reused); spawns take milliseconds, so wait for them.
+        with anyio.move_on_after(5):  # never hang on one
+            while self._launching:
+                await anyio.sleep(0.005)
+        if self._keeper is not None:
+            self._keeper.kill_init()
+        for process in list(self._running.values()):
+            await end_exec(process, self._procs_files())  # it ends with its command, killed with the namespace
+        await self._end_keeper()  # no nsenter is running now: the namespace files may be closed
+
     async def end_agent_processes(self) -> None:
         """End every process of the sandbox before the verifier: a new PID namespace over the same files.
 
@@ -393,13 +397,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         if not self._started or self._keeper is None or self._tools is None or self._confinement is None:
             raise RuntimeError(f"local sandbox {self.session_id} is not started")
         with anyio.CancelScope(shield=True):  # half done, the sandbox would have no keeper
-            with anyio.move_on_after(5):  # an exec being spawned now would join the old namespace
-                while self._launching:
-                    await anyio.sleep(0.005)
-            self._keeper.kill_init()
-            for process in list(self._running.values()):
-                await end_exec(process, self._procs_files())
-            await self._end_keeper()
+            await self._end_processes()
             # No process of the sandbox runs now: the new init must not load a library the agent named.
             if self._root_fd is not None:
                 changed = await anyio.to_thread.run_sync(reset_loader_files, self._root_fd, self._sandbox_uid())
@@ -452,18 +450,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         # An exec finishing during the removal must not write its marker back.
         self._marker_live = False
         with anyio.CancelScope(shield=True):  # teardown must finish even when cancelled
-            # A process being spawned now would escape the kill below, and an
-            # nsenter must not find the namespace files closed (their numbers
-            # reused); spawns take milliseconds, so wait for them.
-            with anyio.move_on_after(5):  # spawns take milliseconds; never hang a stop on one
-                while self._launching:
-                    await anyio.sleep(0.005)
-            if self._keeper is not None:
-                self._keeper.kill_init()
-            for process in list(self._running.values()):
-                await end_exec(process, self._procs_files())  # it ends with its command, killed with the namespace
-            # No nsenter is running now: the namespace files may be closed.
-            await self._end_keeper()
+            await self._end_processes()
             try:
                 await anyio.to_thread.run_sync(self._teardown, delete)
             except RuntimeError:  # no new threads at interpreter shutdown
