@@ -45,6 +45,7 @@ def _one_line(stderr: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_run_refuses_a_model_server_nothing_answers_at_before_any_job_folder(tmp_path: Path, host_tmux: None) -> None:
     url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     result, seconds = _run_terminus(tmp_path, url)
@@ -56,6 +57,7 @@ def test_run_refuses_a_model_server_nothing_answers_at_before_any_job_folder(tmp
     assert not (tmp_path / "jobs").exists()  # no job folder, so no sandbox either
 
 
+@pytest.mark.slow
 def test_run_refuses_a_model_server_that_answers_401_on_models(tmp_path: Path, host_tmux: None) -> None:
     with ScriptedServer(api_key="the-right-key", models="401") as server:
         result, seconds = _run_terminus(tmp_path, server.base_url)
@@ -67,6 +69,7 @@ def test_run_refuses_a_model_server_that_answers_401_on_models(tmp_path: Path, h
     assert not (tmp_path / "jobs").exists()
 
 
+@pytest.mark.slow
 def test_eval_probes_the_server_a_harbor_agent_calls_not_only_base_url(tmp_path: Path, host_tmux: None) -> None:
     dead = f"http://127.0.0.1:{free_port()}/v1"  # --ak api_base wins over --base-url: the agent would call this
     with ScriptedServer() as server:
@@ -84,6 +87,7 @@ def test_eval_probes_the_server_a_harbor_agent_calls_not_only_base_url(tmp_path:
 # ── in-process: the probe ──────────────────────────────────────────────────
 
 
+@pytest.mark.slow
 def test_the_probe_sends_the_key_harbor_resolves_for_the_agent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HA_PREFLIGHT_KEY", "the-right-key")
     with ScriptedServer(api_key="the-right-key", models="401") as server:

@@ -21,7 +21,6 @@ from harbor_async.engine import Engine
 from harbor_async.errors import BackendOptionsError
 from tests.cli_helpers import harbor_async
 
-pytestmark = pytest.mark.range
 
 #: Whether the installed Harbor validates docker's options with a schema (0.26 on).
 DOCKER_SCHEMA = getattr(DockerEnvironment, "options_model", None) is not None
@@ -43,6 +42,7 @@ def test_local_refuses_a_misspelled_option_and_names_the_right_one():
     spec.check_options({"memory_mb": 64, "sandbox_root": "/tmp/x", "pids_limit": 50})  # the real names pass
 
 
+@pytest.mark.range
 def test_docker_refuses_an_unknown_option_on_the_installed_harbor():
     spec = resolve_backend("docker")
     assert spec.options().source == ("schema" if DOCKER_SCHEMA else "signature")
@@ -52,6 +52,7 @@ def test_docker_refuses_an_unknown_option_on_the_installed_harbor():
     spec.check_options({"keep_containers": True})
 
 
+@pytest.mark.range
 def test_docker_takes_this_projects_own_options_beside_harbors_schema():
     """The confined docker class's own keywords are accepted on every Harbor (0.26's schema does not list them)."""
     spec = resolve_backend("docker")
@@ -62,6 +63,7 @@ def test_docker_takes_this_projects_own_options_beside_harbors_schema():
     assert caught.value.unknown == ["fast_startt"] and "fast_start" in str(caught.value)
 
 
+@pytest.mark.range
 def test_a_value_harbor_schema_refuses_is_refused_with_harbor_reason():
     spec = resolve_backend("docker")
     if DOCKER_SCHEMA:
@@ -94,6 +96,7 @@ def test_the_run_label_goes_only_to_backends_that_take_it(backend: str, gets_lab
     )
 
 
+@pytest.mark.range
 @pytest.mark.parametrize("backend", ["docker", "docker-fast", "local", "simulated"])
 def test_each_backend_environment_is_built_as_a_start_builds_it(backend: str, example_tasks, tmp_path: Path):
     paths = TrialPaths(trial_dir=tmp_path)
@@ -117,6 +120,7 @@ async def test_the_engine_refuses_before_any_sandbox_starts(example_tasks, anyio
         assert engine.live_sandboxes() == [] and engine.stats().launched == 0
 
 
+@pytest.mark.slow
 def test_run_refuses_a_misspelled_local_option_in_one_line(tmp_path: Path):
     done = harbor_async("run", "-e", "local", "--ek", "memroy_mb=64", "-o", str(tmp_path / "jobs"))
     assert done.returncode == 2
@@ -125,6 +129,7 @@ def test_run_refuses_a_misspelled_local_option_in_one_line(tmp_path: Path):
     assert not (tmp_path / "jobs").exists()  # no job folder, no sandbox
 
 
+@pytest.mark.slow
 def test_run_refuses_an_unknown_docker_option_in_one_line(tmp_path: Path):
     done = harbor_async("run", "-e", "docker", "--ek", "no_such_key=1", "-o", str(tmp_path / "jobs"))
     assert done.returncode == 2
@@ -133,6 +138,7 @@ def test_run_refuses_an_unknown_docker_option_in_one_line(tmp_path: Path):
     assert not (tmp_path / "jobs").exists()
 
 
+@pytest.mark.slow
 def test_eval_refuses_before_reaching_the_model_server(tmp_path: Path):
     # Port 9 (discard) answers nothing: the refusal comes before any request.
     done = harbor_async(
@@ -170,6 +176,7 @@ def test_the_shim_refuses_at_construction():
         HarborSpec(example_suite_path(), environment_type="local", environment_kwargs={"memroy_mb": 64}, preflight=False)
 
 
+@pytest.mark.range
 def test_a_harbor_class_that_reads_its_own_kwargs_is_not_refused_what_it_reads():
     # Harbor 0.25's GKE backend takes options out of **kwargs by name (no signature lists
     # them); 0.26 declares a schema. Either way nothing it takes is refused.
@@ -206,6 +213,7 @@ class _SchemaBackend(BaseEnvironment):
     options_model = _OldNameOptions
 
 
+@pytest.mark.range
 def test_a_schema_decides_names_as_harbor_validation_does():
     options = resolve_backend(f"{__name__}:_SchemaBackend").options()
     assert options.source == "schema" and options.names == {"timeout_sec"}

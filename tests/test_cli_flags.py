@@ -20,6 +20,7 @@ def run_job(tmp_path, *args: str, name: str = "j", code: int = 0):
     return result, records(job), json.loads((job / "summary.json").read_text())
 
 
+@pytest.mark.slow
 def test_version():
     from importlib.metadata import version
 
@@ -27,6 +28,7 @@ def test_version():
     assert result.returncode == 0 and result.stdout.strip() == f"harbor-async {version('harbor-async')}"
 
 
+@pytest.mark.slow
 def test_path_env_agent_and_concurrency(tmp_path):
     suite = make_suite(tmp_path / "suite", ["t1", "t2", "t3"])
     _, found, summary = run_job(tmp_path, "-p", str(suite), "-e", "local", "-a", "none", "-n", "3")
@@ -36,6 +38,7 @@ def test_path_env_agent_and_concurrency(tmp_path):
     assert summary["mean_reward"] == 0.0
 
 
+@pytest.mark.slow
 def test_n_concurrent_bounds_the_live_sandboxes(tmp_path):
     # 4 episodes whose start takes 0.5 s, 2 at once: two waves of starts.
     _, found, _ = run_job(tmp_path, "-e", "simulated", "--ek", "start_latency=0.5", "-l", "4", "-n", "2")
@@ -46,6 +49,7 @@ def test_n_concurrent_bounds_the_live_sandboxes(tmp_path):
     assert min(x["started_at"] for x in late) > max(x["started_at"] for x in first_wave)
 
 
+@pytest.mark.slow
 def test_n_attempts_gives_k_episodes_per_task_and_pass_at_k(tmp_path):
     result, found, summary = run_job(
         tmp_path, "-e", "simulated", "-l", "3", "-k", "4", "--ek", "verify_failure_rate=0.5", "--ek", "seed=7"
@@ -63,6 +67,7 @@ def test_n_attempts_gives_k_episodes_per_task_and_pass_at_k(tmp_path):
     assert "pass@1" in result.stdout and "pass@4" in result.stdout
 
 
+@pytest.mark.slow
 def test_include_exclude_globs_then_n_tasks(tmp_path):
     result = harbor_async("tasks", "-i", "csv-*", "-x", "*-sum")
     assert result.returncode == 0, result.stderr
@@ -74,6 +79,7 @@ def test_include_exclude_globs_then_n_tasks(tmp_path):
     assert nothing.returncode == 2 and "matches -i 'nope-*'" in nothing.stderr
 
 
+@pytest.mark.slow
 def test_include_matches_the_folder_name_as_harbor_does_not_a_package_name(tmp_path):
     suite = make_suite(tmp_path / "suite", ["alpha", "beta"])
     toml = suite / "tasks" / "alpha" / "task.toml"
@@ -85,6 +91,7 @@ def test_include_matches_the_folder_name_as_harbor_does_not_a_package_name(tmp_p
     assert none.returncode == 2 and "matches -i 'org/*'" in none.stderr, none.stdout + none.stderr
 
 
+@pytest.mark.slow
 def test_ek_drives_the_simulated_backend(tmp_path):
     _, found, summary = run_job(tmp_path, "-e", "simulated", "-l", "2", "--ek", "verify_failure_rate=1", name="verify")
     assert all(r["error_class"] == "verifier" and r["reward"] == 0.0 for r in found)
@@ -133,6 +140,7 @@ def test_timeout_multipliers_scale_the_phase_budgets(tmp_path):
     assert found[0]["error_phase"] == "start"
 
 
+@pytest.mark.slow
 def test_jobs_dir_job_name_and_json_export(tmp_path):
     result = harbor_async("run", "-e", "simulated", "-l", "2", cwd=tmp_path)  # the default: ./jobs/<timestamp>
     assert result.returncode == 0, result.stderr
@@ -148,6 +156,7 @@ def test_jobs_dir_job_name_and_json_export(tmp_path):
     assert again.returncode == 2 and "--resume" in again.stderr
 
 
+@pytest.mark.slow
 def test_unwritable_jobs_folder_or_export_fails_before_any_sandbox_starts(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
@@ -165,6 +174,7 @@ def test_unwritable_jobs_folder_or_export_fails_before_any_sandbox_starts(tmp_pa
         assert not sandboxes.exists() and not list(trials.iterdir()), "a sandbox was started"
 
 
+@pytest.mark.slow
 def test_resume_refuses_job_defining_flags_that_differ(tmp_path):
     run_job(tmp_path, "-e", "simulated", "-l", "1")
     result = harbor_async("run", "--resume", str(tmp_path / "jobs" / "j"), "-e", "local", "-k", "2")
@@ -180,6 +190,7 @@ def test_resume_refuses_job_defining_flags_that_differ(tmp_path):
     assert missing.returncode == 2 and "not a job folder" in missing.stderr
 
 
+@pytest.mark.slow
 def test_dataset_goes_to_the_hub(tmp_path):
     registry = tmp_path / "registry.json"  # an empty local registry: Harbor's default one is on the network
     registry.write_text("[]")
@@ -192,6 +203,7 @@ def test_dataset_goes_to_the_hub(tmp_path):
     assert "deprecated: -d no-such-org/no-such-suite is read as the Hugging Face dataset" in result.stderr
 
 
+@pytest.mark.slow
 def test_older_spellings_still_work_but_are_hidden(tmp_path):
     result = harbor_async(
         "run", "--backend", "simulated", "--concurrency", "2", "--num-tasks", "2", "-o", str(tmp_path), "--job-name", "old"
@@ -205,6 +217,7 @@ def test_older_spellings_still_work_but_are_hidden(tmp_path):
     assert listed.returncode == 0, listed.stderr
 
 
+@pytest.mark.slow
 def test_sandboxes_speak_the_dialect():
     listed = harbor_async("sandboxes", "list", "-e", "local", "--json")
     assert listed.returncode == 0, listed.stderr
@@ -233,6 +246,7 @@ def test_bench_is_imported_only_by_its_commands_and_promises_only_what_it_writes
     assert [p.suffix for p in tmp_path.iterdir()] == [".json"]
 
 
+@pytest.mark.slow
 def test_indices_pick_tasks_by_position_and_a_repeat_is_another_attempt(tmp_path):
     listed = harbor_async("tasks", "--indices", "2,0")
     assert re.findall(r"│\s+\d+\s+│\s+(\S+)", listed.stdout) == ["csv-group-by", "count-log-files"]
@@ -241,6 +255,7 @@ def test_indices_pick_tasks_by_position_and_a_repeat_is_another_attempt(tmp_path
     assert summary["tasks"] == 1 and summary["episodes"] == 4
 
 
+@pytest.mark.slow
 def test_renamed_flags_still_work_and_say_their_new_name(tmp_path):
     """--max-live is now --cluster-max-live (the shim's cluster_max_live); the old spelling works for a release."""
     from harbor_async.cli.common import warn_renamed_flags
@@ -256,6 +271,7 @@ def test_renamed_flags_still_work_and_say_their_new_name(tmp_path):
     assert "--cluster-max-live, --cluster-creates-per-second and --ray-address are cluster caps" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["run"], ["eval"], ["tasks"], ["bench", "verify"], ["sandboxes", "list"]])
 def test_h_is_help_as_in_harbor_run(command):
     result = harbor_async(*command, "-h")
@@ -263,6 +279,7 @@ def test_h_is_help_as_in_harbor_run(command):
     assert result.returncode == 0 and f"harbor_async {' '.join(command)} [OPTIONS]" in usage, result.stdout
 
 
+@pytest.mark.slow
 def test_the_defaults_that_differ_from_harbor_runs_are_said_in_one_line(tmp_path):
     """-e and -n not given: one line names ours and harbor run's (docker, 4); given, nothing is said."""
     suite = make_suite(tmp_path / "suite", ["t1"])
@@ -275,6 +292,7 @@ def test_the_defaults_that_differ_from_harbor_runs_are_said_in_one_line(tmp_path
     assert "defaults:" not in said.stderr and said.stderr.startswith("job folder")
 
 
+@pytest.mark.slow
 def test_dry_run_checks_and_prints_the_plan_and_starts_nothing(tmp_path):
     suite = make_suite(tmp_path / "suite", ["t1", "t2", "t3"])
     planned = harbor_async("run", "-p", str(suite), "-e", "simulated", "-k", "2", "-x", "t3", "--dry-run", "-o", str(tmp_path / "jobs"))
@@ -287,6 +305,7 @@ def test_dry_run_checks_and_prints_the_plan_and_starts_nothing(tmp_path):
     assert refused.returncode == 2 and not (tmp_path / "jobs").exists(), refused.stderr
 
 
+@pytest.mark.slow
 def test_max_retries_reruns_what_was_not_judged_and_never_a_judged_outcome(tmp_path):
     """`-r`: the first starts of each task fail (transient, the engine's own start retry off): rerun at once they are
     judged; `--retry-include` of another outcome reruns nothing; a judged outcome named is refused in one line."""
@@ -306,6 +325,7 @@ def test_max_retries_reruns_what_was_not_judged_and_never_a_judged_outcome(tmp_p
     assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_harbors_import_path_spellings_name_the_agent_and_the_environment(tmp_path):
     shown = harbor_async(
         "run", "-p", str(make_suite(tmp_path / "suite", ["t1"])), "--print-config",
@@ -320,6 +340,7 @@ def test_harbors_import_path_spellings_name_the_agent_and_the_environment(tmp_pa
     assert both.returncode == 2 and "not both" in both.stderr
 
 
+@pytest.mark.slow
 def test_force_build_reaches_the_engine_and_harbors_config():
     from harbor_async.settings import JobSettings
 
@@ -360,6 +381,7 @@ def test_override_flags_set_every_tasks_resources_as_harbor_run_does(tmp_path):
     assert [r["reward"] for r in found] == [1.0], found
 
 
+@pytest.mark.slow
 def test_artifact_collects_a_sandbox_path_from_every_task(tmp_path):
     suite = make_suite(tmp_path / "suite", ["t1", "t2"])
     _, found, _ = run_job(tmp_path, "-p", str(suite), "-e", "local", "--artifact", "/workdir/answer.txt", "--ek", f"sandbox_root={tmp_path / 'sb'}", name="art")

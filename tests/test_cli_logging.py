@@ -51,6 +51,7 @@ def test_eval_answers_a_bad_log_setting_in_one_line_with_exit_2(tmp_path: Path, 
     assert not (tmp_path / "jobs").exists()
 
 
+@pytest.mark.slow
 def test_evals_log_flag_wins_over_the_variable(tmp_path: Path) -> None:
     result = _eval(tmp_path, "--log-level", "warning", env={"HARBOR_ASYNC_LOG_LEVEL": "loud"})
     assert "log level" not in result.stderr and "unreachable" in result.stderr, result.stderr  # it went on to the server
@@ -96,6 +97,7 @@ def _child(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess, Path
     return result, tmp_path / "jobs" / "job" / JOB_LOG_NAME
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["imported-first", "late-import"])
 def test_litellm_logs_into_the_job_log_not_the_terminal(tmp_path: Path, mode: str) -> None:
     result, log = _child(tmp_path, mode)
@@ -108,6 +110,7 @@ def test_litellm_logs_into_the_job_log_not_the_terminal(tmp_path: Path, mode: st
     assert "suppress_debug_info True" in result.stdout  # its printed "Give Feedback / Get Help" hints off
 
 
+@pytest.mark.slow
 def test_without_a_commands_set_up_litellm_keeps_its_own_output(tmp_path: Path) -> None:
     """The library never configures logging: LiteLLM prints as it always does, and no job log is made."""
     result, log = _child(tmp_path, "library")

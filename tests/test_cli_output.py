@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from tests.cli_helpers import harbor_async, make_suite, records
 
 
+@pytest.mark.slow
 def test_names_paths_and_messages_with_markup_characters(tmp_path, suite_root):
     suite = tmp_path / "we[" / "]suite"  # the path holds "[/]", rich's closing tag
     make_suite(suite, ["good[red]", "[bold]x"])
@@ -28,12 +31,14 @@ def test_names_paths_and_messages_with_markup_characters(tmp_path, suite_root):
     assert sorted(r["task"] for r in records(tmp_path / "jobs" / "j")) == ["[bold]x", "good[red]"]
 
 
+@pytest.mark.slow
 def test_error_messages_keep_their_brackets(tmp_path):
     result = harbor_async("run", "-p", str(tmp_path / "no[/]such"), "-o", str(tmp_path / "jobs"))
     assert result.returncode == 2
     assert "no[/]such" in result.stderr
 
 
+@pytest.mark.slow
 def test_the_error_column_keeps_whole_words(tmp_path):
     result = harbor_async(
         "run", "-e", "tests.broken_backend:FailingStartEnvironment", "-l", "1", "-o", str(tmp_path),
@@ -45,6 +50,7 @@ def test_the_error_column_keeps_whole_words(tmp_path):
     assert "simulated: disk full (permanent)" in " ".join(text.split())
 
 
+@pytest.mark.slow
 def test_tasks_of_the_same_name_are_told_apart_by_path(tmp_path):
     suite = make_suite(tmp_path / "suite", ["a", "b"])
     for name in ("a", "b"):
@@ -61,6 +67,7 @@ def test_tasks_of_the_same_name_are_told_apart_by_path(tmp_path):
     assert summary["tasks"] == 2 and summary["episodes"] == 2
 
 
+@pytest.mark.slow
 def test_terminal_escapes_from_a_task_never_reach_the_terminal(tmp_path):
     """A task folder name, a Dockerfile line (in the backend's warning) and a verifier's error are escaped."""
     evil = "\x1b]0;owned\x07\x1b[2J"

@@ -58,6 +58,7 @@ def test_resume_after_an_interruption_reproduces_an_uninterrupted_run(tmp_path):
     assert set(summary["pass_at_k"]) == {"1", "2"}
 
 
+@pytest.mark.slow
 def test_resume_reruns_only_the_failures_a_resume_reruns(tmp_path):
     # Infrastructure failures are rerun; the verifier's are the model's and are kept.
     jobs = tmp_path / "jobs"
@@ -82,6 +83,7 @@ def test_resume_reruns_only_the_failures_a_resume_reruns(tmp_path):
     shutil.rmtree(jobs)
 
 
+@pytest.mark.slow
 def test_a_job_folder_of_the_previous_release_resumes(tmp_path):
     """config.json with run's nested settings, records naming tasks by absolute path: kept, the rest runs."""
     suite = make_suite(tmp_path / "suite", FAST)

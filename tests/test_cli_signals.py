@@ -21,6 +21,7 @@ from tests.cli_helpers import (
 FAST, SLOW = ["fast-a", "fast-b", "fast-c"], ["slow-a", "slow-b"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)], ids=["INT", "TERM", "HUP"]
 )

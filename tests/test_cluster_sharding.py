@@ -17,7 +17,7 @@ from harbor_async.scoring import summarize
 from harbor_async.suites import example_suite_path
 from tests.cluster_episodes import items, simulated_episode
 
-pytestmark = [pytest.mark.slow, pytest.mark.range]
+pytestmark = [pytest.mark.slow]
 
 TASKS = sorted(str(p.parent) for p in (example_suite_path() / "tasks").glob("*/task.toml"))
 
@@ -35,6 +35,7 @@ def _local_run(episodes, job: JobFolder) -> None:
     anyio.run(main)
 
 
+@pytest.mark.range
 def test_a_sharded_run_gives_the_local_summary_and_resumes(ray_cluster, tmp_path: Path) -> None:
     episodes = items(TASKS, attempts=2)
     local = JobFolder.create(tmp_path, "local", {"suite": "example"})
@@ -61,6 +62,7 @@ def test_a_sharded_run_gives_the_local_summary_and_resumes(ray_cluster, tmp_path
     assert summarize(in_order(job))["episodes"] == 20
 
 
+@pytest.mark.range
 def test_a_worker_killed_mid_run_loses_and_duplicates_nothing(ray_cluster, tmp_path: Path) -> None:
     episodes = items(TASKS, attempts=2, latency=0.4)
     job = JobFolder.create(tmp_path, "cluster", {})
@@ -152,6 +154,7 @@ def test_an_eval_sharded_over_the_cluster_gives_the_local_summary(ray_cluster, t
     assert all(r.transcript and r.model == "solver" for r in records)
 
 
+@pytest.mark.range
 def test_the_eval_command_shards_over_the_cluster_with_the_ray_budget(ray_cluster, tmp_path: Path) -> None:
     import json
     import subprocess

@@ -20,7 +20,7 @@ from harbor_async.engine import Engine
 from harbor_async.loop import LoopThread
 from harbor_async.policy import Limits
 
-pytestmark = [pytest.mark.anyio, pytest.mark.range]
+pytestmark = [pytest.mark.anyio]
 
 UNLIMITED = Limits(live_sandboxes=None)
 
@@ -95,6 +95,7 @@ async def test_off_with_the_setting(example_task, expect, monkeypatch: pytest.Mo
     assert gc.get_threshold() == DEFAULT
 
 
+@pytest.mark.slow
 async def test_a_users_thresholds_are_kept(example_task, expect) -> None:
     gc.set_threshold(10**7, 20, 30)
     async with Engine(limits=UNLIMITED) as engine:

@@ -23,6 +23,7 @@ from harbor_async.settings import JobSettings
 from tests.cli_helpers import harbor_async, make_suite, records
 
 
+@pytest.mark.slow
 def test_delete_is_a_setting_that_reaches_the_engine_and_harbors_config() -> None:
     assert JobSettings(delete=True).engine_kwargs()["delete"] is True and JobSettings().engine_kwargs()["delete"] is False
     kept = json.loads(harbor_async("run", "-e", "simulated", "--print-config").stdout)

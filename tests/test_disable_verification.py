@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.cli_helpers import harbor_async, make_suite, records
 from tests.test_step_integrity import make_task
 
@@ -16,6 +18,7 @@ def _run(tmp_path: Path, name: str, *args: str, code: int = 0) -> tuple[Path, li
     return tmp_path / "jobs" / name, records(tmp_path / "jobs" / name)
 
 
+@pytest.mark.slow
 def test_no_verifier_runs_and_nothing_is_judged_or_rerun(tmp_path):
     suite = make_suite(tmp_path / "suite", ["t1", "t2"])
     flags = ["-p", str(suite), "--artifact", "/workdir/answer.txt"]
@@ -42,6 +45,7 @@ def test_no_verifier_runs_and_nothing_is_judged_or_rerun(tmp_path):
     assert [r["verification_disabled"] for r in again] == [True, True]
 
 
+@pytest.mark.slow
 def test_every_step_of_a_multi_step_task_runs_its_agent(tmp_path):
     make_task(tmp_path / "suite", "steps", killer=False)
     job, (record,) = _run(tmp_path, "steps", "-p", str(tmp_path / "suite"), "--disable-verification", "--artifact", "/app")

@@ -108,6 +108,7 @@ async def test_verifier_output_past_the_bound_is_the_verifiers_scored_failure(tm
     assert trial_size(job, record) <= 8 * MiB
 
 
+@pytest.mark.slow
 @needs_bwrap
 @pytest.mark.anyio
 async def test_a_job_at_its_bound_stops_loudly_and_resumes(tmp_path: Path) -> None:
@@ -193,6 +194,7 @@ def test_doctor_says_who_bounds_docker_storage() -> None:
 # ─── the commands' flags ─────────────────────────────────────────────────────
 
 
+@pytest.mark.slow
 @needs_bwrap
 def test_run_flags_set_the_bounds_and_a_resume_may_raise_the_jobs(tmp_path: Path) -> None:
     """``--job-disk-limit-mb``: the stop is one line naming the bound and the resume (exit 1); the resume may raise

@@ -15,7 +15,7 @@ from harbor_async.backends.docker.fast_start import PROFILES, FastStartDockerEnv
 from harbor_async.engine import Engine
 from tests.test_docker import OUR_PREFIX, docker_leftovers
 
-pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.range, pytest.mark.usefixtures("docker_daemon")]
+pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.usefixtures("docker_daemon")]
 
 
 @pytest.fixture
@@ -23,6 +23,7 @@ def anyio_backend() -> str:
     return "asyncio"  # Harbor's docker backend runs on asyncio only
 
 
+@pytest.mark.range
 @pytest.mark.anyio
 async def test_one_build_per_image_and_no_down_before_up(example_tasks, tmp_path):
     task = next(t for t in example_tasks if t.name.endswith("env-inventory-lookup"))
@@ -81,6 +82,7 @@ async def test_one_build_per_image_and_no_down_before_up(example_tasks, tmp_path
     assert docker_leftovers(OUR_PREFIX) == {}
 
 
+@pytest.mark.range
 @pytest.mark.anyio
 async def test_plain_docker_is_the_fast_start_and_harbors_start_is_one_option_away(example_tasks, tmp_path):
     """``-e docker`` takes the fast start by default (``docker-fast`` is its older name); ``--ek fast_start=false``,

@@ -45,6 +45,7 @@ def checks(report: dict, feature: str) -> dict[str, dict]:
     return {c["name"]: c for c in report["features"][feature]}
 
 
+@pytest.mark.slow
 @pytest.mark.range
 def test_passes_on_this_machine_for_the_local_backend_and_every_extra():
     rc, report, _ = doctor("-b", "local", "-f", "trl", "-f", "eval", "-f", "ray")
@@ -62,6 +63,7 @@ def test_passes_on_this_machine_for_the_local_backend_and_every_extra():
     assert {"docker", "limits", "e2b", "modal", "daytona", "runloop"} <= set(report["features"])
 
 
+@pytest.mark.slow
 @pytest.mark.range
 @pytest.mark.docker
 def test_passes_for_docker_when_the_daemon_runs(docker_daemon):
@@ -81,6 +83,7 @@ def test_passes_for_docker_when_the_daemon_runs(docker_daemon):
     assert set(report["features"]) == {"core", "docker"}
 
 
+@pytest.mark.slow
 @pytest.mark.range
 @pytest.mark.docker
 def test_docker_is_not_ready_when_the_suite_image_is_missing(docker_daemon, tmp_path: Path):
@@ -95,6 +98,7 @@ def test_docker_is_not_ready_when_the_suite_image_is_missing(docker_daemon, tmp_
     assert checks(report, "docker")["docker environment"]["ok"]  # the environment builds; its image is what is missing
 
 
+@pytest.mark.slow
 @pytest.mark.range
 def test_docker_is_not_ready_when_harbor_refuses_the_options():
     rc, report, text = doctor("-b", "docker", "--only", "--ek", "no_such_key=1")
@@ -105,6 +109,7 @@ def test_docker_is_not_ready_when_harbor_refuses_the_options():
     assert rc == 1 and "did you mean 'memory_mb'?" in checks(report, "local")["local environment"]["found"]
 
 
+@pytest.mark.slow
 def test_reports_a_missing_bubblewrap(tmp_path: Path):
     # A PATH with the util-linux tools but no bwrap.
     bin_dir = tmp_path / "bin"
@@ -132,6 +137,7 @@ def test_reports_a_missing_bubblewrap(tmp_path: Path):
     assert "not ready: local needs bwrap: install the 'bubblewrap' package" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.range
 def test_reports_a_missing_docker_daemon(tmp_path: Path):
     dead = tmp_path / "dead.sock"
@@ -178,6 +184,7 @@ def test_reports_a_missing_extra_in_a_core_only_install(tmp_path: Path):
     assert "UnsupportedVersionError: shim.reference needs trl>=1.7,<1.17 (tested: 1.7.0, 1.16.0)" in done.stderr
 
 
+@pytest.mark.slow
 def test_credentials_are_checked_never_printed():
     secret = "sk-doctor-test-9f8e7d"
     rc, report, text = doctor("-b", "e2b", "--only", env={**os.environ, "E2B_API_KEY": secret})
@@ -200,6 +207,7 @@ class _Models(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_model_server_reachable_or_not():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Models)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -234,6 +242,7 @@ def test_require_supported_names_the_tested_range():
     assert caught.value.supported == SUPPORTED["trl"] and caught.value.version == "not installed"
 
 
+@pytest.mark.slow
 def test_a_model_is_checked_with_a_chat_request_when_named():
     from tests.scripted_server import ScriptedServer
 

@@ -105,6 +105,7 @@ def test_a_leader_that_exited_alone_is_no_zombie_its_threads_are_killed(namespac
     _wait_for(lambda: len(_threads(init, agent)) <= 1, "its threads to end")  # killed, not skipped as dead
 
 
+@pytest.mark.slow
 def test_a_process_slow_to_die_is_waited_for_not_reported_as_a_survivor(namespace):
     """A killed process is listed until the kernel has run its exit; freeing 3 GiB of touched memory outlasts
     many rounds of the script (20 rounds used to take a few milliseconds and fail the verify on a loaded machine)."""

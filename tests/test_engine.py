@@ -143,6 +143,7 @@ async def test_episode_deadline_bounds_every_phase(example_tasks):
     assert "episode deadline" in str(info.value)
 
 
+@pytest.mark.slow
 async def test_cancelling_a_batch_stops_every_sandbox(example_tasks):
     started = 0
 
@@ -228,6 +229,7 @@ async def test_stop_right_after_launch_returns_at_once(example_tasks, queued):
             await blocker.stop()
 
 
+@pytest.mark.slow
 async def test_waiters_on_a_start_and_a_stop_all_wake_and_live_sandboxes_share_their_settings(example_tasks):
     async with engine(backend_kwargs=dict(start_latency=0.2, stop_latency=0.2)) as eng:
         sandboxes = [eng.launch(example_tasks[0], "simulated") for _ in range(2)]

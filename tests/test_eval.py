@@ -17,7 +17,6 @@ from harbor_async.errors import FailureClass
 from harbor_async.jobs import JobFolder
 from tests.scripted_server import ScriptedServer
 
-pytestmark = pytest.mark.range
 
 
 @pytest.fixture
@@ -32,6 +31,7 @@ def _eval(server, tmp_path, models, **kwargs):
     return evaluate_sync(models, None, base_url=server.base_url, jobs_dir=tmp_path, job_name="job", **kwargs)
 
 
+@pytest.mark.range
 def test_solver_scores_one_and_records_everything(server, tmp_path) -> None:
     result = _eval(server, tmp_path, ["solver"], n_attempts=2)
     assert len(result.records) == 4 and result.ran == 4
@@ -62,6 +62,7 @@ def test_solver_scores_one_and_records_everything(server, tmp_path) -> None:
     assert summary["models"]["solver"]["episodes"] == 4
 
 
+@pytest.mark.range
 def test_prompt_and_tools_are_the_training_ones(server, tmp_path) -> None:
     """The user message is instruction + PROMPT_SUFFIX, and the harness's tools are offered."""
     from harbor_async.tasks import load_suite
@@ -88,6 +89,8 @@ def test_malformed_arguments_and_unknown_tool_go_back_to_the_model(server, tmp_p
     assert record.reward == 1.0 and record.error_class is None
 
 
+@pytest.mark.slow
+@pytest.mark.range
 @pytest.mark.parametrize("model", ["flaky-429", "flaky-500"])
 def test_transient_server_errors_are_retried(server, tmp_path, model) -> None:
     result = _eval(server, tmp_path, [model], n_tasks=1, limits={"retry_max_wait": 0.2})
@@ -96,6 +99,7 @@ def test_transient_server_errors_are_retried(server, tmp_path, model) -> None:
     assert record.usage["retries"] == 2 and record.usage["requests"] == 4
 
 
+@pytest.mark.range
 def test_a_server_that_keeps_failing_is_a_model_server_failure(server, tmp_path) -> None:
     result = _eval(server, tmp_path, ["always-500"], n_tasks=1, limits={"retries": 2, "retry_max_wait": 0.1})
     record = result.records[0]
@@ -106,6 +110,7 @@ def test_a_server_that_keeps_failing_is_a_model_server_failure(server, tmp_path)
     assert result.summary["mean_reward"] is None and result.summary["not_judged"] == 1  # not a 0.000
 
 
+@pytest.mark.range
 def test_context_overflow_ends_the_episode_and_it_is_scored(server, tmp_path) -> None:
     record = _eval(server, tmp_path, ["context"], n_tasks=1).records[0]
     assert record.finish_reason == "context_length" and record.error_class is None
@@ -217,6 +222,7 @@ def test_task_name_globs_select_as_harbor_run_does(server, tmp_path) -> None:
     assert [r.reward for r in result.records] == [1.0] * len(result.records)
 
 
+@pytest.mark.slow
 def test_the_names_of_the_previous_release_still_work(server, tmp_path) -> None:
     with pytest.warns(DeprecationWarning, match=r"attempts= is deprecated; use n_attempts="):
         result = evaluate_sync(
@@ -251,6 +257,7 @@ def test_a_sync_tool_reaches_the_sandbox_from_its_own_threads(server, tmp_path) 
     assert [r.reward for r in result.records] == [1.0]
 
 
+@pytest.mark.range
 def test_evaluate_runs_under_trio(server, tmp_path) -> None:
     """The core is anyio: evaluate() on trio with an anyio-native backend, its interrupt policy armed on trio."""
     import anyio

@@ -213,6 +213,7 @@ def _decisions(path: Path) -> list[int]:
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_no_module_outside_the_table_names_a_failure_class():
     root = Path(harbor_async.__file__).parent.parent
     found = {}
@@ -242,6 +243,7 @@ def test_the_scan_finds_a_failure_class_set_by_hand(tmp_path: Path):
 # ── end to end, on real backends ─────────────────────────────────────────────
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_an_interrupted_episode_is_cancelled_and_not_judged():
@@ -392,6 +394,7 @@ async def test_on_docker_too_a_verifier_folder_the_agent_replaced_is_a_failed_ve
     assert record.error_class in (None, "verifier"), record
 
 
+@pytest.mark.slow
 @needs_bwrap
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

@@ -49,6 +49,7 @@ def test_the_docs_map_every_harbor_run_flag() -> None:
     assert undocumented == []
 
 
+@pytest.mark.slow
 def test_a_flag_we_cannot_honour_is_one_line_with_its_reason_before_anything_starts(tmp_path: Path) -> None:
     done = harbor_async("run", "-e", "simulated", "--upload", "-o", str(tmp_path / "jobs"))
     assert done.returncode == 2

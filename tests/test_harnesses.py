@@ -193,6 +193,7 @@ def test_python_dead_kernel_is_restarted(python_env: HarborPythonEnv) -> None:
     assert restarted.endswith("False\n")
 
 
+@pytest.mark.slow
 def test_python_calls_from_other_threads(python_env: HarborPythonEnv) -> None:
     python_env.python("counter = 0")
     with ThreadPoolExecutor(max_workers=2) as pool:  # as AsyncGRPOTrainer's tool pool calls sync tools
@@ -235,6 +236,7 @@ def test_python_kernel_solves_a_task() -> None:
 # -- the terminal ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_terminal_run_keeps_the_folder_and_reports_failures(terminal_env: HarborTerminalEnv) -> None:
     assert terminal_env.run("pwd") == "/workdir\n"
     assert terminal_env.run("mkdir -p sub/dir && cd sub/dir && echo moved") == "moved\n"
@@ -248,6 +250,7 @@ def test_terminal_run_keeps_the_folder_and_reports_failures(terminal_env: Harbor
     assert terminal_env.run("true", timeout="soon").startswith("Error: `timeout`")
 
 
+@pytest.mark.slow
 def test_terminal_background_job_output_is_readable_later_and_stoppable(terminal_env: HarborTerminalEnv) -> None:
     started = terminal_env.start_background(
         "echo tick-1901 starting; while :; do date +%s%N; sleep 0.05; done", "ticker"

@@ -36,6 +36,7 @@ def printed_config(tmp_path: Path, *flags: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.range  # each Harbor prints and reads its own JobConfig: both ends of the range
 def test_print_config_gives_back_the_config_harbor_printed(tmp_path: Path) -> None:
     config = printed_config(tmp_path, "-e", "harbor_async.backends.local:LocalEnvironment", "-n", "2", "-k", "3", "-l", "2", "-i", "csv*", "-a", "nop")
@@ -94,6 +95,7 @@ def test_a_harbor_config_runs_the_same_tasks_attempts_agent_and_backend_as_harbo
     assert {r["task"] for r in records(jobs / "ours")} == {name for name, _, _ in trials(jobs / "theirs")}
 
 
+@pytest.mark.slow
 @pytest.mark.range
 @pytest.mark.parametrize(
     ("content", "field"),
@@ -118,6 +120,7 @@ def test_what_cannot_be_honoured_is_refused_in_one_line_naming_the_field(tmp_pat
     assert not (tmp_path / "jobs").exists()
 
 
+@pytest.mark.slow
 def test_the_old_c_alias_is_gone_and_an_unreadable_config_is_one_line(tmp_path: Path) -> None:
     done = harbor_async("run", "-c", "4", "-o", str(tmp_path / "jobs"))
     assert done.returncode == 2 and "cannot read the job config 4" in done.stderr, done.stderr

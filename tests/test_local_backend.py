@@ -39,7 +39,7 @@ from harbor_async.backends.local import (
 IMPORT_PATH = "harbor_async.backends.local:LocalEnvironment"
 REPO = Path(__file__).resolve().parents[1]
 
-pytestmark = [pytest.mark.range, needs_bwrap]
+pytestmark = [needs_bwrap]
 
 DOCKERFILE = """\
 FROM debian:bookworm-slim
@@ -120,6 +120,19 @@ def host_processes(pattern: str) -> list[str]:
     return [line for line in result.stdout.splitlines() if "pgrep" not in line]
 
 
+async def processes_become(pattern: str, count: int, within: float = 10.0) -> list[str]:
+    """The host processes matching ``pattern`` once there are ``count`` of them; fails past ``within`` s.
+
+    A SIGKILLed process is gone a moment after the kill returns, not at once: poll for the state the test
+    means instead of sleeping a guessed time and hoping it was long enough.
+    """
+    deadline = time.monotonic() + within
+    while len(found := host_processes(pattern)) != count:
+        assert time.monotonic() < deadline, f"{pattern!r}: {len(found)} process(es) after {within} s, not {count}: {found}"
+        await anyio.sleep(0.02)
+    return found
+
+
 # -- Dockerfile parsing ----------------------------------------------------------
 
 
@@ -166,6 +179,7 @@ CMD ["bash"]
 # -- construction through Harbor ---------------------------------------------------
 
 
+@pytest.mark.range
 def test_harbor_factory_builds_it_from_import_path(tmp_path: Path, task_dir: Path) -> None:
     task = Task(task_dir)
     trial_paths = TrialPaths(tmp_path / "trial")
@@ -214,6 +228,7 @@ def test_run_label_and_root_default_from_environment(tmp_path: Path, task_dir: P
 # -- the sandbox -------------------------------------------------------------------------
 
 
+@pytest.mark.range
 @pytest.mark.anyio
 async def test_start_exec_stop_honours_dockerfile(env: LocalEnvironment) -> None:
     result = await env.exec('pwd; echo "$GREETING"; echo "$PATH"; cat data.txt; cat /opt/tools/tool.sh')
@@ -231,6 +246,7 @@ async def test_start_exec_stop_honours_dockerfile(env: LocalEnvironment) -> None
     assert given.stdout == "y override\n/tmp\n"
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_start_writes_a_marker(tmp_path: Path, task_dir: Path) -> None:
     """(How fast a start is, `harbor-async bench throughput -e local` measures.)"""
@@ -258,6 +274,7 @@ async def test_start_writes_a_marker(tmp_path: Path, task_dir: Path) -> None:
         await env.stop(delete=True)
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_the_whole_base_tree_is_there_when_start_returns(env: LocalEnvironment) -> None:
     """Most of the base tree is written while bubblewrap starts: all of it, links included, is in place at start."""
@@ -323,6 +340,7 @@ async def test_own_pid_namespace(env: LocalEnvironment) -> None:
     assert (await env.exec("grep -l 'py[t]est' /proc/[0-9]*/cmdline")).return_code == 1
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_exec_timeout_kills_the_process_tree(env: LocalEnvironment) -> None:
     started = time.monotonic()
@@ -331,11 +349,11 @@ async def test_exec_timeout_kills_the_process_tree(env: LocalEnvironment) -> Non
     assert time.monotonic() - started < 5
     assert isinstance(caught.value, RuntimeError)  # what Harbor's docker backend raises
     assert caught.value.stdout == "before\n"
-    await anyio.sleep(0.2)
-    assert host_processes("sleep 171[789]") == []
+    await processes_become("sleep 171[789]", 0)
     assert (await env.exec("echo alive")).stdout == "alive\n"  # the sandbox survives
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_an_exec_tree_is_walked_and_killed_off_the_loop_thread(
     env: LocalEnvironment, monkeypatch: pytest.MonkeyPatch
@@ -359,10 +377,10 @@ async def test_an_exec_tree_is_walked_and_killed_off_the_loop_thread(
     with pytest.raises(ExecTimeoutError):
         await env.exec("sleep 1737 & sleep 1738", timeout_sec=1)
     assert threads and threading.current_thread() not in threads
-    await anyio.sleep(0.2)
-    assert host_processes("sleep 173[78]") == []
+    await processes_become("sleep 173[78]", 0)
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_a_timed_out_exec_is_found_in_its_sandboxs_cgroup_not_the_hosts_table(
     env: LocalEnvironment, monkeypatch: pytest.MonkeyPatch
@@ -387,11 +405,11 @@ async def test_a_timed_out_exec_is_found_in_its_sandboxs_cgroup_not_the_hosts_ta
     monkeypatch.setattr(proctree, "process_table", recording)
     with pytest.raises(ExecTimeoutError):
         await env.exec("sleep 1747 & setsid sleep 1748 & sleep 1749", timeout_sec=1)
-    await anyio.sleep(0.2)
-    assert host_processes("sleep 174[789]") == []
+    await processes_become("sleep 174[789]", 0)
     assert walked and all(pids is not None and len(pids) < 50 for pids in walked), walked  # never the host's table
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_a_timed_out_exec_is_ended_by_its_own_cgroup_with_no_walk(
     env: LocalEnvironment, monkeypatch: pytest.MonkeyPatch
@@ -413,21 +431,20 @@ async def test_a_timed_out_exec_is_ended_by_its_own_cgroup_with_no_walk(
     await env.exec("(setsid sleep 1756 &) ; true")  # an earlier exec's daemon: not this kill's
     with pytest.raises(ExecTimeoutError):
         await env.exec("(setsid sleep 1757 &) ; sleep 1758 & sleep 1759", timeout_sec=1)
-    await anyio.sleep(0.2)
-    assert host_processes("sleep 175[789]") == []
+    await processes_become("sleep 175[789]", 0)
     assert len(host_processes("sleep 1756")) == 1
     assert walked == []
     # the killed exec's cgroup was removed; the earlier one, holding its daemon, stays until the stop
     assert [p.name for p in cgroups.kill_parent.iterdir() if p.is_dir()] == ["exec-1"]
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_cancelled_exec_kills_the_process_tree(env: LocalEnvironment) -> None:
     with anyio.move_on_after(0.5) as scope:
         await env.exec("sleep 1727 & sleep 1728")
     assert scope.cancelled_caught
-    await anyio.sleep(0.2)
-    assert host_processes("sleep 172[78]") == []
+    await processes_become("sleep 172[78]", 0)
 
 
 # -- a persistent sandbox: background processes live between execs -----------------
@@ -447,6 +464,7 @@ def joined_execs() -> list[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_background_processes_survive_between_execs(env: LocalEnvironment) -> None:
     started = time.monotonic()
@@ -520,14 +538,14 @@ async def test_exec_has_the_keepers_privileges(env: LocalEnvironment) -> None:
     assert environment.stdout.split() == sorted(["GREETING", "HOME", "HOSTNAME", "PATH", "PWD", "SHLVL", "_"])
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_timeout_kills_only_the_execs_own_tree(env: LocalEnvironment) -> None:
     await env.exec("nohup sleep 1811 > /dev/null 2>&1 &")
     with pytest.raises(ExecTimeoutError):
         await env.exec("sleep 1812 & setsid sleep 1813 & (setsid sleep 1814 > /dev/null &); sleep 1815", timeout_sec=1)
-    await anyio.sleep(0.2)
     # its group, its session and its descendants died; the earlier exec's process lives
-    assert host_processes("sleep 181[235]") == []
+    await processes_become("sleep 181[235]", 0)
     assert len(host_processes("sleep 1811")) == 1
     survivors = await env.exec("ps -eo args | grep '^sleep 181' | sort")
     # A double fork leaves the tree at once: the exec's own cgroup still holds it (killed with the exec); a tree
@@ -537,14 +555,14 @@ async def test_timeout_kills_only_the_execs_own_tree(env: LocalEnvironment) -> N
     assert joined_execs() == []  # no join helper left behind
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_cancel_kills_only_the_execs_own_tree(env: LocalEnvironment) -> None:
     await env.exec("nohup sleep 1841 > /dev/null 2>&1 &")
     with anyio.move_on_after(0.5) as scope:  # how the engine times execs out
         await env.exec("sleep 1842 & setsid sleep 1843 & sleep 1844")
     assert scope.cancelled_caught
-    await anyio.sleep(0.2)
-    assert host_processes("sleep 184[234]") == []
+    await processes_become("sleep 184[234]", 0)
     assert len(host_processes("sleep 1841")) == 1
     assert joined_execs() == []
     assert (await env.exec("pgrep -c -f 'sleep 184'")).stdout == "1\n"
@@ -567,9 +585,11 @@ async def test_stop_kills_background_processes(tmp_path: Path, task_dir: Path) -
 
     async with anyio.create_task_group() as group:
         group.start_soon(busy_exec)
-        await anyio.sleep(0.3)
         # the sandbox's five (an enter.py helper's own command line names its command too)
-        assert len([p for p in host_processes("sleep 182[1-5]|tick-1824") if "helpers/enter" not in p]) == 5
+        deadline = time.monotonic() + 10
+        while len([p for p in host_processes("sleep 182[1-5]|tick-1824") if "helpers/enter" not in p]) != 5:
+            assert time.monotonic() < deadline, "the five processes never ran"
+            await anyio.sleep(0.02)
         with anyio.fail_after(5):
             await env.stop(delete=True)
     assert running[0].return_code == 137
@@ -595,6 +615,7 @@ def zombie_children() -> list[int]:
     return zombies
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_killed_execs_leave_no_zombie_and_stop_is_prompt(tmp_path: Path, task_dir: Path) -> None:
     # As a child subreaper, this process adopts what a killed exec hands out of the
@@ -637,6 +658,7 @@ async def test_start_fails_clearly_without_util_linux(tmp_path: Path, task_dir: 
         await env.exec("true")
 
 
+@pytest.mark.range
 @pytest.mark.anyio
 async def test_upload_download_round_trip(env: LocalEnvironment, tmp_path: Path) -> None:
     source = tmp_path / "up"
@@ -696,7 +718,7 @@ async def test_stop_removes_folder_and_processes(tmp_path: Path, task_dir: Path)
 
     async with anyio.create_task_group() as group:
         group.start_soon(long_exec)
-        await anyio.sleep(0.3)
+        await processes_become("^sleep 173[78]", 2)  # the exec runs
         assert host_processes(str(root)), "bwrap should be running in this sandbox"
         with anyio.fail_after(5):
             await env.stop(delete=True)
@@ -732,6 +754,7 @@ async def test_stop_while_an_exec_is_launching(tmp_path: Path, task_dir: Path) -
     assert host_processes("sleep 1757") == []
 
 
+@pytest.mark.range
 @pytest.mark.anyio
 async def test_healthcheck_uses_the_sandbox(tmp_path: Path, task_dir: Path) -> None:
     from harbor.environments.base import HealthcheckError
@@ -749,6 +772,8 @@ async def test_healthcheck_uses_the_sandbox(tmp_path: Path, task_dir: Path) -> N
         await env.stop(delete=True)
 
 
+@pytest.mark.slow
+@pytest.mark.range
 def test_works_under_trio(tmp_path: Path, task_dir: Path) -> None:
     async def scenario() -> str:
         env = make_env(tmp_path, task_dir, session="trio")
@@ -764,6 +789,7 @@ def test_works_under_trio(tmp_path: Path, task_dir: Path) -> None:
     assert host_processes("sleep 1747") == []
 
 
+@pytest.mark.slow
 def test_sandbox_outlives_the_thread_that_started_it(tmp_path: Path, task_dir: Path, monkeypatch) -> None:
     # trio forks in worker threads that retire when idle; bwrap's --die-with-parent
     # is tied to the forking thread, so a keeper forked there would die with it.
@@ -792,7 +818,9 @@ async def test_exec_after_the_keeper_died_is_a_clear_error(tmp_path: Path, task_
     await env.start(force_build=False)
     marker = json.loads((env.root / ".harbor-async.json").read_text())
     os.kill(marker["keeper_init_pid"], signal.SIGKILL)  # as the OOM killer might
-    await anyio.sleep(0.2)
+    with anyio.fail_after(10):
+        while env._keeper is not None and env._keeper.alive():  # dead a moment after the kill
+            await anyio.sleep(0.01)
     with pytest.raises(RuntimeError, match="is gone: its init process"):
         await env.exec("true")
     await env.stop(delete=True)
@@ -835,17 +863,20 @@ async def run_oracle_and_verify(tmp_path: Path, task_dir: Path, session: str) ->
         await env.stop(delete=True)
 
 
+@pytest.mark.range
 @pytest.mark.anyio
 async def test_harbor_verifier_rewards_the_oracle(tmp_path: Path, task_dir: Path) -> None:
     assert await run_oracle_and_verify(tmp_path, task_dir, "right") == 1.0
 
 
+@pytest.mark.range
 @pytest.mark.anyio
 async def test_harbor_verifier_rejects_a_wrong_answer(tmp_path: Path) -> None:
     wrong = make_task(tmp_path / "suite-wrong", solve="echo bye > /app/answer.txt")
     assert await run_oracle_and_verify(tmp_path, wrong, "wrong") == 0.0
 
 
+@pytest.mark.range
 @pytest.mark.slow
 def test_harbor_cli_runs_the_oracle(tmp_path: Path) -> None:
     suite = tmp_path / "suite"
@@ -868,6 +899,7 @@ def test_harbor_cli_runs_the_oracle(tmp_path: Path) -> None:
     assert list(sandboxes.iterdir()) == []  # stop(delete=True) left nothing behind
 
 
+@pytest.mark.slow
 def test_reaper_removes_a_killed_owners_mount_and_cgroups(tmp_path: Path, task_dir: Path) -> None:
     """A run killed with SIGKILL leaves its folder, its tmpfs and its cgroups; the reaper removes them all."""
     from harbor_async import reaper

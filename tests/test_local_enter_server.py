@@ -79,6 +79,7 @@ async def test_an_exec_is_the_servers_child_and_holds_no_host_descriptor(env: Lo
     assert _ppid(server) == os.getpid()
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_timeouts_and_cancellation_kill_a_served_exec(env: LocalEnvironment) -> None:
     started = time.monotonic()
@@ -124,6 +125,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 def test_the_server_dies_with_its_host_process(tmp_path: Path) -> None:
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD.format(repo=str(REPO), tmp=str(tmp_path))],
@@ -149,6 +151,7 @@ def test_the_server_dies_with_its_host_process(tmp_path: Path) -> None:
     assert report.ok, report.errors
 
 
+@pytest.mark.slow
 def test_execs_do_without_the_server_when_it_is_off(tmp_path: Path) -> None:
     script = textwrap.dedent(
         """

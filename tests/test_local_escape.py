@@ -457,6 +457,7 @@ async def test_a_sandbox_sees_no_other_cgroup_than_its_own(env: LocalEnvironment
         assert limit == (cgroups.folders[0] / "memory.max").read_text().strip()
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_background_writers_of_many_execs_hold_a_bounded_number_of_host_descriptors(env: LocalEnvironment) -> None:
     from harbor_async.backends.local.output import MAX_ADOPTED

@@ -23,7 +23,7 @@ from harbor_async.backends.local.pool import POOL
 from harbor_async.engine import Engine
 from harbor_async.tasks import load_suite
 
-pytestmark = [pytest.mark.range, needs_bwrap]
+pytestmark = [needs_bwrap]
 
 
 @pytest.fixture
@@ -122,6 +122,7 @@ async def test_the_pool_is_on_by_default_and_off_when_asked(monkeypatch: pytest.
     assert POOL.taken == taken
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_closing_one_run_removes_its_pieces_and_leaves_another_runs(tmp_path: Path) -> None:
     """The pieces of a closed engine's run go with it, also while another engine (a shim's, open until
@@ -141,8 +142,9 @@ async def test_closing_one_run_removes_its_pieces_and_leaves_another_runs(tmp_pa
         await _wait_ready(tmp_path / "kept")  # the open run keeps (and gets) its pieces
         assert _mine(tmp_path / "closed") == []
         assert not [p.folder for p in mine if p.folder.exists()] and not [pid for pid in keepers if _alive(pid)]
-        await anyio.sleep(0.5)  # the pool's thread had time to make more, for the closed run too if it would
         POOL.ready(settle=10.0)
+        # nothing more is made for the closed run: the thread wants no piece of it (it makes only what it wants)
+        assert [key for key in POOL.wanted() if key[1] == closed.run_label] == []
         assert _mine(tmp_path / "closed") == [] and not list((tmp_path / "closed").iterdir())
     assert _mine(tmp_path / "kept") == [] and not POOL.holds(kept.run_label) and not list((tmp_path / "kept").iterdir())
 
@@ -152,6 +154,7 @@ def test_without_an_engine_nothing_is_made_ahead(tmp_path: Path) -> None:
     assert _mine(tmp_path) == [] and not POOL.holds("x")
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_throughput_measures_the_bwrap_floor_in_the_same_run() -> None:
     from benchmarks.report import throughput_table
@@ -181,6 +184,7 @@ async def test_throughput_measures_the_bwrap_floor_in_the_same_run() -> None:
     assert simulated.bwrap_floor_p50_ms is None and simulated.start_over_floor is None  # the floor is local's
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_no_piece_is_made_while_a_start_builds_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Pieces are made with time starts leave over: while one builds its own, the pool's thread waits."""
@@ -201,9 +205,8 @@ async def test_no_piece_is_made_while_a_start_builds_its_own(monkeypatch: pytest
                 taken.append(piece)
             for piece in taken:
                 await anyio.to_thread.run_sync(discard_piece, piece)
-            await anyio.sleep(1.0)
-            POOL.ready(settle=1.0)
-            assert _mine(tmp_path) == []  # asked, and none made
+            POOL.ready(settle=10.0)
+            assert POOL.wanted() == [] and _mine(tmp_path) == []  # asked, and none wanted or made meanwhile
         await _wait_ready(tmp_path)  # made once no start builds its own
 
 
@@ -271,8 +274,7 @@ def test_a_kind_that_could_not_be_made_is_tried_again_after_a_while(monkeypatch:
         pool.ready(settle=10.0)
         attempts = len(tried)
         assert pool.take(key, find_tools()) is None  # within the wait: not tried again
-        time.sleep(0.3)
-        assert len(tried) == attempts and pool.ready(settle=10.0) == []
+        assert pool.wanted() == [] and pool.ready(settle=10.0) == [] and len(tried) == attempts
         monkeypatch.setattr(pool_module, "RETRY_FAILED_AFTER", 0.0)
         assert pool.take(key, find_tools()) is None  # past it: tried again
         deadline = time.monotonic() + 20

@@ -135,6 +135,7 @@ EXIT_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["exit", "sigterm", "sigint", "sigterm-mine"])
 def test_process_exit_stops_live_sandboxes_and_never_hangs(tmp_path, how):
     """Whatever ends the process, its sandboxes are stopped; a program's own SIGTERM handler is chained to, not replaced."""

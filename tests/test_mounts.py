@@ -107,6 +107,7 @@ def check_writable(tmp_path: Path, folder: Path, *backend: str) -> None:
     assert (folder / "data" / "secret.txt").read_text() == "changed-by-sandbox\n"  # only with the flag
 
 
+@pytest.mark.slow
 @needs_bwrap
 def test_local_mounts_are_read_only(tmp_path: Path, host_folder: Path) -> None:
     check_read_only(tmp_path, host_folder, "-e", "local")
@@ -126,6 +127,7 @@ def test_local_mounts_are_writable_only_with_the_flag_and_a_resume_keeps_them(tm
     check_writable(tmp_path, host_folder, "-e", "local")
 
 
+@pytest.mark.slow
 @needs_bwrap
 def test_a_local_source_the_sandbox_uid_cannot_reach_is_refused_before_anything_starts(tmp_path: Path) -> None:
     import os
@@ -208,6 +210,7 @@ def test_only_local_and_docker_honour_mounts() -> None:
         check_backend(LocalEnvironment, "local", [{**mounts[0], "target": "/usr/lib/x"}])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
@@ -276,6 +279,7 @@ def test_the_engine_mounts_read_only_what_does_not_say_and_refuses_reserved_targ
         Engine(mounts=[{**mount, "target": "/logs/verifier"}], mounts_writable=True)
 
 
+@pytest.mark.slow
 @needs_bwrap
 def test_a_separate_verifier_gets_no_host_mount(tmp_path: Path, host_folder: Path) -> None:
     """What the agent wrote (or still writes) through a writable mount is not the judge's to read."""
@@ -326,6 +330,7 @@ def test_a_job_configs_mounts_run_read_only_and_print_back(tmp_path: Path, host_
     assert json.loads(writable.stdout)["environment"]["mounts"] == [mount]  # Harbor's meaning: writable
 
 
+@pytest.mark.slow
 @pytest.mark.range  # the JobConfig Harbor prints with --mounts reads back to the same job
 def test_harbors_printed_mounts_read_back(tmp_path: Path, host_folder: Path) -> None:
     from tests.test_job_config import printed_config, same_job

@@ -214,6 +214,7 @@ def test_eval_resume_checks_what_was_typed_against_the_stored_job(tmp_path: Path
     assert config.n_concurrent == 2 and config.sampling.temperature == 0.5
 
 
+@pytest.mark.slow
 def test_one_task_selection_for_run_eval_and_the_shim(tmp_path: Path) -> None:
     """Globs first, then the first N: the same tasks whichever entry point selects them."""
     import shim

@@ -156,6 +156,7 @@ async def test_a_long_phase_armed_by_its_bucket_still_times_out_on_its_deadline(
     assert isinstance(info.value.__cause__, TimeoutError) and phase_scope.waiting_phases(loop) == 0
 
 
+@pytest.mark.slow
 async def test_execs_that_end_timed_out_or_cancelled_leave_no_garbage_for_the_cycle_collector(example_tasks):
     # At 10,000 live sandboxes the loop thread's time goes to CPython's full collections: an exec must
     # free what it made by reference counting, its typed timeout (frames, tracebacks, scopes) included.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 from rich.console import Console
 
 from harbor_async.cli.progress import EpisodeProgress
@@ -33,6 +34,7 @@ def test_nothing_judged_shows_no_mean() -> None:
     assert progress.mean_text() == "-" and progress.failures_text() == "  failures: model_server 1"
 
 
+@pytest.mark.slow
 def test_run_and_eval_show_it(tmp_path) -> None:
     """Both commands' line: half of the starts fail for good (infrastructure, not a 0), the rest solve."""
     from harbor_async.suites import example_suite_path

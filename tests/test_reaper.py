@@ -206,6 +206,7 @@ def _bwrap_argv(fs: Path) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 @needs_bwrap
 def test_reap_kills_the_orphaned_bwrap_processes_of_a_dead_owners_sandbox(tmp_path):
     folder = _fake_local_sandbox(tmp_path, _dead_pid(), datetime.now(UTC) - timedelta(seconds=5))
@@ -297,6 +298,7 @@ def test_reap_after_kill_9_in_the_middle_of_a_local_batch():
     assert reaper.list_sandboxes(run_label=label) == []
 
 
+@pytest.mark.slow
 @needs_bwrap
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.anyio
@@ -317,6 +319,7 @@ async def test_engine_reap_stale_removes_what_a_killed_run_left(tmp_path, monkey
     assert list(Path(tempfile.gettempdir()).glob(f"harbor-async-{label}-*")) == []
 
 
+@pytest.mark.slow
 @needs_bwrap
 def test_the_next_run_removes_what_a_killed_run_left_and_says_so(tmp_path):
     env = {**os.environ, naming.LOCAL_ROOT_ENV: str(tmp_path / "sandboxes")}
@@ -333,6 +336,7 @@ def test_the_next_run_removes_what_a_killed_run_left_and_says_so(tmp_path):
     assert _live_processes_mentioning(f"harbor-async-{label}-") == []
 
 
+@pytest.mark.slow
 def test_cli_rejects_bad_options():
     bad_backend = _harbor_async("sandboxes", "reap", "--backend", "podman")
     assert bad_backend.returncode == 2 and "--env" in bad_backend.stderr
@@ -340,6 +344,7 @@ def test_cli_rejects_bad_options():
     assert bad_age.returncode == 2 and "not a duration" in bad_age.stderr
 
 
+@pytest.mark.slow
 def test_cli_lists_a_leaked_sandbox_in_a_table(tmp_path):
     pid = _dead_pid()
     _fake_local_sandbox(tmp_path, pid, datetime.now(UTC) - timedelta(minutes=12))

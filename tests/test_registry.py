@@ -58,6 +58,7 @@ def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 @pytest.mark.range
 def test_run_of_a_registry_dataset_downloads_it_into_harbors_cache_and_scores_it(tmp_path: Path, registry: Path) -> None:
     jobs = tmp_path / "jobs"
@@ -77,6 +78,7 @@ def test_run_of_a_registry_dataset_downloads_it_into_harbors_cache_and_scores_it
     assert set(json.loads((jobs / "j" / "result.json").read_text())["stats"]["evals"]) == {"oracle__mini"}
 
 
+@pytest.mark.slow
 def test_a_dataset_name_alone_takes_harbors_default_version_and_filters_apply(tmp_path: Path, registry: Path) -> None:
     latest = harbor_async("tasks", "-d", "mini", "--registry-path", str(registry), env=_env(tmp_path))
     assert latest.returncode == 0, latest.stderr
@@ -108,6 +110,7 @@ def test_what_the_registry_cannot_resolve_exits_2_in_one_line_before_any_job(
     assert not jobs.exists()
 
 
+@pytest.mark.slow
 def test_a_registry_that_cannot_be_reached_names_itself(tmp_path: Path) -> None:
     url = "http://127.0.0.1:9/registry.json"  # nothing listens on the discard port
     result = harbor_async("run", "-d", "mini@1.0", "--registry-url", url, env=_env(tmp_path))
@@ -116,6 +119,7 @@ def test_a_registry_that_cannot_be_reached_names_itself(tmp_path: Path) -> None:
     assert len(lines) == 1 and f"cannot reach registry {url}" in lines[0], result.stderr
 
 
+@pytest.mark.slow
 def test_org_name_the_registry_does_not_know_is_read_as_hugging_face_with_a_deprecation(tmp_path: Path, registry: Path) -> None:
     result = harbor_async("run", "-d", "org/suite", "--registry-path", str(registry), env=_env(tmp_path))
     assert result.returncode == 2  # the Hub is offline here: the download fails, in one line
@@ -135,6 +139,7 @@ def test_hf_spelling_is_a_hugging_face_repo_without_asking_the_registry() -> Non
     assert _parse_hub_source("hf:org/name@v2") == ("org/name", "v2")  # load_suite's (HarborSpec's) reading
 
 
+@pytest.mark.slow
 def test_registry_options_without_d_are_refused(tmp_path: Path, registry: Path) -> None:
     result = harbor_async("run", "-p", str(tmp_path), "--registry-path", str(registry), env=_env(tmp_path))
     assert result.returncode == 2 and "give -d name@version" in result.stderr

@@ -51,6 +51,7 @@ def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return harbor_async("run", *args, "-e", "local", "-o", str(tmp_path / "jobs"), env=_env(tmp_path))
 
 
+@pytest.mark.slow
 def test_t_runs_exactly_that_registry_task_alone_and_the_job_says_so(tmp_path: Path, registry) -> None:
     path, _ = registry
     done = _run(tmp_path, "-t", "beta", "--registry-path", str(path), "-k", "2", "--job-name", "j")
@@ -63,6 +64,7 @@ def test_t_runs_exactly_that_registry_task_alone_and_the_job_says_so(tmp_path: P
     assert config["tasks"] == [{**config["tasks"][0], "name": "beta", "ref": "latest"}] and config["datasets"] == []
 
 
+@pytest.mark.slow
 def test_a_name_listed_as_different_tasks_is_refused_naming_them_and_a_commit_picks_one(tmp_path: Path, registry) -> None:
     path, (first, second) = registry
     refused = _run(tmp_path, "-t", ALPHA, "--registry-path", str(path), "--dry-run")
@@ -94,6 +96,7 @@ def test_what_t_cannot_resolve_exits_2_in_one_line_before_any_job(tmp_path: Path
     assert not (tmp_path / "jobs").exists()
 
 
+@pytest.mark.slow
 def test_harbors_own_registry_takes_org_name_packages(tmp_path: Path) -> None:
     """Without a registry file, -t is a Harbor package, org/name[@ref]; a bare name is refused before any lookup."""
     done = _run(tmp_path, "-t", "beta")
@@ -102,6 +105,7 @@ def test_harbors_own_registry_takes_org_name_packages(tmp_path: Path) -> None:
     assert "Harbor's registry names a task org/name" in line and "--registry-path" in line, line
 
 
+@pytest.mark.slow
 def test_print_config_writes_t_as_harbor_does_and_c_reads_it_back(tmp_path: Path, registry) -> None:
     path, (first, _) = registry
     harbor = Path(sys.executable).with_name("harbor")

@@ -144,6 +144,7 @@ def test_everything_is_escaped(tmp_path: Path) -> None:
     assert script_json({"x": "</script><!--"}) == '{"x":"\\u003c/script\\u003e\\u003c!--"}'
 
 
+@pytest.mark.slow
 def test_benchmark_results_report(tmp_path: Path) -> None:
     source = load_source(REPO / "benchmarks" / "results")
     kinds = sorted({r.data["benchmark"] for r in source.results})
@@ -265,6 +266,7 @@ def test_view_server_answers_only_its_own_host(tmp_path: Path) -> None:
         server.stop()
 
 
+@pytest.mark.slow
 def test_cli_view_serves_on_localhost(tmp_path: Path) -> None:
     """`harbor-async view JOB --port 0` in its own process: prints its address, serves the page, stops on SIGINT."""
     job = make_job(tmp_path, tasks=2, attempts=1)

@@ -25,7 +25,6 @@ from harbor_async.runner import run_suite
 from harbor_async.suites import example_suite_path
 from harbor_async.tasks import load_task
 
-pytestmark = pytest.mark.range
 
 
 @pytest.mark.parametrize("text, reward", [("1", 1.0), (" 0.5\n", 0.5), ("-2e-3", -0.002), ("+.25", 0.25)])
@@ -81,6 +80,7 @@ HOSTILE = {
 }
 
 
+@pytest.mark.range
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_hostile_reward_file_is_the_verifiers_failure(tmp_path: Path):
@@ -97,6 +97,7 @@ async def test_a_hostile_reward_file_is_the_verifiers_failure(tmp_path: Path):
     assert outcomes == {name: ("verifier", 0.0, False) for name in HOSTILE}, [r.error for r in records]
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=pytest.mark.docker)])
@@ -116,6 +117,7 @@ async def test_a_verifier_output_swapped_for_a_symlink_reads_nothing_of_the_host
     assert "HOST-ONLY-CONTENT" not in (record.verifier_output or "")
 
 
+@pytest.mark.range
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize("reset", [True, False])
@@ -238,6 +240,7 @@ async def _plant_and_verify(engine: Engine, task: Path, backend: str, spy: _Spy,
         await sandbox.stop()
 
 
+@pytest.mark.range
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_on_a_real_sandbox_the_reset_runs_in_the_tests_exec_as_root_and_apart_for_another_user(

@@ -118,6 +118,7 @@ def run_job(suite: Path, out: Path, *flags: str) -> dict[str, dict]:
     return by_task(records(out / "job"))
 
 
+@pytest.mark.slow
 def test_with_no_strict_verify_services_stay_up_and_the_agent_still_cannot_write_its_reward(
     suite: Path, tmp_path: Path
 ) -> None:
@@ -129,6 +130,7 @@ def test_with_no_strict_verify_services_stay_up_and_the_agent_still_cannot_write
     assert found["service"]["reward"] == 1.0, found["service"]  # the agent's service ran during the tests
 
 
+@pytest.mark.slow
 def test_by_default_the_agents_processes_end_before_the_verifier(suite: Path, tmp_path: Path) -> None:
     found = run_job(suite, tmp_path / "jobs")
     assert found["rewriter"]["reward"] == 0.0
@@ -150,6 +152,7 @@ def test_on_docker_the_reward_is_left_to_the_verifier(suite: Path, tmp_path: Pat
     assert found["rc-variables"]["reward"] == 1.0, failure(found["rc-variables"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strict", [False, None])
 def test_the_shims_rollouts_are_verified_the_same_way(suite: Path, strict: bool | None) -> None:
     import shim
@@ -222,6 +225,7 @@ def library_task(tasks: Path, name: str, solve: str, test: str, source: str, lib
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_library_the_sandbox_preloads_does_not_run_in_the_verifier(tmp_path: Path) -> None:
     """Named in the sandbox's own /etc/ld.so.preload, it would write 1 as the test script's bash exits."""
     library_task(tmp_path / "suite" / "tasks", "preload", PRELOADER, HONEST_TEST, "reward_on_exit.c", "forge.so")
@@ -245,6 +249,7 @@ if [ -e /tmp/survivor ]; then echo 0 > /logs/verifier/reward.txt; else echo 1 > 
 """
 
 
+@pytest.mark.slow
 def test_on_local_no_process_the_agent_hid_under_the_init_outlives_the_agent(tmp_path: Path) -> None:
     ptrace_task(tmp_path / "suite" / "tasks", LOCAL_INJECTOR, ALONE_TEST)
     found = run_job(tmp_path / "suite", tmp_path / "jobs", "--no-strict-verify")
@@ -264,6 +269,7 @@ def haunt_suite(tmp_path: Path) -> Path:
     return tmp_path / "suite"
 
 
+@pytest.mark.slow
 def test_a_library_the_sandbox_preloads_does_not_run_as_a_new_init_before_the_verifier(tmp_path: Path) -> None:
     """The agent names a library in its /etc/ld.so.preload that, loaded into a PID 1, forks a daemon: whatever ends
     the agent's processes before the verifier must not start a program of the sandbox's (a restarted init would

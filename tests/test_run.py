@@ -14,9 +14,10 @@ from harbor_async.policy import failure_class as classify
 from harbor_async.runner import PlannedEpisode, run_suite
 from tests.cli_helpers import harbor_async, records
 
-pytestmark = pytest.mark.range
 
 
+@pytest.mark.slow
+@pytest.mark.range
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.anyio
 async def test_oracle_solutions_score_one_on_the_local_backend(example_tasks):
@@ -38,6 +39,7 @@ async def test_oracle_solutions_score_one_on_the_local_backend(example_tasks):
         assert r.verifier_output  # every bundled test script says what it checked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.anyio
 async def test_wrong_or_missing_answers_score_zero(example_tasks):
@@ -80,6 +82,8 @@ async def test_failures_are_classified_and_blamed_on_their_first_phase(example_t
     assert classify(RuntimeError("bug")) is FailureClass.INFRASTRUCTURE
 
 
+@pytest.mark.slow
+@pytest.mark.range
 def test_cli_run_scores_the_bundled_suite_ten_of_ten(tmp_path):
     out = tmp_path / "export.jsonl"
     result = harbor_async("run", "-n", "4", "-o", str(tmp_path / "jobs"), "--job-name", "main", "--json", str(out))
@@ -96,6 +100,7 @@ def test_cli_run_scores_the_bundled_suite_ten_of_ten(tmp_path):
     assert "csv-column-sum" in result.stdout
 
 
+@pytest.mark.slow
 def test_cli_run_fails_on_infrastructure_errors(tmp_path):
     result = harbor_async(
         "run", "-e", "tests.broken_backend:FailingStartEnvironment", "-l", "2", "-o", str(tmp_path), "--job-name", "j"
@@ -124,6 +129,8 @@ def test_cli_json_logs_carry_phase_events_and_info_one_line_per_episode(tmp_path
     assert not [e for e in lines if e.get("event") == "phase"]  # phases are debug
 
 
+@pytest.mark.slow
+@pytest.mark.range
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -163,6 +170,7 @@ def test_cli_bad_input_is_a_one_line_error(args, message, tmp_path):
     assert not list(tmp_path.iterdir()), "a job folder was made for bad input"
 
 
+@pytest.mark.slow
 def test_cli_log_settings_flag_then_environment_then_default(tmp_path):
     env = {"HARBOR_ASYNC_LOG_FORMAT": "json", "HARBOR_ASYNC_LOG_LEVEL": "info"}
     # One jobs folder a run: two runs in the same second would otherwise pick the same job name.
@@ -178,6 +186,7 @@ def test_cli_log_settings_flag_then_environment_then_default(tmp_path):
     assert bad_env.returncode == 2 and "from $HARBOR_ASYNC_LOG_LEVEL" in bad_env.stderr
 
 
+@pytest.mark.slow
 def test_cli_reports_invalid_tasks_once_and_runs_the_rest(tmp_path, suite_root):
     suite = tmp_path / "suite"
     shutil.copytree(suite_root / "tasks" / "csv-column-sum", suite / "tasks" / "good")
@@ -190,6 +199,7 @@ def test_cli_reports_invalid_tasks_once_and_runs_the_rest(tmp_path, suite_root):
     assert "1 episodes: mean reward 1.000" in result.stdout
 
 
+@pytest.mark.slow
 def test_cli_tasks_lists_the_suite():
     result = harbor_async("tasks")
     assert result.returncode == 0, result.stderr
@@ -223,6 +233,8 @@ async def test_an_interruption_after_a_scored_failure_leaves_the_episode_unjudge
     assert [p.phase for p in record.phases] == ["start", "agent", "verify", "stop"]
 
 
+@pytest.mark.slow
+@pytest.mark.range
 def test_a_backend_whose_package_is_missing_is_one_line_before_anything_starts(tmp_path) -> None:
     import importlib.util
 

@@ -36,6 +36,7 @@ def _run(tmp_path: Path, name: str, *args: str, code: int = 0) -> list[dict]:
     return records(tmp_path / "jobs" / name)
 
 
+@pytest.mark.slow
 def test_ae_reaches_the_agents_commands_and_ve_the_verifiers_alone(tmp_path):
     suite = _suite(tmp_path / "suite")
     flags = ["--ae", "A=from-agent", "--ve", "B=for-verifier"]
@@ -59,6 +60,7 @@ def test_ae_reaches_the_agents_commands_and_ve_the_verifiers_alone(tmp_path):
     assert bad.returncode == 2 and "--ae 'no-equals': write KEY=VALUE" in bad.stderr
 
 
+@pytest.mark.slow
 def test_env_file_values_reach_a_task_only_through_env_allow(tmp_path):
     suite = _suite(tmp_path / "suite")
     env_file = tmp_path / "vars.env"
@@ -79,6 +81,7 @@ def test_env_file_values_reach_a_task_only_through_env_allow(tmp_path):
     assert missing.returncode == 2 and "nope.env: no such file" in missing.stderr
 
 
+@pytest.mark.slow
 def test_a_run_on_the_cluster_gives_its_workers_the_runs_task_changes(ray_cluster, tmp_path):
     """The cluster's workers load each task anew from its folder: --ae, --ve and --artifact reach them as a local
     run's engine applies them (the engine applies the run's changes to every task it starts)."""

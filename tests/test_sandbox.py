@@ -56,6 +56,7 @@ async def test_upload_download_and_trial_dir(task, tmp_path):
         assert not trial_dir.exists()  # Harbor's trial folder goes with the sandbox
 
 
+@pytest.mark.slow
 async def test_exec_timeout_kills_the_process_tree(task):
     marker = "harbor-async-timeout-marker-4711"
     async with Engine() as engine:

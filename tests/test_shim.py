@@ -40,7 +40,6 @@ from shim.rewards import _outcome_reward_func
 from harbor_async.doctor import UnsupportedVersionError  # noqa: E402
 from tests.conftest import needs_trl_get_reward, trl_reads_get_reward  # noqa: E402
 
-pytestmark = pytest.mark.range
 
 TASKS = example_suite_path() / "tasks"
 CSV_SUM = str(TASKS / "csv-column-sum")
@@ -142,6 +141,7 @@ def test_bash_tool_schema_is_trls():
     assert shim.HarborEnv.PROMPT_SUFFIX == ""
 
 
+@pytest.mark.slow
 def test_fresh_env_reads_zero_without_starting_anything():
     # A new process: the loop thread must not start, no Harbor environment may be created.
     code = textwrap.dedent(
@@ -245,6 +245,7 @@ def test_spec_checks_backend_and_options_early():
         shim.HarborBashEnv("no_such_module:Environment")
 
 
+@pytest.mark.range
 def test_environment_factory_pickles_and_builds_configured_envs():
     spec = shim.HarborSpec(
         example_suite_path(),
@@ -276,6 +277,7 @@ def test_environment_factory_pickles_and_builds_configured_envs():
 # ── reset, tools, reward ────────────────────────────────────────────────────
 
 
+@pytest.mark.slow
 def test_reset_returns_at_once_and_starts_the_batch_together():
     latency = 1.0
     spec = shim.HarborSpec(
@@ -350,6 +352,7 @@ def test_wrong_argument_types_give_clear_messages():
         env.close()
 
 
+@pytest.mark.slow
 def test_exec_timeout_is_a_message_and_the_sandbox_survives():
     env = shim.HarborBashEnv("local", exec_timeout=0.5)
     env.reset(task_dir=CSV_SUM)
@@ -430,6 +433,7 @@ def test_harness_setup_runs_on_the_loop_and_its_failure_is_contained():
     assert engines.live_sandbox_count() == 0
 
 
+@pytest.mark.range
 def test_exec_from_threads_and_from_another_event_loop():
     envs = [shim.HarborBashEnv("local") for _ in range(6)]
     try:
@@ -463,6 +467,7 @@ def test_reward_verifies_once_then_stops_the_sandbox(monkeypatch: pytest.MonkeyP
     env.close()
 
 
+@pytest.mark.range
 def test_reward_funcs_verify_a_batch_concurrently_in_one_loop_call(monkeypatch: pytest.MonkeyPatch):
     n = 6
     counter = CountingVerify().install(monkeypatch)
@@ -502,6 +507,7 @@ def test_outcome_reward_accepts_captured_rewards_and_needs_one_source():
     assert shim.rewards.verify_environments([Plain(), shim.HarborBashEnv("simulated")]) == [0.75, 0.0]
 
 
+@pytest.mark.trl_api
 @needs_trl_get_reward
 def test_env_owned_reward_is_opt_in_and_never_double_counted():
     suite = example_suite_path()
@@ -591,6 +597,7 @@ def test_close_is_idempotent_and_env_is_reusable(leak_probe):
     assert engines.live_sandbox_count() == 0
 
 
+@pytest.mark.slow
 def test_garbage_collected_env_stops_its_sandbox():
     env = shim.HarborBashEnv("local")
     env.reset(task_dir=CSV_SUM)
@@ -708,6 +715,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["exit", "sigterm", "sigint"])
 def test_exit_and_signals_stop_every_sandbox(tmp_path: Path, how: str):
     local_root, tmp = tmp_path / "local", tmp_path / "tmp"

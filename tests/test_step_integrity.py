@@ -97,6 +97,7 @@ def test_killing_a_later_steps_tests_does_not_raise_the_mean(
         assert steps["two"]["reward"] is None and steps["two"]["error"], steps["two"]
 
 
+@pytest.mark.slow
 def test_a_sandbox_the_agent_filled_is_its_failure_not_infrastructure(tmp_path: Path) -> None:
     """Step one fills the sandbox's disk: step two's files do not fit, a failed step scored 0, never rerun."""
     task = tmp_path / "suite" / "fill"

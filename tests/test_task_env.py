@@ -44,6 +44,7 @@ def test_only_allowed_variables_are_read(tmp_path, monkeypatch):
     assert missing_variables(bare, {"HARBOR_TEST_SECRET"}) == []
 
 
+@pytest.mark.slow
 def test_run_refuses_a_task_needing_a_variable_not_allowed_and_keeps_secrets_out(tmp_path):
     env = {"HARBOR_TEST_SECRET": SECRET, "HARBOR_ASYNC_LOG_LEVEL": "info"}
     _task(tmp_path / "bare", "needs-secret", "${HARBOR_TEST_SECRET}")

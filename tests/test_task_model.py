@@ -176,6 +176,7 @@ def plain_task(suite: Path, name: str, toml: str = "", dockerfile: str = "FROM d
     return task
 
 
+@pytest.mark.slow
 @pytest.mark.range
 def test_features_local_cannot_honour_are_refused_up_front_one_line_each(tmp_path: Path) -> None:
     suite = tmp_path / "suite"
@@ -225,6 +226,7 @@ def test_features_local_cannot_honour_are_refused_up_front_one_line_each(tmp_pat
     assert not (tmp_path / "none").exists() and not (tmp_path / "sb2").exists()
 
 
+@pytest.mark.slow
 def test_a_task_that_asks_for_the_network_runs_offline_on_local_when_allowed(tmp_path: Path) -> None:
     suite = tmp_path / "suite"
     plain_task(suite, "needs-internet", '[environment]\nnetwork_mode = "public"\n')
@@ -236,6 +238,7 @@ def test_a_task_that_asks_for_the_network_runs_offline_on_local_when_allowed(tmp
     assert [r["reward"] for r in records(next((tmp_path / "jobs").iterdir()))] == [1.0]
 
 
+@pytest.mark.slow
 def test_missing_variables_of_the_whole_suite_are_one_table(tmp_path: Path) -> None:
     suite = tmp_path / "suite"
     plain_task(suite, "a", '[environment.env]\nTOKEN_A = "${HA_TEST_UNSET_A}"\n')
@@ -468,6 +471,7 @@ def test_separate_verifier_and_artifacts_as_harbor_runs_them(tmp_path: Path) -> 
     assert files_under(trial) == files_under(ours)
 
 
+@pytest.mark.slow
 def test_artifacts_are_collected_within_the_transfer_budget(tmp_path: Path) -> None:
     """A sandbox cannot fill the host through its artifacts: a sparse 4 GiB file and links out are not brought over."""
     suite = tmp_path / "suite"
@@ -534,6 +538,7 @@ async def test_each_phase_gets_its_network_policy_on_a_backend_that_can_switch(t
     assert [mode for _, mode in network_backend.SWITCHES] == ["no-network", "public"]
 
 
+@pytest.mark.slow
 def test_eval_drives_a_model_through_each_step(tmp_path: Path) -> None:
     """``eval``: each step's instruction is a new conversation with the model, in the same sandbox."""
     from harbor_async import evaluate_sync
@@ -554,6 +559,7 @@ def test_eval_drives_a_model_through_each_step(tmp_path: Path) -> None:
     assert record.usage["tool_calls"] == 2
 
 
+@pytest.mark.slow
 def test_a_task_that_cannot_be_built_is_an_invalid_task_not_the_infrastructure(tmp_path: Path) -> None:
     """Found only at its start (a COPY source that is not there): not judged, not retried, named, rerun by a resume."""
     suite = tmp_path / "suite"

@@ -40,7 +40,6 @@ from harbor_async.tasks import (
     load_task,
 )
 
-pytestmark = pytest.mark.range
 
 EXAMPLE_TASKS = example_suite_path() / "tasks"
 EXAMPLE_NAMES = sorted(p.name for p in EXAMPLE_TASKS.iterdir() if (p / "task.toml").is_file())
@@ -100,6 +99,7 @@ async def _verify(sandbox: Sandbox) -> dict[str, float]:
 # ── the bundled suite ────────────────────────────────────────────────────────
 
 
+@pytest.mark.range
 def test_bundled_suite_loads_with_no_invalid_tasks():
     suite = load_suite()
     assert isinstance(suite, TaskSuite)
@@ -196,6 +196,7 @@ async def test_bundled_task_accepts_gold_answer_with_surrounding_whitespace(name
         assert (await _verify(sandbox))["reward"] == 1.0
 
 
+@pytest.mark.range
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_multi_key_reward_scores_format_apart_from_correctness(tmp_path):
@@ -323,6 +324,7 @@ def test_out_of_range_index_names_index_and_suite_size(tmp_path, bad):
     assert "3 task(s)" in str(info.value)
 
 
+@pytest.mark.range
 def test_invalid_tasks_are_reported_logged_and_left_out(tmp_path, caplog):
     tasks = tmp_path / "tasks"
     make_task(tasks, "good")
@@ -452,6 +454,7 @@ def fake_hub(tmp_path, monkeypatch) -> FakeHub:
     return hub
 
 
+@pytest.mark.range
 def test_hub_dataset_downloads_only_the_tasks_tree(fake_hub):
     suite = load_suite("acme/harbor-tasks", num_tasks=3)
     assert suite.names == EXAMPLE_NAMES[:3]
@@ -464,6 +467,7 @@ def test_hub_dataset_downloads_only_the_tasks_tree(fake_hub):
     assert kwargs.get("revision") is None
 
 
+@pytest.mark.range
 @pytest.mark.parametrize(
     ("source", "repo_id", "revision"),
     [
@@ -479,6 +483,7 @@ def test_hub_source_forms(fake_hub, source, repo_id, revision):
     assert kwargs["revision"] == revision
 
 
+@pytest.mark.range
 def test_hub_download_failure_is_suite_not_found(monkeypatch):
     def offline(*args, **kwargs):
         raise OSError("network is unreachable")
@@ -509,6 +514,7 @@ def test_hub_suite_reports_invalid_tasks_too(tmp_path, monkeypatch):
 # ── load_task ────────────────────────────────────────────────────────────────
 
 
+@pytest.mark.range
 def test_load_task_returns_harbor_task():
     task = load_task(EXAMPLE_TASKS / "word-frequency")
     assert isinstance(task, Task)
@@ -518,6 +524,7 @@ def test_load_task_returns_harbor_task():
     assert task.config.verifier.timeout_sec == 30.0
 
 
+@pytest.mark.range
 @pytest.mark.parametrize(
     ("kwargs", "reason"),
     [
@@ -563,6 +570,7 @@ def test_a_task_entry_that_is_a_symlink_out_of_the_task_is_refused(tmp_path, ent
         load_task(task)
 
 
+@pytest.mark.slow
 def test_tasks_on_local_marks_a_from_image_the_host_does_not_match(tmp_path):
     task = make_task(tmp_path / "tasks", "alpine-task")
     (task / "environment" / "Dockerfile").write_text("FROM alpine:3.20\nWORKDIR /workdir\n")
@@ -576,6 +584,7 @@ def test_tasks_on_local_marks_a_from_image_the_host_does_not_match(tmp_path):
     assert "alpine" in rows["alpine-task"] and rows["plain-task"].rstrip(" │").endswith("ok")
 
 
+@pytest.mark.range
 @pytest.mark.parametrize(
     "line, reason",
     [
@@ -593,6 +602,7 @@ def test_a_task_with_an_insane_timeout_or_resource_is_invalid(tmp_path, line, re
         load_task(task)
 
 
+@pytest.mark.slow
 def test_a_budget_that_a_multiplier_overflows_is_refused_before_any_sandbox_starts(tmp_path):
     from tests.cli_helpers import harbor_async
 

@@ -329,6 +329,12 @@ class RootPool:
             self._lock.wait_for(lambda: self._building is None, timeout=settle)
             return [piece for pieces in self._ready.values() for piece in pieces]
 
+    def wanted(self) -> list[Key]:
+        """The kinds the thread would make a piece of now (for tests and diagnostics): none while starts build
+        their own. The thread makes nothing else, so an empty list means nothing more is made until a take."""
+        with self._lock:
+            return [] if self._own_builds else [k for k, n in self._target.items() if len(self._ready.get(k, [])) < n]
+
     def _wake(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._refill, name="harbor-async-local-pool", daemon=True)
