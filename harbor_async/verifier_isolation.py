@@ -21,6 +21,10 @@ from harbor_async.errors import HarborAsyncError
 _SCRIPT = resources.files("harbor_async") / "helpers" / "end_agent_processes.sh"
 #: Seconds a failed verify may spend saving what the tests printed.
 SAVE_OUTPUT_SEC = 10.0
+#: The dynamic loader's files in a sandbox's ``/etc`` that every backend puts back before a restarted
+#: sandbox's first process (the agent's copy keeps its content under a name with HIDDEN_SUFFIX).
+PRELOAD, CACHE = "ld.so.preload", "ld.so.cache"
+HIDDEN_SUFFIX = ".harbor-async-hidden"
 
 
 class AgentProcessesSurvivedError(HarborAsyncError, RuntimeError):

@@ -58,7 +58,8 @@ from harbor.models.task.config import NetworkMode
 from harbor_async import disk_bounds
 from harbor_async.backends.docker import host_network, storage
 from harbor_async.backends.docker.cleanup import docker_is_local
-from harbor_async.backends.docker.loader_files import HIDDEN_SUFFIX, reset_loader_files
+from harbor_async.backends.docker.loader_files import reset_loader_files
+from harbor_async.verifier_isolation import HIDDEN_SUFFIX
 from harbor_async.bounded_output import HeadTail
 from harbor_async.disk_bounds import StorageLimitError
 from harbor_async.errors import TransferLimitError

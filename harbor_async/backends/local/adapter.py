@@ -42,7 +42,8 @@ from harbor_async.backends.local.layout import (
     VERIFIER_EXTRA_CAPS,
     under,
 )
-from harbor_async.backends.local.loader_files import HIDDEN_SUFFIX, reset_loader_files
+from harbor_async.backends.local.loader_files import reset_loader_files
+from harbor_async.verifier_isolation import HIDDEN_SUFFIX
 from harbor_async.backends.local.limits import Cgroups, ResourceLimits, UidLease, cgroup_version, exec_groups, parse_limit
 from harbor_async.backends.local.output import MAX_ADOPTED, OUTPUT_SINK, OutputPipe
 from harbor_async.backends.local.proctree import end_exec

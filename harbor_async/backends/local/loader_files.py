@@ -25,10 +25,8 @@ import os
 import stat
 
 from harbor_async.backends.local import hostfs
+from harbor_async.verifier_isolation import CACHE, HIDDEN_SUFFIX, PRELOAD
 
-#: What a moved-aside loader file's name gains.
-HIDDEN_SUFFIX = ".harbor-async-hidden"
-PRELOAD, CACHE = "ld.so.preload", "ld.so.cache"
 HOST_CACHE = "/etc/ld.so.cache"
 
 
