@@ -52,3 +52,8 @@ def __getattr__(name: str) -> Any:
 
         return HarborGRPOTrainer
     raise AttributeError(f"module 'shim' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names with the lazy one (``HarborGRPOTrainer``), for completion and ``help()``."""
+    return sorted({*globals(), *__all__})

@@ -17,3 +17,10 @@ def test_what_a_caller_reads_or_catches_is_exported() -> None:
     # wait_started() raises SandboxCancelledError; records carry FailureClass values
     assert harbor_async.SandboxCancelledError is SandboxCancelledError
     assert harbor_async.FailureClass is FailureClass and harbor_async.EpisodeRecord is EpisodeRecord
+
+
+def test_the_shims_lazy_trainer_is_listed_and_resolves() -> None:
+    import shim
+
+    assert "HarborGRPOTrainer" in dir(shim)  # served by __getattr__ (it imports trl and torch), not in globals()
+    assert all(getattr(shim, name) is not None for name in shim.__all__)
