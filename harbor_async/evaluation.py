@@ -19,10 +19,10 @@ import functools
 import os
 import re
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Unpack, cast
 
 import anyio
 
@@ -48,7 +48,7 @@ from harbor_async.model_agent import (
 from harbor_async.records import EpisodeRecord, episode_key
 from harbor_async.runner import FailureBudget, PlannedEpisode, run_suite
 from harbor_async.scoring import summarize, sweep_summary
-from harbor_async.settings import JobSettings
+from harbor_async.settings import EvaluateSettings, JobSettings
 from harbor_async.task_support import Refusal, check_tasks, refused_summary
 from harbor_async.tasks import suite_task_path
 
@@ -263,7 +263,7 @@ async def evaluate(
     on_plan: Callable[[int, int], None] | None = None,
     on_status: Callable[[str], None] | None = None,
     on_refused: Callable[[list[Refusal]], None] | None = None,
-    **settings: Any,
+    **settings: Unpack[EvaluateSettings],
 ) -> EvalResult:
     """Evaluate ``models`` on ``suite`` with a training harness; write and return the job.
 
@@ -417,6 +417,16 @@ def _step_from(text: str | None) -> re.Pattern[str] | None:
     return None if text is None else step_pattern(text)
 
 
-def evaluate_sync(*args: Any, **kwargs: Any) -> EvalResult:
-    """:func:`evaluate` for synchronous callers (runs its own event loop)."""
-    return anyio.run(functools.partial(evaluate, *args, **kwargs))
+def _synchronous[**P, T](function: Callable[P, Awaitable[T]]) -> Callable[P, T]:
+    """``function`` run to its end in an event loop of its own, with ``function``'s typed parameters."""
+
+    @functools.wraps(function)  # its signature, for help() and completion
+    def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        return anyio.run(functools.partial(function, *args, **kwargs))
+
+    return run
+
+
+evaluate_sync = _synchronous(evaluate)
+evaluate_sync.__name__ = evaluate_sync.__qualname__ = "evaluate_sync"
+evaluate_sync.__doc__ = ":func:`evaluate` for synchronous callers (runs its own event loop); the same parameters."

@@ -10,9 +10,9 @@ multipliers. Settings written by earlier releases (``config.json``: nested for
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, TypedDict
 
 from pydantic import (
     Field,
@@ -334,3 +334,81 @@ def _upgraded(data: dict[str, Any], version: int) -> dict[str, Any]:
         values.pop("n_concurrent", None)
     values["version"] = SETTINGS_VERSION  # what it holds now means what this version's would
     return values
+
+
+#: JobSettings fields that :func:`~harbor_async.evaluation.evaluate` takes as its own arguments or writes itself.
+NOT_EVALUATE_KEYWORDS = frozenset({"command", "models", "suite", "episodes", "created_at", "version"})
+
+
+class EvaluateSettings(TypedDict, total=False):
+    """The keywords of :func:`~harbor_async.evaluation.evaluate` (``**settings``): :class:`JobSettings`' fields.
+
+    For type checkers only: the values are checked, converted and defaulted by
+    :class:`JobSettings` (a test keeps the two in step). The names of earlier
+    releases still work at run time, with a ``DeprecationWarning``, and are
+    not listed.
+    """
+
+    start_timeout: float | None
+    slot_timeout: float | None
+    episode_timeout: float | None
+    start_attempts: int
+    start_retry_wait: float
+    start_retry_max_wait: float
+    start_retry_max_total: float | None
+    timeout_multiplier: float
+    agent_timeout_multiplier: float | None
+    verifier_timeout_multiplier: float | None
+    environment_build_timeout_multiplier: float | None
+    budget: Literal["local", "ray"]
+    ray_address: str | None
+    cluster_max_live: int | None
+    cluster_creates_per_second: float | None
+    env_allow: Sequence[str]
+    strict_verify: bool
+    dataset: str | None
+    task_ref: str | None
+    agent: str
+    agent_kwargs: dict[str, Any]
+    environment_type: str
+    environment_kwargs: dict[str, Any]
+    n_attempts: int
+    n_concurrent: int
+    n_tasks: int | None
+    indices: Sequence[int] | None
+    include: Sequence[str] | None
+    exclude: Sequence[str] | None
+    agent_setup_timeout_multiplier: float | None
+    ray: bool
+    force_build: bool
+    delete: bool
+    override_cpus: float | None
+    override_memory_mb: int | None
+    override_storage_mb: int | None
+    override_gpus: int | None
+    artifacts: Sequence[str]
+    mounts: list[dict[str, Any]]
+    mounts_writable: bool
+    agent_env: dict[str, str]
+    verifier_env: dict[str, str]
+    disable_verification: bool
+    env_file: str | None
+    max_retries: int
+    retry_include: Sequence[str] | None
+    retry_exclude: Sequence[str] | None
+    episode_disk_limit_mb: int | None
+    job_disk_limit_mb: int | None
+    base_url: str | None
+    serve_cmd: str | None
+    api_key_name: str | None
+    sampling: Sampling | Mapping[str, Any]
+    limits: AgentLimits | Mapping[str, Any]
+    max_concurrent_requests: int
+    max_model_server_failures: int
+    request_timeout: float
+    success_threshold: float
+    ready_timeout: float
+    ready_error_timeout: float
+    vllm_args: Sequence[str]
+    step_from: str | None
+

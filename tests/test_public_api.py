@@ -24,3 +24,15 @@ def test_the_shims_lazy_trainer_is_listed_and_resolves() -> None:
 
     assert "HarborGRPOTrainer" in dir(shim)  # served by __getattr__ (it imports trl and torch), not in globals()
     assert all(getattr(shim, name) is not None for name in shim.__all__)
+
+
+def test_evaluates_keywords_are_the_job_settings_fields_typed() -> None:
+    import inspect
+    import typing
+
+    from harbor_async.evaluation import evaluate, evaluate_sync
+    from harbor_async.settings import NOT_EVALUATE_KEYWORDS, EvaluateSettings, JobSettings
+
+    assert set(EvaluateSettings.__annotations__) == set(JobSettings.model_fields) - NOT_EVALUATE_KEYWORDS
+    assert typing.get_type_hints(evaluate, include_extras=True)["settings"] == typing.Unpack[EvaluateSettings]
+    assert inspect.signature(evaluate_sync) == inspect.signature(evaluate) and evaluate_sync.__name__ == "evaluate_sync"
