@@ -25,8 +25,6 @@ AsyncGRPOTrainer (``env_reward=True``), and ``close()``.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import uuid
 import weakref
@@ -37,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Self, Unpack
 
 from harbor_async.backends import resolve_backend
 from harbor_async.doctor import require_supported
-from harbor_async.harnesses import load_harness_file as _load_agent_file
+from harbor_async.harnesses import import_reference
 from harbor_async.task_support import TRL, check_tasks
 from harbor_async.tasks import load_suite
 from shim import engines
@@ -77,12 +75,7 @@ def _resolve_agent(agent: str | type) -> type:
     elif agent in AGENTS:
         cls = AGENTS[agent]
     elif ":" in agent:
-        target, _, cls_name = agent.rpartition(":")  # rpartition: keep a Windows drive ("D:\...") whole
-        if target.endswith(".py") or os.path.sep in target:  # file path: load the module from the file
-            module = _load_agent_file(str(Path(target).absolute()))
-        else:
-            module = importlib.import_module(target)
-        cls = getattr(module, cls_name)
+        cls = import_reference(agent)
     else:
         raise ValueError(
             f"Unknown agent {agent!r}; use a built-in name ({sorted(AGENTS)}), an import path "

@@ -17,6 +17,7 @@ import os
 import types
 from collections.abc import Callable
 from functools import cache
+from typing import Any
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -51,15 +52,24 @@ def load_harness_class(reference: str | type, names: dict[str, type] | None = No
             f"unknown harness {reference!r}; use a built-in name ({', '.join(sorted(names))}), an import path "
             "'pkg.module:Class' or a file path 'path/to/file.py:Class'"
         )
-    target, _, name = reference.rpartition(":")  # rpartition: keep a Windows drive ("D:\...") whole
     try:
-        if target.endswith(".py") or os.path.sep in target:
-            module = load_harness_file(str(Path(target).absolute()))
-        else:
-            module = importlib.import_module(target)
-        return getattr(module, name)
+        return import_reference(reference)
     except (ImportError, AttributeError, OSError, SyntaxError) as exc:
         raise HarnessError(f"harness {reference!r}: {type(exc).__name__}: {exc}") from exc
+
+
+def import_reference(reference: str) -> Any:
+    """What ``pkg.module:Name`` or ``path/to/file.py:Name`` names; raises what importing it raises.
+
+    A file is loaded once per process (:func:`load_harness_file`). The shim
+    calls this directly, so that its errors are the ones TRL's own loader raises.
+    """
+    target, _, name = reference.rpartition(":")  # rpartition: keep a Windows drive ("D:\...") whole
+    if target.endswith(".py") or os.path.sep in target:
+        module = load_harness_file(str(Path(target).absolute()))
+    else:
+        module = importlib.import_module(target)
+    return getattr(module, name)
 
 
 @cache
