@@ -177,10 +177,17 @@ class HarborAgentSpec:
             return AgentFactory.create_agent_from_import_path(name, logs_dir=logs_dir, model_name=self.model_name, **options)
         return AgentFactory.create_agent_from_name(AgentName(name), logs_dir=logs_dir, model_name=self.model_name, **options)
 
-    def check(self, scratch: Path) -> None:
-        """Build the agent once (nothing started) so bad options fail before any sandbox; raises :class:`AgentConfigError`."""
+    def check(self) -> None:
+        """Build the agent once in a scratch folder (nothing started) so bad options fail before any sandbox.
+
+        Raises:
+            AgentConfigError: the agent refuses its options.
+        """
+        import tempfile
+
         try:
-            self.build(scratch)
+            with tempfile.TemporaryDirectory(prefix="harbor-async-agent-check-") as scratch:
+                self.build(Path(scratch))
         except AgentConfigError:
             raise
         except Exception as exc:  # the agent's own validation: a missing model, an unknown option ...

@@ -18,10 +18,8 @@ server (``hosted_vllm/<served name>`` at its URL).
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harbor_async.backends import resolve_backend
@@ -172,8 +170,7 @@ def check_harbor_options(spec: HarborAgentSpec, settings: JobSettings, model: st
     """Build the agent once as an episode will (nothing started): bad ``--ak`` is an :class:`EvalConfigError` now."""
     pointed = spec.with_server(model, "http://127.0.0.1:8000/v1", api_key_name=settings.api_key_name)
     try:
-        with tempfile.TemporaryDirectory(prefix="harbor-async-agent-check-") as scratch:
-            pointed.check(Path(scratch))
+        pointed.check()
     except AgentConfigError as exc:
         raise EvalConfigError(str(exc)) from None
 

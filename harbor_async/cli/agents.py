@@ -9,8 +9,6 @@ agent refuses (it is built once, nothing started).
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -53,8 +51,7 @@ def harbor_agent_class(name: str) -> type:
 def checked_spec(spec: HarborAgentSpec) -> HarborAgentSpec:
     """``spec``, once the agent has been built with its options (nothing started); else exit 2 in one line."""
     try:
-        with tempfile.TemporaryDirectory(prefix="harbor-async-agent-check-") as scratch:
-            spec.check(Path(scratch))
+        spec.check()
     except AgentConfigError as exc:
         raise fail(exc) from None
     return spec
