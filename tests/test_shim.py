@@ -30,7 +30,7 @@ import shim
 import shim.rewards
 from harbor_async.backends.simulated import SimulatedEnvironment
 from harbor_async.errors import BackendError
-from harbor_async.sandbox import Sandbox
+from harbor_async.sandbox import Sandbox, SandboxState
 from harbor_async.suites import example_suite_path
 from harbor_async.tasks import TaskLoadError
 from shim import engines
@@ -565,8 +565,13 @@ def test_envs_share_one_engine_per_option_set_and_its_limits():
         # c waits for a slot held by a and b (limit 2 across envs) until one is verified and stopped.
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(c.bash, "ls")
-            time.sleep(0.3)
-            assert not waiting.done()
+            # c's sandbox (launched by its reset, on the loop thread) holds no slot while a's and b's hold both
+            deadline = time.monotonic() + 10
+            while c._episode is None or c._episode.sandbox is None:
+                assert time.monotonic() < deadline, "c's reset never launched its sandbox"
+                time.sleep(0.01)
+            assert c._episode.sandbox.state is SandboxState.PENDING
+            assert a._episode.engine.stats().live == 2 and not waiting.done()
             assert a.reward == 1.0
             assert waiting.result(timeout=10) == "(empty output, rc=0)"
         assert b.reward == 0.5
