@@ -333,7 +333,7 @@ class RootPool:
         """The kinds the thread would make a piece of now (for tests and diagnostics): none while starts build
         their own. The thread makes nothing else, so an empty list means nothing more is made until a take."""
         with self._lock:
-            return [] if self._own_builds else [k for k, n in self._target.items() if len(self._ready.get(k, [])) < n]
+            return [] if self._own_builds else self._short()
 
     def _wake(self) -> None:
         if self._thread is None:
@@ -341,11 +341,13 @@ class RootPool:
             self._thread.start()
         self._lock.notify_all()
 
+    def _short(self) -> list[Key]:
+        """The kinds with fewer pieces ready than their target (under the lock)."""
+        return [key for key, target in self._target.items() if len(self._ready.get(key, [])) < target]
+
     def _next_key(self) -> Key | None:
-        for key, target in self._target.items():
-            if len(self._ready.get(key, [])) < target:
-                return key
-        return None
+        short = self._short()
+        return short[0] if short else None
 
     def _refill(self) -> None:
         while True:
