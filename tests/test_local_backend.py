@@ -120,14 +120,14 @@ def host_processes(pattern: str) -> list[str]:
     return [line for line in result.stdout.splitlines() if "pgrep" not in line]
 
 
-async def processes_become(pattern: str, count: int, within: float = 10.0) -> list[str]:
-    """The host processes matching ``pattern`` once there are ``count`` of them; fails past ``within`` s.
+async def processes_become(pattern: str, count: int, within: float = 10.0, besides: str | None = None) -> list[str]:
+    """The host processes matching ``pattern`` (less those naming ``besides``) once there are ``count``.
 
-    A SIGKILLed process is gone a moment after the kill returns, not at once: poll for the state the test
-    means instead of sleeping a guessed time and hoping it was long enough.
+    Fails past ``within`` s. A SIGKILLed process is gone a moment after the kill returns, not at once: poll
+    for the state the test means instead of sleeping a guessed time and hoping it was long enough.
     """
     deadline = time.monotonic() + within
-    while len(found := host_processes(pattern)) != count:
+    while len(found := [p for p in host_processes(pattern) if besides is None or besides not in p]) != count:
         assert time.monotonic() < deadline, f"{pattern!r}: {len(found)} process(es) after {within} s, not {count}: {found}"
         await anyio.sleep(0.02)
     return found
@@ -586,10 +586,7 @@ async def test_stop_kills_background_processes(tmp_path: Path, task_dir: Path) -
     async with anyio.create_task_group() as group:
         group.start_soon(busy_exec)
         # the sandbox's five (an enter.py helper's own command line names its command too)
-        deadline = time.monotonic() + 10
-        while len([p for p in host_processes("sleep 182[1-5]|tick-1824") if "helpers/enter" not in p]) != 5:
-            assert time.monotonic() < deadline, "the five processes never ran"
-            await anyio.sleep(0.02)
+        await processes_become("sleep 182[1-5]|tick-1824", 5, besides="helpers/enter")
         with anyio.fail_after(5):
             await env.stop(delete=True)
     assert running[0].return_code == 137
