@@ -336,10 +336,6 @@ def _upgraded(data: dict[str, Any], version: int) -> dict[str, Any]:
     return values
 
 
-#: JobSettings fields that :func:`~harbor_async.evaluation.evaluate` takes as its own arguments or writes itself.
-NOT_EVALUATE_KEYWORDS = frozenset({"command", "models", "suite", "episodes", "created_at", "version"})
-
-
 class EvaluateSettings(TypedDict, total=False):
     """The keywords of :func:`~harbor_async.evaluation.evaluate` (``**settings``): :class:`JobSettings`' fields.
 
@@ -411,4 +407,3 @@ class EvaluateSettings(TypedDict, total=False):
     ready_error_timeout: float
     vllm_args: Sequence[str]
     step_from: str | None
-

@@ -17,9 +17,9 @@ import os
 import types
 from collections.abc import Callable
 from functools import cache
-from typing import Any
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 from harbor_async.errors import HarnessError
 from harbor_async.harnesses.base import Harness

@@ -43,7 +43,6 @@ from harbor_async.backends.local.layout import (
     under,
 )
 from harbor_async.backends.local.loader_files import reset_loader_files
-from harbor_async.verifier_isolation import HIDDEN_SUFFIX
 from harbor_async.backends.local.limits import Cgroups, ResourceLimits, UidLease, cgroup_version, exec_groups, parse_limit
 from harbor_async.backends.local.output import MAX_ADOPTED, OUTPUT_SINK, OutputPipe
 from harbor_async.backends.local.proctree import end_exec
@@ -60,6 +59,7 @@ from harbor_async.backends.local.template import task_entries, write_entries
 from harbor_async.backends.local.transfers import DEFAULT_TRANSFER_LIMIT_MB, SandboxTransfers
 from harbor_async.backends.local.verifier_ns import VerifierNamespace
 from harbor_async.naming import DEFAULT_LOCAL_ROOT, LOCAL_ROOT_ENV, MARKER_NAME, local_folder_name
+from harbor_async.verifier_isolation import HIDDEN_SUFFIX
 
 #: Set to 0 to stop open engines keeping local sandboxes ready ahead of starts (see ``engine_hold``).
 POOL_ENV = "HARBOR_ASYNC_LOCAL_POOL"
