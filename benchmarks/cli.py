@@ -42,11 +42,11 @@ def throughput(backend: str, episodes: int, levels: list[int], kwargs: dict, out
     return path
 
 
-def fork_bombs(repeats: int, seconds: float, bomber_cpus: float, out: Path) -> Path:
+def fork_bombs(repeats: int, seconds: float, bomber_cpus: float, out: Path, bomber_pids: int | None = None) -> Path:
     """Fork bombs killed while other sandboxes exec (:mod:`benchmarks.fork_bombs`); writes ``fork-bombs.json``."""
     from benchmarks.fork_bombs import run_fork_bombs
 
-    result = run_fork_bombs(repeats, seconds=seconds, bomber_cpus=bomber_cpus)
+    result = run_fork_bombs(repeats, seconds=seconds, bomber_cpus=bomber_cpus, bomber_pids=bomber_pids)
     for number, found in enumerate(result["rounds"], 1):
         err.print(
             f"round {number}: probe p99 {found['idle_p99_ms']} ms idle, {found['bombed_p99_ms']} ms under bombs "
@@ -57,7 +57,8 @@ def fork_bombs(repeats: int, seconds: float, bomber_cpus: float, out: Path) -> P
         )
     ratio = result["p99_ratio"]
     err.print(f"p99 under bombs / idle: median {ratio['median']}x ({ratio['min']}-{ratio['max']})", markup=False)
-    path = write_json(out / "fork-bombs.json", "fork-bombs", result)
+    name = "fork-bombs.json" if bomber_pids is None else f"fork-bombs-pids{bomber_pids}.json"
+    path = write_json(out / name, "fork-bombs", result)
     err.print(f"wrote {path}", markup=False)
     return path
 

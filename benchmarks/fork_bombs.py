@@ -90,7 +90,13 @@ def _task_with_cpus(folder: Path, cpus: float):
 
 
 async def run_round(
-    *, probes: int = 2, bombers: int = 2, seconds: float = 6.0, timeout: float = 1.0, bomber_cpus: float = 0.5
+    *,
+    probes: int = 2,
+    bombers: int = 2,
+    seconds: float = 6.0,
+    timeout: float = 1.0,
+    bomber_cpus: float = 0.5,
+    bomber_pids: int | None = None,
 ) -> ForkBombRound:
     """Start ``probes + bombers`` local sandboxes; time the probes idle, then beside the bombers.
 
@@ -100,13 +106,35 @@ async def run_round(
     task = load_suite(example_suite_path()).tasks[0]
     with tempfile.TemporaryDirectory() as scratch:
         bomber_task = _task_with_cpus(Path(scratch), bomber_cpus)
-        return await _measure(task, bomber_task, probes, bombers, seconds, timeout)
+        options = {"pids_limit": bomber_pids} if bomber_pids else None
+        return await _measure(task, bomber_task, options, probes, bombers, seconds, timeout)
 
 
-async def _measure(task, bomber_task, probes: int, bombers: int, seconds: float, timeout: float) -> ForkBombRound:
+async def _walk_mid_bomb(bombing: list, timeout: float) -> list[tuple[float, int]]:
+    """Mid-bomb, outside every measured window: one walk of the host's whole process table, one of a bomber's cgroup.
+
+    A walk holds the GIL for its length (about 0.1 s here), so timed inside a probe window
+    it would stall the loop thread it is meant to be compared with.
+    """
+    walks: list[tuple[float, int]] = []
+    async with anyio.create_task_group() as bombs:
+        bombs.start_soon(_bomb, bombing[0], time.monotonic() + timeout, 2 * timeout, [])
+        await anyio.sleep(timeout * 0.8)
+        begin = time.perf_counter()
+        table = await anyio.to_thread.run_sync(process_table)
+        walks.append((time.perf_counter() - begin, len(table)))
+        procs_files = bombing[0].environment._procs_files()
+        begin = time.perf_counter()
+        table = await anyio.to_thread.run_sync(lambda: process_table(cgroup_pids(procs_files)) if procs_files else {})
+        walks.append((time.perf_counter() - begin, len(table)))
+        bombs.cancel_scope.cancel()
+    return walks
+
+
+async def _measure(task, bomber_task, bomber_options, probes: int, bombers: int, seconds: float, timeout: float) -> ForkBombRound:
     async with Engine(limits=Limits(live_sandboxes=probes + bombers)) as engine:
         sandboxes = [engine.launch(task, "local") for _ in range(probes)]
-        sandboxes += [engine.launch(bomber_task, "local") for _ in range(bombers)]
+        sandboxes += [engine.launch(bomber_task, "local", backend_kwargs=bomber_options) for _ in range(bombers)]
         for sandbox in sandboxes:
             await sandbox.wait_started()
         probing, bombing = sandboxes[:probes], sandboxes[probes:]
@@ -117,25 +145,13 @@ async def _measure(task, bomber_task, probes: int, bombers: int, seconds: float,
                 group.start_soon(_probe, sandbox, until, idle)
         bombed: list[float] = []
         kills: list[float] = []
-        walks: list[tuple[float, int]] = []
         until = time.monotonic() + seconds
-
-        async def walk() -> None:  # mid-bomb: the host's whole process table, and one bomber's cgroup as a kill reads it
-            await anyio.sleep(timeout * 0.8)
-            begin = time.perf_counter()
-            table = await anyio.to_thread.run_sync(process_table)
-            walks.append((time.perf_counter() - begin, len(table)))
-            procs_files = bombing[0].environment._procs_files()
-            begin = time.perf_counter()
-            table = await anyio.to_thread.run_sync(lambda: process_table(cgroup_pids(procs_files)) if procs_files else {})
-            walks.append((time.perf_counter() - begin, len(table)))
-
         async with anyio.create_task_group() as group:
             for sandbox in bombing:
                 group.start_soon(_bomb, sandbox, until, timeout, kills)
             for sandbox in probing:
                 group.start_soon(_probe, sandbox, until, bombed)
-            group.start_soon(walk)
+        walks = await _walk_mid_bomb(bombing, timeout)
         # The control: the same bombs left running through the whole window (no kill in it), then ended.
         unkilled: list[float] = []
         until = time.monotonic() + seconds
@@ -160,12 +176,12 @@ async def _measure(task, bomber_task, probes: int, bombers: int, seconds: float,
     )  # fmt: skip
 
 
-def run_fork_bombs(repeats: int = 3, **options: float) -> dict:
+def run_fork_bombs(repeats: int = 3, **options: float | None) -> dict:
     """``repeats`` rounds and the median ratio over them (the figure)."""
     rounds = [anyio.run(lambda: run_round(**options)) for _ in range(repeats)]
     ratios = sorted(r.p99_ratio for r in rounds)
     return {
-        "options": {"probes": 2, "bombers": 2, "seconds": 6.0, "timeout": 1.0, "bomber_cpus": 0.5, **options},
+        "options": {"probes": 2, "bombers": 2, "seconds": 6.0, "timeout": 1.0, "bomber_cpus": 0.5, "bomber_pids": None, **options},
         "rounds": [asdict(r) for r in rounds],
         "p99_ratio": {"median": ratios[len(ratios) // 2], "min": ratios[0], "max": ratios[-1]},
     }

@@ -99,6 +99,11 @@ def test_fork_bombs_are_killed_while_probes_exec(tmp_path):
     assert found["host_processes"] > found["cgroup_processes"] >= 100, found  # the bomb went off, in its cgroup
     assert data["p99_ratio"]["median"] == found["p99_ratio"] > 0
     assert "p99 under bombs / idle" in run["stderr"]
+    # --bomber-pids reaches the bombers' sandboxes: each bomb grows to that limit and no further.
+    bench("fork-bombs", "--repeats", "1", "--seconds", "1", "--bomber-pids", "128", out=tmp_path)
+    small = json.loads((tmp_path / "fork-bombs-pids128.json").read_text())
+    assert small["options"]["bomber_pids"] == 128 and data["options"]["bomber_pids"] is None
+    assert 32 <= small["rounds"][0]["cgroup_processes"] <= 128 < found["cgroup_processes"], small["rounds"]
     leftovers = subprocess.run(["pgrep", "-fc", "bomb"], capture_output=True, text=True)
     assert leftovers.stdout.strip() in ("", "0"), leftovers.stdout  # every bomb ended with its sandbox
 

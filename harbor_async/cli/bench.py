@@ -128,6 +128,9 @@ def fork_bombs(
     repeats: Annotated[int, typer.Option(min=1, help="Rounds (each: the probes idle, then beside the bombs).")] = 3,
     seconds: Annotated[float, typer.Option(min=1.0, help="Seconds of each half of a round.")] = 6.0,
     bomber_cpus: Annotated[float, typer.Option(min=0.1, help="The bombers' task's cpus (their cgroup's quota, as root).")] = 0.5,
+    bomber_pids: Annotated[
+        int | None, typer.Option(min=16, help="The bombers' process limit (default: the local backend's, 1,024); writes fork-bombs-pidsN.json.")
+    ] = None,
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file.")] = DEFAULT_OUT,
     log_level: LogOpt = None,
 ) -> None:
@@ -135,7 +138,7 @@ def fork_bombs(
     _setup(log_level or "error")
     from benchmarks.cli import fork_bombs as run_it
 
-    run_it(repeats, seconds, bomber_cpus, out)
+    run_it(repeats, seconds, bomber_cpus, out, bomber_pids)
 
 
 @bench_app.command("grpo-step")
