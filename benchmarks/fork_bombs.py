@@ -2,17 +2,18 @@
 
 On the local backend, some sandboxes (the probes) run ``true`` one exec after
 another while the others (the bombers) run a fork bomb under an exec timeout,
-again and again: each timeout ends the exec's process tree
-(:func:`harbor_async.backends.local.proctree.end_exec`: a walk of the
-sandbox's own cgroup, or of every host process where it has none, in a
-worker thread, then a kill through pidfds). The probes'
-round trips are measured idle (no bomber running) and under the bombs, in
-the same run and engine; the figure is the ratio of the two p99s (target:
-at most 2x). A control half runs the same bombs through the whole window
-with no kill in it, so that what the bombs take (their CPU share) and what
-their kills add are told apart. Each kill is timed too (from the timeout to the exec's return),
-and so are, mid-bomb, one walk of the host's whole process table and one of
-a bomber's cgroup (what a kill reads where the sandbox has cgroups).
+again and again: each bomb grows to its sandbox's pids limit, each timeout
+ends the exec's process tree (:func:`harbor_async.backends.local.proctree.end_exec`:
+one write to the exec's own ``cgroup.kill`` where a cgroup2 hierarchy has one,
+else a walk of the sandbox's cgroup), and the next bomb grows again. The
+probes' round trips are measured idle (no bomber running) and under the
+bombs, in the same run and engine; the figure is the ratio of the two p99s
+(target: at most 2x). A control half runs the same bombs, grown before the
+window and never killed in it, so that what a grown bomb takes and what the
+kill-and-regrow cycle adds are told apart. Each kill is timed too (from the
+timeout to the exec's return), and so are, after the windows and mid-bomb,
+one walk of the host's whole process table and one of a bomber's cgroup
+(what a kill would read where no ``cgroup.kill`` exists).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from harbor_async.stats import percentile
 from harbor_async.suites import example_suite_path
 from harbor_async.tasks import load_suite, load_task
 
-#: Each bomb forks until the sandbox's pids limit (1,024 on local), then the timeout ends it.
-FORK_BOMB = "bomb() { bomb | bomb & }; bomb"
+#: Each bomb forks until the sandbox's pids limit (1,024 on local), then the timeout ends it. The exec's
+#: shell becomes a sleep (no fork needed) so that the exec lasts until its timeout: a shell that exited at
+#: once would leave its bomb running in the background, never killed, and the next bomb nothing to grow into.
+FORK_BOMB = "bomb() { bomb | bomb & }; bomb; exec sleep 1000"
 
 
 @dataclass
@@ -152,12 +155,14 @@ async def _measure(task, bomber_task, bomber_options, probes: int, bombers: int,
             for sandbox in probing:
                 group.start_soon(_probe, sandbox, until, bombed)
         walks = await _walk_mid_bomb(bombing, timeout)
-        # The control: the same bombs left running through the whole window (no kill in it), then ended.
+        # The control: the same bombs, grown before the window and left running through it (no kill, no
+        # growth in it), then ended.
         unkilled: list[float] = []
-        until = time.monotonic() + seconds
         async with anyio.create_task_group() as bombs:
             for sandbox in bombing:
-                bombs.start_soon(_bomb, sandbox, until + 3 * seconds, 4 * seconds, [])
+                bombs.start_soon(_bomb, sandbox, time.monotonic() + 4 * seconds, 4 * seconds, [])
+            await anyio.sleep(timeout)
+            until = time.monotonic() + seconds
             async with anyio.create_task_group() as group:
                 for sandbox in probing:
                     group.start_soon(_probe, sandbox, until, unkilled)
