@@ -54,6 +54,7 @@ class ForkBombRound:
     probe_execs_idle: int
     probe_execs_bombed: int
     kills: int
+    bombs_ended_early: int  # bomb execs that returned before their timeout (each should be ended by it)
     kill_p50_s: float
     kill_max_s: float
     table_walk_ms: float  # one walk of the host's whole process table while the bombs run
@@ -73,13 +74,15 @@ async def _probe(sandbox, until: float, into: list[float]) -> None:
         into.append(time.perf_counter() - begin)
 
 
-async def _bomb(sandbox, until: float, timeout: float, kills: list[float]) -> None:
+async def _bomb(sandbox, until: float, timeout: float, kills: list[float], early: list[float]) -> None:
     while time.monotonic() < until:
         begin = time.perf_counter()
         try:
             await sandbox.exec(FORK_BOMB, timeout=timeout)
         except SandboxTimeout:
             kills.append(time.perf_counter() - begin - timeout)
+        else:  # ended before its timeout: no kill, and a bomb perhaps left behind
+            early.append(time.perf_counter() - begin)
 
 
 def _task_with_cpus(folder: Path, cpus: float):
@@ -121,7 +124,7 @@ async def _walk_mid_bomb(bombing: list, timeout: float) -> list[tuple[float, int
     """
     walks: list[tuple[float, int]] = []
     async with anyio.create_task_group() as bombs:
-        bombs.start_soon(_bomb, bombing[0], time.monotonic() + timeout, 2 * timeout, [])
+        bombs.start_soon(_bomb, bombing[0], time.monotonic() + timeout, 2 * timeout, [], [])
         await anyio.sleep(timeout * 0.8)
         begin = time.perf_counter()
         table = await anyio.to_thread.run_sync(process_table)
@@ -148,10 +151,11 @@ async def _measure(task, bomber_task, bomber_options, probes: int, bombers: int,
                 group.start_soon(_probe, sandbox, until, idle)
         bombed: list[float] = []
         kills: list[float] = []
+        early: list[float] = []
         until = time.monotonic() + seconds
         async with anyio.create_task_group() as group:
             for sandbox in bombing:
-                group.start_soon(_bomb, sandbox, until, timeout, kills)
+                group.start_soon(_bomb, sandbox, until, timeout, kills, early)
             for sandbox in probing:
                 group.start_soon(_probe, sandbox, until, bombed)
         walks = await _walk_mid_bomb(bombing, timeout)
@@ -160,7 +164,7 @@ async def _measure(task, bomber_task, bomber_options, probes: int, bombers: int,
         unkilled: list[float] = []
         async with anyio.create_task_group() as bombs:
             for sandbox in bombing:
-                bombs.start_soon(_bomb, sandbox, time.monotonic() + 4 * seconds, 4 * seconds, [])
+                bombs.start_soon(_bomb, sandbox, time.monotonic() + 4 * seconds, 4 * seconds, [], [])
             await anyio.sleep(timeout)
             until = time.monotonic() + seconds
             async with anyio.create_task_group() as group:
@@ -174,7 +178,7 @@ async def _measure(task, bomber_task, bomber_options, probes: int, bombers: int,
         idle_p50_ms=_ms(idle, 50), idle_p99_ms=_ms(idle, 99), bombed_p50_ms=_ms(bombed, 50),
         bombed_p99_ms=_ms(bombed, 99), p99_ratio=round(percentile(bombed, 99) / percentile(idle, 99), 2),
         unkilled_p99_ms=_ms(unkilled, 99), unkilled_ratio=round(percentile(unkilled, 99) / percentile(idle, 99), 2),
-        probe_execs_idle=len(idle), probe_execs_bombed=len(bombed), kills=len(kills),
+        probe_execs_idle=len(idle), probe_execs_bombed=len(bombed), kills=len(kills), bombs_ended_early=len(early),
         kill_p50_s=round(percentile(kills, 50), 3) if kills else 0.0, kill_max_s=round(max(kills, default=0.0), 3),
         table_walk_ms=round(walk_s * 1e3, 1), host_processes=found, cgroup_walk_ms=round(cgroup_s * 1e3, 1),
         cgroup_processes=in_cgroup,
