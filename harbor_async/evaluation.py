@@ -191,13 +191,14 @@ class _Run:
     async def _on_cluster(self, group: ServerGroup, tasks, root: Path, pending: set[str], base_url: str, budget: FailureBudget) -> None:
         """Shard the group's pending episodes over the Ray cluster; records come back into the job folder."""
         from harbor_async.cluster.eval_items import eval_item, eval_items
+        from harbor_async.cluster.ray_budget import job_budget
         from harbor_async.cluster.sharding import run_on_cluster_async
 
         items = eval_items(self.settings, group.models, base_url, tasks, root, pending)
         name = self.settings.api_key_name  # read here, as a local eval reads it; the workers' environment may lack it
         await run_on_cluster_async(
             eval_item, items, sink=self._record, budget=budget, stop=self.arm, address=self.settings.ray_address,
-            concurrency=self.settings.n_concurrent, engine_kwargs=self.settings.engine_kwargs(job_dir=self.job.path),
+            concurrency=self.settings.n_concurrent, engine_kwargs=self.settings.engine_kwargs(job_budget(self.settings), self.job.path),
             env_vars={name: self.api_key()} if name else None,
         )  # fmt: skip
 
@@ -367,9 +368,10 @@ async def evaluate(
                 if config.ray:  # the cluster's nodes run the episodes on their own engines
                     error = await _run_groups(run, groups, tasks, root)
                 else:
+                    from harbor_async.cluster.ray_budget import job_budget
                     from harbor_async.engine import Engine
 
-                    async with Engine(**config.engine_kwargs(job_dir=job.path)) as run.engine:
+                    async with Engine(**config.engine_kwargs(job_budget(config), job.path)) as run.engine:
                         interrupts.leftovers = lambda: [s.id for s in cast(Engine, run.engine).live_sandboxes()]  # set just above
                         error = await _run_groups(run, groups, tasks, root)
             finally:

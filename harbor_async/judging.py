@@ -62,8 +62,7 @@ async def judge(episode: Episode, step: StepConfig | None = None) -> VerifyResul
     """
     from harbor_async.artifacts import collect_artifacts, upload_artifacts
     from harbor_async.harbor_jobs import keep_trial_logs
-    from harbor_async.task_support import separate_verifier
-    from harbor_async.verifier_env import verifier_task
+    from harbor_async.verifier_env import separate_verifier, verifier_task
 
     sandbox = episode.sandbox
     assert sandbox is not None

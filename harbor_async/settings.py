@@ -283,22 +283,13 @@ class JobSettings(EngineSettings):
         self.retries()
         return self
 
-    def budget_factory(self) -> Any:
-        """The ``Engine(budget=...)`` factory: ``None`` (this process's limits) or the cluster's Ray budget."""
-        if self.budget != "ray":
-            return None
-        from harbor_async.cluster.ray_budget import factory
-
-        return factory(
-            address=self.ray_address, max_live=self.cluster_max_live, creates_per_second=self.cluster_creates_per_second
-        )
-
     def engine_kwargs(self, budget: Any = None, job_dir: Any = None) -> dict[str, Any]:
         """The ``Engine`` arguments of this job's episodes (the driver's, or a cluster node's).
 
         The episodes' one concurrency limit is the driver's (``n_concurrent``)
-        or the worker's; the engine gets no lower one. ``budget``: a budget
-        factory already made (else :meth:`budget_factory`). ``job_dir``: the
+        or the worker's; the engine gets no lower one. ``budget``: the budget
+        factory (:func:`harbor_async.cluster.ray_budget.job_budget`; ``None``: this
+        process's limits). ``job_dir``: the
         job folder, whose ``artifacts/`` gets each episode's artifacts.
         """
         return {
@@ -313,7 +304,7 @@ class JobSettings(EngineSettings):
             "verify": not self.disable_verification,
             "agent_env": fill_values(self.agent_env, self.env_allow, "--ae"),  # here: the workers get the driver's
             "backend_kwargs": dict(self.environment_kwargs),
-            "budget": budget if budget is not None else self.budget_factory(),
+            "budget": budget,
             "reap_stale": True,  # what killed runs left on this machine goes first (dead owners only)
         }
 

@@ -29,7 +29,7 @@ from harbor.models.task.config import NetworkMode, TaskOS
 
 from harbor_async.errors import HarborAsyncError
 from harbor_async.task_env import missing_variables
-from harbor_async.verifier_env import own_environment
+from harbor_async.verifier_env import own_environment, separate_verifier
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
@@ -253,18 +253,6 @@ def driver_refusals(task: Task, driver: Driver) -> list[Refusal]:
         for feature, reason in agent_refusals(task, driver.agent):
             refuse(feature, reason)
     return found
-
-
-def separate_verifier(task: Task, step: Any = None) -> bool:
-    """Whether the verifier (of ``step``) runs in a sandbox of its own (Harbor's ``environment_mode``, resolved)."""
-    from harbor.models.task.verifier_mode import (
-        VerifierEnvironmentMode,
-        resolve_step_verifier_mode,
-        resolve_task_verifier_mode,
-    )
-
-    mode = resolve_task_verifier_mode(task.config) if step is None else resolve_step_verifier_mode(task.config, step)
-    return mode is VerifierEnvironmentMode.SEPARATE
 
 
 def _asks_public_network(task: Task) -> bool:

@@ -29,6 +29,18 @@ class _Paths:
         return getattr(self._paths, name)
 
 
+def separate_verifier(task: Task, step: StepConfig | None = None) -> bool:
+    """Whether the verifier (of ``step``) runs in a sandbox of its own (Harbor's ``environment_mode``, resolved)."""
+    from harbor.models.task.verifier_mode import (
+        VerifierEnvironmentMode,
+        resolve_step_verifier_mode,
+        resolve_task_verifier_mode,
+    )
+
+    mode = resolve_task_verifier_mode(task.config) if step is None else resolve_step_verifier_mode(task.config, step)
+    return mode is VerifierEnvironmentMode.SEPARATE
+
+
 def verifier_task(task: Task, step: StepConfig | None = None) -> tuple[Task, bool]:
     """The task as its separate verifier's sandbox is built from, and whether the tests are in that image."""
     from harbor.models.task.verifier_mode import resolve_verifier_environment_definition

@@ -47,7 +47,7 @@ import weakref
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import sniffio
@@ -64,6 +64,9 @@ from harbor_async.cluster.errors import (
 from harbor_async.cluster.ranks import World, current_world
 from harbor_async.logs import get_logger
 from harbor_async.policy import Limits
+
+if TYPE_CHECKING:
+    from harbor_async.settings import JobSettings
 
 log = get_logger()
 
@@ -375,4 +378,16 @@ def factory(
     """
     return RayBudgetFactory(
         address, max_live, creates_per_second, concurrent_execs, lease_timeout, batch, namespace, name
+    )
+
+
+def job_budget(settings: JobSettings) -> RayBudgetFactory | None:
+    """The ``Engine(budget=...)`` factory a job's settings ask for: ``None`` (this process's limits) or the cluster's.
+
+    Here, not on the settings: the settings are read by the cluster's workers, so they import nothing of it.
+    """
+    if settings.budget != "ray":
+        return None
+    return factory(
+        address=settings.ray_address, max_live=settings.cluster_max_live, creates_per_second=settings.cluster_creates_per_second
     )
