@@ -28,10 +28,10 @@ import anyio
 from benchmarks.provenance import begin, stamp
 from harbor_async.cluster import ray_budget
 from harbor_async.cluster.budget_actor import Caps, get_or_create
-from harbor_async.engine import Engine
-from harbor_async.policy import Limits
+from harbor_async.core.policy import Limits
+from harbor_async.engine.engine import Engine
 from harbor_async.suites import example_suite_path
-from harbor_async.tasks import load_suite
+from harbor_async.tasks.suite import load_suite
 
 REPO = Path(__file__).resolve().parents[1]
 

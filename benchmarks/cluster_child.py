@@ -13,10 +13,10 @@ import time
 import anyio
 
 from harbor_async.cluster import ray_budget
-from harbor_async.engine import Engine
-from harbor_async.policy import Limits
+from harbor_async.core.policy import Limits
+from harbor_async.engine.engine import Engine
 from harbor_async.suites import example_suite_path
-from harbor_async.tasks import load_suite
+from harbor_async.tasks.suite import load_suite
 
 
 async def main(address: str, cap: int, sandboxes: int, hold: float) -> None:

@@ -27,12 +27,12 @@ from pathlib import Path
 import anyio
 
 from harbor_async.backends.local.proctree import cgroup_pids, process_table
-from harbor_async.engine import Engine
-from harbor_async.errors import SandboxTimeout
-from harbor_async.policy import Limits
-from harbor_async.stats import percentile
+from harbor_async.core.errors import SandboxTimeout
+from harbor_async.core.policy import Limits
+from harbor_async.core.stats import percentile
+from harbor_async.engine.engine import Engine
 from harbor_async.suites import example_suite_path
-from harbor_async.tasks import load_suite, load_task
+from harbor_async.tasks.suite import load_suite, load_task
 
 #: Each bomb forks until the sandbox's pids limit (1,024 on local), then the timeout ends it. The exec's
 #: shell becomes a sleep (no fork needed) so that the exec lasts until its timeout: a shell that exited at

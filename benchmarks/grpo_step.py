@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harbor_async.tasks import load_suite
+from harbor_async.tasks.suite import load_suite
 
 IMPLEMENTATIONS = ("trl", "shim", "shim-rounds", "shim-prefetch", "shim-prefetch-early")
 #: ``shim-rounds``: the shim's envs with each turn's calls dispatched by HarborGRPOTrainer's own

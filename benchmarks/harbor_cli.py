@@ -14,7 +14,6 @@ stops the environment before it stamps ``finished_at``).
 from __future__ import annotations
 
 import json
-from collections import Counter
 import os
 import shlex
 import statistics
@@ -22,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path

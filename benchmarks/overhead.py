@@ -24,14 +24,12 @@ from dataclasses import asdict, dataclass, field
 
 import anyio
 
-from harbor_async.loop import LoopThread
-from harbor_async.policy import Limits
-from harbor_async.sandbox import Sandbox
-from harbor_async.stats import percentile
-from harbor_async.tasks import load_suite
-
 from benchmarks.window import UsageWindow
-
+from harbor_async.core.policy import Limits
+from harbor_async.core.stats import percentile
+from harbor_async.engine.loop import LoopThread
+from harbor_async.engine.sandbox import Sandbox
+from harbor_async.tasks.suite import load_suite
 
 #: The probe's p99 bound (µs) and the live-sandbox counts the capacity ramp tries, smallest first.
 DEFAULT_BOUND_US = 20_000.0
@@ -70,7 +68,7 @@ class CapacityStep:
     collections: int = 0
     longest_collection_ms: float = 0.0
     collections_over_bound: int = 0
-    #: CPython's young-generation threshold during the window (raised with the live count: harbor_async.collector).
+    #: CPython's young-generation threshold during the window (raised with the live count: harbor_async.core.collector).
     young_threshold: int = 0
 
 

@@ -47,7 +47,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from trl.experimental.harbor import HarborBashEnv, HarborEnv
 
 from harbor_async.backends import resolve_backend
-from harbor_async.doctor import require_supported
+from harbor_async.cli.machine_checks import require_supported
 
 # This module overrides TRL's private _start: only the TRL releases CI tested.
 require_supported("trl", "benchmarks/reference.py (TRL's HarborEnv internals)", "trl-internals")

@@ -25,9 +25,9 @@ from typing import Any
 
 import anyio
 
-from harbor_async.engine import Engine
-from harbor_async.policy import Limits
-from harbor_async.tasks import load_suite
+from harbor_async.core.policy import Limits
+from harbor_async.engine.engine import Engine
+from harbor_async.tasks.suite import load_suite
 
 
 @dataclass

@@ -24,9 +24,9 @@ import anyio
 
 
 async def _verify_seconds(env: str, strict: bool, concurrency: int) -> list[float]:
-    from harbor_async.engine import Engine
-    from harbor_async.runner import run_suite
-    from harbor_async.tasks import load_suite
+    from harbor_async.engine.engine import Engine
+    from harbor_async.episodes.runner import run_suite
+    from harbor_async.tasks.suite import load_suite
 
     tasks = load_suite(None).tasks
     async with Engine(strict_verify=strict) as engine:

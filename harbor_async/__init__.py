@@ -10,15 +10,18 @@ The public API in one place::
             print((await sandbox.verify()).reward)
 """
 
-from harbor_async.engine import Engine, EngineClosedError
-from harbor_async.errors import (
+from harbor_async.core import moved as _moved
+
+_moved.install()  # the flat layout's module paths, for one release
+
+from harbor_async.core.errors import (
     AsyncLibraryError,
     BackendError,
     ExecError,
+    FailureClass,
     HarborAsyncError,
     LoopThreadError,
     Phase,
-    FailureClass,
     SandboxCancelledError,
     SandboxClosedError,
     SandboxError,
@@ -27,13 +30,14 @@ from harbor_async.errors import (
     StopError,
     VerifyError,
 )
-from harbor_async.loop import call, get_loop, open_engine, submit
-from harbor_async.policy import Limits, RetryPolicy, Timeouts
-from harbor_async.records import EpisodeRecord
-from harbor_async.results import ExecOutput, VerifyResult
-from harbor_async.sandbox import Sandbox, SandboxState
-from harbor_async.stats import EngineStats
-from harbor_async.tasks import TaskSuite, load_suite, load_task
+from harbor_async.core.policy import Limits, RetryPolicy, Timeouts
+from harbor_async.core.records import EpisodeRecord
+from harbor_async.core.results import ExecOutput, VerifyResult
+from harbor_async.core.stats import EngineStats
+from harbor_async.engine.engine import Engine, EngineClosedError
+from harbor_async.engine.loop import call, get_loop, open_engine, submit
+from harbor_async.engine.sandbox import Sandbox, SandboxState
+from harbor_async.tasks.suite import TaskSuite, load_suite, load_task
 
 __all__ = [
     "AsyncLibraryError",

@@ -1,16 +1,16 @@
 """``evaluate``: episodes of checkpoints on a suite, with the training harness, into a job folder.
 
 For each model (one server at a time), every (task, attempt) runs
-concurrently through the one episode runner (:func:`harbor_async.runner.run_episode`)
+concurrently through the one episode runner (:func:`harbor_async.episodes.runner.run_episode`)
 on this evaluation's engine: the harness (the one used in training) is prepared
-on the new sandbox, the :class:`~harbor_async.agent.Agent` loop talks to the
-model and calls the harness's tools (:class:`~harbor_async.model_agent.ModelAgent`),
-and the task's verifier scores the sandbox. Each episode's :class:`~harbor_async.records.EpisodeRecord`
+on the new sandbox, the :class:`~harbor_async.agents.tool_loop.Agent` loop talks to the
+model and calls the harness's tools (:class:`~harbor_async.agents.harness_agent.ModelAgent`),
+and the task's verifier scores the sandbox. Each episode's :class:`~harbor_async.core.records.EpisodeRecord`
 (transcript, usage, finish reason, timings, failure class) is appended to the
 job folder as it ends; ``resume`` runs only the missing episodes and those a
 resume reruns (infrastructure, model-server, cancelled). The summary, and for
 several models the sweep (table, paired differences, plot), come from
-:mod:`harbor_async.scoring`.
+:mod:`harbor_async.jobs.scoring`.
 """
 
 from __future__ import annotations
@@ -26,17 +26,8 @@ from typing import TYPE_CHECKING, Any, Unpack, cast
 
 import anyio
 
-from harbor_async import serve as _serve
-from harbor_async.agent import Agent
-from harbor_async.backends import BackendSpec, resolve_backend
-from harbor_async.checkpoints import ModelSpec, ServerGroup, resolve_models, server_groups, step_pattern
-from harbor_async.disk_bounds import JobDiskLimitError
-from harbor_async.errors import BackendError, EvalConfigError, FailureClass, HarborAsyncError, ModelServerDownError, ModelServerRefusedError, SettingError
-from harbor_async.interrupts import Interrupts
-from harbor_async.jobs import JobFolder
-from harbor_async.harbor_agents import HarborAgentSpec, probe_model_server
-from harbor_async.logs import get_logger
-from harbor_async.model_agent import (
+from harbor_async.agents.harbor import HarborAgentSpec, probe_model_server
+from harbor_async.agents.harness_agent import (
     api_key,
     check_harbor_options,
     eval_driver,
@@ -45,15 +36,38 @@ from harbor_async.model_agent import (
     resolve_eval_agent,
     resolve_harness,
 )
-from harbor_async.records import EpisodeRecord, episode_key
-from harbor_async.runner import FailureBudget, PlannedEpisode, run_suite
-from harbor_async.scoring import summarize, sweep_summary
-from harbor_async.settings import EvaluateSettings, JobSettings
-from harbor_async.task_support import Refusal, check_tasks, refused_summary
-from harbor_async.tasks import suite_task_path
+from harbor_async.agents.task_checks import Refusal, check_tasks, refused_summary
+from harbor_async.agents.tool_loop import Agent
+from harbor_async.backends import BackendSpec, resolve_backend
+from harbor_async.core.errors import (
+    BackendError,
+    EvalConfigError,
+    FailureClass,
+    HarborAsyncError,
+    ModelServerDownError,
+    ModelServerRefusedError,
+    SettingError,
+)
+from harbor_async.core.interrupts import Interrupts
+from harbor_async.core.logs import get_logger
+from harbor_async.core.records import EpisodeRecord, episode_key
+from harbor_async.episodes.runner import FailureBudget, PlannedEpisode, run_suite
+from harbor_async.jobs.folder import JobFolder
+from harbor_async.jobs.scoring import summarize, sweep_summary
+from harbor_async.jobs.settings import EvaluateSettings, JobSettings
+from harbor_async.models import serve as _serve
+from harbor_async.models.checkpoints import (
+    ModelSpec,
+    ServerGroup,
+    resolve_models,
+    server_groups,
+    step_pattern,
+)
+from harbor_async.tasks.suite import suite_task_path
+from harbor_async.verification.disk_bounds import JobDiskLimitError
 
 if TYPE_CHECKING:
-    from harbor_async.engine import Engine
+    from harbor_async.engine.engine import Engine
 
 log = get_logger("harbor_async.eval")
 
@@ -244,7 +258,7 @@ def _summaries(
 
 
 def _write_sweep(job: JobFolder, sweep: dict[str, Any]) -> None:
-    from harbor_async.plots import plot_sweep, sweep_csv
+    from harbor_async.jobs.plots import plot_sweep, sweep_csv
 
     (job.path / "sweep.csv").write_text(sweep_csv(sweep), encoding="utf-8")
     try:
@@ -272,10 +286,10 @@ async def evaluate(
         models: model names on ``base_url``, checkpoint folders for a managed
             server, or globs of them (``ckpts/checkpoint-*``).
         suite: a local task tree, a Hugging Face dataset id, or task folders (a registry dataset
-            resolved by :func:`harbor_async.registry.resolve_dataset`); default: the bundled example suite.
+            resolved by :func:`harbor_async.tasks.registry.resolve_dataset`); default: the bundled example suite.
         resume: an existing job folder: its stored settings are used whole; a
             setting given here must equal the stored one
-            (:class:`~harbor_async.errors.ResumeConflictError` otherwise), except
+            (:class:`~harbor_async.core.errors.ResumeConflictError` otherwise), except
             where the server is now (``base_url``, ``serve_cmd``, ``api_key_name``),
             which replaces it. Only missing episodes and those whose failure a
             resume reruns are run.
@@ -285,7 +299,7 @@ async def evaluate(
         on_status: called with what a managed server answers while it is awaited (the CLI's progress line).
         on_refused: called once, before anything starts, with the feature refusals of the tasks left out
             (a task the backend cannot honour is refused alone; the rest runs; ``summary["refused"]``).
-        **settings: the fields of :class:`~harbor_async.settings.JobSettings` (``agent``,
+        **settings: the fields of :class:`~harbor_async.jobs.settings.JobSettings` (``agent``,
             ``environment_type``, ``environment_kwargs``, ``n_attempts``, ``n_concurrent``,
             ``base_url``, ``serve_cmd``, ``api_key_name``, ``sampling``, ``limits``, ``slot_timeout``,
             ``start_attempts``, ...; ``sampling`` and ``limits`` as their models or dicts of them);
@@ -293,14 +307,14 @@ async def evaluate(
             ``DeprecationWarning``.
 
     Raises:
-        EvalConfigError, harbor_async.serve.ServeError, harbor_async.tasks.EmptySuiteError,
-        harbor_async.jobs.JobFolderError: bad input, found before any sandbox starts; a
-        setting that is none (:class:`~harbor_async.errors.UnknownSettingError`), of the wrong
-        type or out of its range (:class:`~harbor_async.errors.SettingError`), or that differs
-        from the resumed job's (:class:`~harbor_async.errors.ResumeConflictError`) among them
-        (except a managed server dying mid-run: :class:`~harbor_async.serve.ServerDiedError`).
+        EvalConfigError, harbor_async.models.serve.ServeError, harbor_async.tasks.suite.EmptySuiteError,
+        harbor_async.jobs.folder.JobFolderError: bad input, found before any sandbox starts; a
+        setting that is none (:class:`~harbor_async.core.errors.UnknownSettingError`), of the wrong
+        type or out of its range (:class:`~harbor_async.core.errors.SettingError`), or that differs
+        from the resumed job's (:class:`~harbor_async.core.errors.ResumeConflictError`) among them
+        (except a managed server dying mid-run: :class:`~harbor_async.models.serve.ServerDiedError`).
     """
-    from harbor_async.tasks import load_suite
+    from harbor_async.tasks.suite import load_suite
 
     if resume is not None:
         job = JobFolder.open(resume)
@@ -369,7 +383,7 @@ async def evaluate(
                     error = await _run_groups(run, groups, tasks, root)
                 else:
                     from harbor_async.cluster.ray_budget import job_budget
-                    from harbor_async.engine import Engine
+                    from harbor_async.engine.engine import Engine
 
                     async with Engine(**config.engine_kwargs(job_budget(config), job.path)) as run.engine:
                         interrupts.leftovers = lambda: [s.id for s in cast(Engine, run.engine).live_sandboxes()]  # set just above
@@ -415,7 +429,7 @@ async def _run_groups(run: _Run, groups: list[ServerGroup], tasks: list[Any], ro
 
 
 def _step_from(text: str | None) -> re.Pattern[str] | None:
-    """``--step-from``'s pattern, checked (:class:`~harbor_async.errors.EvalConfigError` if it is not one)."""
+    """``--step-from``'s pattern, checked (:class:`~harbor_async.core.errors.EvalConfigError` if it is not one)."""
     return None if text is None else step_pattern(text)
 
 

@@ -22,12 +22,15 @@ and :mod:`shim.lookahead` (its opt-in starts ahead of the next step),
 
 from typing import TYPE_CHECKING, Any
 
-from harbor_async.errors import InfrastructureBudgetError, PreflightError, SandboxLimitError
+import shim.harnesses  # noqa: E402,F401 - registers the "python" and "terminal" harnesses in AGENTS
+from harbor_async.core.errors import (
+    InfrastructureBudgetError,
+    PreflightError,
+    SandboxLimitError,
+)
 from shim.env import AGENTS, HarborBashEnv, HarborEnv
 from shim.options import EngineOptions
 from shim.spec import HarborSpec
-
-import shim.harnesses  # noqa: E402,F401 - registers the "python" and "terminal" harnesses in AGENTS
 
 if TYPE_CHECKING:
     from shim.trainer import HarborGRPOTrainer

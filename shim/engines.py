@@ -1,8 +1,8 @@
 """The shim's link to the async core: one shared engine per option set, on the one loop thread.
 
-Every env of the process reaches the loop thread of :mod:`harbor_async.loop`.
+Every env of the process reaches the loop thread of :mod:`harbor_async.engine.loop`.
 Envs built with equal :class:`~shim.options.EngineOptions` share one
-:class:`~harbor_async.engine.Engine`, so ``max_live_sandboxes`` and the other
+:class:`~harbor_async.engine.engine.Engine`, so ``max_live_sandboxes`` and the other
 limits hold across the whole batch (a per-env engine would multiply them).
 Engines are opened on first use and closed at interpreter exit (or on SIGTERM)
 by the loop module, which stops their live sandboxes within a bounded time.
@@ -15,9 +15,9 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar, cast, overload
 
-from harbor_async import loop as _loop
-from harbor_async.engine import Engine
-from harbor_async.logs import get_logger
+from harbor_async.core.logs import get_logger
+from harbor_async.engine import loop as _loop
+from harbor_async.engine.engine import Engine
 from shim.guard import RolloutGuard
 from shim.options import EngineOptions
 
@@ -139,7 +139,7 @@ def record_sink(options: EngineOptions) -> Callable[[Any], None] | None:
         if folder is None:
             from pathlib import Path
 
-            from harbor_async.jobs import JobFolder
+            from harbor_async.jobs.folder import JobFolder
 
             path = Path(options.job_dir)
             exists = (path / "harbor-async.json").is_file()

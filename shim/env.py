@@ -29,19 +29,27 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar, Unpack
 
+from harbor_async.agents.task_checks import TRL, UnsupportedTaskError, driver_refusals
 from harbor_async.backends import resolve_backend
+from harbor_async.engine.loop import await_future
 from harbor_async.harnesses.base import BACKENDS_DROPPING_COPY, Harness
 from harbor_async.harnesses.bash import BashHarness
-from harbor_async.task_support import TRL, UnsupportedTaskError, driver_refusals
 from shim import engines, prefetch
-from harbor_async.loop import await_future
-from shim.episode import begin_rollout, new_episode, retire, retire_episodes, settle, stop_episodes, uncount
+from shim.episode import (
+    begin_rollout,
+    new_episode,
+    retire,
+    retire_episodes,
+    settle,
+    stop_episodes,
+    uncount,
+)
 from shim.options import EngineOptions, EngineOptionsKwargs, renamed_kwargs
 from shim.task_cache import load_task_cached
 
 if TYPE_CHECKING:
-    from harbor_async.episode import Episode
-    from harbor_async.records import EpisodeRecord
+    from harbor_async.core.records import EpisodeRecord
+    from harbor_async.episodes.episode import Episode
 
 R = TypeVar("R")
 
@@ -91,7 +99,7 @@ class HarborEnv(Harness):
             ``"daytona"``, ...), this project's ``"local"`` (bubblewrap) or
             ``"simulated"``, or an import path ``"package.module:Class"`` of a
             Harbor ``BaseEnvironment``. A name that cannot be loaded raises
-            :class:`~harbor_async.errors.BackendError` (a ``ValueError``) here.
+            :class:`~harbor_async.core.errors.BackendError` (a ``ValueError``) here.
         environment_kwargs: extra constructor arguments for every Harbor
             environment this env creates (Harbor's ``--ek``).
         **engine_options: limits, timeouts and retries; see
@@ -151,7 +159,7 @@ class HarborEnv(Harness):
 
         Raises:
             ValueError: no ``task_dir``; or
-                :class:`~harbor_async.tasks.TaskLoadError` (a ``ValueError``)
+                :class:`~harbor_async.tasks.suite.TaskLoadError` (a ``ValueError``)
                 when the folder is missing or not a valid Harbor task. The
                 previous sandbox is stopped either way.
         """
@@ -286,7 +294,7 @@ class HarborEnv(Harness):
         return None if error is None else f"{type(error).__name__}: {error}"
 
     def _current(self) -> Episode | None:
-        if self._session is not None:  # bound to an evaluation's episode (see harbor_async.model_agent)
+        if self._session is not None:  # bound to an evaluation's episode (see harbor_async.agents.harness_agent)
             return self._session
         preparing = PREPARING.get()
         if preparing is not None and preparing[0]() is self:
@@ -352,6 +360,6 @@ def _abandon(episodes: list[Episode]) -> None:
 def _report_unexpected(future: Any) -> None:
     # Episode.run keeps every failure as a value; anything raised here is a bug worth seeing.
     if not future.cancelled() and future.exception() is not None:
-        from harbor_async.logs import get_logger
+        from harbor_async.core.logs import get_logger
 
         get_logger("harbor_async.shim").error("episode task crashed", error=repr(future.exception()))

@@ -1,4 +1,4 @@
-"""One rollout of one env: the core :class:`~harbor_async.episode.Episode`, driven one call at a time from TRL.
+"""One rollout of one env: the core :class:`~harbor_async.episodes.episode.Episode`, driven one call at a time from TRL.
 
 The shim adds no episode of its own. ``reset()`` builds a core episode on the
 trainer thread and hands :func:`begin_rollout` to the loop thread without
@@ -27,18 +27,18 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from harbor_async.episode import Episode
-from harbor_async.errors import SandboxError
-from harbor_async.logs import get_logger
-from harbor_async.policy import is_infrastructure
+from harbor_async.core.errors import SandboxError
+from harbor_async.core.logs import get_logger
+from harbor_async.core.policy import is_infrastructure
+from harbor_async.episodes.episode import Episode
 from shim import prefetch
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
 
     from harbor_async.backends import BackendSpec
-    from harbor_async.engine import Engine
-    from harbor_async.records import EpisodeRecord
+    from harbor_async.core.records import EpisodeRecord
+    from harbor_async.engine.engine import Engine
     from shim.guard import RolloutGuard
 
 log = get_logger("harbor_async.shim")

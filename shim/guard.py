@@ -5,12 +5,12 @@ One :class:`RolloutGuard` per engine-option set (shared, like the engine) counts
 - the rollouts alive and not yet scored: with GRPOTrainer's batch reward, every
   rollout of a generation batch keeps its sandbox until the batch is verified,
   so a live-sandbox limit below that count can only wait on itself. The reset
-  that would exceed it raises :class:`~harbor_async.errors.SandboxLimitError`
+  that would exceed it raises :class:`~harbor_async.core.errors.SandboxLimitError`
   at once, naming the option and what to set;
 - infrastructure failures: too many starts failing in a row, or too large a
   share of one batch's rollouts failing for infrastructure reasons, trips the
   guard; the next ``reset`` or reward raises
-  :class:`~harbor_async.errors.InfrastructureBudgetError` naming the cause,
+  :class:`~harbor_async.core.errors.InfrastructureBudgetError` naming the cause,
   which stops the trainer instead of feeding it zeros.
 
 Its lock guards counters only and is never held across a wait.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import weakref
 
-from harbor_async.errors import InfrastructureBudgetError, SandboxLimitError
+from harbor_async.core.errors import InfrastructureBudgetError, SandboxLimitError
 
 
 class RolloutGuard:

@@ -1,18 +1,18 @@
 """Engine options: the knobs TRL's env does not have, as flat keyword arguments.
 
-A thin builder of the engine's own configuration (:class:`~harbor_async.policy.Limits`,
-:class:`~harbor_async.policy.Timeouts`, :class:`~harbor_async.policy.RetryPolicy`,
+A thin builder of the engine's own configuration (:class:`~harbor_async.core.policy.Limits`,
+:class:`~harbor_async.core.policy.Timeouts`, :class:`~harbor_async.core.policy.RetryPolicy`,
 which check the values), as httpx's ``Timeout``/``Limits`` serve its sync and async
 clients alike; plus the shim's own failure budget and the cluster budget. Its
 knobs shared with a job's settings (timeouts, retries, multipliers, the cluster's)
-are declared once, in :class:`~harbor_async.setting_fields.EngineSettings`, which
+are declared once, in :class:`~harbor_async.jobs.setting_fields.EngineSettings`, which
 both build the engine's classes with.
 
 ``HarborSpec(...)`` and ``HarborEnv(...)`` accept every field of
 :class:`EngineOptions` as a keyword argument (``max_live_sandboxes=16,
 exec_timeout=60``); an unknown keyword raises ``TypeError``. The options are
 frozen and hashable: every env of the process with the same options shares one
-:class:`~harbor_async.engine.Engine` (see :mod:`shim.engines`), so limits apply
+:class:`~harbor_async.engine.engine.Engine` (see :mod:`shim.engines`), so limits apply
 across the whole batch, not per env.
 """
 
@@ -25,8 +25,8 @@ from typing import Any, Literal, TypedDict
 
 from pydantic import ConfigDict, Field, field_validator
 
-from harbor_async.policy import Limits
-from harbor_async.setting_fields import EngineSettings, fspath, knob
+from harbor_async.core.policy import Limits
+from harbor_async.jobs.setting_fields import EngineSettings, fspath, knob
 
 
 class EngineOptions(EngineSettings):
@@ -40,7 +40,7 @@ class EngineOptions(EngineSettings):
             GRPOTrainer's batch reward every rollout of a generation batch holds
             its sandbox until the batch is verified: a ``reset`` that would need
             more than this many rollouts alive raises
-            :class:`~harbor_async.errors.SandboxLimitError` at once (a provider
+            :class:`~harbor_async.core.errors.SandboxLimitError` at once (a provider
             cap below the batch size means a smaller generation batch).
         creates_per_second: at most this many sandbox creations per second
             (provider rate limits). ``None``: unlimited.
@@ -64,10 +64,10 @@ class EngineOptions(EngineSettings):
             commands) when its task sets no ``[agent] timeout_sec``; ``None``: no limit.
         timeout_multiplier, agent_timeout_multiplier, verifier_timeout_multiplier,
         environment_build_timeout_multiplier: Harbor's multipliers of the
-            task's (or these) timeouts; see :meth:`harbor_async.policy.Timeouts.for_task`.
+            task's (or these) timeouts; see :meth:`harbor_async.core.policy.Timeouts.for_task`.
         max_failure_share: when more than this share of a batch's rollouts
             failed for infrastructure reasons, the reward raises
-            :class:`~harbor_async.errors.InfrastructureBudgetError` and stops
+            :class:`~harbor_async.core.errors.InfrastructureBudgetError` and stops
             the trainer. ``None``: never.
         max_start_failures_in_a_row: after this many sandbox starts failed one
             after another, the next ``reset`` or reward raises the same error.
@@ -90,10 +90,10 @@ class EngineOptions(EngineSettings):
             ``None`` with no rate either: join the running budget actor as it is).
         cluster_creates_per_second: sandbox creations per second across the cluster.
         env_allow: host variables a task's ``${VAR}`` may read (names; default none:
-            see :mod:`harbor_async.task_env`).
+            see :mod:`harbor_async.tasks.host_variables`).
         strict_verify: end every process the agent left running before the
             verifier starts (default on; ``False``: they keep running, as in
-            Harbor; see :mod:`harbor_async.verifier_isolation`).
+            Harbor; see :mod:`harbor_async.verification.isolation`).
         reap_stale: when the engine opens, remove what killed runs left on this
             machine (sandboxes, mounts, cgroups, containers of dead owners only;
             logged). Default on.
@@ -127,7 +127,7 @@ class EngineOptions(EngineSettings):
         return fspath(value)
 
     def engine_limits(self) -> Limits:
-        """The engine's :class:`~harbor_async.policy.Limits` (per rank with ``per_rank_limits``)."""
+        """The engine's :class:`~harbor_async.core.policy.Limits` (per rank with ``per_rank_limits``)."""
         limits = super().engine_limits()
         if self.per_rank_limits:
             from harbor_async.cluster.ranks import divide_limits
@@ -146,7 +146,7 @@ class EngineOptions(EngineSettings):
         return cls(**kwargs)
 
     def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :class:`~harbor_async.engine.Engine`.
+        """Keyword arguments for :class:`~harbor_async.engine.engine.Engine`.
 
         ``max_output`` stays at the engine default (8000 characters), the cut
         TRL's env applies, so tool outputs match TRL's byte for byte.

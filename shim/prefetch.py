@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
-from harbor_async.errors import EngineClosedError
+from harbor_async.core.errors import EngineClosedError
+from harbor_async.core.logs import get_logger
+from harbor_async.engine.sandbox import SandboxState
 from harbor_async.harnesses.base import BACKENDS_DROPPING_COPY, BASE_SETUP_COMMAND
-from harbor_async.logs import get_logger
-from harbor_async.sandbox import SandboxState
 from shim import engines
 from shim.task_cache import load_task_cached
 
@@ -43,8 +43,8 @@ if TYPE_CHECKING:
     from harbor.models.task.task import Task
 
     from harbor_async.backends import BackendSpec
-    from harbor_async.engine import Engine
-    from harbor_async.sandbox import Sandbox
+    from harbor_async.engine.engine import Engine
+    from harbor_async.engine.sandbox import Sandbox
     from shim.options import EngineOptions
 
 log = get_logger("harbor_async.shim")

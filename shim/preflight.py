@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from harbor_async.backends import BackendSpec
-from harbor_async.errors import PreflightError
-from harbor_async.tasks import load_task
+from harbor_async.core.errors import PreflightError
+from harbor_async.tasks.suite import load_task
 from shim import engines
 from shim.options import EngineOptions
 

@@ -27,7 +27,7 @@ from shim.env import HarborEnv
 from shim.episode import verify_episodes
 
 if TYPE_CHECKING:
-    from harbor_async.episode import Episode
+    from harbor_async.episodes.episode import Episode
 
 
 def _outcome_reward_func(
@@ -48,7 +48,7 @@ def _outcome_reward_func(
     passes it), the share of rollouts without a verdict is logged as
     ``harbor/failure_frequency``. When that share passes the engine options'
     ``max_failure_share`` this raises
-    :class:`~harbor_async.errors.InfrastructureBudgetError`, which stops the trainer.
+    :class:`~harbor_async.core.errors.InfrastructureBudgetError`, which stops the trainer.
     """
     if environment_reward is not None:
         return [None if r is None else float(r) for r in environment_reward]

@@ -33,11 +33,11 @@ from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, Unpack
 
+from harbor_async.agents.task_checks import TRL, check_tasks
 from harbor_async.backends import resolve_backend
-from harbor_async.doctor import require_supported
+from harbor_async.cli.machine_checks import require_supported
 from harbor_async.harnesses import import_reference
-from harbor_async.task_support import TRL, check_tasks
-from harbor_async.tasks import load_suite
+from harbor_async.tasks.suite import load_suite
 from shim import engines
 from shim.env import AGENTS, HarborEnv, _close_budget
 from shim.episode import stop_episodes
@@ -138,7 +138,7 @@ class HarborSpec:
             folder holding ``tasks/<name>/task.toml`` (or ``<name>/task.toml``), a
             dataset of Harbor's registry (``"name@version"``, downloaded into
             Harbor's task cache), or a list of task folders (such as
-            ``harbor_async.registry.resolve_dataset(...).source`` for another registry).
+            ``harbor_async.tasks.registry.resolve_dataset(...).source`` for another registry).
         agent: the harness, i.e. the tool surface: a built-in name (``"bash"``),
             ``"package.module:Class"``, ``"path/to/file.py:Class"`` or a
             :class:`~shim.env.HarborEnv` subclass. A harness written for TRL
@@ -164,7 +164,7 @@ class HarborSpec:
         environment_kwargs: extra constructor arguments for every Harbor environment
             (Harbor's ``--ek``; ``backend_kwargs`` is the deprecated name).
         preflight: start and stop one sandbox of the backend here, on the first
-            task, and raise :class:`~harbor_async.errors.PreflightError` if it
+            task, and raise :class:`~harbor_async.core.errors.PreflightError` if it
             cannot start (a missing extra, bubblewrap, credentials, image).
             ``False`` skips it.
         **engine_options: limits, timeouts and retries shared by the envs; see
@@ -252,7 +252,9 @@ class HarborSpec:
         ``task_index`` (position in the sorted suite, matching ``indices``),
         and the task metadata when ``include_metadata``.
         """
-        from datasets import Dataset  # imported here: heavy, and only the trainer needs it
+        from datasets import (
+            Dataset,  # imported here: heavy, and only the trainer needs it
+        )
 
         selection = self._selection
         rows: dict[str, list[Any]] = {

@@ -6,7 +6,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harbor_async.tasks import load_task
+from harbor_async.tasks.suite import load_task
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
@@ -23,7 +23,7 @@ def _task_signature(task_dir: Path) -> tuple[int, ...]:
 
 
 def load_task_cached(task_dir: str | Path) -> Task:
-    """:func:`~harbor_async.tasks.load_task`, remembered per folder while its files are unchanged.
+    """:func:`~harbor_async.tasks.suite.load_task`, remembered per folder while its files are unchanged.
 
     Harbor's parsing and validation take about 2 ms a task; a GRPO batch resets
     the same few tasks over and over, and ``reset()`` should return at once.

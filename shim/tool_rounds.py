@@ -34,7 +34,12 @@ from trl.chat_template_utils import parse_response
 from trl.trainer.grpo_trainer import GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
 
-from shim.tool_dispatch import RolloutCalls, RolloutOutcome, call_rollout_tools, run_tool_round
+from shim.tool_dispatch import (
+    RolloutCalls,
+    RolloutOutcome,
+    call_rollout_tools,
+    run_tool_round,
+)
 
 __all__ = ["RolloutCalls", "RolloutOutcome", "call_rollout_tools", "run_tool_round", "tool_call_loop"]
 

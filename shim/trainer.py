@@ -71,13 +71,18 @@ from packaging.version import Version
 from transformers.trainer_utils import IntervalStrategy
 from trl import GRPOTrainer
 
-from harbor_async.errors import HarborAsyncError
-from harbor_async.logs import get_logger
+from harbor_async.core.errors import HarborAsyncError
+from harbor_async.core.logs import get_logger
 from shim import engines, prefetch
 from shim.env import HarborEnv
 from shim.lookahead import TASK_COLUMN, GenerationLookahead, LookaheadSampler, task_key
 from shim.prefetch import PrefetchCounts
-from shim.tool_rounds import RolloutCalls, RolloutOutcome, run_tool_round, tool_call_loop
+from shim.tool_rounds import (
+    RolloutCalls,
+    RolloutOutcome,
+    run_tool_round,
+    tool_call_loop,
+)
 
 log = get_logger("harbor_async.shim")
 

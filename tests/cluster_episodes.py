@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from harbor_async.records import EpisodeRecord
-from harbor_async.tasks import load_task
+from harbor_async.core.records import EpisodeRecord
+from harbor_async.tasks.suite import load_task
 
 
 def items(task_paths: list[str], attempts: int, latency: float = 0.0) -> list[tuple[str, dict[str, Any]]]:

@@ -47,7 +47,7 @@ def suite_root() -> Path:
 @pytest.fixture
 def example_tasks(suite_root: Path):
     """The bundled suite's tasks, parsed by Harbor."""
-    from harbor_async.tasks import load_suite
+    from harbor_async.tasks.suite import load_suite
 
     return load_suite(suite_root).tasks
 
@@ -174,7 +174,7 @@ def trl_reads_get_reward() -> bool:
 
     from packaging.specifiers import SpecifierSet
 
-    from harbor_async.doctor import SUPPORTED
+    from harbor_async.cli.machine_checks import SUPPORTED
 
     try:
         return importlib.metadata.version("trl") in SpecifierSet(SUPPORTED["trl-env-reward"])

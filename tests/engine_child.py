@@ -20,10 +20,10 @@ from typing import NamedTuple
 
 import anyio
 
-from harbor_async.engine import Engine
-from harbor_async.policy import RetryPolicy, Timeouts
+from harbor_async.core.policy import RetryPolicy, Timeouts
+from harbor_async.engine.engine import Engine
 from harbor_async.suites import example_suite_path
-from harbor_async.tasks import load_suite
+from harbor_async.tasks.suite import load_suite
 
 
 def read_ready(proc: subprocess.Popen[str], timeout: float) -> list[str]:

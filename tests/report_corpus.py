@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from harbor_async.jobs import JobFolder
+from harbor_async.jobs.folder import JobFolder
 from tests.cli_helpers import REPO, harbor_async
 from tests.scripted_server import ScriptedServer
 

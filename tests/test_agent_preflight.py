@@ -4,7 +4,7 @@ A real ``harbor-async run`` process against a port nothing listens on, and
 against the scripted OpenAI-compatible server (tests/scripted_server.py) when
 it refuses ``GET /v1/models`` (401): exit 2 in one line naming the server's
 URL and what it answered, fast, and no job folder. In-process, the probe
-(:func:`harbor_async.harbor_agents.check_model_server`) sends the key Harbor
+(:func:`harbor_async.agents.harbor.check_model_server`) sends the key Harbor
 resolves for the agent, and skips an agent with no base URL of its own.
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async.harbor_agents import HarborAgentSpec, check_model_server
-from harbor_async.serve import ServerAuthError, ServerUnreachableError, free_port
+from harbor_async.agents.harbor import HarborAgentSpec, check_model_server
+from harbor_async.models.serve import ServerAuthError, ServerUnreachableError, free_port
 from harbor_async.suites import example_suite_path
 from tests.cli_helpers import harbor_async
 from tests.scripted_server import ScriptedServer

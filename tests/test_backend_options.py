@@ -11,16 +11,15 @@ from pathlib import Path
 
 import pytest
 from harbor.environments.base import BaseEnvironment
-from pydantic import BaseModel, ConfigDict, model_validator
 from harbor.environments.docker.docker import DockerEnvironment
 from harbor.models.trial.paths import TrialPaths
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from harbor_async.backends import resolve_backend
 from harbor_async.backends.options import _reads_kwargs
-from harbor_async.engine import Engine
-from harbor_async.errors import BackendOptionsError
+from harbor_async.core.errors import BackendOptionsError
+from harbor_async.engine.engine import Engine
 from tests.cli_helpers import harbor_async
-
 
 #: Whether the installed Harbor validates docker's options with a schema (0.26 on).
 DOCKER_SCHEMA = getattr(DockerEnvironment, "options_model", None) is not None
@@ -167,8 +166,8 @@ def test_the_evaluate_api_refuses_before_any_server_or_job_folder(tmp_path: Path
 
 
 def test_the_shim_refuses_at_construction():
-    from shim import HarborEnv, HarborSpec
     from harbor_async.suites import example_suite_path
+    from shim import HarborEnv, HarborSpec
 
     with pytest.raises(BackendOptionsError, match="memory_mb"):
         HarborEnv(environment_type="local", environment_kwargs={"memroy_mb": 64})

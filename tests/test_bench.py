@@ -5,14 +5,14 @@ Speed itself is measured by the benchmarks, not asserted here.
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import os
 import subprocess
-import tempfile
 import sys
+import tempfile
 from pathlib import Path
+
+import pytest
 
 pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
 
@@ -82,7 +82,7 @@ def test_overhead_reports_the_round_trip_and_capacity(tmp_path):
         assert step["collections_over_bound"] <= step["collections"] and step["longest_collection_ms"] >= 0, step
     assert data["max_sandboxes_under_bound"] == 100
     # The collector's young threshold in the window: CPython's 700 until the live count asks more (the probe's one
-    # sandbox beside the load's; harbor_async.collector).
+    # sandbox beside the load's; harbor_async.core.collector).
     assert [s["young_threshold"] for s in capacity] == [700, 101 * 10], capacity
     # Which event loop the loop thread ran: the figures depend on it.
     assert data["event_loop"] == "asyncio.unix_events._UnixSelectorEventLoop"
@@ -276,7 +276,7 @@ def test_a_process_exits_with_trls_env_still_referenced():
     """TRL's ``__del__`` waits for its loop thread; at interpreter exit it must not (a failed benchmark hung there)."""
     script = (
         "from benchmarks.reference import ReferenceHarborBashEnv\n"
-        "from harbor_async.tasks import load_suite\n"
+        "from harbor_async.tasks.suite import load_suite\n"
         "env = ReferenceHarborBashEnv(environment_type='simulated')\n"  # a global: collected only at exit
         "env.reset(task_dir=str(load_suite(None).tasks[0].task_dir))\n"
         "print('started', flush=True)\n"

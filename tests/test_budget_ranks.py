@@ -8,8 +8,8 @@ import pytest
 from harbor_async.backends.simulated import SimulatedEnvironment
 from harbor_async.cluster.ranks import World, current_world, divide_limits
 from harbor_async.cluster.ray_budget import RayBudgetFactory
-from harbor_async.engine import Engine
-from harbor_async.policy import Limits
+from harbor_async.core.policy import Limits
+from harbor_async.engine.engine import Engine
 from shim.options import EngineOptions
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from harbor_async.scoring import pass_at_k
+from harbor_async.jobs.scoring import pass_at_k
 from tests.cli_helpers import REPO, harbor_async, make_suite, records
 
 
@@ -258,8 +258,8 @@ def test_indices_pick_tasks_by_position_and_a_repeat_is_another_attempt(tmp_path
 @pytest.mark.slow
 def test_renamed_flags_still_work_and_say_their_new_name(tmp_path):
     """--max-live is now --cluster-max-live (the shim's cluster_max_live); the old spelling works for a release."""
-    from harbor_async.cli.common import warn_renamed_flags
     from harbor_async.cli.cluster import RENAMED_FLAGS
+    from harbor_async.cli.common import warn_renamed_flags
 
     assert warn_renamed_flags(RENAMED_FLAGS, ["run", "--max-live", "3", "--creates-per-second=2"]) == [
         "--max-live", "--creates-per-second",
@@ -342,7 +342,7 @@ def test_harbors_import_path_spellings_name_the_agent_and_the_environment(tmp_pa
 
 @pytest.mark.slow
 def test_force_build_reaches_the_engine_and_harbors_config():
-    from harbor_async.settings import JobSettings
+    from harbor_async.jobs.settings import JobSettings
 
     settings = JobSettings(force_build=True)
     assert settings.engine_kwargs()["force_build"] is True and JobSettings().engine_kwargs()["force_build"] is False

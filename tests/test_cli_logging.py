@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async.logs import JOB_LOG_NAME
-from harbor_async.serve import free_port
+from harbor_async.core.logs import JOB_LOG_NAME
+from harbor_async.models.serve import free_port
 from tests.cli_helpers import REPO, harbor_async
 
 
@@ -63,8 +63,8 @@ CHILD = textwrap.dedent(
     """
     import logging, os, sys
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    from harbor_async.jobs import JobFolder
-    from harbor_async.logs import configure_logging
+    from harbor_async.jobs.folder import JobFolder
+    from harbor_async.core.logs import configure_logging
 
     mode, jobs = sys.argv[1], sys.argv[2]
     if mode != "library":  # a command's set-up (the library alone leaves LiteLLM's logging as it is)

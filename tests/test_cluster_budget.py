@@ -19,8 +19,8 @@ import pytest
 
 from harbor_async.cluster import BatchExceedsCapError, ray_budget
 from harbor_async.cluster.connect import DEFAULT_ACTOR_NAME, DEFAULT_NAMESPACE
-from harbor_async.engine import Engine
-from harbor_async.policy import Limits
+from harbor_async.core.policy import Limits
+from harbor_async.engine.engine import Engine
 from tests.cluster_backend import observed_peak
 from tests.cluster_helpers import REPO, child_env
 

@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 
 from tests.cluster_backend import observed_peak
-from tests.cluster_helpers import REPO, child_env, free_port
 from tests.cluster_grpo_rank import CLUSTER_CAP, RANK_BATCH
+from tests.cluster_helpers import REPO, child_env, free_port
 
 pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
 
 
 @pytest.mark.timeout(1200)
 def test_two_ranks_train_two_steps_under_one_cluster_budget(ray_cluster, tmp_path: Path) -> None:
-    from tests.test_shim_grpo import TASKS, _instructions
     from benchmarks.tiny_model import build_tiny_qwen3
+    from tests.test_shim_grpo import TASKS, _instructions
 
     warnings.filterwarnings("ignore", category=UserWarning)
     model_dir, _ = build_tiny_qwen3(tmp_path / "tiny-qwen3", corpus=list(_instructions(list(TASKS))))

@@ -10,10 +10,10 @@ import anyio
 import pytest
 
 from harbor_async.cluster.sharding import ShardedRunner
-from harbor_async.engine import Engine
-from harbor_async.jobs import JobFolder
-from harbor_async.policy import Limits
-from harbor_async.scoring import summarize
+from harbor_async.core.policy import Limits
+from harbor_async.engine.engine import Engine
+from harbor_async.jobs.folder import JobFolder
+from harbor_async.jobs.scoring import summarize
 from harbor_async.suites import example_suite_path
 from tests.cluster_episodes import items, simulated_episode
 
@@ -89,8 +89,8 @@ def test_a_worker_killed_mid_run_loses_and_duplicates_nothing(ray_cluster, tmp_p
 def test_run_episodes_sharded_give_the_records_of_a_local_run(ray_cluster, tmp_path: Path) -> None:
     from harbor_async.cluster.episodes import run_item, run_items
     from harbor_async.cluster.sharding import run_on_cluster
-    from harbor_async.runner import PlannedEpisode, run_suite
-    from harbor_async.tasks import load_suite
+    from harbor_async.episodes.runner import PlannedEpisode, run_suite
+    from harbor_async.tasks.suite import load_suite
 
     tasks = load_suite(example_suite_path()).tasks
     todo = [PlannedEpisode(task, attempt) for task in tasks for attempt in range(2)]
@@ -183,7 +183,7 @@ def test_run_eval_a_cluster_worker_and_the_shim_write_one_record_shape(ray_clust
     import sys
 
     from harbor_async.evaluation import evaluate_sync
-    from harbor_async.tasks import load_suite
+    from harbor_async.tasks.suite import load_suite
     from shim import HarborBashEnv
     from tests.cluster_helpers import REPO, child_env
     from tests.scripted_server import ScriptedServer
@@ -265,7 +265,7 @@ def test_a_worker_opens_one_engine_for_the_episodes_that_arrive_together() -> No
 
 def test_eval_over_the_cluster_stops_on_a_failing_model_server_as_a_local_eval_does(ray_cluster, tmp_path: Path) -> None:
     """--max-model-server-failures over Ray: the same stop, the same error and summary as a local eval."""
-    from harbor_async.errors import ModelServerDownError
+    from harbor_async.core.errors import ModelServerDownError
     from harbor_async.evaluation import evaluate_sync
     from tests.scripted_server import ScriptedServer
 
@@ -296,7 +296,7 @@ def test_a_ray_job_interrupted_then_resumed_with_no_flags_runs_on_the_cluster_ag
     import sys
     import time
 
-    from harbor_async.naming import owner_from_session
+    from harbor_async.core.naming import owner_from_session
     from tests.cluster_helpers import REPO, child_env
 
     job = tmp_path / "j"

@@ -15,10 +15,10 @@ import threading
 import anyio
 import pytest
 
-from harbor_async.collector import ENV, PER_SANDBOX, TUNING
-from harbor_async.engine import Engine
-from harbor_async.loop import LoopThread
-from harbor_async.policy import Limits
+from harbor_async.core.collector import ENV, PER_SANDBOX, TUNING
+from harbor_async.core.policy import Limits
+from harbor_async.engine.engine import Engine
+from harbor_async.engine.loop import LoopThread
 
 pytestmark = [pytest.mark.anyio]
 

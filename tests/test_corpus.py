@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async.tasks import load_task
+from harbor_async.tasks.suite import load_task
 from tests.cli_helpers import harbor_async, records
 from tests.test_task_model import harbor_cli, harbor_cli_rewards
 

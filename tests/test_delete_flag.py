@@ -18,8 +18,8 @@ from typing import ClassVar
 import pytest
 
 from harbor_async.backends.simulated import SimulatedEnvironment
-from harbor_async.engine import Engine
-from harbor_async.settings import JobSettings
+from harbor_async.engine.engine import Engine
+from harbor_async.jobs.settings import JobSettings
 from tests.cli_helpers import harbor_async, make_suite, records
 
 
@@ -36,7 +36,7 @@ def test_delete_is_a_setting_that_reaches_the_engine_and_harbors_config() -> Non
 def test_a_job_configs_environment_delete_is_the_flag_and_harbors_default_comes_with_it() -> None:
     from harbor.models.job.config import JobConfig
 
-    from harbor_async.job_config import run_options
+    from harbor_async.jobs.harbor_config import run_options
 
     def delete(config: dict) -> bool:
         return run_options(JobConfig.model_validate({"datasets": [{"path": "tasks"}], **config}))["delete"]

@@ -14,12 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async.disk_bounds import DiskLimits, JobDiskLimitError, apparent_size
-from harbor_async.engine import Engine
-from harbor_async.jobs import JobFolder
-from harbor_async.records import episode_key
-from harbor_async.runner import FailureBudget, PlannedEpisode, run_suite
-from harbor_async.tasks import load_task
+from harbor_async.core.records import episode_key
+from harbor_async.engine.engine import Engine
+from harbor_async.episodes.runner import FailureBudget, PlannedEpisode, run_suite
+from harbor_async.jobs.folder import JobFolder
+from harbor_async.tasks.suite import load_task
+from harbor_async.verification.disk_bounds import (
+    DiskLimits,
+    JobDiskLimitError,
+    apparent_size,
+)
 from tests.requirements import needs_bwrap
 
 MiB = 2**20
@@ -182,7 +186,7 @@ async def test_docker_episode_and_storage_bounds(tmp_path: Path, monkeypatch: py
 @pytest.mark.usefixtures("docker_daemon")
 def test_doctor_says_who_bounds_docker_storage() -> None:
     from harbor_async.backends.docker.storage import daemon_quota
-    from harbor_async.doctor import FEATURES
+    from harbor_async.cli.machine_checks import FEATURES
 
     [check] = [c for c in FEATURES["docker"]() if c.name == "docker storage_mb"]
     enforced, how = daemon_quota()

@@ -21,11 +21,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from harbor_async import reaper
-from harbor_async.engine import Engine
-from harbor_async.policy import Limits
-from harbor_async.runner import run_suite
-from harbor_async.sandbox import SandboxState
+from harbor_async.backends import reaper
+from harbor_async.core.policy import Limits
+from harbor_async.engine.engine import Engine
+from harbor_async.engine.sandbox import SandboxState
+from harbor_async.episodes.runner import run_suite
 from tests.engine_child import kill_mid_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -307,7 +307,7 @@ async def test_a_docker_sandbox_is_confined_as_the_local_one(example_tasks, tmp_
     import shutil as _shutil
 
     from harbor_async.backends.docker.overlay import PIDS_LIMIT
-    from harbor_async.tasks import load_task
+    from harbor_async.tasks.suite import load_task
 
     task = tmp_path / "limited"
     _shutil.copytree(example_tasks[0].paths.task_dir, task)
@@ -333,7 +333,7 @@ async def test_a_task_whose_compose_file_limits_pids_starts_under_the_lower_limi
     import shutil as _shutil
 
     from harbor_async.backends.docker.overlay import PIDS_LIMIT
-    from harbor_async.tasks import load_task
+    from harbor_async.tasks.suite import load_task
 
     task = tmp_path / "compose-limits"
     _shutil.copytree(example_tasks[0].paths.task_dir, task)

@@ -11,8 +11,12 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from harbor_async.backends.docker.fast_start import PROFILES, FastStartDockerEnvironment, summarize_profiles
-from harbor_async.engine import Engine
+from harbor_async.backends.docker.fast_start import (
+    PROFILES,
+    FastStartDockerEnvironment,
+    summarize_profiles,
+)
+from harbor_async.engine.engine import Engine
 from tests.test_docker import OUR_PREFIX, docker_leftovers
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.usefixtures("docker_daemon")]
@@ -90,7 +94,7 @@ async def test_plain_docker_is_the_fast_start_and_harbors_start_is_one_option_aw
     import shutil
 
     from harbor_async.backends import resolve_backend
-    from harbor_async.tasks import load_task
+    from harbor_async.tasks.suite import load_task
 
     assert resolve_backend("docker").environment_class() is FastStartDockerEnvironment
     assert resolve_backend("docker-fast").environment_class() is FastStartDockerEnvironment
@@ -123,7 +127,7 @@ async def test_an_image_already_on_the_daemon_is_not_built_again(example_tasks, 
     import shutil
     import uuid
 
-    from harbor_async.tasks import load_task
+    from harbor_async.tasks.suite import load_task
 
     task = next(t for t in example_tasks if t.name.endswith("csv-column-sum"))
     copy = tmp_path / "fresh-task"
@@ -183,8 +187,8 @@ async def test_the_daemons_os_is_asked_once_off_the_loop_and_still_checked(examp
     from harbor.environments.docker.docker import DockerEnvironment
 
     from harbor_async.backends.docker import confined
-    from harbor_async.errors import StartError
-    from harbor_async.policy import RetryPolicy
+    from harbor_async.core.errors import StartError
+    from harbor_async.core.policy import RetryPolicy
 
     asked: list[int] = []
     harbors = DockerEnvironment._detect_daemon_os.__func__

@@ -12,11 +12,10 @@ import re
 from pathlib import Path
 
 import pytest
-
-from harbor_async.cli.harbor_flags import REFUSED
 import typer.main
 
 from harbor_async.cli import app
+from harbor_async.cli.harbor_flags import REFUSED
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -22,7 +22,11 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from harbor_async.doctor import SUPPORTED, UnsupportedVersionError, require_supported
+from harbor_async.cli.machine_checks import (
+    SUPPORTED,
+    UnsupportedVersionError,
+    require_supported,
+)
 from tests.cli_helpers import make_suite
 from tests.conftest import DOCKER_BASE_IMAGE
 from tests.wheel_env import REPO, wheel_env
@@ -177,7 +181,7 @@ def test_reports_a_missing_extra_in_a_core_only_install(tmp_path: Path):
     assert rc == 0
     # Code that depends on TRL internals refuses clearly there.
     done = subprocess.run(
-        [str(venv.python), "-c", "from harbor_async.doctor import require_supported; require_supported('trl', 'shim.reference', 'trl-internals')"],
+        [str(venv.python), "-c", "from harbor_async.cli.machine_checks import require_supported; require_supported('trl', 'shim.reference', 'trl-internals')"],
         capture_output=True, text=True, cwd=tmp_path, env=venv.env(), timeout=60,
     )  # fmt: skip
     assert done.returncode == 1

@@ -16,7 +16,7 @@ from importlib import resources
 
 import pytest
 
-SCRIPT = str(resources.files("harbor_async") / "helpers" / "end_agent_processes.sh")
+SCRIPT = str(resources.files("harbor_async.verification") / "helpers" / "end_agent_processes.sh")
 
 
 def _inside(init: int, command: str, *args: str) -> subprocess.CompletedProcess:

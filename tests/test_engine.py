@@ -6,17 +6,17 @@ import anyio
 import pytest
 
 from harbor_async.backends.simulated import SimulatedEnvironment
-from harbor_async.engine import Engine, EngineClosedError
-from harbor_async.errors import (
-    SandboxCancelledError,
+from harbor_async.core.errors import (
     AsyncLibraryError,
     BackendError,
     Phase,
+    SandboxCancelledError,
     SandboxTimeout,
     StartError,
     StopError,
 )
-from harbor_async.policy import Limits, RetryPolicy, Timeouts
+from harbor_async.core.policy import Limits, RetryPolicy, Timeouts
+from harbor_async.engine.engine import Engine, EngineClosedError
 
 pytestmark = [pytest.mark.anyio, pytest.mark.range]
 

@@ -13,10 +13,9 @@ import pytest
 
 from harbor_async import evaluate_sync
 from harbor_async.backends.simulated import SimulatedEnvironment
-from harbor_async.errors import FailureClass
-from harbor_async.jobs import JobFolder
+from harbor_async.core.errors import FailureClass
+from harbor_async.jobs.folder import JobFolder
 from tests.scripted_server import ScriptedServer
-
 
 
 @pytest.fixture
@@ -65,7 +64,7 @@ def test_solver_scores_one_and_records_everything(server, tmp_path) -> None:
 @pytest.mark.range
 def test_prompt_and_tools_are_the_training_ones(server, tmp_path) -> None:
     """The user message is instruction + PROMPT_SUFFIX, and the harness's tools are offered."""
-    from harbor_async.tasks import load_suite
+    from harbor_async.tasks.suite import load_suite
     from shim.harnesses import HarborTerminalEnv
 
     result = _eval(server, tmp_path, ["solver"], agent="terminal", n_tasks=1)
@@ -171,7 +170,7 @@ def test_attempts_running_at_once_keep_their_own_seed(server, tmp_path) -> None:
 
 
 def test_a_bad_harness_is_refused_before_any_job_folder(server, tmp_path) -> None:
-    from harbor_async.errors import EvalConfigError
+    from harbor_async.core.errors import EvalConfigError
 
     with pytest.raises(EvalConfigError, match="no_such_module"):
         _eval(server, tmp_path, ["solver"], agent="no_such_module:Cls")
@@ -203,7 +202,7 @@ def test_sandbox_failures_are_infrastructure_not_scored(server, tmp_path) -> Non
 
 
 def test_api_key_comes_from_the_named_variable(server, tmp_path, monkeypatch) -> None:
-    from harbor_async.errors import EvalConfigError
+    from harbor_async.core.errors import EvalConfigError
 
     monkeypatch.delenv("EVAL_TEST_KEY", raising=False)
     with pytest.raises(EvalConfigError, match="EVAL_TEST_KEY is not set"):

@@ -7,8 +7,6 @@ a real ``transformers serve`` of the tiny test model started through ``--serve-c
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import os
 import signal
@@ -20,9 +18,10 @@ import uuid
 from pathlib import Path
 
 import psutil
+import pytest
 
-from harbor_async.jobs import JobFolder
-from harbor_async.serve import free_port
+from harbor_async.jobs.folder import JobFolder
+from harbor_async.models.serve import free_port
 from tests.scripted_server import ScriptedServer
 
 pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from harbor_async.records import EpisodeRecord
-from harbor_async.scoring import pass_at_k, summarize, sweep_summary
+from harbor_async.core.records import EpisodeRecord
+from harbor_async.jobs.scoring import pass_at_k, summarize, sweep_summary
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The failure table (``harbor_async.policy.ERROR_POLICY``): the one place that maps an outcome to a class, a retry and a grade.
+"""The failure table (``harbor_async.core.policy.ERROR_POLICY``): the one place that maps an outcome to a class, a retry and a grade.
 
 The table is walked in order by ``rule_for`` and nothing else decides: the
 cases that used to run before it (a task's own definition, a backend start
@@ -24,14 +24,11 @@ from pathlib import Path
 
 import anyio
 import pytest
-
-from tests.requirements import needs_bwrap
 from harbor.environments.base import SandboxBuildFailedError
 from harbor.environments.capabilities import EnvironmentCapabilities
 
 import harbor_async
 import shim
-from harbor_async import policy
 from harbor_async.backends import resolve_backend
 from harbor_async.backends.docker.errors import (
     DockerBuildError,
@@ -44,11 +41,12 @@ from harbor_async.backends.docker.errors import (
     typed_start_error,
 )
 from harbor_async.backends.local.errors import TaskPathEscapeError
-from harbor_async.backends.simulated import SimulatedEnvironment, SimulatedTransientError
-from harbor_async.engine import Engine
-from harbor_async.episode import Episode
-from harbor_async.tool_messages import describe_unavailable
-from harbor_async.errors import (
+from harbor_async.backends.simulated import (
+    SimulatedEnvironment,
+    SimulatedTransientError,
+)
+from harbor_async.core import policy
+from harbor_async.core.errors import (
     AgentSetupError,
     BackendStartError,
     EpisodeClosedError,
@@ -72,10 +70,20 @@ from harbor_async.errors import (
     VerifierFailure,
     VerifierPathError,
 )
-from harbor_async.policy import ERROR_POLICY, ErrorRule, failure_class, is_transient, rule_for
-from harbor_async.runner import run_episode
+from harbor_async.core.policy import (
+    ERROR_POLICY,
+    ErrorRule,
+    failure_class,
+    is_transient,
+    rule_for,
+)
+from harbor_async.engine.engine import Engine
+from harbor_async.episodes.episode import Episode
+from harbor_async.episodes.runner import run_episode
+from harbor_async.episodes.tool_messages import describe_unavailable
 from harbor_async.suites import example_suite_path
-from harbor_async.tasks import load_task
+from harbor_async.tasks.suite import load_task
+from tests.requirements import needs_bwrap
 
 CSV_SUM = example_suite_path() / "tasks" / "csv-column-sum"
 
@@ -220,12 +228,12 @@ def test_no_module_outside_the_table_names_a_failure_class():
     for package in ("harbor_async", "shim"):
         for path in sorted((root / package).rglob("*.py")):
             name = path.relative_to(root).as_posix()
-            if name in ("harbor_async/errors.py", "harbor_async/policy.py"):
+            if name in ("harbor_async/core/errors.py", "harbor_async/core/policy.py"):
                 continue
             if lines := _decisions(path):
                 found[name] = lines
     assert all(len(lines) <= NOT_YET_MOVED.get(name, 0) for name, lines in found.items()), found
-    for name in ("harbor_async/episode.py", "harbor_async/steps.py", "harbor_async/sandbox.py", "shim/episode.py"):
+    for name in ("harbor_async/episodes/episode.py", "harbor_async/episodes/steps.py", "harbor_async/engine/sandbox.py", "shim/episode.py"):
         assert name not in found, (name, found[name])
 
 

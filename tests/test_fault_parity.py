@@ -13,7 +13,7 @@ Each row is a fault; each column an entry point, driven as a user drives it:
 Per row, every column present must record the same error class, reward and judged flag, the same judged and
 not-judged counts (``summary.json``; the shim's job folder summarized by the same function) and the same first
 and last phase, and the same exit status where there is a process; and that shared outcome must be the one
-the failure table (:data:`harbor_async.policy.ERROR_POLICY`) gives the row's error, so that a feature
+the failure table (:data:`harbor_async.core.policy.ERROR_POLICY`) gives the row's error, so that a feature
 removed anywhere fails here. A column the fault cannot reach by construction is left out with its reason
 (``Row.absent``); one whose outcome differs by design says so (``Row.differs``) and is checked against its own.
 
@@ -40,8 +40,7 @@ from typing import Any
 import psutil
 import pytest
 
-from harbor_async.disk_bounds import AgentDiskLimitError, JobDiskLimitError
-from harbor_async.errors import (
+from harbor_async.core.errors import (
     EpisodeInterruptedError,
     ModelServerConfigError,
     ModelServerError,
@@ -49,12 +48,13 @@ from harbor_async.errors import (
     SandboxTimeout,
     VerifierFailure,
 )
-from harbor_async.jobs import JobFolder
-from harbor_async.policy import rule_for
-from harbor_async.records import EpisodeRecord
-from harbor_async.scoring import summarize
+from harbor_async.core.policy import rule_for
+from harbor_async.core.records import EpisodeRecord
+from harbor_async.jobs.folder import JobFolder
+from harbor_async.jobs.scoring import summarize
 from harbor_async.suites import example_suite_path
-from harbor_async.tasks import load_suite
+from harbor_async.tasks.suite import load_suite
+from harbor_async.verification.disk_bounds import AgentDiskLimitError, JobDiskLimitError
 from tests import scripted_server
 from tests.fault_harness import EXEC_TIMEOUT
 from tests.scripted_server import ScriptedServer, _call, _error, _reply

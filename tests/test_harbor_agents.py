@@ -17,15 +17,20 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async.errors import AgentConfigError
-from harbor_async.harbor_agents import (
+from harbor_async.agents.harbor import (
     HarborAgentSpec,
     agent_class,
     is_harbor_agent,
     parse_agent_kwargs,
     served_model_name,
 )
-from harbor_async.task_support import RUN, UnsupportedAgentError, check_tasks, driver_refusals
+from harbor_async.agents.task_checks import (
+    RUN,
+    UnsupportedAgentError,
+    check_tasks,
+    driver_refusals,
+)
+from harbor_async.core.errors import AgentConfigError
 from tests.cli_helpers import harbor_async, records
 from tests.scripted_server import ScriptedServer
 
@@ -220,7 +225,7 @@ def test_an_agent_that_installs_itself_needs_the_network_of_its_phase(tmp_path: 
     from harbor.agents.installed.claude_code import ClaudeCode
     from harbor.agents.terminus_2 import Terminus2
 
-    from harbor_async.tasks import load_task
+    from harbor_async.tasks.suite import load_task
 
     offline = load_task(echo_suite(tmp_path / "offline", agent_network="no-network") / "tasks" / "echo-ok")
     online = load_task(echo_suite(tmp_path / "online") / "tasks" / "echo-ok")
@@ -239,7 +244,7 @@ def test_terminus2_on_local_is_refused_without_tmux_on_the_host(tmp_path: Path, 
     from harbor.agents.terminus_2 import Terminus2
 
     from harbor_async.backends import resolve_backend
-    from harbor_async.tasks import load_task
+    from harbor_async.tasks.suite import load_task
 
     task = load_task(echo_suite(tmp_path) / "tasks" / "echo-ok")
     empty = tmp_path / "bin"
@@ -256,11 +261,11 @@ async def test_a_model_server_that_cannot_be_reached_is_not_the_models_failure(t
     import tenacity
     from harbor.llms.lite_llm import LiteLLM
 
-    from harbor_async.engine import Engine
-    from harbor_async.harbor_episode_agent import HarborEpisodeAgent
-    from harbor_async.runner import run_episode
-    from harbor_async.serve import free_port
-    from harbor_async.tasks import load_task
+    from harbor_async.agents.harbor_episode import HarborEpisodeAgent
+    from harbor_async.engine.engine import Engine
+    from harbor_async.episodes.runner import run_episode
+    from harbor_async.models.serve import free_port
+    from harbor_async.tasks.suite import load_task
 
     task = load_task(echo_suite(tmp_path) / "tasks" / "echo-ok")
     spec = HarborAgentSpec("terminus-2").with_server("terminus", f"http://127.0.0.1:{free_port()}/v1")  # nothing listens
@@ -272,7 +277,7 @@ async def test_a_model_server_that_cannot_be_reached_is_not_the_models_failure(t
 
 def test_a_harbor_agent_gets_the_tasks_mcp_servers_and_skills_as_in_harbors_trial(tmp_path: Path) -> None:
     """``[environment] mcp_servers`` and ``skills_dir`` reach the agent's constructor, as Harbor's trial passes them."""
-    from harbor_async.tasks import load_task
+    from harbor_async.tasks.suite import load_task
 
     task_dir = echo_suite(tmp_path) / "tasks" / "echo-ok"
     toml = task_dir / "task.toml"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async.jobs import JobFolder
+from harbor_async.jobs.folder import JobFolder
 from harbor_async.suites import example_suite_path
 from tests.cli_helpers import REPO, harbor_async, records
 from tests.scripted_server import ScriptedServer
@@ -180,8 +180,8 @@ def test_harbor_job_regrade_rescores_our_job(tmp_path: Path) -> None:
 def test_a_rerun_replaces_its_trial_folder_and_harbor_config_is_not_our_settings(tmp_path: Path) -> None:
     """A resume's rerun of an episode replaces the earlier trial folder, so the job counts each episode once."""
     from harbor_async.backends import resolve_backend
-    from harbor_async.records import EpisodeRecord
-    from harbor_async.settings import JobSettings
+    from harbor_async.core.records import EpisodeRecord
+    from harbor_async.jobs.settings import JobSettings
 
     job = JobFolder.create(tmp_path, "j", JobSettings().to_dict())
     suite = _suite(tmp_path / "suite")
@@ -203,7 +203,7 @@ def test_a_rerun_replaces_its_trial_folder_and_harbor_config_is_not_our_settings
 
 def test_a_link_in_a_sandboxs_logs_never_reaches_the_job_folder(tmp_path: Path) -> None:
     """Harbor's viewer follows links when it serves a trial's files: none is kept, however the logs came."""
-    from harbor_async.harbor_jobs import keep_trial_logs
+    from harbor_async.jobs.harbor_layout import keep_trial_logs
 
     sandbox_trial = tmp_path / "sandbox-trial"
     (sandbox_trial / "verifier" / "deep").mkdir(parents=True)

@@ -23,8 +23,7 @@ from transformers.utils import get_json_schema
 import shim
 from harbor_async.suites import example_suite_path
 from shim import HarborSpec, engines
-from shim.harnesses import HarborPythonEnv, HarborTerminalEnv
-from shim.harnesses import python_kernel, terminal
+from shim.harnesses import HarborPythonEnv, HarborTerminalEnv, python_kernel, terminal
 from tests.conftest import _pooled
 
 CELL_TIMEOUT = 2.0

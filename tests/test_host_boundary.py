@@ -17,10 +17,10 @@ import pytest
 
 from harbor_async.backends.local import LocalEnvironment
 from harbor_async.backends.local.layout import CAP_NUMBERS, SANDBOX_CAPS
-from harbor_async.errors import TransferLimitError
+from harbor_async.core.errors import TransferLimitError
+from tests.requirements import needs_bwrap
 from tests.test_local_backend import make_env
 from tests.test_local_escape import make_task
-from tests.requirements import needs_bwrap
 
 ATTACKS = Path(__file__).parent / "attacks"
 SANDBOX_CAP_MASK = sum(1 << CAP_NUMBERS[name] for name in SANDBOX_CAPS)
@@ -137,7 +137,7 @@ async def test_symlinks_resolve_inside_the_sandbox_only(env: LocalEnvironment, t
 
 def test_a_transfer_checks_for_cancellation_between_chunks(tmp_path: Path) -> None:
     from harbor_async.backends.local import hostfs
-    from harbor_async.transfer_budget import Budget
+    from harbor_async.verification.transfer_budget import Budget
 
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / "blob").write_bytes(os.urandom(5 * 2**20))
@@ -167,7 +167,7 @@ def test_a_transfer_checks_for_cancellation_between_chunks(tmp_path: Path) -> No
 async def docker_env(tmp_path: Path, docker_daemon):
     from harbor.models.task.task import Task
 
-    from harbor_async.engine import Engine
+    from harbor_async.engine.engine import Engine
 
     async with Engine(backend_kwargs={"transfer_limit_mb": 8, "output_limit": 65536}) as engine:
         async with engine.episode(Task(make_task(tmp_path / "suite")), "docker") as sandbox:
@@ -217,8 +217,8 @@ async def test_docker_exec_output_is_bounded(docker_env) -> None:
 async def test_docker_runs_a_task_asking_for_more_cpus_than_the_host_with_the_hosts(tmp_path: Path, docker_daemon) -> None:
     from harbor.models.task.task import Task
 
-    from harbor_async.engine import Engine
-    from harbor_async.host_resources import host_cpus
+    from harbor_async.engine.engine import Engine
+    from harbor_async.tasks.resources import host_cpus
 
     task = Task(make_task(tmp_path / "suite", toml_env="cpus = 1000\nmemory_mb = 10000000\n"))
     async with Engine() as engine:  # Docker itself refuses 1,000 CPUs on a 2-CPU host
@@ -237,8 +237,8 @@ async def test_docker_runs_a_task_asking_for_more_cpus_than_the_host_with_the_ho
 async def test_docker_tasks_with_an_environment_env_keep_the_overlay_and_their_variables(tmp_path: Path, docker_daemon) -> None:
     from harbor.models.task.task import Task
 
-    from harbor_async.engine import Engine
-    from harbor_async.naming import LABEL_RUN
+    from harbor_async.core.naming import LABEL_RUN
+    from harbor_async.engine.engine import Engine
 
     env = '\n[environment.env]\nGREETING = "hello world"\nPLAIN = "plain"\n'
     task = Task(make_task(tmp_path / "suite", toml_env=env))

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from harbor_async.jobs import EPISODES_NAME, JobFolder, JobFolderError
-from harbor_async.records import EpisodeRecord, PhaseSpan
+from harbor_async.core.records import EpisodeRecord, PhaseSpan
+from harbor_async.jobs.folder import EPISODES_NAME, JobFolder, JobFolderError
 
 
 def record(task: str, attempt: int = 0, error_class: str | None = None, reward: float | None = 1.0) -> EpisodeRecord:

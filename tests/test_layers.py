@@ -7,6 +7,7 @@ under ``TYPE_CHECKING`` and inside functions.
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -61,13 +62,54 @@ def test_no_import_reaches_a_later_layer():
     assert upward_imports(EDGES) == []
 
 
+def imported_layers(entry: str, edges: dict[str, dict[str, bool]]) -> set[str]:
+    """The other layers that the modules of ``entry`` (a package) import."""
+    found = set()
+    for importer, targets in edges.items():
+        if importer.startswith("harbor_async") and _entry(importer) == entry:
+            for target in targets:
+                if target.startswith("harbor_async") and RANK[_entry(target)] != RANK[entry]:
+                    found.add(LAYERS[RANK[_entry(target)]][0])
+    return found
+
+
+def stated_layers(package: Path) -> set[str] | None:
+    """The layers a package's docstring says it imports (its ``Imports:`` line), or ``None`` without one."""
+    docstring = ast.get_docstring(ast.parse((package / "__init__.py").read_text(encoding="utf-8"))) or ""
+    line = next((line for line in docstring.splitlines() if line.startswith("Imports: ")), None)
+    if line is None:
+        return None
+    names = line.removeprefix("Imports: ").rstrip(".")
+    return set() if names == "nothing of harbor_async" else {name.strip() for name in names.split(",")}
+
+
+def test_each_package_says_what_it_imports():
+    """Each subpackage's docstring names the layers it imports, no more and no fewer."""
+    packages = [entry for entry in RANK if (REPO / "harbor_async" / entry / "__init__.py").exists()]
+    assert len(packages) >= 12, packages
+    wrong = {
+        entry: (stated_layers(REPO / "harbor_async" / entry), sorted(imported_layers(entry, EDGES)))
+        for entry in packages
+        if stated_layers(REPO / "harbor_async" / entry) != imported_layers(entry, EDGES)
+    }
+    assert wrong == {}, "package: (its docstring's Imports line, what it imports)"
+
+
+def test_the_top_level_is_short():
+    """About a dozen layers, each one package (or module), and nothing else at the top of ``harbor_async``."""
+    top = sorted(path.name for path in (REPO / "harbor_async").iterdir() if path.name != "__pycache__")
+    assert len(top) <= 18, top
+    names = {name.removesuffix(".py") for name in top} - {"py.typed"}
+    assert names == set(RANK), (sorted(names - set(RANK)), sorted(set(RANK) - names))
+
+
 def test_an_import_to_a_later_layer_is_found():
     """The check above can fail: an import of the engine from the errors module, or a lazy one of the CLI, is caught."""
     edges = {
-        "harbor_async.errors": {"harbor_async.engine": False},
-        "harbor_async.judging": {"harbor_async.cli.run": True, "harbor_async.policy": False},
+        "harbor_async.core.errors": {"harbor_async.engine.engine": False},
+        "harbor_async.episodes.judging": {"harbor_async.cli.run": True, "harbor_async.core.policy": False},
     }
     assert upward_imports(edges) == [
-        "harbor_async.errors -> harbor_async.engine (core -> engine)",
-        "harbor_async.judging -> harbor_async.cli.run (episodes -> cli)",
+        "harbor_async.core.errors -> harbor_async.engine.engine (core -> engine)",
+        "harbor_async.episodes.judging -> harbor_async.cli.run (episodes -> cli)",
     ]

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async.backends.local.loader_files import HOST_CACHE, reset_loader_files
-from harbor_async.verifier_isolation import HIDDEN_SUFFIX
 from harbor_async.backends.local.hostfs import openat2_available
+from harbor_async.backends.local.loader_files import HOST_CACHE, reset_loader_files
+from harbor_async.verification.isolation import HIDDEN_SUFFIX
 
 pytestmark = pytest.mark.skipif(not openat2_available(), reason="openat2 (Linux 5.6+) is required by the local backend")
 

@@ -18,15 +18,13 @@ from pathlib import Path
 
 import anyio
 import pytest
-
-from tests.requirements import needs_bwrap
 from harbor.agents.oracle import OracleAgent
+from harbor.environments.base import SandboxBuildFailedError
 from harbor.environments.factory import EnvironmentFactory
 from harbor.models.agent.context import AgentContext
 from harbor.models.task.task import Task
 from harbor.models.trial.config import EnvironmentConfig as TrialEnvironmentConfig
 from harbor.models.trial.paths import EnvironmentPaths, TrialPaths
-from harbor.environments.base import SandboxBuildFailedError
 from harbor.verifier.verifier import Verifier
 
 from harbor_async.backends.local import (
@@ -35,6 +33,7 @@ from harbor_async.backends.local import (
     SandboxPathError,
     parse_dockerfile,
 )
+from tests.requirements import needs_bwrap
 
 IMPORT_PATH = "harbor_async.backends.local:LocalEnvironment"
 REPO = Path(__file__).resolve().parents[1]
@@ -899,7 +898,7 @@ def test_harbor_cli_runs_the_oracle(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_reaper_removes_a_killed_owners_mount_and_cgroups(tmp_path: Path, task_dir: Path) -> None:
     """A run killed with SIGKILL leaves its folder, its tmpfs and its cgroups; the reaper removes them all."""
-    from harbor_async import reaper
+    from harbor_async.backends import reaper
 
     script = f"""
 import anyio, json, os, signal, sys

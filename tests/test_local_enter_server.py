@@ -145,7 +145,9 @@ def test_the_server_dies_with_its_host_process(tmp_path: Path) -> None:
     while os.path.exists(f"/proc/{server_pid}") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not os.path.exists(f"/proc/{server_pid}")
-    from harbor_async import reaper  # what the killed host left: its folder, tmpfs and cgroups
+    from harbor_async.backends import (
+        reaper,  # what the killed host left: its folder, tmpfs and cgroups
+    )
 
     report = reaper.reap(include_live_owners=False, older_than=None, backend="local", roots=[tmp_path / "sandboxes"])
     assert report.ok, report.errors

@@ -25,8 +25,8 @@ from harbor.models.trial.paths import TrialPaths
 
 from harbor_async.backends.local import LocalEnvironment
 from harbor_async.backends.local.errors import TaskPathEscapeError
-from tests.test_local_backend import make_env
 from tests.requirements import IN_CI, needs_bwrap
+from tests.test_local_backend import make_env
 
 ROOT = os.geteuid() == 0
 
@@ -400,7 +400,7 @@ async def test_cgroups_carry_the_tasks_limits(tmp_path: Path) -> None:
 @needs_root
 @pytest.mark.anyio
 async def test_resources_above_the_hosts_are_lowered_to_it(tmp_path: Path) -> None:
-    from harbor_async.host_resources import host_cpus, host_memory_mb
+    from harbor_async.tasks.resources import host_cpus, host_memory_mb
 
     huge = "cpus = 100000\nmemory_mb = 10000000\nstorage_mb = 10000000\n"  # 100k CPUs, 10 TB
     env = make_env(tmp_path, make_task(tmp_path / "s", toml_env=huge), "huge")

@@ -17,11 +17,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.requirements import needs_bwrap
-
 from harbor_async.backends.local.pool import POOL
-from harbor_async.engine import Engine
-from harbor_async.tasks import load_suite
+from harbor_async.engine.engine import Engine
+from harbor_async.tasks.suite import load_suite
+from tests.requirements import needs_bwrap
 
 pytestmark = [needs_bwrap]
 
@@ -157,10 +156,11 @@ def test_without_an_engine_nothing_is_made_ahead(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.anyio
 async def test_throughput_measures_the_bwrap_floor_in_the_same_run() -> None:
+    from rich.console import Console
+
     from benchmarks.report import throughput_table
     from benchmarks.throughput import FLOOR_ARGS, run_throughput
     from harbor_async.report.bench import BenchmarkSection, _throughput
-    from rich.console import Console
 
     result = await run_throughput(episodes=2, concurrency=1, backend="local", sample_memory=False, floor_samples=3)
     assert result.failures == 0

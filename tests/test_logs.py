@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from harbor_async import logs
-from harbor_async.logs import ROOT_LOGGER, get_logger, quieter
+from harbor_async.core import logs
+from harbor_async.core.logs import ROOT_LOGGER, get_logger, quieter
 
 
 class _Unprintable:

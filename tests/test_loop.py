@@ -15,8 +15,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from harbor_async.errors import LoopThreadError, StartError
-from harbor_async.loop import LoopThread
+from harbor_async.core.errors import LoopThreadError, StartError
+from harbor_async.engine.loop import LoopThread
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,9 +101,9 @@ def test_start_error_surfaces_through_the_portal(loop, example_tasks):
 EXIT_SCRIPT = textwrap.dedent(
     """
     import os, sys, time
-    from harbor_async import loop
+    from harbor_async.engine import loop
     from harbor_async.suites import example_suite_path
-    from harbor_async.tasks import load_suite
+    from harbor_async.tasks.suite import load_suite
 
     os.environ["HARBOR_ASYNC_LOCAL_ROOT"] = sys.argv[1]
     if sys.argv[3] == "mine":  # the program's own SIGTERM handler, set before the library's loop starts

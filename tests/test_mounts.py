@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async.mounts import MountError, check_backend, parse_mounts
+from harbor_async.tasks.mounts import MountError, check_backend, parse_mounts
 from tests.cli_helpers import TASK_TOML, harbor_async, records
 from tests.requirements import needs_bwrap
 
@@ -268,7 +268,7 @@ def test_what_would_open_the_host_is_refused_as_a_source(tmp_path: Path) -> None
 
 
 def test_the_engine_mounts_read_only_what_does_not_say_and_refuses_reserved_targets(tmp_path: Path) -> None:
-    from harbor_async.engine import Engine
+    from harbor_async.engine.engine import Engine
 
     mount = {"type": "bind", "source": str(tmp_path), "target": "/data"}
     assert Engine(mounts=[mount]).mounts == [{**mount, "read_only": True}]

@@ -18,13 +18,18 @@ from pathlib import Path
 import anyio
 import pytest
 
-from harbor_async.engine import Engine
-from harbor_async.errors import FailureClass, ModelServerDownError, ModelServerRefusedError, ResumeConflictError
-from harbor_async.jobs import JobFolder
-from harbor_async.records import EpisodeRecord
-from harbor_async.runner import FailureBudget, PlannedEpisode, run_suite
-from harbor_async.settings import JobSettings
-from harbor_async.tasks import load_suite
+from harbor_async.core.errors import (
+    FailureClass,
+    ModelServerDownError,
+    ModelServerRefusedError,
+    ResumeConflictError,
+)
+from harbor_async.core.records import EpisodeRecord
+from harbor_async.engine.engine import Engine
+from harbor_async.episodes.runner import FailureBudget, PlannedEpisode, run_suite
+from harbor_async.jobs.folder import JobFolder
+from harbor_async.jobs.settings import JobSettings
+from harbor_async.tasks.suite import load_suite
 from tests.scripted_server import ScriptedServer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,7 +83,7 @@ def test_run_suite_stops_on_the_budget_and_records_the_episodes_it_cancelled(tmp
 
         async def act(self, episode) -> None:
             if episode.record.attempt == 0:
-                from harbor_async.errors import ModelServerError
+                from harbor_async.core.errors import ModelServerError
 
                 episode.fail_with(ModelServerError("HTTP 500"), "model")
             else:
@@ -219,7 +224,7 @@ def test_one_task_selection_for_run_eval_and_the_shim(tmp_path: Path) -> None:
     """Globs first, then the first N: the same tasks whichever entry point selects them."""
     import shim
     from harbor_async.suites import example_suite_path
-    from harbor_async.tasks import NoMatchingTaskError
+    from harbor_async.tasks.suite import NoMatchingTaskError
 
     names = [t.name for t in load_suite(None).tasks]
     pick = dict(include=["c*", "*-*"], exclude=["csv-*"], num_tasks=2)
@@ -312,7 +317,7 @@ def test_a_glob_given_as_one_string_is_one_glob() -> None:
 
 def test_the_slot_wait_and_the_start_retries_are_settable_as_every_other_limit() -> None:
     """The shim's options and a job's settings build the same engine knobs, with the engine's own defaults."""
-    from harbor_async.policy import RetryPolicy, Timeouts
+    from harbor_async.core.policy import RetryPolicy, Timeouts
     from shim.options import EngineOptions
 
     knobs = dict(slot_timeout=2.5, start_attempts=4, start_retry_wait=0.2, start_retry_max_wait=1.0, start_retry_max_total=None)
@@ -329,8 +334,8 @@ def test_the_shim_drives_the_core_episode_through_the_same_methods(tmp_path: Pat
     import ast
 
     import shim
-    from harbor_async.episode import Episode
-    from harbor_async.runner import run_episode
+    from harbor_async.episodes.episode import Episode
+    from harbor_async.episodes.runner import run_episode
     from tests.test_shim import CSV_SUM, CountingVerify
 
     root = Path(__file__).resolve().parents[1] / "shim"
@@ -370,7 +375,7 @@ def test_retire_before_begin_and_during_the_start_records_an_interrupted_episode
     import anyio.lowlevel
 
     from harbor_async.backends import resolve_backend
-    from harbor_async.episode import Episode
+    from harbor_async.episodes.episode import Episode
 
     task = load_suite(None, include="csv-column-sum").tasks[0]
 

@@ -1,4 +1,4 @@
-"""A sandbox phase (harbor_async.phase_scope): fail_after's semantics, typed errors, stats and logs, under asyncio and trio."""
+"""A sandbox phase (harbor_async.engine.phase_scope): fail_after's semantics, typed errors, stats and logs, under asyncio and trio."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import logging
 import anyio
 import pytest
 
-from harbor_async.engine import Engine
-from harbor_async.errors import ExecError, Phase, SandboxTimeout
-from harbor_async.logs import ROOT_LOGGER
+from harbor_async.core.errors import ExecError, Phase, SandboxTimeout
+from harbor_async.core.logs import ROOT_LOGGER
+from harbor_async.engine.engine import Engine
 
 pytestmark = pytest.mark.anyio
 
@@ -101,7 +101,7 @@ asyncio_only = pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_long_exec_budget_puts_no_timer_on_the_loop(example_tasks, monkeypatch):
     import asyncio
 
-    from harbor_async.phase_scope import waiting_phases
+    from harbor_async.engine.phase_scope import waiting_phases
 
     loop = asyncio.get_running_loop()
     deadline_timers = []  # the timers a cancel scope arms for its deadline (anyio's CancelScope._timeout)
@@ -133,7 +133,7 @@ async def test_a_long_exec_budget_puts_no_timer_on_the_loop(example_tasks, monke
 async def test_a_long_phase_armed_by_its_bucket_still_times_out_on_its_deadline(example_tasks, monkeypatch):
     import asyncio
 
-    from harbor_async import phase_scope
+    from harbor_async.engine import phase_scope
 
     monkeypatch.setattr(phase_scope, "ARM_AHEAD", 0.1)  # 0.5 s is then a long budget, in a bucket
     loop = asyncio.get_running_loop()

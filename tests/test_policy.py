@@ -8,8 +8,7 @@ import inspect
 import pytest
 from harbor.environments.base import SandboxBuildFailedError
 
-from harbor_async import policy
-from harbor_async.agent import ModelServerError
+from harbor_async.agents.tool_loop import ModelServerError
 from harbor_async.backends import resolve_backend
 from harbor_async.backends.docker.errors import (
     DockerBuildError,
@@ -19,7 +18,8 @@ from harbor_async.backends.docker.errors import (
     DockerStartError,
 )
 from harbor_async.backends.simulated import Latency, SimulatedTransientError
-from harbor_async.errors import (
+from harbor_async.core import policy
+from harbor_async.core.errors import (
     BackendError,
     EpisodeDeadlineError,
     ExecError,
@@ -30,9 +30,9 @@ from harbor_async.errors import (
     StartError,
     VerifierFailure,
 )
-from harbor_async.policy import failure_class, is_transient, rule_for
-from harbor_async.results import scalar_reward, truncate_output
-from harbor_async.stats import percentile
+from harbor_async.core.policy import failure_class, is_transient, rule_for
+from harbor_async.core.results import scalar_reward, truncate_output
+from harbor_async.core.stats import percentile
 
 
 @pytest.mark.parametrize(
@@ -163,7 +163,7 @@ def test_backend_names():
 
 def test_logs_follow_the_current_stderr(capsys):
 
-    from harbor_async.logs import configure_logging, get_logger
+    from harbor_async.core.logs import configure_logging, get_logger
 
     configure_logging("info", "json", force=True)
     try:

@@ -15,9 +15,9 @@ from torch.utils.data import BatchSampler
 from trl.trainer.utils import RepeatSampler
 
 from harbor_async.backends import resolve_backend
-from harbor_async.engine import Engine
-from harbor_async.errors import EpisodeDeadlineError
-from harbor_async.policy import Limits, Timeouts
+from harbor_async.core.errors import EpisodeDeadlineError
+from harbor_async.core.policy import Limits, Timeouts
+from harbor_async.engine.engine import Engine
 from shim.lookahead import GenerationLookahead, LookaheadSampler, task_key
 from shim.prefetch import PrefetchPool
 

@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from harbor_async.cli.progress import EpisodeProgress
-from harbor_async.records import EpisodeRecord
+from harbor_async.core.records import EpisodeRecord
 
 
 def test_the_line_shows_the_mean_over_the_judged_the_failures_by_class_and_an_eta() -> None:

@@ -11,8 +11,8 @@ def test_every_public_name_resolves_and_dir_lists_the_lazy_ones() -> None:
 
 
 def test_what_a_caller_reads_or_catches_is_exported() -> None:
-    from harbor_async.errors import FailureClass, SandboxCancelledError
-    from harbor_async.records import EpisodeRecord
+    from harbor_async.core.errors import FailureClass, SandboxCancelledError
+    from harbor_async.core.records import EpisodeRecord
 
     # wait_started() raises SandboxCancelledError; records carry FailureClass values
     assert harbor_async.SandboxCancelledError is SandboxCancelledError
@@ -31,7 +31,7 @@ def test_evaluates_keywords_are_the_job_settings_fields_typed() -> None:
     import typing
 
     from harbor_async.evaluation import evaluate, evaluate_sync
-    from harbor_async.settings import EvaluateSettings, JobSettings
+    from harbor_async.jobs.settings import EvaluateSettings, JobSettings
 
     # every field but those evaluate() takes as its own arguments (models, suite) or writes itself
     own = {"command", "models", "suite", "episodes", "created_at", "version"}

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async import leftovers, naming, reaper
+from harbor_async.backends import leftovers, reaper
 from harbor_async.backends.docker import cleanup as docker_cleanup
-from harbor_async.engine import Engine
+from harbor_async.core import naming
+from harbor_async.engine.engine import Engine
 from tests.engine_child import kill_mid_batch
 from tests.requirements import needs_bwrap
 
@@ -87,7 +88,7 @@ def _fake_local_sandbox(root: Path, owner_pid: int, created_at: datetime, pids: 
 
 
 def test_engine_sandbox_ids_carry_the_owner_pid():
-    from harbor_async.naming import new_run_label
+    from harbor_async.core.naming import new_run_label
 
     label = new_run_label()
     match = naming.SESSION_RE.fullmatch(f"{label}-0123456789")

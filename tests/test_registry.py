@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async.jobs import JobFolder
-from harbor_async.registry import Dataset, parse_hf, resolve_dataset
-from harbor_async.tasks import _parse_hub_source, load_suite
+from harbor_async.jobs.folder import JobFolder
+from harbor_async.tasks.registry import Dataset, parse_hf, resolve_dataset
+from harbor_async.tasks.suite import _parse_hub_source, load_suite
 from tests.cli_helpers import harbor_async, make_suite, records
 from tests.scripted_server import ScriptedServer
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async.jobs import JobFolder
+from harbor_async.jobs.folder import JobFolder
 from tests.cli_helpers import harbor_async, make_suite, records
 from tests.test_registry import _env, _error_lines, _git
 
@@ -125,7 +125,7 @@ def test_print_config_writes_t_as_harbor_does_and_c_reads_it_back(tmp_path: Path
 def test_a_job_configs_registry_task_is_t_and_a_git_task_is_refused(tmp_path: Path) -> None:
     from harbor.models.job.config import JobConfig
 
-    from harbor_async.job_config import JobConfigError, run_options
+    from harbor_async.jobs.harbor_config import JobConfigError, run_options
 
     found = run_options(JobConfig.model_validate({"tasks": [{"name": ALPHA, "ref": "3"}]}))
     assert found["task_ref"] == f"{ALPHA}@3" and "path" not in found and "dataset" not in found

@@ -23,9 +23,15 @@ import pytest
 from typer.testing import CliRunner
 
 from harbor_async.cli import app
-from harbor_async.jobs import EPISODES_NAME, SETTINGS_NAME, JobFolder
-from harbor_async.records import EpisodeRecord
-from harbor_async.report import ReportSourceError, default_output, load_source, render, write_report
+from harbor_async.core.records import EpisodeRecord
+from harbor_async.jobs.folder import EPISODES_NAME, SETTINGS_NAME, JobFolder
+from harbor_async.report import (
+    ReportSourceError,
+    default_output,
+    load_source,
+    render,
+    write_report,
+)
 from harbor_async.report.analysis import SOLVED, UNSOLVED, analyze
 from harbor_async.report.pack import script_json, unpack_episode
 from harbor_async.report.server import ReportServer

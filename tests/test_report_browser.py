@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async.jobs import JobFolder
-from harbor_async.records import EpisodeRecord
+from harbor_async.core.records import EpisodeRecord
+from harbor_async.jobs.folder import JobFolder
 from harbor_async.report import write_report
 from harbor_async.report.server import ReportServer
 from tests.test_report_jobs import EVIL, LONG_LINES, make_big_job, make_job

@@ -10,9 +10,9 @@ import json
 import random
 from pathlib import Path
 
-from harbor_async.errors import FailureClass
-from harbor_async.jobs import EPISODES_NAME, JobFolder
-from harbor_async.records import EpisodeRecord, PhaseSpan
+from harbor_async.core.errors import FailureClass
+from harbor_async.core.records import EpisodeRecord, PhaseSpan
+from harbor_async.jobs.folder import EPISODES_NAME, JobFolder
 
 #: Text a hostile transcript carries: shown as text, it must run nothing.
 #: Lines of the long tool output (``long_output``).

@@ -13,18 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async.engine import Engine
-from harbor_async.reward_files import (
+from harbor_async.engine.engine import Engine
+from harbor_async.episodes.runner import run_suite
+from harbor_async.suites import example_suite_path
+from harbor_async.tasks.suite import load_task
+from harbor_async.verification.reward_files import (
     MAX_REWARD_FILE_BYTES,
     InvalidRewardFileError,
     parse_reward_json,
     parse_reward_text,
     read_bounded,
 )
-from harbor_async.runner import run_suite
-from harbor_async.suites import example_suite_path
-from harbor_async.tasks import load_task
-
 
 
 @pytest.mark.parametrize("text, reward", [("1", 1.0), (" 0.5\n", 0.5), ("-2e-3", -0.002), ("+.25", 0.25)])
@@ -133,7 +132,7 @@ async def test_a_verifier_that_resets_its_folder_removes_the_stale_rewards_witho
     from harbor.models.task.config import TaskOS
     from harbor.models.trial.paths import TrialPaths
 
-    from harbor_async.reward_files import BoundedVerifier
+    from harbor_async.verification.reward_files import BoundedVerifier
 
     commands: list[str] = []
 
@@ -303,7 +302,7 @@ async def test_a_reset_that_did_not_finish_is_the_verifiers_failure_and_runs_no_
 
     Also when the shell died before the reset (killed, out of memory): nothing said it finished."""
     from harbor_async.backends.local import LocalEnvironment
-    from harbor_async.errors import VerifierFailure
+    from harbor_async.core.errors import VerifierFailure
 
     monkeypatch.setattr(LocalEnvironment, "_empty_dirs_command", lambda self, dirs, *, chmod=True: fault)
     spy = _Spy(monkeypatch, LocalEnvironment)
@@ -349,7 +348,7 @@ async def test_a_test_script_without_chmod_gets_the_reset_before_its_first_exec(
     from harbor.environments.base import BaseEnvironment
     from harbor.models.task.config import TaskOS
 
-    from harbor_async.reward_files import RESET_DONE, _ResettingEnvironment
+    from harbor_async.verification.reward_files import RESET_DONE, _ResettingEnvironment
 
     calls: list[tuple[str, object]] = []
 

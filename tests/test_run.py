@@ -7,13 +7,12 @@ import shutil
 
 import pytest
 
-from harbor_async.engine import Engine
-from harbor_async.errors import FailureClass
-from harbor_async.policy import Limits, Timeouts
-from harbor_async.policy import failure_class as classify
-from harbor_async.runner import PlannedEpisode, run_suite
+from harbor_async.core.errors import FailureClass
+from harbor_async.core.policy import Limits, Timeouts
+from harbor_async.core.policy import failure_class as classify
+from harbor_async.engine.engine import Engine
+from harbor_async.episodes.runner import PlannedEpisode, run_suite
 from tests.cli_helpers import harbor_async, records
-
 
 
 @pytest.mark.slow
@@ -68,7 +67,7 @@ async def test_failures_are_classified_and_blamed_on_their_first_phase(example_t
     (hung / "tests" / "test.sh").write_text("#!/bin/sh\necho started\nsleep 600\n")
     toml = hung / "task.toml"  # the task's own verifier budget (30 s) is the one that counts: make it short
     toml.write_text(toml.read_text().replace("[verifier]\ntimeout_sec = 30.0", "[verifier]\ntimeout_sec = 2.0"))
-    from harbor_async.tasks import load_task
+    from harbor_async.tasks.suite import load_task
 
     tasks = [load_task(broken), load_task(hung)]
     async with Engine(timeouts=Timeouts(verify=2)) as engine:
@@ -222,7 +221,7 @@ async def test_an_interruption_after_a_scored_failure_leaves_the_episode_unjudge
     """The agent failed, then a signal stopped the verifier: no verdict, so not the model's 0."""
     import anyio
 
-    from harbor_async.runner import run_episode
+    from harbor_async.episodes.runner import run_episode
 
     done = []
     async with Engine(timeouts=Timeouts(agent=0.2), backend_kwargs={"exec_latency": 1.0, "verify_latency": 30}) as engine:

@@ -7,9 +7,9 @@ import subprocess
 import anyio
 import pytest
 
-from harbor_async.engine import Engine
-from harbor_async.errors import Phase, SandboxClosedError, SandboxTimeout
-from harbor_async.sandbox import SandboxState
+from harbor_async.core.errors import Phase, SandboxClosedError, SandboxTimeout
+from harbor_async.engine.engine import Engine
+from harbor_async.engine.sandbox import SandboxState
 
 pytestmark = [pytest.mark.anyio, pytest.mark.range]
 

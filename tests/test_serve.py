@@ -7,9 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async.checkpoints import checkpoint_step, resolve_models, server_groups, step_pattern
-from harbor_async.errors import EvalConfigError
-from harbor_async.serve import (
+from harbor_async.core.errors import EvalConfigError
+from harbor_async.models.checkpoints import (
+    checkpoint_step,
+    resolve_models,
+    server_groups,
+    step_pattern,
+)
+from harbor_async.models.serve import (
     ServeError,
     format_serve_cmd,
     lora_base,

@@ -1,4 +1,4 @@
-"""One model-server classifier (harbor_async/model_server.py), by type and HTTP status, for every agent.
+"""One model-server classifier (harbor_async/models/model_server.py), by type and HTTP status, for every agent.
 
 First the verdicts, on real ``openai`` and LiteLLM exception objects (wrapped as
 Harbor and LiteLLM wrap them); then end to end: the harnesses' ``Agent`` and
@@ -19,8 +19,13 @@ import anyio
 import httpx
 import pytest
 
-from harbor_async.errors import FailureClass, ModelServerConfigError, ModelServerError, SandboxError
-from harbor_async.model_server import (
+from harbor_async.core.errors import (
+    FailureClass,
+    ModelServerConfigError,
+    ModelServerError,
+    SandboxError,
+)
+from harbor_async.models.model_server import (
     CONTEXT_OVERFLOW,
     ServerVerdict,
     classify,
@@ -324,7 +329,7 @@ class Shell:
 
 
 def _run_agent(server: ScriptedServer, model: str, *, api_key: str = "EMPTY", retries: int = 2):
-    from harbor_async.agent import Agent, AgentLimits
+    from harbor_async.agents.tool_loop import Agent, AgentLimits
 
     async def main():
         async with openai.AsyncOpenAI(base_url=server.base_url, api_key=api_key, max_retries=0) as client:
@@ -374,8 +379,8 @@ def test_agent_malformed_tool_call_refused_by_the_server_is_the_models(refusing)
 def test_eval_records_a_refused_configuration_and_stops_the_run(refusing, tmp_path: Path) -> None:
     """Through ``evaluate``: the record the run-level rule reads (``error_type``), and the stop at the first."""
     from harbor_async import evaluate_sync
-    from harbor_async.errors import ModelServerRefusedError
-    from harbor_async.jobs import JobFolder
+    from harbor_async.core.errors import ModelServerRefusedError
+    from harbor_async.jobs.folder import JobFolder
 
     with pytest.raises(ModelServerRefusedError, match="HTTP 422"):
         evaluate_sync(
@@ -392,11 +397,11 @@ def _terminus_episode(tmp_path: Path, server: ScriptedServer, model: str, **agen
     import tenacity
     from harbor.llms.lite_llm import LiteLLM
 
-    from harbor_async.engine import Engine
-    from harbor_async.harbor_agents import HarborAgentSpec
-    from harbor_async.harbor_episode_agent import HarborEpisodeAgent
-    from harbor_async.runner import run_episode
-    from harbor_async.tasks import load_task
+    from harbor_async.agents.harbor import HarborAgentSpec
+    from harbor_async.agents.harbor_episode import HarborEpisodeAgent
+    from harbor_async.engine.engine import Engine
+    from harbor_async.episodes.runner import run_episode
+    from harbor_async.tasks.suite import load_task
 
     task = load_task(echo_suite(tmp_path) / "tasks" / "echo-ok")
     spec = HarborAgentSpec("terminus-2", kwargs=agent_kwargs).with_server(model, server.base_url)  # kwargs: --ak

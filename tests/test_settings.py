@@ -9,15 +9,19 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from harbor_async.errors import ResumeConflictError, SettingError, UnknownSettingError
-from harbor_async.policy import Limits, RetryPolicy, Timeouts
-from harbor_async.setting_fields import (
+from harbor_async.core.errors import (
+    ResumeConflictError,
+    SettingError,
+    UnknownSettingError,
+)
+from harbor_async.core.policy import Limits, RetryPolicy, Timeouts
+from harbor_async.jobs.setting_fields import (
     ENGINE_PARTS,
     AgentLimits,
     EngineSettings,
     Sampling,
 )
-from harbor_async.settings import RESUME_MAY_CHANGE, SETTINGS_VERSION, JobSettings
+from harbor_async.jobs.settings import RESUME_MAY_CHANGE, SETTINGS_VERSION, JobSettings
 from shim.options import EngineOptions
 
 

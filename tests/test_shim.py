@@ -29,17 +29,15 @@ from harbor.environments.base import BaseEnvironment
 import shim
 import shim.rewards
 from harbor_async.backends.simulated import SimulatedEnvironment
-from harbor_async.errors import BackendError
-from harbor_async.sandbox import Sandbox, SandboxState
+from harbor_async.cli.machine_checks import UnsupportedVersionError  # noqa: E402
+from harbor_async.core.errors import BackendError
+from harbor_async.engine.sandbox import Sandbox, SandboxState
 from harbor_async.suites import example_suite_path
-from harbor_async.tasks import TaskLoadError
+from harbor_async.tasks.suite import TaskLoadError
 from shim import engines
 from shim.env import not_a_tool
 from shim.rewards import _outcome_reward_func
-
-from harbor_async.doctor import UnsupportedVersionError  # noqa: E402
 from tests.conftest import needs_trl_get_reward, trl_reads_get_reward  # noqa: E402
-
 
 TASKS = example_suite_path() / "tasks"
 CSV_SUM = str(TASKS / "csv-column-sum")
@@ -148,7 +146,7 @@ def test_fresh_env_reads_zero_without_starting_anything():
         """
         import threading
         import shim
-        from harbor_async import loop
+        from harbor_async.engine import loop
         env = shim.HarborBashEnv("local")
         assert env.reward == 0.0
         assert env.sandbox_error is None and env._env is None
@@ -642,7 +640,7 @@ def test_same_rollouts_give_trls_prompts_outputs_and_rewards():
 
     from packaging.specifiers import SpecifierSet
 
-    from harbor_async.doctor import SUPPORTED
+    from harbor_async.cli.machine_checks import SUPPORTED
 
     if importlib.metadata.version("trl") not in SpecifierSet(SUPPORTED["trl-internals"]):
         # A TRL past the releases whose private HarborEnv._start the reference overrides: refused, not guessed at.
@@ -791,8 +789,8 @@ def test_upload_build_files_replays_the_dockerfiles_copies():
 def test_engine_options_build_the_engines_configuration_and_name_their_own_errors():
     import typing
 
-    from harbor_async.errors import SettingError
-    from harbor_async.policy import Limits, RetryPolicy, Timeouts
+    from harbor_async.core.errors import SettingError
+    from harbor_async.core.policy import Limits, RetryPolicy, Timeouts
     from shim.options import EngineOptionsKwargs
 
     # The typed **engine_options list every option with its type (a type checker's copy of the model), nothing else.

@@ -31,13 +31,12 @@ from trl import GRPOConfig, GRPOTrainer
 
 import shim
 import shim.rewards
+from benchmarks.tiny_model import build_tiny_qwen3, encode_exact
 from benchmarks.trainer_step import cpu_grpo_config
 from harbor_async.suites import example_suite_path
-from harbor_async.tasks import load_task
+from harbor_async.tasks.suite import load_task
 from shim import engines
 from shim.spec import _SPEC_ENVS
-from benchmarks.tiny_model import build_tiny_qwen3, encode_exact
-
 from tests.conftest import needs_trl_get_reward  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.range]

@@ -9,8 +9,12 @@ from pathlib import Path
 import pytest
 
 from harbor_async.suites import example_suite_path
-from harbor_async.task_env import TaskEnvError, missing_variables, with_allowed_env
-from harbor_async.tasks import load_task
+from harbor_async.tasks.host_variables import (
+    TaskEnvError,
+    missing_variables,
+    with_allowed_env,
+)
+from harbor_async.tasks.suite import load_task
 from tests.cli_helpers import harbor_async, records
 
 pytestmark = pytest.mark.range
@@ -75,8 +79,8 @@ def test_run_refuses_a_task_needing_a_variable_not_allowed_and_keeps_secrets_out
 
 def test_the_shim_and_eval_refuse_it_up_front_too(tmp_path, monkeypatch):
     import shim
+    from harbor_async.agents.task_checks import MissingVariablesError
     from harbor_async.evaluation import evaluate_sync
-    from harbor_async.task_support import MissingVariablesError
 
     monkeypatch.setenv("HARBOR_TEST_SECRET", SECRET)
     suite = tmp_path / "suite"

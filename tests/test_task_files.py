@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import shim
-from harbor_async.task_files import RememberingFileFilter
-from harbor_async.tasks import load_task
+from harbor_async.tasks.files import RememberingFileFilter
+from harbor_async.tasks.suite import load_task
 from shim.rewards import verify_environments
 from shim.task_cache import load_task_cached
 

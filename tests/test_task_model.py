@@ -19,9 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from harbor_async.backends import resolve_backend
-from harbor_async.backends.local.dockerfile import parse_dockerfile, unsupported_instructions
-from harbor_async.task_support import (
+from harbor_async.agents.task_checks import (
     EVAL,
     RUN,
     TRL,
@@ -29,7 +27,12 @@ from harbor_async.task_support import (
     UnsupportedTaskError,
     check_tasks,
 )
-from harbor_async.tasks import load_task
+from harbor_async.backends import resolve_backend
+from harbor_async.backends.local.dockerfile import (
+    parse_dockerfile,
+    unsupported_instructions,
+)
+from harbor_async.tasks.suite import load_task
 from tests.cli_helpers import REPO, harbor_async, records
 from tests.scripted_server import ScriptedServer
 
@@ -511,8 +514,8 @@ def test_trl_refuses_a_separate_verifier(tmp_path: Path) -> None:
 @pytest.mark.anyio
 async def test_each_phase_gets_its_network_policy_on_a_backend_that_can_switch(tmp_path: Path) -> None:
     """Harbor's phase switch: the agent's policy before the agent acts, the verifier's before it judges (each step's)."""
-    from harbor_async.engine import Engine
-    from harbor_async.runner import run_episode
+    from harbor_async.engine.engine import Engine
+    from harbor_async.episodes.runner import run_episode
     from tests import network_backend
 
     backend = resolve_backend("tests.network_backend:RecordingNetworkEnvironment")
@@ -583,8 +586,8 @@ def test_only_the_tasks_own_definition_errors_are_invalid_tasks() -> None:
     from harbor.environments.base import SandboxBuildFailedError
 
     from harbor_async.backends.local.errors import TaskPathEscapeError
-    from harbor_async.errors import FailureClass, TaskDefinitionError
-    from harbor_async.policy import failure_class, is_transient
+    from harbor_async.core.errors import FailureClass, TaskDefinitionError
+    from harbor_async.core.policy import failure_class, is_transient
 
     assert failure_class(TaskDefinitionError("Dockerfile line 3: bad")) is FailureClass.INVALID_TASK
     assert failure_class(TaskPathEscapeError(Path("/t/tests"), Path("/etc"))) is FailureClass.INVALID_TASK

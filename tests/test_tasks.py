@@ -9,8 +9,8 @@ local backend breaks (its Dockerfile subset, ENV, COPY, uploads, verification).
 from __future__ import annotations
 
 import base64
-import re
 import os
+import re
 import shutil
 import subprocess
 import tomllib
@@ -24,12 +24,12 @@ from harbor.models.task.task import Task
 
 import harbor_async
 from harbor_async.backends.local.dockerfile import parse_dockerfile
+from harbor_async.engine.engine import Engine
+from harbor_async.engine.sandbox import Sandbox
+from harbor_async.episodes.runner import run_oracle
 from harbor_async.harnesses.bash import PROMPT_SUFFIX
-from harbor_async.engine import Engine
-from harbor_async.sandbox import Sandbox
 from harbor_async.suites import example_suite_path
-from harbor_async.runner import run_oracle
-from harbor_async.tasks import (
+from harbor_async.tasks.suite import (
     HUB_ALLOW_PATTERNS,
     EmptySuiteError,
     InvalidTask,
@@ -39,7 +39,6 @@ from harbor_async.tasks import (
     load_suite,
     load_task,
 )
-
 
 EXAMPLE_TASKS = example_suite_path() / "tasks"
 EXAMPLE_NAMES = sorted(p.name for p in EXAMPLE_TASKS.iterdir() if (p / "task.toml").is_file())

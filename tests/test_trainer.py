@@ -32,11 +32,16 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 import shim
+from benchmarks.tiny_model import build_tiny_qwen3, encode_exact
 from harbor_async.suites import example_suite_path
 from shim import engines
-from shim.trainer import FAILED_KEY, HarborGRPOTrainer, UnsupportedTRLVersionError, check_trl_version
+from shim.trainer import (
+    FAILED_KEY,
+    HarborGRPOTrainer,
+    UnsupportedTRLVersionError,
+    check_trl_version,
+)
 from tests.test_shim_grpo import _grpo_args
-from benchmarks.tiny_model import build_tiny_qwen3, encode_exact
 
 pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
 

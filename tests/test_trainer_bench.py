@@ -8,12 +8,12 @@ time below the serial loop's (2 turns x 4 rollouts x 0.2 s serial, against
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
 

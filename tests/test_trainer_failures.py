@@ -25,12 +25,12 @@ import torch
 from trl import GRPOTrainer
 
 import shim
+from benchmarks.tiny_model import build_tiny_qwen3, encode_exact
 from harbor_async.suites import example_suite_path
 from shim import engines
 from shim.rewards import verify_environments
 from shim.trainer import FAILED_KEY, METRIC_KEYS, HarborGRPOTrainer, select_rows
 from tests.test_trainer import grpo_args
-from benchmarks.tiny_model import build_tiny_qwen3, encode_exact
 from tests.trainer_backend import OneFailedStart
 
 pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel

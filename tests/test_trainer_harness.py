@@ -23,11 +23,11 @@ import torch
 import trl.experimental.harbor as trl_harbor
 
 import shim
+from benchmarks.tiny_model import build_tiny_qwen3, encode_exact
 from harbor_async.suites import example_suite_path
 from shim import engines
 from shim.trainer import HarborGRPOTrainer
 from tests.test_trainer import grpo_args
-from benchmarks.tiny_model import build_tiny_qwen3, encode_exact
 
 pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
 
@@ -74,7 +74,7 @@ def test_trl_harness_file_trains_two_steps_unchanged(tmp_path: Path, leak_probe)
     spec = shim.HarborSpec(example_suite_path(), agent=HARNESS, environment_type="local", indices=INDICES)
     golds = {}
     for row in spec.train_dataset:
-        from harbor_async.tasks import load_task
+        from harbor_async.tasks.suite import load_task
 
         golds[load_task(row["task_dir"]).instruction] = row["gold_answer"]
     corpus = [t for k in range(4) for g in golds.values() for t in _turns(k, g)]

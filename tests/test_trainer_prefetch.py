@@ -31,12 +31,12 @@ import pytest
 from transformers import TrainerCallback
 
 import shim
+from benchmarks.tiny_model import build_tiny_qwen3
 from harbor_async.suites import example_suite_path
 from shim import engines, prefetch
 from shim.trainer import PREFETCH_METRIC_KEYS, HarborGRPOTrainer
 from tests.test_shim_grpo import _grpo_args
 from tests.test_trainer_failures import Scripted, _turns
-from benchmarks.tiny_model import build_tiny_qwen3
 
 pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
 

@@ -83,7 +83,7 @@ def test_env_owned_reward_runs_where_trl_reads_get_reward_and_is_refused_before(
 
     from packaging.version import Version
 
-    from harbor_async.doctor import SUPPORTED, UnsupportedVersionError
+    from harbor_async.cli.machine_checks import SUPPORTED, UnsupportedVersionError
 
     warnings.filterwarnings("ignore", category=UserWarning)
     if Version(importlib.metadata.version("trl")) < Version("1.8"):

@@ -17,24 +17,24 @@ import anyio
 import pytest
 
 import shim
-from harbor_async import reaper
+from harbor_async.backends import reaper
 from harbor_async.backends.simulated import SimulatedEnvironment
-from harbor_async.engine import Engine
-from harbor_async.errors import (
+from harbor_async.core.errors import (
     EpisodeDeadlineError,
     FailureClass,
     Phase,
-    SandboxError,
     PreflightError,
+    SandboxError,
     SandboxLimitError,
     SettingError,
     StartError,
     VerifierFailure,
 )
-from harbor_async.policy import RetryPolicy, Timeouts, failure_class, is_transient
-from harbor_async.stats import StatsRecorder
+from harbor_async.core.policy import RetryPolicy, Timeouts, failure_class, is_transient
+from harbor_async.core.stats import StatsRecorder
+from harbor_async.engine.engine import Engine
 from harbor_async.suites import example_suite_path
-from harbor_async.tasks import load_task
+from harbor_async.tasks.suite import load_task
 from shim import engines
 from shim.rewards import _outcome_reward_func
 
@@ -376,7 +376,7 @@ def test_a_missing_reward_file_is_the_verifiers_failure_with_its_output(tmp_path
 
 
 def test_failure_classes():
-    from harbor_async.errors import ModelServerError, SandboxCancelledError
+    from harbor_async.core.errors import ModelServerError, SandboxCancelledError
 
     assert failure_class(StartError(Phase.START, "t", "s")) is FailureClass.INFRASTRUCTURE
     assert failure_class(EpisodeDeadlineError(Phase.EXEC, "t", "s")) is FailureClass.AGENT

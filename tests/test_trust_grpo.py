@@ -23,12 +23,12 @@ from trl import GRPOTrainer
 
 import shim
 import shim.rewards
+from benchmarks.tiny_model import build_tiny_qwen3
 from harbor_async.backends.simulated import SimulatedEnvironment
-from harbor_async.errors import InfrastructureBudgetError, SandboxLimitError
+from harbor_async.core.errors import InfrastructureBudgetError, SandboxLimitError
 from harbor_async.suites import example_suite_path
 from shim import engines
 from tests.test_shim_grpo import TASKS, ScriptedGeneration, _grpo_args, _instructions
-from benchmarks.tiny_model import build_tiny_qwen3
 
 pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
 

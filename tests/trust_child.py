@@ -12,9 +12,9 @@ import sys
 import time
 
 import shim
-from harbor_async import loop
-from shim import engines
+from harbor_async.engine import loop
 from harbor_async.suites import example_suite_path
+from shim import engines
 
 CSV_SUM = str(example_suite_path() / "tasks" / "csv-column-sum")
 

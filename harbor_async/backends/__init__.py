@@ -1,4 +1,7 @@
-"""Backend names: Harbor's environment types, this project's short names, import paths."""
+"""Backend names: Harbor's environment types, this project's short names, import paths.
+
+Imports: core, tasks, verification.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harbor_async.errors import AsyncLibraryError, BackendError
+from harbor_async.core.errors import AsyncLibraryError, BackendError
 
 if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment
@@ -73,12 +76,14 @@ class BackendSpec:
 
         ``backend_kwargs`` are the user's options; the run label is added where
         the backend takes it, and :meth:`start_extras` where it wants them.
-        ``options["mounts"]``: the run's host mounts (``--mounts``, :mod:`harbor_async.mounts`),
+        ``options["mounts"]``: the run's host mounts (``--mounts``, :mod:`harbor_async.tasks.mounts`),
         passed as Harbor's own ``mounts`` (never a user's option: the backend's checks stand).
         Nothing is started.
         """
         from harbor.environments.factory import EnvironmentFactory
-        from harbor.models.trial.config import EnvironmentConfig as TrialEnvironmentConfig
+        from harbor.models.trial.config import (
+            EnvironmentConfig as TrialEnvironmentConfig,
+        )
 
         kwargs = self.options().engine_options(run_label, backend_kwargs)
         if getattr(self.environment_class(), "TAKES_COMPOSE_ENV_ALLOW", False):  # docker: Compose's host variables
@@ -135,7 +140,7 @@ class BackendSpec:
         Raises:
             BackendNotInstalledError: the backend's package is missing (with the install command).
         """
-        from harbor_async.errors import BackendNotInstalledError
+        from harbor_async.core.errors import BackendNotInstalledError
 
         exc = self.construction_error(task, backend_kwargs)
         if isinstance(exc, ImportError):  # Harbor's MissingExtraError is one

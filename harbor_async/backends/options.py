@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
 
-from harbor_async.errors import BackendOptionsError
+from harbor_async.core.errors import BackendOptionsError
 
 #: What the engine passes at every start itself: never a user's option.
 RUNTIME_INPUTS = frozenset(

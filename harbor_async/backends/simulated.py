@@ -33,8 +33,8 @@ from harbor.environments.base import (
 )
 from harbor.environments.capabilities import EnvironmentCapabilities
 
-from harbor_async.errors import BackendStartError
-from harbor_async.reward_files import RESET_DONE
+from harbor_async.core.errors import BackendStartError
+from harbor_async.verification.reward_files import RESET_DONE
 
 
 class SimulatedTransientError(BackendStartError, ConnectionError):
@@ -223,7 +223,7 @@ class SimulatedEnvironment(BaseEnvironment):
     ) -> ExecResult:
         if not self._running:
             raise RuntimeError("simulated sandbox is not running")
-        # What a shell would print of it: only the verifier reset's marker (see harbor_async.reward_files).
+        # What a shell would print of it: only the verifier reset's marker (see harbor_async.verification.reward_files).
         printed = "\n".join(_RESET_DONE.findall(command)) if RESET_DONE in command else ""
         if "/tests/" in command and "test-stdout" in command:  # Harbor's run of the tests (their output redirected)
             await self._sleep("verify")

@@ -3,6 +3,8 @@
 Commands import heavy or optional code (the shim, the benchmarks, evaluation)
 inside their bodies, so that ``harbor-async --help`` and the core stay light.
 The flags follow ``harbor run``'s wherever the meaning is the same.
+
+Imports: core, models, tasks, verification, backends, engine, jobs, report, episodes, agents, cluster, evaluation.
 """
 
 from __future__ import annotations

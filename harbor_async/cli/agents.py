@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from harbor_async.cli.common import fail
-from harbor_async.errors import AgentConfigError
+from harbor_async.core.errors import AgentConfigError
 
 if TYPE_CHECKING:
-    from harbor_async.harbor_agents import HarborAgentSpec
+    from harbor_async.agents.harbor import HarborAgentSpec
 
 AgentKwargOpt = Annotated[
     list[str] | None,
@@ -30,7 +30,7 @@ AgentKwargOpt = Annotated[
 
 def parsed_agent_kwargs(pairs: list[str] | None) -> dict[str, Any]:
     """``--ak`` pairs as ``harbor run`` parses them; exit 2 on a malformed one."""
-    from harbor_async.harbor_agents import parse_agent_kwargs
+    from harbor_async.agents.harbor import parse_agent_kwargs
 
     try:
         return parse_agent_kwargs(pairs)
@@ -40,7 +40,7 @@ def parsed_agent_kwargs(pairs: list[str] | None) -> dict[str, Any]:
 
 def harbor_agent_class(name: str) -> type:
     """The Harbor agent class of ``-a NAME``; exit 2 with one line (the choices, for an unknown name)."""
-    from harbor_async.harbor_agents import agent_class
+    from harbor_async.agents.harbor import agent_class
 
     try:
         return agent_class(name)

@@ -159,7 +159,7 @@ def ledger_reap(ray_address: str | None, older_than: timedelta | float | None = 
     """
     import ray
 
-    from harbor_async.reaper import reap
+    from harbor_async.backends.reaper import reap
 
     actor = _actor(ray_address)
     if isinstance(older_than, timedelta):

@@ -45,8 +45,8 @@ def doctor(
     ``--base-url``; by default the local backend) can run, 1 otherwise.
     Credentials are checked for presence only and never printed.
     """
-    from harbor_async.doctor import FEATURES, diagnose
-    from harbor_async.errors import HarborAsyncError
+    from harbor_async.cli.machine_checks import FEATURES, diagnose
+    from harbor_async.core.errors import HarborAsyncError
 
     requested = [*(backend or ["local"]), *(feature or [])]
     unknown = [name for name in requested if name not in FEATURES]

@@ -11,10 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
-from harbor_async.printing import escape_controls
-from harbor_async.records import EpisodeRecord
+from harbor_async.core.printing import escape_controls
+from harbor_async.core.records import EpisodeRecord
 
 #: Characters of a status text (the model server's answer while it is awaited) shown on the line.
 STATUS_CHARS = 160

@@ -57,7 +57,7 @@ def view(
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error (info logs each rebuild).")] = "warning",
 ) -> None:
     """Serve the report on 127.0.0.1 and refresh it while the job runs (Ctrl-C stops)."""
-    from harbor_async.logs import configure_logging
+    from harbor_async.core.logs import configure_logging
 
     configure_logging(log_level, force=True)
     module = _report_module()

@@ -4,7 +4,7 @@ Every run is a job folder (``-o/--jobs-dir``/``--job-name``, as Harbor's): its
 settings in ``harbor-async.json``, one record a line in ``episodes.jsonl`` appended
 and flushed as each episode ends, ``summary.json`` at the end. ``--resume``
 runs what a job is missing. Signals stop the batch cleanly (see
-:mod:`harbor_async.interrupts`).
+:mod:`harbor_async.core.interrupts`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from harbor_async.agents.task_checks import (
+    RUN,
+    MissingVariablesError,
+    UnsupportedTaskError,
+    check_tasks,
+    refused_summary,
+)
 from harbor_async.cli import cluster as cluster_opts
 from harbor_async.cli import setting_opts
 from harbor_async.cli.agents import AgentKwargOpt
@@ -38,31 +45,47 @@ from harbor_async.cli.common import (
 )
 from harbor_async.cli.eval import MODEL_SERVER_DOWN_EXIT
 from harbor_async.cli.progress import EpisodeProgress
-from harbor_async.cli.run_output import print_summary, print_table
 from harbor_async.cli.run_options import (
-    checked_mounts, defaults_line, env_pairs, load_env_file, mounts_option, previous_refusals, print_job_config, print_plan, refuse_protected_mounts,
+    checked_mounts,
+    defaults_line,
+    env_pairs,
+    load_env_file,
+    mounts_option,
+    previous_refusals,
+    print_job_config,
+    print_plan,
+    refuse_protected_mounts,
     with_config,
 )  # fmt: skip
-from harbor_async.disk_bounds import JobDiskLimitError
-from harbor_async.interrupts import Interrupts
-from harbor_async.errors import BackendError, ResumeConflictError, SettingError, UnknownSettingError
-from harbor_async.printing import escape_controls
-from harbor_async.task_env import RunEnvError, fill_values
-from harbor_async.task_support import RUN, MissingVariablesError, UnsupportedTaskError, check_tasks, refused_summary
+from harbor_async.cli.run_output import print_summary, print_table
 from harbor_async.cli.selection import (
+    DatasetOpt,
+    RegistryPathOpt,
+    RegistryUrlOpt,
+    TaskRefOpt,
     describe_episodes,
     load_tasks,
     plan_episodes,
     reload_episodes,
     suite_source,
-    DatasetOpt,
-    RegistryPathOpt,
-    RegistryUrlOpt,
-    TaskRefOpt,
 )
-from harbor_async.records import EpisodeRecord
-from harbor_async.runner import MODEL_FREE_AGENTS, FailureBudget, PlannedEpisode
-from harbor_async.settings import JobSettings
+from harbor_async.core.errors import (
+    BackendError,
+    ResumeConflictError,
+    SettingError,
+    UnknownSettingError,
+)
+from harbor_async.core.interrupts import Interrupts
+from harbor_async.core.printing import escape_controls
+from harbor_async.core.records import EpisodeRecord
+from harbor_async.episodes.runner import (
+    MODEL_FREE_AGENTS,
+    FailureBudget,
+    PlannedEpisode,
+)
+from harbor_async.jobs.settings import JobSettings
+from harbor_async.tasks.host_variables import RunEnvError, fill_values
+from harbor_async.verification.disk_bounds import JobDiskLimitError
 
 DEFAULT_JOBS_DIR = Path("jobs")
 
@@ -197,7 +220,7 @@ def run(
     Exits 1 when any episode failed for an infrastructure reason (start, exec,
     stop, a sandbox limit), 2 on bad input, 130/143/129 on SIGINT/SIGTERM/SIGHUP.
     """
-    from harbor_async.jobs import JobFolder, JobFolderError
+    from harbor_async.jobs.folder import JobFolder, JobFolderError
 
     if agent_import_path or environment_import_path:  # Harbor's older spellings of -a/-e module:Class
         if (agent and agent_import_path) or ((env or backend) and environment_import_path):
@@ -281,9 +304,9 @@ def run(
         return
     actor = _actor(settings)  # a Harbor agent is built once with its options, nothing started
     if settings.agent not in MODEL_FREE_AGENTS:  # its model server answers GET /models, else one line before any job folder
-        from harbor_async.errors import AgentConfigError
-        from harbor_async.harbor_agents import HarborAgentSpec, check_model_server
-        from harbor_async.serve import ServeError
+        from harbor_async.agents.harbor import HarborAgentSpec, check_model_server
+        from harbor_async.core.errors import AgentConfigError
+        from harbor_async.models.serve import ServeError
 
         try:  # an agent without a base URL of its own (openai/gpt-x) calls its provider: nothing local to probe
             check_model_server(HarborAgentSpec(settings.agent, _model(settings), settings.agent_kwargs))
@@ -468,9 +491,9 @@ def _on_cluster(todo, settings, concurrency, engine_kwargs, job, sink, interrupt
 
 async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, engine_kwargs: dict[str, Any], sink, interrupts: Interrupts, root: str = "", model: str | None = None, budget=None) -> None:
     """Run the episodes on this process's engine; a signal cancels the batch (records of cancelled episodes kept)."""
-    from harbor_async.engine import Engine
-    from harbor_async.runner import run_suite
-    from harbor_async.tasks import suite_task_path
+    from harbor_async.engine.engine import Engine
+    from harbor_async.episodes.runner import run_suite
+    from harbor_async.tasks.suite import suite_task_path
 
     # run_suite's limiter is the batch's one concurrency limit (the engine gets none).
     async with Engine(**engine_kwargs) as engine:
@@ -490,8 +513,8 @@ def _server_url(settings: JobSettings) -> str:
 
 def _agent_kwargs(agent: str, model: str | None, ak: list[str] | None, base_url: str | None = None, api_key_name: str | None = None) -> dict[str, Any]:
     """``--ak`` parsed as Harbor parses it, over ``--base-url``/``--api-key-name``, once ``-a`` names an agent that loads (else exit 2)."""
+    from harbor_async.agents.harbor import endpoint_options
     from harbor_async.cli.agents import harbor_agent_class, parsed_agent_kwargs
-    from harbor_async.harbor_agents import endpoint_options
 
     if agent in MODEL_FREE_AGENTS:
         if base_url or api_key_name:
@@ -525,22 +548,22 @@ def _actor(settings: JobSettings):
         return settings.agent
     from functools import partial
 
+    from harbor_async.agents.harbor import HarborAgentSpec
+    from harbor_async.agents.harbor_episode import HarborEpisodeAgent
     from harbor_async.cli.agents import checked_spec
-    from harbor_async.harbor_agents import HarborAgentSpec
-    from harbor_async.harbor_episode_agent import HarborEpisodeAgent
 
     return partial(HarborEpisodeAgent, checked_spec(HarborAgentSpec(settings.agent, _model(settings), settings.agent_kwargs)))
 
 
 def _key(episode: PlannedEpisode, root: str, model: str | None = None) -> str:
-    from harbor_async.records import episode_key
-    from harbor_async.tasks import suite_task_path
+    from harbor_async.core.records import episode_key
+    from harbor_async.tasks.suite import suite_task_path
 
     return episode_key(suite_task_path(episode.task, root), episode.attempt, model)
 
 
 def _summary(records: list[EpisodeRecord], planned: int, settings: JobSettings, *, interrupted: str | None) -> dict[str, Any]:
-    from harbor_async.scoring import summarize
+    from harbor_async.jobs.scoring import summarize
 
     k = settings.n_attempts or 1
     summary = summarize(records, k=k)

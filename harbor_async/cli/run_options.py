@@ -13,14 +13,14 @@ from rich.table import Table
 from rich.text import Text
 
 from harbor_async.cli.common import fail, out, say
-from harbor_async.printing import escape_controls
-from harbor_async.runner import PlannedEpisode
-from harbor_async.settings import JobSettings
+from harbor_async.core.printing import escape_controls
+from harbor_async.episodes.runner import PlannedEpisode
+from harbor_async.jobs.settings import JobSettings
 
 
 def previous_refusals(job: Any) -> list[dict[str, str]]:
     """The tasks the job's first run refused (its ``summary.json``), kept by a resume's summary."""
-    from harbor_async.jobs import JobFolderError
+    from harbor_async.jobs.folder import JobFolderError
 
     try:
         found = job.read_json("summary.json")
@@ -34,7 +34,11 @@ def with_config(ctx: typer.Context, sources: list[str]) -> dict[str, Any]:
 
     ``--ak``/``--ek`` add to the config's kwargs (a key given on the command line wins), as in Harbor.
     """
-    from harbor_async.job_config import JobConfigError, load_job_config, run_options
+    from harbor_async.jobs.harbor_config import (
+        JobConfigError,
+        load_job_config,
+        run_options,
+    )
 
     try:
         from_config = run_options(load_job_config(sources))
@@ -49,7 +53,7 @@ def with_config(ctx: typer.Context, sources: list[str]) -> dict[str, Any]:
         elif name not in typed:
             arguments[name] = value
     if "mounts" in from_config and "mounts" not in typed:  # checked here to name the file's field, not --mounts
-        from harbor_async.mounts import MountError, parse_mounts
+        from harbor_async.tasks.mounts import MountError, parse_mounts
 
         try:
             parse_mounts(from_config["mounts"], writable=bool(arguments.get("mounts_writable")), flag="environment.mounts")
@@ -65,7 +69,7 @@ def print_job_config(
 
     ``selection``: ``-i``, ``-x`` and ``-l`` as the dataset's ``task_names``, ``exclude_task_names``, ``n_tasks``.
     """
-    from harbor_async.harbor_jobs import HarborJob
+    from harbor_async.jobs.harbor_layout import HarborJob
 
     root = Path(cast(str, settings.suite)) if settings.suite else None  # str(loaded.root) by now
     folder = jobs_dir / (job_name or "job")
@@ -108,7 +112,7 @@ def defaults_line(env: str | None, n_concurrent: int | None, settings: JobSettin
 
 def env_pairs(pairs: list[str] | None, flag: str) -> dict[str, str] | None:
     """``--ae``/``--ve``'s ``KEY=VALUE`` pairs (``None``: not given); a malformed pair exits 2 naming it."""
-    from harbor_async.task_overrides import parse_env_pairs
+    from harbor_async.tasks.overrides import parse_env_pairs
 
     if pairs is None:
         return None
@@ -133,8 +137,8 @@ def load_env_file(path: Path | str | None) -> str | None:
 
 
 def mounts_option(text: str | None, writable: bool) -> list[dict[str, Any]]:
-    """``--mounts``' JSON, normalized (:mod:`harbor_async.mounts`: read-only unless ``--mounts-writable``); else exit 2."""
-    from harbor_async.mounts import MountError, parse_mounts
+    """``--mounts``' JSON, normalized (:mod:`harbor_async.tasks.mounts`: read-only unless ``--mounts-writable``); else exit 2."""
+    from harbor_async.tasks.mounts import MountError, parse_mounts
 
     try:
         return parse_mounts(text, writable=writable)
@@ -144,7 +148,12 @@ def mounts_option(text: str | None, writable: bool) -> list[dict[str, Any]]:
 
 def checked_mounts(spec: Any, settings: JobSettings) -> None:
     """A job's mounts checked again (a resume's host paths may be gone) and against its backend; else exit 2."""
-    from harbor_async.mounts import MountError, check_backend, normalized, refuse_mounting_options
+    from harbor_async.tasks.mounts import (
+        MountError,
+        check_backend,
+        normalized,
+        refuse_mounting_options,
+    )
 
     try:
         refuse_mounting_options(settings.environment_kwargs)  # Harbor's own (writable unless each says not)
@@ -157,7 +166,7 @@ def checked_mounts(spec: Any, settings: JobSettings) -> None:
 def refuse_protected_mounts(settings: JobSettings, jobs_dir: Path) -> None:
     """Exit 2 when a ``--mounts`` source overlaps the suite's task folders (their tests and solutions) or the jobs
     folder (every trial's rewards): the sandbox's code would read, or with a writable mount change, them."""
-    from harbor_async.mounts import MountError, refuse_protected
+    from harbor_async.tasks.mounts import MountError, refuse_protected
 
     if not settings.mounts:
         return

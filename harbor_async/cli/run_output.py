@@ -9,8 +9,8 @@ from rich.table import Table
 from rich.text import Text
 
 from harbor_async.cli.common import out
-from harbor_async.printing import escape_controls
-from harbor_async.records import EpisodeRecord
+from harbor_async.core.printing import escape_controls
+from harbor_async.core.records import EpisodeRecord
 
 #: The phases of an episode, in order: the table's columns.
 PHASES = ("start", "agent", "verify", "stop")

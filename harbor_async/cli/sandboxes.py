@@ -10,9 +10,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from harbor_async.cli.cluster import RayAddressOpt
-from harbor_async.cli.common import fail, out, say, setup_logging
-from harbor_async.reaper import (
+from harbor_async.backends.reaper import (
     BACKENDS,
     SandboxInfo,
     format_age,
@@ -20,6 +18,8 @@ from harbor_async.reaper import (
     parse_duration,
     reap,
 )
+from harbor_async.cli.cluster import RayAddressOpt
+from harbor_async.cli.common import fail, out, say, setup_logging
 
 sandboxes_app = typer.Typer(
     name="sandboxes",
@@ -174,7 +174,7 @@ def prune_command() -> None:
     when Docker cannot be asked.
     """
     from harbor_async.backends.docker.cleanup import prune_task_images
-    from harbor_async.errors import ReaperError
+    from harbor_async.core.errors import ReaperError
 
     try:
         removed, kept = prune_task_images()

@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from harbor_async.cli.common import fail, say
-from harbor_async.errors import HarborAsyncError
-from harbor_async.logs import quieter
-from harbor_async.runner import PlannedEpisode
+from harbor_async.core.errors import HarborAsyncError
+from harbor_async.core.logs import quieter
+from harbor_async.episodes.runner import PlannedEpisode
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
 
-    from harbor_async.tasks import TaskSuite
+    from harbor_async.tasks.suite import TaskSuite
 
 # ── -d and the registry options, as `harbor run` spells them (run, tasks and eval) ──
 DatasetOpt = Annotated[
@@ -66,7 +66,7 @@ def suite_source(
     if path is not None:
         return Path(path)  # a Path is always local
     if task_ref:
-        from harbor_async.registry import resolve_task
+        from harbor_async.tasks.registry import resolve_task
 
         try:
             found = resolve_task(task_ref, registry_url=registry_url, registry_path=registry_path)
@@ -74,7 +74,7 @@ def suite_source(
             raise fail(exc) from None
         return [str(found.path)]  # as text: the source is kept in the job's settings (JSON)
     if dataset:
-        from harbor_async.registry import resolve_dataset
+        from harbor_async.tasks.registry import resolve_dataset
 
         try:
             resolved = resolve_dataset(dataset, registry_url=registry_url, registry_path=registry_path)
@@ -99,7 +99,7 @@ def load_tasks(
 
     Invalid tasks are reported once each, on stderr. Exits 2 on any bad input.
     """
-    from harbor_async.tasks import load_suite
+    from harbor_async.tasks.suite import load_suite
 
     if n_tasks is not None and indices is not None:
         raise fail("pass -l/--n-tasks or --indices, not both")
@@ -133,7 +133,7 @@ def describe_episodes(episodes: list[PlannedEpisode]) -> list[dict[str, Any]]:
 
 def reload_episodes(described: list[dict[str, Any]]) -> list[PlannedEpisode]:
     """The plan of a job folder's ``harbor-async.json``, its tasks loaded again (exits 2 if one is gone)."""
-    from harbor_async.tasks import load_task
+    from harbor_async.tasks.suite import load_task
 
     loaded: dict[str, Task] = {}
     episodes = []

@@ -10,9 +10,9 @@ import typer
 def setting_default(name: str) -> str:
     """A setting's default (``limits.max_turns``: a field of a nested model), as ``--help`` shows it.
 
-    Declared once, on :class:`~harbor_async.settings.JobSettings`.
+    Declared once, on :class:`~harbor_async.jobs.settings.JobSettings`.
     """
-    from harbor_async.settings import JobSettings
+    from harbor_async.jobs.settings import JobSettings
 
     model: Any = JobSettings
     *path, last = name.split(".")

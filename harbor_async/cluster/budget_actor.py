@@ -26,7 +26,11 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harbor_async.cluster.connect import DEFAULT_ACTOR_NAME, DEFAULT_NAMESPACE, ensure_connected
+from harbor_async.cluster.connect import (
+    DEFAULT_ACTOR_NAME,
+    DEFAULT_NAMESPACE,
+    ensure_connected,
+)
 from harbor_async.cluster.errors import ClusterBudgetConfigError
 
 #: Seconds a holder may stay silent before its leases are taken back (sized for

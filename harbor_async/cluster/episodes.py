@@ -4,7 +4,7 @@ The driver sends each worker a :class:`RunItem` (a task folder path, the
 attempt, the backend and the agent: a model-free one's name, or a Harbor
 agent's name, model and options, built anew for each episode as a local
 ``run`` builds it), and the worker runs it with
-:func:`harbor_async.runner.run_episode`, exactly as a local ``run`` does; so
+:func:`harbor_async.episodes.runner.run_episode`, exactly as a local ``run`` does; so
 a sharded run writes the records a local run writes. Task folders must be at
 the same path on every node.
 """
@@ -16,12 +16,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harbor_async.records import EpisodeRecord, episode_key
-from harbor_async.tasks import suite_task_path
+from harbor_async.core.records import EpisodeRecord, episode_key
+from harbor_async.tasks.suite import suite_task_path
 
 if TYPE_CHECKING:
-    from harbor_async.engine import Engine
-    from harbor_async.runner import PlannedEpisode
+    from harbor_async.engine.engine import Engine
+    from harbor_async.episodes.runner import PlannedEpisode
 
 
 @dataclass(frozen=True)
@@ -60,13 +60,13 @@ def run_items(
 
 async def run_item(engine: Engine, item: RunItem) -> EpisodeRecord:
     """The worker's side: load the task and run the episode on the node's ``engine`` as ``run`` does."""
-    from harbor_async.runner import MODEL_FREE_AGENTS, run_episode
-    from harbor_async.tasks import load_task
+    from harbor_async.episodes.runner import MODEL_FREE_AGENTS, run_episode
+    from harbor_async.tasks.suite import load_task
 
     agent: Any = item.agent
     if agent not in MODEL_FREE_AGENTS:  # a Harbor agent, built for this episode (the driver checked its options)
-        from harbor_async.harbor_agents import HarborAgentSpec
-        from harbor_async.harbor_episode_agent import HarborEpisodeAgent
+        from harbor_async.agents.harbor import HarborAgentSpec
+        from harbor_async.agents.harbor_episode import HarborEpisodeAgent
 
         agent = HarborEpisodeAgent(HarborAgentSpec(item.agent, item.model, json.loads(item.agent_kwargs)))
     return await run_episode(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from harbor_async.errors import HarborAsyncError
+from harbor_async.core.errors import HarborAsyncError
 
 
 class ClusterError(HarborAsyncError):

@@ -4,8 +4,8 @@ The driver keeps the model server and the job folder; each worker gets an
 :class:`EvalItem` (the evaluation's settings, the model, the server's address,
 the task folder, the attempt) and runs the episode on its node's engine with
 the one episode runner a local ``eval`` uses
-(:func:`harbor_async.runner.run_episode` with a
-:class:`~harbor_async.model_agent.ModelAgent`): the same harness, tools,
+(:func:`harbor_async.episodes.runner.run_episode` with a
+:class:`~harbor_async.agents.harness_agent.ModelAgent`): the same harness, tools,
 prompt and records. The server must be reachable from every node (not
 ``127.0.0.1`` across machines); task folders must be at the same path.
 """
@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harbor_async.records import EpisodeRecord, episode_key
-from harbor_async.settings import JobSettings
-from harbor_async.tasks import suite_task_path
+from harbor_async.core.records import EpisodeRecord, episode_key
+from harbor_async.jobs.settings import JobSettings
+from harbor_async.tasks.suite import suite_task_path
 
 if TYPE_CHECKING:
-    from harbor_async.checkpoints import ModelSpec
-    from harbor_async.engine import Engine
+    from harbor_async.engine.engine import Engine
+    from harbor_async.models.checkpoints import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,8 @@ def _agent(settings: JobSettings, encoded: str, model: str, base_url: str) -> An
     import anyio
     import openai
 
-    from harbor_async.agent import Agent
-    from harbor_async.model_agent import api_key
+    from harbor_async.agents.harness_agent import api_key
+    from harbor_async.agents.tool_loop import Agent
 
     key = (encoded, model, base_url)
     if key not in _AGENTS:
@@ -88,11 +88,15 @@ async def eval_item(engine: Engine, item: EvalItem) -> EpisodeRecord:
     The worker's episodes of one model share its model loop (client, request
     limiter): ``max_concurrent_requests`` bounds each node's requests in flight.
     """
-    from harbor_async.harbor_agents import HarborAgentSpec, is_harbor_agent
+    from harbor_async.agents.harbor import HarborAgentSpec, is_harbor_agent
+    from harbor_async.agents.harness_agent import (
+        eval_episode_agent,
+        harbor_agent_at,
+        model_episode_agent,
+    )
+    from harbor_async.episodes.runner import run_episode
     from harbor_async.harnesses import harness_factory
-    from harbor_async.model_agent import eval_episode_agent, harbor_agent_at, model_episode_agent
-    from harbor_async.runner import run_episode
-    from harbor_async.tasks import load_task
+    from harbor_async.tasks.suite import load_task
 
     settings = JobSettings.from_dict(json.loads(item.settings))
     task = load_task(item.task_dir)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-from harbor_async.policy import Limits
+from harbor_async.core.policy import Limits
 
 
 @dataclass(frozen=True)

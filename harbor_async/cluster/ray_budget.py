@@ -1,4 +1,4 @@
-"""``RayBudget``: a :class:`~harbor_async.budget.Budget` that leases from the cluster's budget actor.
+"""``RayBudget``: a :class:`~harbor_async.engine.budget.Budget` that leases from the cluster's budget actor.
 
 Wire it into an engine with the factory::
 
@@ -8,7 +8,7 @@ Wire it into an engine with the factory::
                     budget=ray_budget.factory(max_live=20, creates_per_second=5))
 
 ``Engine(budget=...)`` calls the factory on the engine's loop with the
-engine's :class:`~harbor_async.policy.Limits`: the process-local limits still
+engine's :class:`~harbor_async.core.policy.Limits`: the process-local limits still
 apply first, then the cluster's. The shim does this for
 ``HarborSpec(..., budget="ray", cluster_max_live=20)``, the CLI for
 ``--budget ray --max-live 20``.
@@ -52,9 +52,12 @@ from typing import TYPE_CHECKING, Any, cast
 import anyio
 import sniffio
 
-from harbor_async.budget import LocalBudget
 from harbor_async.cluster.budget_actor import DEFAULT_LEASE_TIMEOUT, Caps, get_or_create
-from harbor_async.cluster.connect import DEFAULT_ACTOR_NAME, DEFAULT_NAMESPACE, node_name
+from harbor_async.cluster.connect import (
+    DEFAULT_ACTOR_NAME,
+    DEFAULT_NAMESPACE,
+    node_name,
+)
 from harbor_async.cluster.errors import (
     BatchExceedsCapError,
     LeaseExpiredError,
@@ -62,11 +65,12 @@ from harbor_async.cluster.errors import (
     WorldRendezvousError,
 )
 from harbor_async.cluster.ranks import World, current_world
-from harbor_async.logs import get_logger
-from harbor_async.policy import Limits
+from harbor_async.core.logs import get_logger
+from harbor_async.core.policy import Limits
+from harbor_async.engine.budget import LocalBudget
 
 if TYPE_CHECKING:
-    from harbor_async.settings import JobSettings
+    from harbor_async.jobs.settings import JobSettings
 
 log = get_logger()
 

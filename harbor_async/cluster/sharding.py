@@ -2,7 +2,7 @@
 
 The driver keeps the queue. Each worker (an :class:`EpisodeWorker` actor
 pinned to one node) runs up to ``concurrency`` episodes at once in its own
-:class:`~harbor_async.engine.Engine`; each finished episode comes back as
+:class:`~harbor_async.engine.engine.Engine`; each finished episode comes back as
 one record, which the driver appends to the job folder at once (so the files
 are those of a local run, and ``--resume`` works the same).
 
@@ -30,9 +30,9 @@ from typing import Any
 
 from harbor_async.cluster.connect import DEFAULT_NAMESPACE, ensure_connected, import_ray
 from harbor_async.cluster.errors import ClusterError, WorkerClosedError
-from harbor_async.jobs import JobFolder
-from harbor_async.logs import get_logger
-from harbor_async.records import EpisodeRecord
+from harbor_async.core.logs import get_logger
+from harbor_async.core.records import EpisodeRecord
+from harbor_async.jobs.folder import JobFolder
 
 log = get_logger()
 
@@ -77,7 +77,7 @@ class EpisodeWorker:
         return self._engine
 
     async def _hold_engine(self, opened: asyncio.Future, closing: asyncio.Event) -> None:
-        from harbor_async.engine import Engine
+        from harbor_async.engine.engine import Engine
 
         try:
             async with Engine(**self._engine_kwargs) as engine:
@@ -92,7 +92,7 @@ class EpisodeWorker:
         """Run one episode; its record as plain JSON (an episode :meth:`stop` cancelled returns its record too)."""
         import anyio
 
-        from harbor_async.runner import record_sink
+        from harbor_async.episodes.runner import record_sink
 
         engine = await self._ensure_engine()
         kept: list[EpisodeRecord] = []
@@ -147,7 +147,7 @@ class ShardedRunner:
 
     Args:
         episode_fn: ``async def fn(engine, item) -> EpisodeRecord``, importable on the workers.
-        engine_kwargs: keyword arguments of each worker's :class:`~harbor_async.engine.Engine`
+        engine_kwargs: keyword arguments of each worker's :class:`~harbor_async.engine.engine.Engine`
             (limits, timeouts, ``budget=ray_budget.factory(...)`` for one cap across nodes).
         address: the Ray cluster (``None``: ``RAY_ADDRESS`` or the local one).
         workers: how many workers (default: one per alive node), spread over the nodes.
@@ -318,7 +318,12 @@ class ShardedRunner:
 
 def _lost_worker_errors(ray: Any) -> tuple[type[BaseException], ...]:
     """The errors that say the worker, not the episode, failed."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, WorkerCrashedError
+    from ray.exceptions import (
+        ActorDiedError,
+        ActorUnavailableError,
+        RayActorError,
+        WorkerCrashedError,
+    )
 
     return (RayActorError, ActorDiedError, ActorUnavailableError, WorkerCrashedError)
 
@@ -358,9 +363,9 @@ async def run_on_cluster_async(
     """:func:`run_on_cluster` from the driver's event loop, with the rules of a local batch.
 
     Each record goes to ``sink`` (the job folder: ``run``'s and ``eval``'s own
-    writer) as it arrives, then to ``budget`` (a :class:`~harbor_async.runner.FailureBudget`):
+    writer) as it arrives, then to ``budget`` (a :class:`~harbor_async.episodes.runner.FailureBudget`):
     when it says stop, nothing more is sent and the episodes in flight are
-    cancelled and recorded, as :func:`harbor_async.runner.run_suite` does on one
+    cancelled and recorded, as :func:`harbor_async.episodes.runner.run_suite` does on one
     engine. ``stop`` is given the function that starts that stop (the interrupt policy arms it).
     """
     import anyio

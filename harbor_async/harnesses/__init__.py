@@ -7,6 +7,8 @@ harness can also be named by import path (``pkg.module:Class``) or file path
 ``HarborEnv`` subclass, say) is built by an adapter registered under the
 ``harbor_async.harness_adapters`` entry point group (the shim registers one),
 so the core never imports the code that adapts it.
+
+Imports: core, backends, episodes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from harbor_async.errors import HarnessError
+from harbor_async.core.errors import HarnessError
 from harbor_async.harnesses.base import Harness
 from harbor_async.harnesses.bash import BashHarness
 from harbor_async.harnesses.python_kernel import PythonHarness

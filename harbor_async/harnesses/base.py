@@ -4,7 +4,7 @@ A harness is a class whose public methods are the model's tools (listed as
 TRL lists them, see :mod:`harbor_async.harnesses.toolset`), with a prompt
 suffix appended to the task instruction and an optional ``_setup`` run once
 the sandbox is up. It reaches its sandbox only through the current
-:class:`~harbor_async.episode.Episode`:
+:class:`~harbor_async.episodes.episode.Episode`:
 
 - ``self._exec(command, timeout)``: run a command from a thread that is not the
   loop's (sync tools), get TRL's output text;
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment
     from harbor.models.task.task import Task
 
-    from harbor_async.episode import Episode
+    from harbor_async.episodes.episode import Episode
 
 #: Commands TRL's env runs after every start, before the harness setup.
 BASE_SETUP_COMMAND = "mkdir -p /workdir /home/user/input"
@@ -151,7 +151,9 @@ class Harness:
         dockerfile = task.paths.environment_dir / "Dockerfile"
         if not dockerfile.exists():
             return
-        from harbor_async.backends.local.dockerfile import parse_dockerfile  # the project's one COPY parser
+        from harbor_async.backends.local.dockerfile import (
+            parse_dockerfile,  # the project's one COPY parser
+        )
 
         context = task.paths.environment_dir
         for step in parse_dockerfile(dockerfile.read_text()).copies:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from harbor_async.errors import HarnessError
+from harbor_async.core.errors import HarnessError
 
 #: Names TRL never exposes as tools, though they are public functions.
 NOT_TOOLS = frozenset({"reset", "get_reward"})

@@ -10,6 +10,8 @@ on 127.0.0.1 and reloads it while the job runs. Needs the ``report`` extra
 - :mod:`.charts`: matplotlib charts as SVG data URIs; :mod:`.bench`: benchmark sections;
 - :mod:`.pack`: inert JSON and the gzip-compressed episodes; :mod:`.render`: the templates;
 - :mod:`.server`: the ``view`` server.
+
+Imports: core, jobs.
 """
 
 from harbor_async.report.render import default_output, render, write_report

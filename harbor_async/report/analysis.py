@@ -1,7 +1,7 @@
 """The figures of a job's report, computed from its records.
 
 Everything here is plain data (numbers, strings, lists, dicts) for the
-templates and the page's script; the scores come from :mod:`harbor_async.scoring`
+templates and the page's script; the scores come from :mod:`harbor_async.jobs.scoring`
 so that the report agrees with ``summary.json`` and the command line.
 """
 
@@ -14,8 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from harbor_async.records import EpisodeRecord
-from harbor_async.scoring import DEFAULT_SUCCESS_THRESHOLD, paired_difference, summarize
+from harbor_async.core.records import EpisodeRecord
+from harbor_async.jobs.scoring import (
+    DEFAULT_SUCCESS_THRESHOLD,
+    paired_difference,
+    summarize,
+)
 
 #: Percentiles of each phase's seconds shown in the summary.
 PERCENTILES = (50, 90, 95, 99)
@@ -32,7 +36,7 @@ NOT_JUDGED = frozenset({"infrastructure", "model_server", "cancelled", "invalid_
 
 @dataclass
 class GroupSummary:
-    """One model or checkpoint of a job: its label and :func:`~harbor_async.scoring.summarize` of its records."""
+    """One model or checkpoint of a job: its label and :func:`~harbor_async.jobs.scoring.summarize` of its records."""
 
     label: str
     records: list[EpisodeRecord]

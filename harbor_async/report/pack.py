@@ -14,7 +14,7 @@ import gzip
 import json
 from typing import Any
 
-from harbor_async.records import EpisodeRecord
+from harbor_async.core.records import EpisodeRecord
 from harbor_async.report.analysis import episode_phases
 
 # In a <script type="application/json"> block the only danger is text that ends

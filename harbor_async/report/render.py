@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from harbor_async.records import EpisodeRecord
+from harbor_async.core.records import EpisodeRecord
 from harbor_async.report import charts
 from harbor_async.report.analysis import JobAnalysis, analyze
 from harbor_async.report.bench import benchmark_section

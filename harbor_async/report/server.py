@@ -21,8 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import cast
 
-from harbor_async.errors import HarborAsyncError
-from harbor_async.logs import get_logger
+from harbor_async.core.errors import HarborAsyncError
+from harbor_async.core.logs import get_logger
 from harbor_async.report.render import render
 from harbor_async.report.source import BenchmarkSource, load_source
 

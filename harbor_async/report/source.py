@@ -11,9 +11,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harbor_async.errors import HarborAsyncError
-from harbor_async.jobs import CONFIG_NAME, EPISODES_NAME, SETTINGS_NAME, SUMMARY_NAME, JobFolder, latest_records, read_records
-from harbor_async.records import EpisodeRecord
+from harbor_async.core.errors import HarborAsyncError
+from harbor_async.core.records import EpisodeRecord
+from harbor_async.jobs.folder import (
+    CONFIG_NAME,
+    EPISODES_NAME,
+    SETTINGS_NAME,
+    SUMMARY_NAME,
+    JobFolder,
+    latest_records,
+    read_records,
+)
 
 
 class ReportSourceError(HarborAsyncError, ValueError):

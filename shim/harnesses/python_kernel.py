@@ -1,6 +1,12 @@
 """``HarborPythonEnv``: the core Python-kernel harness (:mod:`harbor_async.harnesses.python_kernel`) with TRL's API."""
 
-from harbor_async.harnesses.python_kernel import INSTALL_COMMAND, KERNEL_DIR, MAX_CELL_OUTPUT, PROMPT_SUFFIX, PythonHarness
+from harbor_async.harnesses.python_kernel import (
+    INSTALL_COMMAND,
+    KERNEL_DIR,
+    MAX_CELL_OUTPUT,
+    PROMPT_SUFFIX,
+    PythonHarness,
+)
 from shim.env import HarborEnv
 
 __all__ = ["PROMPT_SUFFIX", "INSTALL_COMMAND", "KERNEL_DIR", "MAX_CELL_OUTPUT", "HarborPythonEnv"]

@@ -11,7 +11,7 @@ compose`` processes a killed owner left running are found by their
 ``--project-name`` and killed first, so that they cannot recreate what is being
 removed; so are Harbor's temporary compose override folders.
 
-The policy (whose sandboxes to remove) is :mod:`harbor_async.reaper`'s.
+The policy (whose sandboxes to remove) is :mod:`harbor_async.backends.reaper`'s.
 """
 
 from __future__ import annotations
@@ -24,21 +24,21 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 
-from harbor_async.errors import ReaperError
-from harbor_async.files import remove_tree
-from harbor_async.leftovers import (
-    pid_namespace,
-    process_start_time,
+from harbor_async.backends.leftovers import (
     Resource,
     SandboxInfo,
     earliest,
     has_live_parent,
     kill,
     parse_time,
+    pid_namespace,
+    process_start_time,
     processes,
     temp_dirs,
 )
-from harbor_async.naming import (
+from harbor_async.core.errors import ReaperError
+from harbor_async.core.files import remove_tree
+from harbor_async.core.naming import (
     COMPOSE_PROJECT_LABEL,
     LABEL_OWNER_PID,
     LABEL_PID_NS,

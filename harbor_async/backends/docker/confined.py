@@ -7,7 +7,7 @@ full size and copies a symlink the sandbox planted as a link, which the host
 then follows to a host file. Here:
 
 - each exec stream keeps its head and tail within ``output_limit`` bytes
-  (:class:`~harbor_async.bounded_output.HeadTail`), as on the local backend;
+  (:class:`~harbor_async.core.bounded_output.HeadTail`), as on the local backend;
 - downloads stream ``docker cp CONTAINER:PATH -`` (the daemon reads the
   container's files; nothing runs inside it) through a tar reader that takes
   regular files and folders only (links, devices and FIFOs are skipped, no
@@ -15,7 +15,7 @@ then follows to a host file. Here:
   ``transfer_limit_mb`` before writing, stops at 64 levels or 100,000 entries,
   and checks for cancellation between chunks;
 - every download also charges its episode's and job's disk bounds
-  (:mod:`harbor_async.disk_bounds`), and a task's ``storage_mb`` is the
+  (:mod:`harbor_async.verification.disk_bounds`), and a task's ``storage_mb`` is the
   daemon's quota where it enforces one, else a watch of the container's
   writable layer that kills it past the bound (:mod:`.storage`);
 - a task whose every phase is ``no-network`` runs with Compose's
@@ -43,8 +43,8 @@ import re
 import subprocess
 import tarfile
 import time
-from pathlib import Path
 from collections.abc import Collection
+from pathlib import Path
 from typing import IO, Any, cast
 
 import anyio
@@ -52,19 +52,22 @@ import anyio.from_thread
 from harbor.environments.base import ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities
 from harbor.environments.docker import COMPOSE_NO_NETWORK_PATH
-from harbor.environments.docker.docker import DockerEnvironment, _sanitize_docker_compose_project_name
+from harbor.environments.docker.docker import (
+    DockerEnvironment,
+    _sanitize_docker_compose_project_name,
+)
 from harbor.models.task.config import NetworkMode
 
-from harbor_async import disk_bounds
 from harbor_async.backends.docker import host_network, storage
 from harbor_async.backends.docker.cleanup import docker_is_local
 from harbor_async.backends.docker.loader_files import reset_loader_files
-from harbor_async.verifier_isolation import HIDDEN_SUFFIX
-from harbor_async.bounded_output import HeadTail
-from harbor_async.disk_bounds import StorageLimitError
-from harbor_async.errors import TransferLimitError
-from harbor_async.host_resources import capped_environment_config
-from harbor_async.transfer_budget import MAX_DEPTH, Budget
+from harbor_async.core.bounded_output import HeadTail
+from harbor_async.core.errors import TransferLimitError
+from harbor_async.tasks.resources import capped_environment_config
+from harbor_async.verification import disk_bounds
+from harbor_async.verification.disk_bounds import StorageLimitError
+from harbor_async.verification.isolation import HIDDEN_SUFFIX
+from harbor_async.verification.transfer_budget import MAX_DEPTH, Budget
 
 #: Defaults of the bounds (the local backend's).
 DEFAULT_TRANSFER_LIMIT_MB = 512
@@ -125,7 +128,7 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         self._transfer_limit = None if transfer_limit_mb is None else int(transfer_limit_mb) * 2**20
         self._output_limit = None if output_limit is None else int(output_limit)
         self._main_container: str | None = None
-        #: The task's storage_mb, past which the watch killed the container (harbor_async.disk_bounds reads it).
+        #: The task's storage_mb, past which the watch killed the container (harbor_async.verification.disk_bounds reads it).
         self.storage_exceeded: StorageLimitError | None = None
         self._watched_container: str | None = None
         self._storage_overlay: Path | None = None  # the daemon's own quota, where it enforces one
@@ -280,7 +283,7 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         Harbor's own route packs a gzip in the sandbox and unpacks it on the
         host, where nothing bounds what it expands to.
         """
-        from harbor_async.artifacts import prune_excluded
+        from harbor_async.verification.artifacts import prune_excluded
 
         await self.download_dir(source_dir, target_dir)
         prune_excluded(Path(target_dir), exclude)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from harbor_async.errors import BackendStartError, TaskDefinitionError
+from harbor_async.core.errors import BackendStartError, TaskDefinitionError
 
 #: Harbor's template (``environments/docker/docker.py``, ``_run_docker_compose_command``).
 _HARBOR_TEMPLATE = re.compile(

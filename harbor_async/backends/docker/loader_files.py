@@ -26,7 +26,7 @@ import asyncio
 import io
 import tarfile
 
-from harbor_async.verifier_isolation import CACHE, HIDDEN_SUFFIX, PRELOAD
+from harbor_async.verification.isolation import CACHE, HIDDEN_SUFFIX, PRELOAD
 
 #: The most of an agent's preload list kept aside (a list of library paths is short).
 MAX_PRELOAD = 64 * 1024

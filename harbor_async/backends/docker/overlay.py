@@ -5,7 +5,7 @@ Harbor builds each sandbox from its own compose files; an extra overlay file
 service, before the create call:
 
 - labels naming the run, the sandbox and the owning process (and its PID
-  namespace), which :mod:`harbor_async.reaper` reads (on every service of a
+  namespace), which :mod:`harbor_async.backends.reaper` reads (on every service of a
   multi-container task, with the init);
 - ``init: true``: Docker's init as PID 1 forwards SIGTERM and reaps zombies.
   Harbor's container otherwise runs ``sleep infinity`` as PID 1, which ignores
@@ -29,7 +29,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from harbor_async.naming import LABEL_OWNER_PID, LABEL_PID_NS, LABEL_RUN, LABEL_SANDBOX
+from harbor_async.core.naming import (
+    LABEL_OWNER_PID,
+    LABEL_PID_NS,
+    LABEL_RUN,
+    LABEL_SANDBOX,
+)
 
 #: Processes a docker sandbox may have at once (the local backend's default too).
 PIDS_LIMIT = 1024

@@ -17,8 +17,8 @@ container with the option:
   writable layer (``docker inspect --size``: ``SizeRw``, sparse files count in
   full) in one call for all of them, and kills a container past its bound. Its
   environment then refuses every further command with
-  :class:`~harbor_async.disk_bounds.StorageLimitError`, and the episode is the
-  agent's scored failure (:func:`harbor_async.disk_bounds.settle_bounds`).
+  :class:`~harbor_async.verification.disk_bounds.StorageLimitError`, and the episode is the
+  agent's scored failure (:func:`harbor_async.verification.disk_bounds.settle_bounds`).
   A poll is not a quota: a container may write past its bound for up to one
   interval before it is killed (a sparse file costs the disk nothing, a real
   write at disk speed for one interval).
@@ -36,8 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from harbor_async.disk_bounds import StorageLimitError
-from harbor_async.logs import get_logger
+from harbor_async.core.logs import get_logger
+from harbor_async.verification.disk_bounds import StorageLimitError
 
 log = get_logger()
 

@@ -17,7 +17,10 @@ from typing import Any
 
 import anyio
 from harbor.environments.base import BaseEnvironment, ExecResult
-from harbor.environments.capabilities import EnvironmentCapabilities, EnvironmentResourceCapabilities
+from harbor.environments.capabilities import (
+    EnvironmentCapabilities,
+    EnvironmentResourceCapabilities,
+)
 from harbor.models.task.config import EnvironmentConfig, HealthcheckConfig
 from harbor.models.trial.paths import TrialPaths
 
@@ -25,10 +28,8 @@ from harbor_async.backends.local.cleanup import abandon, stale_mount
 from harbor_async.backends.local.dockerfile import DockerfileSpec, parse_dockerfile
 from harbor_async.backends.local.enter_server import open_join
 from harbor_async.backends.local.errors import ExecTimeoutError
-from harbor_async.printing import escape_controls
-from harbor_async.backends.local.images import image_mismatch
 from harbor_async.backends.local.healthcheck import run_healthcheck
-from harbor_async.host_resources import cap, host_cpus, host_memory_mb
+from harbor_async.backends.local.images import image_mismatch
 from harbor_async.backends.local.keeper import Keeper, Tools, find_tools
 from harbor_async.backends.local.layout import (
     BASE_ENV,
@@ -42,9 +43,23 @@ from harbor_async.backends.local.layout import (
     VERIFIER_EXTRA_CAPS,
     under,
 )
+from harbor_async.backends.local.limits import (
+    Cgroups,
+    ResourceLimits,
+    UidLease,
+    cgroup_version,
+    exec_groups,
+    parse_limit,
+)
 from harbor_async.backends.local.loader_files import reset_loader_files
-from harbor_async.backends.local.limits import Cgroups, ResourceLimits, UidLease, cgroup_version, exec_groups, parse_limit
 from harbor_async.backends.local.output import MAX_ADOPTED, OUTPUT_SINK, OutputPipe
+from harbor_async.backends.local.pool import (
+    POOL,
+    Piece,
+    build_piece,
+    discard_piece,
+    start_keeper,
+)
 from harbor_async.backends.local.proctree import end_exec
 from harbor_async.backends.local.rootfs import (
     apply_copy,
@@ -53,13 +68,22 @@ from harbor_async.backends.local.rootfs import (
     host_path,
     remove_sandbox_folder,
 )
-from harbor_async.backends.local.pool import POOL, Piece, build_piece, discard_piece, start_keeper
 from harbor_async.backends.local.sandboxing import Confinement, host_binds, join_spec
 from harbor_async.backends.local.template import task_entries, write_entries
-from harbor_async.backends.local.transfers import DEFAULT_TRANSFER_LIMIT_MB, SandboxTransfers
+from harbor_async.backends.local.transfers import (
+    DEFAULT_TRANSFER_LIMIT_MB,
+    SandboxTransfers,
+)
 from harbor_async.backends.local.verifier_ns import VerifierNamespace
-from harbor_async.naming import DEFAULT_LOCAL_ROOT, LOCAL_ROOT_ENV, MARKER_NAME, local_folder_name
-from harbor_async.verifier_isolation import HIDDEN_SUFFIX
+from harbor_async.core.naming import (
+    DEFAULT_LOCAL_ROOT,
+    LOCAL_ROOT_ENV,
+    MARKER_NAME,
+    local_folder_name,
+)
+from harbor_async.core.printing import escape_controls
+from harbor_async.tasks.resources import cap, host_cpus, host_memory_mb
+from harbor_async.verification.isolation import HIDDEN_SUFFIX
 
 #: Set to 0 to stop open engines keeping local sandboxes ready ahead of starts (see ``engine_hold``).
 POOL_ENV = "HARBOR_ASYNC_LOCAL_POOL"
@@ -98,7 +122,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
 
     #: written with anyio only: safe to drive from trio as well as asyncio.
     ANYIO_NATIVE = True
-    #: what of ``--mounts`` it can bind, checked before a run starts (harbor_async.mounts.check_backend)
+    #: what of ``--mounts`` it can bind, checked before a run starts (harbor_async.tasks.mounts.check_backend)
     check_host_mounts = staticmethod(host_binds)
 
     def __init__(
@@ -119,7 +143,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         output_limit: int | str | None = DEFAULT_OUTPUT_LIMIT,
         transfer_limit_mb: int | str | None = DEFAULT_TRANSFER_LIMIT_MB,
         require_limits: bool | str = True,
-        allow_offline: bool | str = False,  # read by the run's task check (harbor_async.task_support)
+        allow_offline: bool | str = False,  # read by the run's task check (harbor_async.agents.task_checks)
         **kwargs: Any,
     ) -> None:
         base = Path(sandbox_root or os.environ.get(LOCAL_ROOT_ENV) or DEFAULT_LOCAL_ROOT)

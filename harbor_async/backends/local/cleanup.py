@@ -16,9 +16,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from harbor_async.backends.local.limits import remove_cgroups
-from harbor_async.backends.local.rootfs import remove_mount, remove_sandbox_folder
-from harbor_async.leftovers import (
+from harbor_async.backends.leftovers import (
     Resource,
     SandboxInfo,
     comm,
@@ -28,7 +26,9 @@ from harbor_async.leftovers import (
     process_start_time,
     processes,
 )
-from harbor_async.naming import MARKER_NAME, PREFIX, SESSION_RE, owner_from_session
+from harbor_async.backends.local.limits import remove_cgroups
+from harbor_async.backends.local.rootfs import remove_mount, remove_sandbox_folder
+from harbor_async.core.naming import MARKER_NAME, PREFIX, SESSION_RE, owner_from_session
 
 __all__ = ["read_marker", "remove", "scan"]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from harbor.environments.base import SandboxBuildFailedError
 
-from harbor_async.errors import TaskDefinitionError
+from harbor_async.core.errors import TaskDefinitionError
 
 
 @dataclass(frozen=True)

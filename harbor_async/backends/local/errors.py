@@ -1,4 +1,4 @@
-"""The local backend's errors (each a :class:`~harbor_async.errors.HarborAsyncError`)."""
+"""The local backend's errors (each a :class:`~harbor_async.core.errors.HarborAsyncError`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ from pathlib import Path
 
 from harbor.environments.base import SandboxBuildFailedError
 
-from harbor_async.errors import BackendExecTimeout, HarborAsyncError, TaskDefinitionError
+from harbor_async.core.errors import (
+    BackendExecTimeout,
+    HarborAsyncError,
+    TaskDefinitionError,
+)
 
 
 class ExecTimeoutError(BackendExecTimeout):

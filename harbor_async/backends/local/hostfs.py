@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from harbor_async.errors import TransferLimitError
-from harbor_async.transfer_budget import MAX_DEPTH, Budget
+from harbor_async.core.errors import TransferLimitError
+from harbor_async.verification.transfer_budget import MAX_DEPTH, Budget
 
 RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02

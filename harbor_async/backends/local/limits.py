@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harbor_async.errors import HarborAsyncError
-from harbor_async.naming import PREFIX
+from harbor_async.core.errors import HarborAsyncError
+from harbor_async.core.naming import PREFIX
 
 #: First host uid/gid of the per-sandbox pool: past systemd's container range
 #: (524288-1879048191) and below 2**31, which some tools take for signed.
@@ -308,7 +308,7 @@ def cgroup_members(folders: list[Path]) -> set[int]:
 
 def remove_cgroups(folders: list[str]) -> list[str]:
     """Kill what still runs in leftover cgroup folders, then remove them; returns what is left."""
-    from harbor_async.leftovers import kill
+    from harbor_async.backends.leftovers import kill
 
     pids = cgroup_members([Path(f) for f in folders])
     if pids:

@@ -25,7 +25,7 @@ import os
 import stat
 
 from harbor_async.backends.local import hostfs
-from harbor_async.verifier_isolation import CACHE, HIDDEN_SUFFIX, PRELOAD
+from harbor_async.verification.isolation import CACHE, HIDDEN_SUFFIX, PRELOAD
 
 HOST_CACHE = "/etc/ld.so.cache"
 

@@ -10,13 +10,13 @@ import time
 import anyio
 
 from harbor_async.backends.local.layout import OUTPUT_SETTLE_SEC
-from harbor_async.bounded_output import HeadTail
+from harbor_async.core.bounded_output import HeadTail
 
 
 class OutputPipe:
     """One output pipe of an exec, read without blocking the loop, kept within ``limit`` bytes.
 
-    The head and tail of what it carries are kept (:class:`~harbor_async.bounded_output.HeadTail`),
+    The head and tail of what it carries are kept (:class:`~harbor_async.core.bounded_output.HeadTail`),
     so the caller's memory stays flat however much a command prints. ``limit=None`` keeps everything.
     """
 

@@ -44,11 +44,21 @@ from harbor.environments.base import SandboxBuildFailedError
 from harbor_async.backends.local.errors import LimitUnavailableError
 from harbor_async.backends.local.keeper import KEEPER_THREAD, Keeper, Tools
 from harbor_async.backends.local.layout import KEEPER_START_TIMEOUT
-from harbor_async.backends.local.limits import LimitError, ResourceLimits, UidLease, pool_uids_mapped, sandbox_cgroups
-from harbor_async.backends.local.rootfs import mount_hub, mount_tmpfs, remove_sandbox_folder
+from harbor_async.backends.local.limits import (
+    LimitError,
+    ResourceLimits,
+    UidLease,
+    pool_uids_mapped,
+    sandbox_cgroups,
+)
+from harbor_async.backends.local.rootfs import (
+    mount_hub,
+    mount_tmpfs,
+    remove_sandbox_folder,
+)
 from harbor_async.backends.local.sandboxing import Confinement, HostBind, keeper_argv
 from harbor_async.backends.local.template import forget, write_base_tree
-from harbor_async.naming import MARKER_NAME, local_folder_name
+from harbor_async.core.naming import MARKER_NAME, local_folder_name
 
 log = logging.getLogger(__name__)
 

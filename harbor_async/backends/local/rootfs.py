@@ -32,9 +32,9 @@ from harbor_async.backends.local.layout import (
     SYSTEM_DIRS,
     under,
 )
-from harbor_async.errors import TaskDefinitionError
-from harbor_async.files import remove_tree
-from harbor_async.tasks import task_path_escapes
+from harbor_async.core.errors import TaskDefinitionError
+from harbor_async.core.files import remove_tree
+from harbor_async.tasks.suite import task_path_escapes
 
 #: Host /etc entries copied into the sandbox's /etc (public, read by the userland).
 ETC_COPIED = (

@@ -43,7 +43,7 @@ from harbor_async.backends.local.layout import (
     under,
 )
 from harbor_async.backends.local.limits import Cgroups, ResourceLimits, pool_uids_mapped
-from harbor_async.mounts import RESERVED_TARGETS, MountError
+from harbor_async.tasks.mounts import RESERVED_TARGETS, MountError
 
 _HELPERS = resources.files("harbor_async.backends.local") / "helpers"
 
@@ -67,7 +67,7 @@ def host_binds(mounts: Sequence[Mapping[str, Any]] | None) -> tuple[HostBind, ..
 
     Only binds of absolute host paths onto absolute sandbox paths outside the host's read-only
     system folders (``/usr``, ``/lib``, ...: bwrap cannot make a mount point in them) and the
-    kernel's folders are taken (``harbor-async run`` has checked the rest: :mod:`harbor_async.mounts`).
+    kernel's folders are taken (``harbor-async run`` has checked the rest: :mod:`harbor_async.tasks.mounts`).
 
     Raises:
         MountError: a mount this backend cannot bind.

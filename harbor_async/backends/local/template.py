@@ -21,7 +21,7 @@ from pathlib import Path
 from harbor_async.backends.local.dockerfile import CopyStep
 from harbor_async.backends.local.hostfs import as_fsuid
 from harbor_async.backends.local.rootfs import apply_copy, build_tree, host_path
-from harbor_async.files import remove_tree
+from harbor_async.core.files import remove_tree
 
 _DIR, _FILE, _LINK = 0, 1, 2
 _lock = threading.Lock()

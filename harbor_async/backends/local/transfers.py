@@ -20,11 +20,11 @@ from typing import Any
 import anyio
 import anyio.from_thread
 
-from harbor_async import disk_bounds
 from harbor_async.backends.local import hostfs
 from harbor_async.backends.local.errors import SandboxPathError, TaskPathEscapeError
 from harbor_async.backends.local.rootfs import check_sandbox_path
-from harbor_async.transfer_budget import Budget
+from harbor_async.verification import disk_bounds
+from harbor_async.verification.transfer_budget import Budget
 
 #: Default bound of one download (``transfer_limit_mb``), apparent size.
 DEFAULT_TRANSFER_LIMIT_MB = 512
@@ -114,7 +114,7 @@ class SandboxTransfers:
         Harbor's own route packs a gzip in the sandbox and unpacks it on the
         host, where nothing bounds what it expands to.
         """
-        from harbor_async.artifacts import prune_excluded
+        from harbor_async.verification.artifacts import prune_excluded
 
         await self.download_dir(source_dir, target_dir)
         prune_excluded(Path(target_dir), exclude)
@@ -135,7 +135,7 @@ class SandboxTransfers:
 
     async def _run(self, function: Callable[..., None], *args: Any, shown: str, limited: bool = False) -> None:
         """Run one transfer in a worker thread; cancelling the caller stops it at the next chunk."""
-        budget = Budget(  # a download also charges its episode's disk bound (harbor_async.disk_bounds)
+        budget = Budget(  # a download also charges its episode's disk bound (harbor_async.verification.disk_bounds)
             self._transfer_limit if limited else None, shown, anyio.from_thread.check_cancelled,
             disk_bounds.current() if limited else None,
         )

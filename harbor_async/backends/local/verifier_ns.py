@@ -33,7 +33,7 @@ from harbor_async.backends.local import hostfs
 from harbor_async.backends.local.enter_server import open_join
 from harbor_async.backends.local.layout import KEEPER_START_TIMEOUT
 from harbor_async.backends.local.sandboxing import join_spec
-from harbor_async.errors import HarborAsyncError, VerifierPathError
+from harbor_async.core.errors import HarborAsyncError, VerifierPathError
 
 #: ``enter.py``'s ``hold`` exit status when a path to hold is not a folder in the sandbox (``helpers/enter.py``).
 NOT_A_FOLDER = 123

@@ -1,0 +1,124 @@
+"""One episode of one of Harbor's agents (``terminus-2``, ``claude-code``, ``module:Class``): an EpisodeAgent.
+
+A :class:`HarborEpisodeAgent` is the :class:`~harbor_async.episodes.runner.EpisodeAgent`
+of a :class:`~harbor_async.agents.harbor.HarborAgentSpec`: the agent is built
+with Harbor's factory (its logs in the sandbox's trial ``agent/`` folder), set
+up in the start phase within Harbor's agent setup timeout, then run on the
+task's (each step's) instruction within the agent budget, as Harbor's trial
+runs it. Its token counts and cost (Harbor's ``AgentContext``) go into the
+record's ``usage``, summed over the steps of a multi-step task.
+
+Blame: a setup that fails (an install, a terminal) is the start's, rerun by a
+resume; a model-server error is judged by :mod:`harbor_async.models.model_server`, as
+for ``eval``'s harnesses: a transient one (unreachable, 408, 409, 429, 5xx) is
+``model_server`` (no verdict, rerun), a refused configuration (401, 403, 404,
+another 4xx) is ``model_server`` with
+:class:`~harbor_async.core.errors.ModelServerConfigError` (the run stops), and the
+model's own refusal (its context outgrown) is the agent's; anything else the
+agent does, or its running out of time, is the agent's (the verifier still
+judges what it left, as in Harbor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from harbor_async.agents.harbor import HarborAgentSpec
+from harbor_async.core.errors import Phase, SandboxError, SandboxTimeout
+from harbor_async.models.model_server import ServerVerdict, classify, model_server_error
+
+if TYPE_CHECKING:
+    from harbor_async.episodes.episode import Episode
+
+#: Harbor's ``AgentContext`` counts kept in a record's ``usage`` (summed over the steps of a task).
+USAGE_KEYS = ("n_input_tokens", "n_cache_tokens", "n_output_tokens", "cost_usd")
+
+
+@dataclass
+class HarborEpisodeAgent:
+    """One episode of a Harbor agent: built and set up in the start phase, run on each instruction.
+
+    Args:
+        spec: the agent, its model and options.
+        name: recorded as the record's ``agent`` (default: the spec's name).
+        timeout: the agent's wall-clock budget per instruction (``eval``'s ``--agent-timeout``);
+            ``None``: the task's or step's agent budget, multiplied.
+    """
+
+    spec: HarborAgentSpec
+    name: str = ""
+    timeout: float | None = None
+    _agent: Any = None
+    _acted: bool = False
+
+    def __post_init__(self) -> None:
+        self.name = self.name or self.spec.name
+
+    async def setup(self, episode: Episode) -> None:
+        """Build the agent into the sandbox's trial ``agent/`` folder and run its ``setup`` (Harbor's setup timeout)."""
+        from harbor.models.trial.paths import TrialPaths
+
+        sandbox = episode.sandbox
+        assert sandbox is not None and sandbox.trial_dir is not None
+        cls = self.spec.agent_class
+        self._agent = self.spec.build(TrialPaths(trial_dir=sandbox.trial_dir).agent_dir, episode.task)
+        timeouts = episode.engine.timeouts
+        budget = cls.DEFAULT_SETUP_TIMEOUT_SEC * (timeouts.agent_setup_timeout_multiplier or timeouts.timeout_multiplier)  # Harbor's rule
+        environment = sandbox.environment
+        with environment.with_default_user(episode.task.config.agent.user), environment.scoped_exec_env({**self._agent.extra_env, **sandbox.context.agent_env}):
+            async with sandbox.context.budget.exec_slot(), sandbox.bounded_phase(Phase.START, budget=budget):
+                await self._agent.setup(environment)
+
+    async def act(self, episode: Episode) -> None:
+        """Run the agent on the episode's instruction; record its usage and, if it failed, whose failure it was."""
+        from harbor.models.agent.context import AgentContext
+
+        sandbox, record = episode.sandbox, episode.record
+        assert sandbox is not None and self._agent is not None
+        context = AgentContext()
+        environment = sandbox.environment
+        again = self._acted and sandbox.context.strict_verify and self._keeps_processes()
+        self._acted = True
+        try:
+            with environment.scoped_exec_env({**self._agent.extra_env, **sandbox.context.agent_env}):
+                async with sandbox.context.budget.exec_slot(), sandbox.bounded_phase(Phase.AGENT, budget=episode.agent_budget):
+                    if again:
+                        # The last step's strict verify ended every process the agent had (terminus-2's terminal):
+                        # its setup starts them again, within this step's budget; a sandbox the agent broke is its own.
+                        await self._agent.setup(environment)
+                    await self._agent.run(episode.instruction, environment, context)
+        except SandboxError as exc:
+            # The agent keeps its own conversation: only context overflow can be the model's refusal here.
+            # A phase that ran out of time is the agent's, even while a request of its was failing.
+            verdict = None if isinstance(exc, SandboxTimeout) else classify(exc)
+            if verdict in (ServerVerdict.TRANSIENT, ServerVerdict.CONFIGURATION):
+                # the model server failed or refused its setup, not the model: no verdict (as eval's harnesses)
+                server = model_server_error(exc, self.spec.model_name, verdict)
+                episode.fail_with(server, "model")
+                episode.error = server
+            else:  # no server error, or the model's own refusal (its context outgrown): the agent's
+                episode.fail_with(exc)
+        finally:
+            if context.is_empty():  # an installed agent's counts come from its logs (Harbor's post-run step)
+                try:
+                    self._agent.populate_context_post_run(context)
+                except Exception:  # noqa: BLE001 - logs it could not read: no counts, not a failed episode
+                    pass
+            _add_usage(record.usage, context)
+
+
+    def _keeps_processes(self) -> bool:
+        """Whether the agent keeps processes between instructions (a terminal): an installed agent runs one exec each."""
+        from harbor.agents.installed.base import BaseInstalledAgent
+
+        return not isinstance(self._agent, BaseInstalledAgent)
+
+
+def _add_usage(usage: dict[str, Any], context: Any) -> None:
+    """Add the ``AgentContext``'s token counts and cost to a record's ``usage`` (a later step adds to the earlier)."""
+    for key in USAGE_KEYS:
+        value = getattr(context, key, None)
+        if value is not None:
+            usage[key] = usage.get(key, 0) + value
+

@@ -1,0 +1,73 @@
+"""Sandbox budgets: how many sandboxes may live, how fast they may be created, how many execs run.
+
+A budget is what a sandbox asks before it exists and tells when it is gone.
+:class:`LocalBudget` holds the limits of one process (the default). A cluster
+budget (``budget="ray"``) leases the same three things from one actor shared
+by every process on every node; both implement :class:`Budget`.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import AbstractAsyncContextManager, nullcontext
+from typing import Any, Protocol, runtime_checkable
+
+import anyio
+
+from harbor_async.core.policy import Limits, RateLimiter
+
+
+@runtime_checkable
+class Budget(Protocol):
+    """What the engine's sandboxes ask of a budget, on the loop thread.
+
+    ``acquire_live`` returns once ``owner`` holds one live-sandbox slot and is
+    cancellable while it waits; ``release_live`` gives it back (once per
+    acquire); ``create_turn`` waits for the create rate; ``exec_slot`` returns
+    an async context holding one concurrent-exec slot.
+    """
+
+    live_limit: int | None
+
+    async def acquire_live(self, owner: Any) -> None: ...
+
+    def release_live(self, owner: Any) -> None: ...
+
+    async def create_turn(self) -> None: ...
+
+    def exec_slot(self) -> AbstractAsyncContextManager[Any]: ...
+
+
+#: The unlimited exec slot: one shared, stateless ``nullcontext``. A fresh one per exec lives as long as
+#: the command, long enough for CPython's collector to promote it to the generation its full collections walk.
+_NO_SLOT = nullcontext()
+
+
+class LocalBudget:
+    """The limits of one process: a capacity limiter, a rate limiter, an exec limiter.
+
+    Create it on the loop that uses it (anyio primitives belong to one loop).
+    """
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.live_limit = limits.live_sandboxes
+        self._live = anyio.CapacityLimiter(limits.live_sandboxes or math.inf)
+        self._rate = RateLimiter(limits.creates_per_second)
+        self._execs = anyio.CapacityLimiter(limits.concurrent_execs) if limits.concurrent_execs else None
+
+    async def acquire_live(self, owner: Any) -> None:
+        """Wait for a live slot for ``owner``."""
+        await self._live.acquire_on_behalf_of(owner)
+
+    def release_live(self, owner: Any) -> None:
+        """Give ``owner``'s live slot back."""
+        self._live.release_on_behalf_of(owner)
+
+    async def create_turn(self) -> None:
+        """Wait for the create rate."""
+        await self._rate.wait()
+
+    def exec_slot(self) -> AbstractAsyncContextManager[Any]:
+        """An async context holding one concurrent-exec slot (a no-op when unlimited)."""
+        return self._execs if self._execs is not None else _NO_SLOT
