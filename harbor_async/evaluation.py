@@ -3,8 +3,8 @@
 For each model (one server at a time), every (task, attempt) runs
 concurrently through the one episode runner (:func:`harbor_async.episodes.runner.run_episode`)
 on this evaluation's engine: the harness (the one used in training) is prepared
-on the new sandbox, the :class:`~harbor_async.agents.tool_loop.Agent` loop talks to the
-model and calls the harness's tools (:class:`~harbor_async.agents.harness_agent.ModelAgent`),
+on the new sandbox, the :class:`~harbor_async.agents.tool_loop.ToolLoop` talks to the
+model and calls the harness's tools (:class:`~harbor_async.agents.harness_agent.HarnessAgent`),
 and the task's verifier scores the sandbox. Each episode's :class:`~harbor_async.core.records.EpisodeRecord`
 (transcript, usage, finish reason, timings, failure class) is appended to the
 job folder as it ends; ``resume`` runs only the missing episodes and those a
@@ -37,7 +37,7 @@ from harbor_async.agents.harness_agent import (
     resolve_harness,
 )
 from harbor_async.agents.task_checks import Refusal, check_tasks, refused_summary
-from harbor_async.agents.tool_loop import Agent
+from harbor_async.agents.tool_loop import ToolLoop
 from harbor_async.backends import BackendSpec, resolve_backend
 from harbor_async.core.errors import (
     BackendError,
@@ -167,7 +167,7 @@ class _Run:
         assert self.engine is not None
         planned: list[PlannedEpisode] = []
         for spec in group.models:
-            agent: Agent | Any = Agent(
+            agent: ToolLoop | Any = ToolLoop(
                 client, spec.name, sampling=self.settings.sampling, limits=self.settings.limits,
                 request_limiter=self.request_limiter, tool_limiter=self.tool_limiter,
             )  # fmt: skip

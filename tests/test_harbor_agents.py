@@ -261,7 +261,7 @@ async def test_a_model_server_that_cannot_be_reached_is_not_the_models_failure(t
     import tenacity
     from harbor.llms.lite_llm import LiteLLM
 
-    from harbor_async.agents.harbor_episode import HarborEpisodeAgent
+    from harbor_async.agents.harbor_episode import HarborAgentRunner
     from harbor_async.engine.engine import Engine
     from harbor_async.episodes.runner import run_episode
     from harbor_async.models.serve import free_port
@@ -271,7 +271,7 @@ async def test_a_model_server_that_cannot_be_reached_is_not_the_models_failure(t
     spec = HarborAgentSpec("terminus-2").with_server("terminus", f"http://127.0.0.1:{free_port()}/v1")  # nothing listens
     monkeypatch.setattr(LiteLLM.call.retry, "wait", tenacity.wait_none())  # Harbor's 4-15 s backoff: retried at once here
     async with Engine() as engine:
-        record = await run_episode(engine, task, "local", HarborEpisodeAgent(spec))
+        record = await run_episode(engine, task, "local", HarborAgentRunner(spec))
     assert (record.error_class, record.error_phase, record.reward) == ("model_server", "model", None)  # rerun, never scored
 
 

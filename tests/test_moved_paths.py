@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from harbor_async.core.moved import FORWARDED, MOVED
+from harbor_async.core.moved import FORWARDED, MOVED, RENAMED
 
 
 def _import_fresh(name: str) -> tuple[object, list[warnings.WarningMessage]]:
@@ -92,3 +92,14 @@ def test_the_docs_table_lists_every_old_path() -> None:
     block = page.split("<!-- moved: begin")[1].split("<!-- moved: end")[0]
     table = dict(re.findall(r"^\| `([\w.]+)` \| `([\w.]+)` \|$", block, re.M))
     assert table == {**MOVED, **FORWARDED}
+
+
+@pytest.mark.parametrize(("module", "old", "new"), [(m, o, n) for m, names in sorted(RENAMED.items()) for o, n in names.items()])
+def test_a_renamed_class_answers_to_its_old_name(module: str, old: str, new: str) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = getattr(importlib.import_module(module), old)
+    assert found is getattr(importlib.import_module(module), new) and found.__name__ == new
+    assert [str(w.message) for w in caught] == [f"{module}.{old} moved to {module}.{new}; the old path goes in the next release"]
+    with pytest.raises(AttributeError):
+        getattr(importlib.import_module(module), "NoSuchClass")

@@ -1,7 +1,7 @@
 """One model-server classifier (harbor_async/models/model_server.py), by type and HTTP status, for every agent.
 
 First the verdicts, on real ``openai`` and LiteLLM exception objects (wrapped as
-Harbor and LiteLLM wrap them); then end to end: the harnesses' ``Agent`` and
+Harbor and LiteLLM wrap them); then end to end: the harnesses' ``ToolLoop`` and
 Harbor's terminus-2 against the scripted OpenAI-compatible server, which
 answers each model name with the status under test.
 """
@@ -277,7 +277,7 @@ def test_harbors_context_length_error_keeps_litellms_as_its_context() -> None:
         assert classify(wrapped(harbor_error)) is ServerVerdict.MODEL
 
 
-# ── end to end: the harnesses' Agent against the scripted server ─────────────
+# ── end to end: the harnesses' ToolLoop against the scripted server ─────────────
 
 EXTRA_MODELS = ("refuse-400", "refuse-422")
 
@@ -329,11 +329,11 @@ class Shell:
 
 
 def _run_agent(server: ScriptedServer, model: str, *, api_key: str = "EMPTY", retries: int = 2):
-    from harbor_async.agents.tool_loop import Agent, AgentLimits
+    from harbor_async.agents.tool_loop import ToolLoop, AgentLimits
 
     async def main():
         async with openai.AsyncOpenAI(base_url=server.base_url, api_key=api_key, max_retries=0) as client:
-            agent = Agent(client, model, limits=AgentLimits(retries=retries, retry_max_wait=0.05))
+            agent = ToolLoop(client, model, limits=AgentLimits(retries=retries, retry_max_wait=0.05))
             return await agent.run(Shell(), server.solutions[0][0])  # a task the scripted models know
 
     return anyio.run(main)
@@ -398,7 +398,7 @@ def _terminus_episode(tmp_path: Path, server: ScriptedServer, model: str, **agen
     from harbor.llms.lite_llm import LiteLLM
 
     from harbor_async.agents.harbor import HarborAgentSpec
-    from harbor_async.agents.harbor_episode import HarborEpisodeAgent
+    from harbor_async.agents.harbor_episode import HarborAgentRunner
     from harbor_async.engine.engine import Engine
     from harbor_async.episodes.runner import run_episode
     from harbor_async.tasks.suite import load_task
@@ -408,7 +408,7 @@ def _terminus_episode(tmp_path: Path, server: ScriptedServer, model: str, **agen
 
     async def main():
         async with Engine() as engine:
-            return await run_episode(engine, task, "local", HarborEpisodeAgent(spec))
+            return await run_episode(engine, task, "local", HarborAgentRunner(spec))
 
     original = LiteLLM.call.retry.wait
     LiteLLM.call.retry.wait = tenacity.wait_none()  # Harbor's 4-15 s backoff between its own retries

@@ -6,7 +6,7 @@ as ``harbor run`` reads them (Harbor's own parser). A :class:`HarborAgentSpec`
 names the agent and builds it with Harbor's factory; what cannot run where
 is refused before any sandbox starts (:func:`backend_refusal`, one line;
 :func:`task_refusals`, per task, through :mod:`harbor_async.agents.task_checks`).
-One episode of it is a :class:`~harbor_async.agents.harbor_episode.HarborEpisodeAgent`.
+One episode of it is a :class:`~harbor_async.agents.harbor_episode.HarborAgentRunner`.
 
 Two defaults differ from ``harbor run`` because sandboxes here are offline:
 ``record_terminal_session`` is off (asciinema would have to be installed from

@@ -1,6 +1,6 @@
 """One episode of one of Harbor's agents (``terminus-2``, ``claude-code``, ``module:Class``): an EpisodeAgent.
 
-A :class:`HarborEpisodeAgent` is the :class:`~harbor_async.episodes.runner.EpisodeAgent`
+A :class:`HarborAgentRunner` is the :class:`~harbor_async.episodes.runner.EpisodeAgent`
 of a :class:`~harbor_async.agents.harbor.HarborAgentSpec`: the agent is built
 with Harbor's factory (its logs in the sandbox's trial ``agent/`` folder), set
 up in the start phase within Harbor's agent setup timeout, then run on the
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from harbor_async.agents.harbor import HarborAgentSpec
 from harbor_async.core.errors import Phase, SandboxError, SandboxTimeout
+from harbor_async.core.moved import renamed_attribute
 from harbor_async.models.model_server import ServerVerdict, classify, model_server_error
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ USAGE_KEYS = ("n_input_tokens", "n_cache_tokens", "n_output_tokens", "cost_usd")
 
 
 @dataclass
-class HarborEpisodeAgent:
+class HarborAgentRunner:
     """One episode of a Harbor agent: built and set up in the start phase, run on each instruction.
 
     Args:
@@ -122,3 +123,8 @@ def _add_usage(usage: dict[str, Any], context: Any) -> None:
         if value is not None:
             usage[key] = usage.get(key, 0) + value
 
+if not TYPE_CHECKING:  # hidden from type checkers, which would otherwise take any name as defined
+
+    def __getattr__(name: str) -> Any:
+        """The old class names of the move (one release, with a DeprecationWarning)."""
+        return renamed_attribute(__name__, name)

@@ -1,17 +1,17 @@
 """``eval``'s agent phase: a tool harness driven by a model server, as in training.
 
-A :class:`ModelAgent` is one episode's :class:`~harbor_async.episodes.runner.EpisodeAgent`:
+A :class:`HarnessAgent` is one episode's :class:`~harbor_async.episodes.runner.EpisodeAgent`:
 it builds a fresh harness, binds it to the episode and prepares it in the start
 phase (as the shim's ``reset()`` does), then runs the
-:class:`~harbor_async.agents.tool_loop.Agent` loop over the harness's tools and records the
+:class:`~harbor_async.agents.tool_loop.ToolLoop` over the harness's tools and records the
 transcript, usage and finish reason. Blame: a model server that kept failing is
 ``model_server`` (rerun by a resume); a command the sandbox could not run is
 ``infrastructure``; running out of the agent's time is the agent's.
 
 ``-a`` may name one of Harbor's agents instead (``terminus-2``, ``module:Class``):
 :func:`resolve_eval_agent` tells which, and :func:`eval_episode_agent` makes
-each episode's agent: a :class:`ModelAgent`, or a
-:class:`~harbor_async.agents.harbor_episode.HarborEpisodeAgent` pointed at the
+each episode's agent: a :class:`HarnessAgent`, or a
+:class:`~harbor_async.agents.harbor_episode.HarborAgentRunner` pointed at the
 server (``hosted_vllm/<served name>`` at its URL).
 """
 
@@ -37,18 +37,19 @@ from harbor_async.core.errors import (
     Phase,
     SandboxTimeout,
 )
+from harbor_async.core.moved import renamed_attribute
 from harbor_async.harnesses import HARNESSES, Harness, harness_factory
 from harbor_async.harnesses.toolset import build_toolset
 
 if TYPE_CHECKING:
     from harbor_async.agents.task_checks import Driver
-    from harbor_async.agents.tool_loop import Agent, Sampling
+    from harbor_async.agents.tool_loop import Sampling, ToolLoop
     from harbor_async.episodes.episode import Episode
     from harbor_async.jobs.settings import JobSettings
 
 
 @dataclass
-class ModelAgent:
+class HarnessAgent:
     """One episode of a harness driven by ``agent`` (a model on a server).
 
     Args:
@@ -61,7 +62,7 @@ class ModelAgent:
             budget (the task's ``[agent] timeout_sec`` or the engine's, multiplied).
     """
 
-    agent: Agent
+    agent: ToolLoop
     harness: Callable[[], Harness]
     name: str
     attempt: int = 0
@@ -115,9 +116,9 @@ class ModelAgent:
             episode.fail_with(EpisodeDeadlineError(Phase.AGENT, *where, f"the episode reached its {deadline:g} s deadline"))
 
 
-def model_episode_agent(settings: JobSettings, agent: Agent, harness: Callable[[], Harness], attempt: int) -> ModelAgent:
+def model_episode_agent(settings: JobSettings, agent: ToolLoop, harness: Callable[[], Harness], attempt: int) -> HarnessAgent:
     """The agent phase of one evaluation episode (a driver's or a cluster worker's)."""
-    return ModelAgent(agent, harness, settings.agent, attempt=attempt, timeout=agent.limits.timeout)
+    return HarnessAgent(agent, harness, settings.agent, attempt=attempt, timeout=agent.limits.timeout)
 
 
 def api_key(name: str | None) -> str:
@@ -188,11 +189,17 @@ def check_harbor_options(spec: HarborAgentSpec, settings: JobSettings, model: st
 
 
 def eval_episode_agent(settings: JobSettings, agent: Any, harness: Callable[[], Harness] | None, attempt: int) -> Any:
-    """One evaluation episode's agent: ``agent`` is the model's :class:`~harbor_async.agents.tool_loop.Agent` loop
+    """One evaluation episode's agent: ``agent`` is the model's :class:`~harbor_async.agents.tool_loop.ToolLoop`
     (with ``harness``), or a :class:`HarborAgentSpec` already pointed at the server (see :meth:`HarborAgentSpec.with_server`)."""
     if isinstance(agent, HarborAgentSpec):
-        from harbor_async.agents.harbor_episode import HarborEpisodeAgent
+        from harbor_async.agents.harbor_episode import HarborAgentRunner
 
-        return HarborEpisodeAgent(agent, settings.agent, timeout=settings.limits.timeout)
+        return HarborAgentRunner(agent, settings.agent, timeout=settings.limits.timeout)
     assert harness is not None
     return model_episode_agent(settings, agent, harness, attempt)
+
+if not TYPE_CHECKING:  # hidden from type checkers, which would otherwise take any name as defined
+
+    def __getattr__(name: str) -> Any:
+        """The old class names of the move (one release, with a DeprecationWarning)."""
+        return renamed_attribute(__name__, name)

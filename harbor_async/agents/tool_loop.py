@@ -43,6 +43,7 @@ from tenacity import (
 )
 
 from harbor_async.core.errors import ModelServerError
+from harbor_async.core.moved import renamed_attribute
 from harbor_async.harnesses.toolset import Toolset, build_toolset
 from harbor_async.jobs.setting_fields import AgentLimits, Sampling
 from harbor_async.models.model_server import (
@@ -105,7 +106,7 @@ class _ModelRefusal(Exception):
         self.reason = reason
 
 
-class Agent:
+class ToolLoop:
     """Runs episodes of one model against one server.
 
     Args:
@@ -262,3 +263,9 @@ class Agent:
         except Exception as exc:  # as TRL: any tool failure is text for the model
             return tool_error_text(str(exc)), True
         return (value if isinstance(value, list) else str(value)), False
+
+if not TYPE_CHECKING:  # hidden from type checkers, which would otherwise take any name as defined
+
+    def __getattr__(name: str) -> Any:
+        """The old class names of the move (one release, with a DeprecationWarning)."""
+        return renamed_attribute(__name__, name)

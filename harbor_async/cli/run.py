@@ -549,10 +549,10 @@ def _actor(settings: JobSettings):
     from functools import partial
 
     from harbor_async.agents.harbor import HarborAgentSpec
-    from harbor_async.agents.harbor_episode import HarborEpisodeAgent
+    from harbor_async.agents.harbor_episode import HarborAgentRunner
     from harbor_async.cli.agents import checked_spec
 
-    return partial(HarborEpisodeAgent, checked_spec(HarborAgentSpec(settings.agent, _model(settings), settings.agent_kwargs)))
+    return partial(HarborAgentRunner, checked_spec(HarborAgentSpec(settings.agent, _model(settings), settings.agent_kwargs)))
 
 
 def _key(episode: PlannedEpisode, root: str, model: str | None = None) -> str:

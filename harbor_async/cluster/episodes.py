@@ -66,9 +66,9 @@ async def run_item(engine: Engine, item: RunItem) -> EpisodeRecord:
     agent: Any = item.agent
     if agent not in MODEL_FREE_AGENTS:  # a Harbor agent, built for this episode (the driver checked its options)
         from harbor_async.agents.harbor import HarborAgentSpec
-        from harbor_async.agents.harbor_episode import HarborEpisodeAgent
+        from harbor_async.agents.harbor_episode import HarborAgentRunner
 
-        agent = HarborEpisodeAgent(HarborAgentSpec(item.agent, item.model, json.loads(item.agent_kwargs)))
+        agent = HarborAgentRunner(HarborAgentSpec(item.agent, item.model, json.loads(item.agent_kwargs)))
     return await run_episode(
         engine, load_task(item.task_dir), item.backend, agent, attempt=item.attempt,
         task_path=item.task_path or None, model=item.model,

@@ -5,7 +5,7 @@ The driver keeps the model server and the job folder; each worker gets an
 the task folder, the attempt) and runs the episode on its node's engine with
 the one episode runner a local ``eval`` uses
 (:func:`harbor_async.episodes.runner.run_episode` with a
-:class:`~harbor_async.agents.harness_agent.ModelAgent`): the same harness, tools,
+:class:`~harbor_async.agents.harness_agent.HarnessAgent`): the same harness, tools,
 prompt and records. The server must be reachable from every node (not
 ``127.0.0.1`` across machines); task folders must be at the same path.
 """
@@ -67,14 +67,14 @@ def _agent(settings: JobSettings, encoded: str, model: str, base_url: str) -> An
     import openai
 
     from harbor_async.agents.harness_agent import api_key
-    from harbor_async.agents.tool_loop import Agent
+    from harbor_async.agents.tool_loop import ToolLoop
 
     key = (encoded, model, base_url)
     if key not in _AGENTS:
         client = openai.AsyncOpenAI(
             base_url=base_url, api_key=api_key(settings.api_key_name), max_retries=0, timeout=settings.request_timeout
         )
-        _AGENTS[key] = Agent(
+        _AGENTS[key] = ToolLoop(
             client, model, sampling=settings.sampling, limits=settings.limits,
             request_limiter=anyio.CapacityLimiter(settings.max_concurrent_requests),
             tool_limiter=anyio.CapacityLimiter(settings.n_concurrent),

@@ -5,7 +5,8 @@ A module that moved is found under its old name by a finder on ``sys.meta_path``
 hold one module object and patching either patches both. Three old modules
 share their name with the package that took their place (``engine``, ``tasks``,
 ``jobs``): those packages forward their old module's names
-(:func:`moved_attribute`). Either way the first use warns with a
+(:func:`moved_attribute`). Four classes were renamed too (:data:`RENAMED`);
+their modules answer the old names (:func:`renamed_attribute`). Either way the first use warns with a
 :class:`DeprecationWarning` naming the new path.
 """
 
@@ -84,6 +85,15 @@ FORWARDED: dict[str, str] = {
 }
 
 
+#: Classes renamed with the move: module -> {old name: new name}.
+RENAMED: dict[str, dict[str, str]] = {
+    "harbor_async.agents.harbor_episode": {"HarborEpisodeAgent": "HarborAgentRunner"},
+    "harbor_async.agents.harness_agent": {"ModelAgent": "HarnessAgent"},
+    "harbor_async.agents.tool_loop": {"Agent": "ToolLoop"},
+    "harbor_async.episodes.runner": {"HarborAgent": "BuiltinAgent"},
+}
+
+
 def _warn(old: str, new: str, stacklevel: int) -> None:
     warnings.warn(f"{old} moved to {new}; the old path goes in the next release", DeprecationWarning, stacklevel=stacklevel)
 
@@ -125,3 +135,16 @@ def moved_attribute(package: str, name: str) -> Any:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
     _warn(f"{package}.{name}", f"{home}.{name}", 4)  # the frame that asked the package
     return getattr(module, name)
+
+
+def renamed_attribute(module: str, name: str) -> Any:
+    """A module's ``__getattr__`` for its classes' old names (see :data:`RENAMED`).
+
+    Raises:
+        AttributeError: ``name`` is no old name of ``module``.
+    """
+    new = RENAMED.get(module, {}).get(name)
+    if new is None:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    _warn(f"{module}.{name}", f"{module}.{new}", 4)
+    return getattr(sys.modules[module], new)

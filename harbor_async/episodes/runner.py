@@ -7,10 +7,10 @@ is handed to ``on_done`` the moment the episode's sandbox is stopped, so a calle
 can append it to its job folder before the next one ends.
 
 What acts in the agent phase is an :class:`EpisodeAgent`: one of Harbor's
-model-free agents (:class:`HarborAgent`, for ``run``), any other Harbor agent
-(:class:`harbor_async.agents.harbor_episode.HarborEpisodeAgent`: ``terminus-2``,
+model-free agents (:class:`BuiltinAgent`, for ``run``), any other Harbor agent
+(:class:`harbor_async.agents.harbor_episode.HarborAgentRunner`: ``terminus-2``,
 ``claude-code``, ``module:Class``, for ``run`` and ``eval``) or a harness driven
-by a model server (:class:`harbor_async.agents.harness_agent.ModelAgent`, for ``eval``).
+by a model server (:class:`harbor_async.agents.harness_agent.HarnessAgent`, for ``eval``).
 ``run``, ``eval`` and the cluster workers all come through :func:`run_episode`.
 """
 
@@ -35,6 +35,7 @@ from harbor_async.core.errors import (
     SandboxError,
 )
 from harbor_async.core.logs import get_logger
+from harbor_async.core.moved import renamed_attribute
 from harbor_async.core.records import EpisodeRecord
 from harbor_async.episodes.episode import Episode
 from harbor_async.episodes.steps import run_steps
@@ -76,7 +77,7 @@ class EpisodeAgent(Protocol):
 
 
 @dataclass(frozen=True)
-class HarborAgent:
+class BuiltinAgent:
     """One of Harbor's agents that need no model: ``oracle``, or ``none``/``nop``."""
 
     name: str = "oracle"
@@ -160,7 +161,7 @@ async def run_episode(
     and the cancellation is then re-raised. A string ``agent`` is one of
     :data:`MODEL_FREE_AGENTS` (not checked here: the caller checks it once).
     """
-    actor = HarborAgent(agent) if isinstance(agent, str) else agent
+    actor = BuiltinAgent(agent) if isinstance(agent, str) else agent
     spec = backend if isinstance(backend, BackendSpec) else resolve_backend(backend)
     sinks = [sink for sink in (on_done, record_sink.get()) if sink is not None]
 
@@ -256,7 +257,7 @@ async def run_suite(
 
     ``agent``: a model-free agent's name, an :class:`EpisodeAgent` that keeps no
     state between episodes, or a factory called once per episode (an agent that
-    does, as a Harbor agent's :class:`~harbor_async.agents.harbor_episode.HarborEpisodeAgent`);
+    does, as a Harbor agent's :class:`~harbor_async.agents.harbor_episode.HarborAgentRunner`);
     a :class:`PlannedEpisode`'s own ``agent`` wins. ``model``: the records'
     ``model`` where the planned episode names none.
 
@@ -301,3 +302,9 @@ async def run_suite(
             for index, episode in enumerate(items):
                 tg.start_soon(one, index, episode)
     return [r for r in records if r is not None]
+
+if not TYPE_CHECKING:  # hidden from type checkers, which would otherwise take any name as defined
+
+    def __getattr__(name: str) -> Any:
+        """The old class names of the move (one release, with a DeprecationWarning)."""
+        return renamed_attribute(__name__, name)
