@@ -103,3 +103,18 @@ def test_a_renamed_class_answers_to_its_old_name(module: str, old: str, new: str
     assert [str(w.message) for w in caught] == [f"{module}.{old} moved to {module}.{new}; the old path goes in the next release"]
     with pytest.raises(AttributeError):
         getattr(importlib.import_module(module), "NoSuchClass")
+
+
+def test_the_record_s_infrastructure_failure_is_deprecated_for_judged() -> None:
+    """It was ``not judged`` under a name that said less than it covers: it warns, and still answers as before."""
+    from harbor_async.core.errors import FailureClass
+    from harbor_async.core.records import EpisodeRecord
+
+    cancelled = EpisodeRecord(task="t", task_path="t", attempt=0)
+    cancelled.set_error(FailureClass.CANCELLED, "stopped")
+    judged = EpisodeRecord(task="t", task_path="t", attempt=0, reward=0.0)
+    for record in (cancelled, judged):
+        with pytest.warns(DeprecationWarning, match="read `judged` and `unjudged_as`"):
+            assert record.infrastructure_failure is (not record.judged)
+    assert (cancelled.judged, judged.judged, cancelled.unjudged_as) == (False, True, "cancelled")
+    assert "infrastructure_failure" not in judged.to_dict()  # never stored: nothing to read back from old job folders

@@ -7,6 +7,7 @@ A record is plain JSON; fields a producer does not know stay at their defaults
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -104,7 +105,14 @@ class EpisodeRecord:
 
     @property
     def infrastructure_failure(self) -> bool:
-        """Whether the model was not judged (infrastructure, model server, cancelled or an invalid task)."""
+        """Deprecated: ``not judged``. The name said "infrastructure", but an unjudged episode may also have
+        been cancelled, met a failing model server or an invalid task (:attr:`unjudged_as` says which)."""
+        warnings.warn(
+            "EpisodeRecord.infrastructure_failure is `not record.judged` (it also covers cancelled, model-server "
+            "and invalid episodes); read `judged` and `unjudged_as`. It goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return not self.judged
 
     @property
