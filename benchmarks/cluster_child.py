@@ -31,7 +31,7 @@ async def main(address: str, cap: int, sandboxes: int, hold: float) -> None:
     async def one(i: int) -> None:
         nonlocal live, seconds_to_all_live
         try:
-            async with engine.episode(tasks[i % len(tasks)], "simulated"):
+            async with engine.sandbox(tasks[i % len(tasks)], "simulated"):
                 live += 1
                 if live == sandboxes:
                     seconds_to_all_live = time.perf_counter() - t0

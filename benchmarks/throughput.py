@@ -171,7 +171,7 @@ async def run_throughput(
     failures = 0
     async with Engine(limits=Limits(live_sandboxes=concurrency), backend_kwargs=backend_kwargs) as engine:
         # One episode first, so lazy imports and caches do not count as sandbox memory.
-        async with engine.episode(tasks[0], backend) as sandbox:
+        async with engine.sandbox(tasks[0], backend) as sandbox:
             await sandbox.exec(command)
             await sandbox.verify()
         sampler = MemorySampler(engine, backend)
@@ -181,7 +181,7 @@ async def run_throughput(
             nonlocal failures
             async with limiter:
                 try:
-                    async with engine.episode(tasks[i % len(tasks)], backend) as sandbox:
+                    async with engine.sandbox(tasks[i % len(tasks)], backend) as sandbox:
                         await sandbox.exec(command)
                         await sandbox.verify()
                 except Exception:  # counted; the benchmark measures the rest

@@ -5,7 +5,7 @@ The public API in one place::
     from harbor_async import Engine, Limits, Timeouts, RetryPolicy, load_suite
 
     async with Engine(limits=Limits(live_sandboxes=16)) as engine:
-        async with engine.episode(task, "local") as sandbox:
+        async with engine.sandbox(task, "local") as sandbox:
             print((await sandbox.exec("ls")).output)
             print((await sandbox.verify()).reward)
 """

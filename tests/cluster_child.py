@@ -37,7 +37,7 @@ async def main(address: str, cap: int, episodes: int, hold: float, lease_timeout
     async def one(i: int) -> None:
         nonlocal started
         try:
-            async with engine.episode(tasks[i % len(tasks)], BACKEND) as sandbox:
+            async with engine.sandbox(tasks[i % len(tasks)], BACKEND) as sandbox:
                 started += 1
                 print(f"started {started} {sandbox.id}", flush=True)
                 if started == episodes:

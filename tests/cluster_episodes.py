@@ -23,7 +23,7 @@ async def simulated_episode(engine: Any, item: dict[str, Any]) -> EpisodeRecord:
     task = load_task(item["task_path"])
     record = EpisodeRecord(task=task.name, task_path=item["task_path"], attempt=item["attempt"], agent="oracle")
     backend_kwargs = {"reward": item["reward"], "start_latency": item["latency"]}
-    async with engine.episode(task, "simulated", backend_kwargs=backend_kwargs) as sandbox:
+    async with engine.sandbox(task, "simulated", backend_kwargs=backend_kwargs) as sandbox:
         record.sandbox = sandbox.id
         result = await sandbox.verify()
         record.reward, record.rewards = result.reward, result.rewards

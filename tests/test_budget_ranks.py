@@ -46,7 +46,7 @@ async def test_a_rank_engine_keeps_to_its_share(monkeypatch: pytest.MonkeyPatch,
             for i in range(12):
 
                 async def one(i: int = i) -> None:
-                    async with engine.episode(example_tasks[i % len(example_tasks)], backend):
+                    async with engine.sandbox(example_tasks[i % len(example_tasks)], backend):
                         await anyio.sleep(0.05)
 
                 tg.start_soon(one)

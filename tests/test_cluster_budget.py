@@ -199,7 +199,7 @@ async def test_an_engine_under_either_loop_keeps_the_cap_and_a_cancelled_wait_le
     async with Engine(limits=Limits(live_sandboxes=None), budget=budget) as engine:
 
         async def one(i: int) -> None:
-            async with engine.episode(example_tasks[i], "simulated", backend_kwargs={"start_latency": 0.05}):
+            async with engine.sandbox(example_tasks[i], "simulated", backend_kwargs={"start_latency": 0.05}):
                 await anyio.sleep(0.1)
 
         async with anyio.create_task_group() as tg:
@@ -208,9 +208,9 @@ async def test_an_engine_under_either_loop_keeps_the_cap_and_a_cancelled_wait_le
         assert 1 <= SimulatedEnvironment.peak_live <= 2  # counted by the backend: six wanted, two allowed
 
         ray, actor = _actor()
-        async with engine.episode(example_tasks[0], "simulated"), engine.episode(example_tasks[1], "simulated"):
+        async with engine.sandbox(example_tasks[0], "simulated"), engine.sandbox(example_tasks[1], "simulated"):
             with anyio.move_on_after(1.0):  # a third start waits for a slot; give up waiting
-                async with engine.episode(example_tasks[2], "simulated"):
+                async with engine.sandbox(example_tasks[2], "simulated"):
                     raise AssertionError("a third sandbox started under a cap of 2")
             for _ in range(50):  # the withdrawal is sent without waiting for the reply
                 stats = ray.get(actor.stats.remote())

@@ -68,7 +68,7 @@ async def test_the_engine_deletes_what_its_sandboxes_kept_once_at_its_close_and_
     backend = f"{__name__}:KeepingEnvironment"
     async with Engine(delete=delete) as engine:
         for task in [example_tasks[0], example_tasks[0], example_tasks[1]]:
-            async with engine.episode(task, backend):
+            async with engine.sandbox(task, backend):
                 pass
         assert KeepingEnvironment.deleted == []  # not at a stop: the run's other sandboxes start from it
     expected = [sorted(f"build-of-{t.short_name}" for t in example_tasks[:2])]

@@ -151,7 +151,7 @@ async def test_bundled_suite_scores_one_on_docker(example_tasks, report):
 @pytest.mark.anyio
 async def test_commands_run_inside_the_tasks_container(example_tasks):
     task = next(t for t in example_tasks if t.name.endswith("env-inventory-lookup"))
-    async with Engine() as engine, engine.episode(task, "docker") as sandbox:
+    async with Engine() as engine, engine.sandbox(task, "docker") as sandbox:
         from harbor.environments.docker.docker import DockerEnvironment
 
         assert isinstance(sandbox.environment, DockerEnvironment)

@@ -38,7 +38,7 @@ async def test_one_build_per_image_and_no_down_before_up(example_tasks, tmp_path
     async with Engine() as engine:
 
         async def one(index: int) -> None:
-            async with engine.episode(task, "docker-fast") as sandbox:
+            async with engine.sandbox(task, "docker-fast") as sandbox:
                 sandboxes.append(sandbox.environment)
                 outputs[index] = (await sandbox.exec("cat /proc/1/comm; pwd")).stdout
                 # Harbor's exec semantics through docker exec: cwd, env, user, merged stderr, exit code
@@ -110,7 +110,7 @@ async def test_plain_docker_is_the_fast_start_and_harbors_start_is_one_option_aw
             ("harbor", task, {"fast_start": False}), ("harbor", task, {"fast_start": False}),
             ("compose", load_task(compose), {}),
         ):  # fmt: skip
-            async with engine.episode(one, "docker", backend_kwargs=kwargs) as sandbox:
+            async with engine.sandbox(one, "docker", backend_kwargs=kwargs) as sandbox:
                 environment = sandbox.environment
                 assert environment.fast_start is (label == "fast")
                 assert (await sandbox.exec("echo ok")).output.strip() == "ok"
@@ -140,7 +140,7 @@ async def test_an_image_already_on_the_daemon_is_not_built_again(example_tasks, 
     try:
         for force_build in (False, False, True):  # the third: --force-build builds what is there
             FastStartDockerEnvironment.forget_images()  # as a new process would
-            async with Engine(force_build=force_build) as engine, engine.episode(fresh, "docker") as sandbox:
+            async with Engine(force_build=force_build) as engine, engine.sandbox(fresh, "docker") as sandbox:
                 environment = sandbox.environment
                 image = environment._main_image_name
                 assert (await sandbox.exec("echo ok")).output.strip() == "ok"
@@ -163,7 +163,7 @@ def test_sandboxes_prune_removes_the_task_images_runs_kept(example_tasks):
     task = next(t for t in example_tasks if t.name.endswith("csv-column-sum"))
 
     async def one() -> None:
-        async with Engine() as engine, engine.episode(task, "docker") as sandbox:
+        async with Engine() as engine, engine.sandbox(task, "docker") as sandbox:
             await sandbox.exec("true")
 
     FastStartDockerEnvironment.forget_images()
@@ -204,7 +204,7 @@ async def test_the_daemons_os_is_asked_once_off_the_loop_and_still_checked(examp
         loop_thread = threading.get_ident()
 
         async def one() -> None:
-            async with engine.episode(task, "docker") as sandbox:
+            async with engine.sandbox(task, "docker") as sandbox:
                 assert (await sandbox.exec("echo ok")).output.strip() == "ok"
 
         async with anyio.create_task_group() as tg:
@@ -219,7 +219,7 @@ async def test_the_daemons_os_is_asked_once_off_the_loop_and_still_checked(examp
     confined._DAEMON_OS[endpoint] = (0.0, "windows")
     async with Engine(retry=RetryPolicy(attempts=1)) as engine:
         with pytest.raises(StartError) as info:
-            async with engine.episode(task, "docker"):
+            async with engine.sandbox(task, "docker"):
                 pass
     assert "'windows' container mode" in str(info.value)
     assert docker_leftovers(OUR_PREFIX) == {}
@@ -249,7 +249,7 @@ async def test_up_waits_only_for_an_image_with_a_healthcheck(tmp_path):
     try:
         async with Engine() as engine:
             for task in (plain, checked):
-                async with engine.episode(task, "docker") as sandbox:
+                async with engine.sandbox(task, "docker") as sandbox:
                     environment = sandbox.environment
                     images.append(environment._main_image_name)
                     container = await environment._find_main_container()

@@ -44,7 +44,7 @@ async def run_batch(eng: Engine, tasks, n: int, *, exec_command: str | None = "t
     rewards: list[float] = []
 
     async def one(i: int) -> None:
-        async with eng.episode(tasks[i % len(tasks)], "simulated") as sandbox:
+        async with eng.sandbox(tasks[i % len(tasks)], "simulated") as sandbox:
             if exec_command:
                 await sandbox.exec(exec_command)
             rewards.append((await sandbox.verify()).reward)
@@ -86,7 +86,7 @@ async def test_concurrent_exec_limit(example_tasks):
 
 async def test_transient_start_failures_are_retried(example_tasks):
     async with engine(backend_kwargs=dict(fail_first_starts=2)) as eng:
-        async with eng.episode(example_tasks[0], "simulated") as sandbox:
+        async with eng.sandbox(example_tasks[0], "simulated") as sandbox:
             assert sandbox.start_attempts == 3
             assert (await sandbox.verify()).reward == 1.0
         assert eng.stats().retried == 2
@@ -124,7 +124,7 @@ async def test_hung_exec_times_out_and_sandbox_is_still_stopped(example_tasks):
         # The guard is a deadline on the test's own clock (MockClock under trio jumps to it):
         # an exec that never times out fails here instead of hanging the suite.
         with anyio.fail_after(30), pytest.raises(SandboxTimeout) as info:
-            async with eng.episode(example_tasks[0], "simulated") as sandbox:
+            async with eng.sandbox(example_tasks[0], "simulated") as sandbox:
                 assert SimulatedEnvironment.live_now == 1
                 await sandbox.exec("sleep forever", timeout=0.2)
         assert eng.live_sandboxes() == []
@@ -137,7 +137,7 @@ async def test_hung_exec_times_out_and_sandbox_is_still_stopped(example_tasks):
 async def test_episode_deadline_bounds_every_phase(example_tasks):
     async with engine(backend_kwargs=dict(exec_latency=5.0)) as eng:
         with pytest.raises(SandboxTimeout) as info:
-            async with eng.episode(example_tasks[0], "simulated", episode_timeout=0.3) as sandbox:
+            async with eng.sandbox(example_tasks[0], "simulated", episode_timeout=0.3) as sandbox:
                 await sandbox.exec("slow", timeout=60)
     assert info.value.phase is Phase.EXEC
     assert "episode deadline" in str(info.value)
@@ -154,7 +154,7 @@ async def test_cancelling_a_batch_stops_every_sandbox(example_tasks):
 
         async def one(i: int) -> None:
             nonlocal started
-            async with eng.episode(example_tasks[i % len(example_tasks)], "simulated") as sandbox:
+            async with eng.sandbox(example_tasks[i % len(example_tasks)], "simulated") as sandbox:
                 started += 1
                 await sandbox.exec("long", timeout=60)
 
@@ -184,7 +184,7 @@ async def test_closing_the_engine_stops_live_sandboxes(example_tasks):
 async def test_stop_failure_is_reported_and_frees_the_slot(example_tasks):
     async with engine(limits=Limits(live_sandboxes=1), backend_kwargs=dict(stop_failure_rate=1.0)) as eng:
         for task in example_tasks[:2]:  # the second start needs the first one's slot
-            async with eng.episode(task, "simulated") as sandbox:
+            async with eng.sandbox(task, "simulated") as sandbox:
                 pass
             assert isinstance(sandbox.stop_error, StopError)
         assert eng.stats().stop_failures == 2
@@ -193,7 +193,7 @@ async def test_stop_failure_is_reported_and_frees_the_slot(example_tasks):
 async def test_stop_budget_is_enforced_and_shielded(example_tasks):
     async with engine(timeouts=Timeouts(stop=0.2), backend_kwargs=dict(stop_latency=30.0)) as eng:
         with anyio.CancelScope() as scope:
-            async with eng.episode(example_tasks[0], "simulated") as sandbox:
+            async with eng.sandbox(example_tasks[0], "simulated") as sandbox:
                 scope.cancel()  # cancelling the episode must not skip the teardown
         assert isinstance(sandbox.stop_error, SandboxTimeout)
         assert sandbox.stop_error.phase is Phase.STOP
@@ -291,3 +291,14 @@ async def test_waiting_for_a_live_slot_is_bounded(example_tasks):
         assert waiter.done and holder.state.value == "running"
         await holder.stop()
         assert eng.live_sandboxes() == []
+
+
+@pytest.mark.anyio
+async def test_the_old_name_episode_still_yields_a_started_sandbox_with_a_warning(example_tasks):
+    """``Engine.episode()`` is now ``Engine.sandbox()`` (it never ran an episode); the old name warns for one release."""
+    async with engine() as eng:
+        with pytest.warns(DeprecationWarning, match=r"Engine.episode\(\) is Engine.sandbox\(\)"):
+            context = eng.episode(example_tasks[0], "simulated")
+        async with context as sandbox:
+            assert (await sandbox.exec("true")).exit_code == 0
+        assert eng.live_sandboxes() == []  # stopped on the way out, as sandbox() does

@@ -170,7 +170,7 @@ async def docker_env(tmp_path: Path, docker_daemon):
     from harbor_async.engine.engine import Engine
 
     async with Engine(backend_kwargs={"transfer_limit_mb": 8, "output_limit": 65536}) as engine:
-        async with engine.episode(Task(make_task(tmp_path / "suite")), "docker") as sandbox:
+        async with engine.sandbox(Task(make_task(tmp_path / "suite")), "docker") as sandbox:
             yield sandbox.environment
 
 
@@ -222,7 +222,7 @@ async def test_docker_runs_a_task_asking_for_more_cpus_than_the_host_with_the_ho
 
     task = Task(make_task(tmp_path / "suite", toml_env="cpus = 1000\nmemory_mb = 10000000\n"))
     async with Engine() as engine:  # Docker itself refuses 1,000 CPUs on a 2-CPU host
-        async with engine.episode(task, "docker") as sandbox:
+        async with engine.sandbox(task, "docker") as sandbox:
             assert (await sandbox.exec("echo up")).output.strip() == "up"
             container = await sandbox.environment._find_main_container()
             inspected = subprocess.run(
@@ -243,7 +243,7 @@ async def test_docker_tasks_with_an_environment_env_keep_the_overlay_and_their_v
     env = '\n[environment.env]\nGREETING = "hello world"\nPLAIN = "plain"\n'
     task = Task(make_task(tmp_path / "suite", toml_env=env))
     async with Engine() as engine:
-        async with engine.episode(task, "docker") as sandbox:
+        async with engine.sandbox(task, "docker") as sandbox:
             seen = await sandbox.exec('printf "%s|%s" "$GREETING" "$PLAIN"')
             container = await sandbox.environment._find_main_container()
             inspected = subprocess.run(

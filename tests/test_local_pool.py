@@ -59,12 +59,12 @@ def _alive(pid: int) -> bool:
 async def test_a_pooled_sandbox_never_sees_what_an_earlier_one_wrote(tmp_path: Path) -> None:
     plant = "echo planted > /etc/planted; echo planted > /tmp/planted; echo x >> /etc/passwd; mkdir -p /workdir/mine"
     async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "sb")}) as engine:
-        async with engine.episode(_task(), "local") as first:
+        async with engine.sandbox(_task(), "local") as first:
             assert (await first.exec(plant)).exit_code == 0
             first_root = first.environment.root
         await _wait_ready(tmp_path / "sb")
         taken = POOL.taken
-        async with engine.episode(_task(), "local") as second:
+        async with engine.sandbox(_task(), "local") as second:
             assert POOL.taken == taken + 1  # this one came from the pool
             result = await second.exec(
                 "ls /etc/planted /tmp/planted /workdir/mine 2>&1; grep -c '^x$' /etc/passwd; cat /etc/hostname"
@@ -80,7 +80,7 @@ async def test_closing_the_engine_removes_every_pooled_piece_even_when_cancelled
     base = tmp_path / "sb"
     with anyio.move_on_after(60) as scope:
         async with Engine(backend_kwargs={"sandbox_root": str(base)}) as engine:
-            async with engine.episode(_task(), "local") as sandbox:
+            async with engine.sandbox(_task(), "local") as sandbox:
                 await sandbox.exec("true")
             await _wait_ready(base, 2)
             pieces = _mine(base)
@@ -91,7 +91,7 @@ async def test_closing_the_engine_removes_every_pooled_piece_even_when_cancelled
             keepers = [p.keeper.process.pid for p in pieces if p.keeper is not None]
             assert all(folder.is_dir() for folder in folders) and all(_alive(pid) for pid in keepers)
             assert all(Path(m).is_dir() for m in mounts) and all(c.is_dir() for c in cgroups)
-            async with engine.episode(_task(), "local") as sandbox:
+            async with engine.sandbox(_task(), "local") as sandbox:
                 scope.cancel()  # the engine closes by cancellation, a sandbox running
                 await sandbox.exec("sleep 30")
     assert scope.cancelled_caught
@@ -107,16 +107,16 @@ async def test_closing_the_engine_removes_every_pooled_piece_even_when_cancelled
 async def test_the_pool_is_on_by_default_and_off_when_asked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("HARBOR_ASYNC_LOCAL_POOL", raising=False)
     async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "on")}) as engine:
-        async with engine.episode(_task(), "local") as sandbox:
+        async with engine.sandbox(_task(), "local") as sandbox:
             assert POOL.holds(engine.run_label)
         await _wait_ready(tmp_path / "on")
     monkeypatch.setenv("HARBOR_ASYNC_LOCAL_POOL", "0")
     taken = POOL.taken
     async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "off")}) as engine:
-        async with engine.episode(_task(), "local") as sandbox:
+        async with engine.sandbox(_task(), "local") as sandbox:
             assert (await sandbox.exec("echo ok")).output.strip() == "ok"
         assert not POOL.holds(engine.run_label) and _mine(tmp_path / "off") == []  # no hold: nothing made ahead
-        async with engine.episode(_task(), "local") as sandbox:
+        async with engine.sandbox(_task(), "local") as sandbox:
             await sandbox.exec("true")
     assert POOL.taken == taken
 
@@ -127,10 +127,10 @@ async def test_closing_one_run_removes_its_pieces_and_leaves_another_runs(tmp_pa
     """The pieces of a closed engine's run go with it, also while another engine (a shim's, open until
     exit) holds the pool; none is made for it afterwards."""
     async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "kept")}) as kept:
-        async with kept.episode(_task(), "local") as sandbox:
+        async with kept.sandbox(_task(), "local") as sandbox:
             await sandbox.exec("true")
         async with Engine(backend_kwargs={"sandbox_root": str(tmp_path / "closed")}) as closed:
-            async with closed.episode(_task(), "local") as sandbox:
+            async with closed.sandbox(_task(), "local") as sandbox:
                 await sandbox.exec("true")
             await _wait_ready(tmp_path / "closed")
             mine = _mine(tmp_path / "closed")
@@ -194,7 +194,7 @@ async def test_no_piece_is_made_while_a_start_builds_its_own(monkeypatch: pytest
     take = POOL.take
     monkeypatch.setattr(POOL, "take", lambda key, tools: asked.append((key, tools)) or take(key, tools))
     async with Engine(backend_kwargs={"sandbox_root": str(tmp_path)}) as engine:
-        async with engine.episode(_task(), "local") as sandbox:
+        async with engine.sandbox(_task(), "local") as sandbox:
             await sandbox.exec("true")
         key, tools = asked[0]
         await _wait_ready(tmp_path)
@@ -222,18 +222,18 @@ async def test_a_tasks_part_is_read_ahead_from_its_second_start(tmp_path: Path) 
     task = _task()
     async with Engine(backend_kwargs={"sandbox_root": str(tmp_path)}) as engine:
         label = engine.run_label
-        async with engine.episode(task, "local") as sandbox:
+        async with engine.sandbox(task, "local") as sandbox:
             assert (await sandbox.exec("pwd")).exit_code == 0
         read, seen = parts(label)
         assert read == [] and len(seen) == 1
         for _ in range(2):
-            async with engine.episode(task, "local") as sandbox:
+            async with engine.sandbox(task, "local") as sandbox:
                 listed = await sandbox.exec("pwd; ls -A")
         read, seen = parts(label)
         assert len(read) == 1 and template._tasks[read[0]]  # the WORKDIR at least
     assert parts(label) == ([], [])  # forgotten with the run
     async with Engine(backend_kwargs={"sandbox_root": str(tmp_path)}) as engine:
-        async with engine.episode(task, "local") as sandbox:
+        async with engine.sandbox(task, "local") as sandbox:
             first = await sandbox.exec("pwd; ls -A")
     assert first.output == listed.output  # the same tree either way
 
@@ -290,11 +290,11 @@ def test_a_kind_that_could_not_be_made_is_tried_again_after_a_while(monkeypatch:
 async def test_the_pool_holds_the_run_label_the_sandboxes_get(tmp_path: Path) -> None:
     """A ``run_label`` backend option names the sandboxes' run: the pool keeps pieces for that label."""
     async with Engine(backend_kwargs={"sandbox_root": str(tmp_path), "run_label": "my-run"}) as engine:
-        async with engine.episode(_task(), "local") as sandbox:
+        async with engine.sandbox(_task(), "local") as sandbox:
             await sandbox.exec("true")
             assert POOL.holds("my-run") and not POOL.holds(engine.run_label)
         await _wait_ready(tmp_path)
         taken = POOL.taken
-        async with engine.episode(_task(), "local") as sandbox:
+        async with engine.sandbox(_task(), "local") as sandbox:
             assert POOL.taken == taken + 1
     assert not POOL.holds("my-run") and _mine(tmp_path) == []

@@ -69,7 +69,7 @@ def test_engine_on_the_loop_thread(loop, example_tasks):
     engine = loop.open_engine(backend_kwargs=dict(start_latency=0.01))
 
     async def episode() -> float:
-        async with engine.episode(example_tasks[0], "simulated") as sandbox:
+        async with engine.sandbox(example_tasks[0], "simulated") as sandbox:
             await sandbox.exec("true")
             return (await sandbox.verify()).reward
 

@@ -39,7 +39,7 @@ async def test_a_phase_past_its_budget_is_a_typed_timeout_recorded_as_a_failure(
     handler, logger = events
     logger.setLevel(logging.WARNING)
     async with Engine(backend_kwargs={"exec_hang_rate": 1.0}) as eng:
-        async with eng.episode(example_tasks[0], "simulated") as sandbox:
+        async with eng.sandbox(example_tasks[0], "simulated") as sandbox:
             with anyio.fail_after(30), pytest.raises(SandboxTimeout) as info:
                 await sandbox.exec("hang", timeout=0.2)
             exec_stats = eng.stats().phases["exec"]
@@ -52,7 +52,7 @@ async def test_a_phase_past_its_budget_is_a_typed_timeout_recorded_as_a_failure(
 
 async def test_an_unwrapped_phase_lets_the_bare_timeout_through_and_its_body_errors_are_typed(example_tasks):
     async with Engine() as eng:
-        async with eng.episode(example_tasks[0], "simulated") as sandbox:
+        async with eng.sandbox(example_tasks[0], "simulated") as sandbox:
             with anyio.fail_after(30), pytest.raises(TimeoutError) as bare:
                 async with sandbox.bounded_phase(Phase.AGENT, budget=0.1, wrap=False):
                     await anyio.sleep(10)
@@ -70,7 +70,7 @@ async def test_an_unwrapped_phase_lets_the_bare_timeout_through_and_its_body_err
 
 async def test_a_typed_error_through_a_phase_keeps_its_own_cause(example_tasks):
     async with Engine() as eng:
-        async with eng.episode(example_tasks[0], "simulated") as sandbox:
+        async with eng.sandbox(example_tasks[0], "simulated") as sandbox:
             with pytest.raises(ExecError) as typed:
                 async with sandbox.bounded_phase(Phase.AGENT, budget=5.0):
                     async with sandbox.bounded_phase(Phase.AGENT, budget=5.0):
@@ -83,7 +83,7 @@ async def test_a_cancelled_phase_is_not_a_failure_and_a_finished_one_logs_at_deb
     handler, logger = events
     logger.setLevel(logging.DEBUG)
     async with Engine(backend_kwargs={"exec_latency": 10.0}) as eng:
-        async with eng.episode(example_tasks[0], "simulated") as sandbox:
+        async with eng.sandbox(example_tasks[0], "simulated") as sandbox:
             with anyio.move_on_after(0.1):  # the caller gives up: no failure, no timeout
                 await sandbox.exec("slow", timeout=60)
             exec_stats = eng.stats().phases.get("exec")
@@ -113,7 +113,7 @@ async def test_a_long_exec_budget_puts_no_timer_on_the_loop(example_tasks, monke
         return call_at(when, callback, *args, **kwargs)
 
     async with Engine(backend_kwargs={"exec_latency": 0.01}) as eng:
-        async with eng.episode(example_tasks[0], "simulated") as sandbox:
+        async with eng.sandbox(example_tasks[0], "simulated") as sandbox:
             monkeypatch.setattr(loop, "call_at", counting_call_at)
             for _ in range(30):  # each under the default 180 s budget, each done long before it
                 await sandbox.exec("true")
@@ -138,7 +138,7 @@ async def test_a_long_phase_armed_by_its_bucket_still_times_out_on_its_deadline(
     monkeypatch.setattr(phase_scope, "ARM_AHEAD", 0.1)  # 0.5 s is then a long budget, in a bucket
     loop = asyncio.get_running_loop()
     async with Engine(backend_kwargs={"exec_hang_rate": 1.0}) as eng:
-        async with eng.episode(example_tasks[0], "simulated") as sandbox:
+        async with eng.sandbox(example_tasks[0], "simulated") as sandbox:
             seen = []
 
             async def watch() -> None:
@@ -163,7 +163,7 @@ async def test_execs_that_end_timed_out_or_cancelled_leave_no_garbage_for_the_cy
     import gc
 
     async with Engine(backend_kwargs={"exec_latency": 0.02}) as eng:
-        async with eng.episode(example_tasks[0], "simulated") as sandbox:
+        async with eng.sandbox(example_tasks[0], "simulated") as sandbox:
             outcomes = {"ok": 0, "timeout": 0, "cancelled": 0}
 
             async def execs() -> None:

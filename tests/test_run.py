@@ -44,7 +44,7 @@ async def test_oracle_solutions_score_one_on_the_local_backend(example_tasks):
 async def test_wrong_or_missing_answers_score_zero(example_tasks):
     by_name = {t.name: t for t in example_tasks}
     async with Engine() as engine:
-        async with engine.episode(by_name["csv-column-sum"], "local") as sandbox:
+        async with engine.sandbox(by_name["csv-column-sum"], "local") as sandbox:
             wrote = await sandbox.exec("echo 1.00 > /workdir/answer.txt && cat /workdir/answer.txt")
             assert wrote.output.strip() == "1.00" and wrote.exit_code == 0
             assert (await sandbox.verify()).reward == 0.0

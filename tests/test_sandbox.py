@@ -21,7 +21,7 @@ def task(example_tasks):
 
 async def test_exec_output_exit_code_and_truncation(task):
     async with Engine(max_output=50) as engine:
-        async with engine.episode(task, "local") as sandbox:
+        async with engine.sandbox(task, "local") as sandbox:
             ok = await sandbox.exec("echo out; echo err >&2")
             assert (ok.stdout, ok.stderr, ok.output, ok.exit_code) == ("out\n", "err\n", "out\nerr\n", 0)
             failed = await sandbox.exec("exit 3")
@@ -40,7 +40,7 @@ async def test_upload_download_and_trial_dir(task, tmp_path):
     (source / "sub" / "data.txt").write_text("payload\n")
     (tmp_path / "single.txt").write_text("one file\n")
     async with Engine() as engine:
-        async with engine.episode(task, "local") as sandbox:
+        async with engine.sandbox(task, "local") as sandbox:
             trial_dir = sandbox.trial_dir
             assert trial_dir is not None and trial_dir.is_dir()
             await sandbox.upload(source, "/workdir/uploaded")
@@ -60,7 +60,7 @@ async def test_upload_download_and_trial_dir(task, tmp_path):
 async def test_exec_timeout_kills_the_process_tree(task):
     marker = "harbor-async-timeout-marker-4711"
     async with Engine() as engine:
-        async with engine.episode(task, "local") as sandbox:
+        async with engine.sandbox(task, "local") as sandbox:
             with pytest.raises(SandboxTimeout) as info:
                 await sandbox.exec(f"sh -c 'sleep 300; echo {marker}' & sleep 300", timeout=0.5)
             assert info.value.phase is Phase.EXEC
@@ -73,7 +73,7 @@ async def test_exec_timeout_kills_the_process_tree(task):
 
 async def test_a_stopped_sandbox_refuses_work(task):
     async with Engine() as engine:
-        async with engine.episode(task, "local") as sandbox:
+        async with engine.sandbox(task, "local") as sandbox:
             pass
         with pytest.raises(SandboxClosedError):
             await sandbox.exec("true")

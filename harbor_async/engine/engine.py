@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import (
     AsyncIterator,
@@ -11,7 +12,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
@@ -361,19 +362,34 @@ class Engine:
         self._tg.start_soon(fn, *args, name=name)  # type: ignore[arg-type]  # anyio takes any awaitable; typed for coroutines
 
     @asynccontextmanager
-    async def episode(
+    async def sandbox(
         self,
         task: Task | str | Path,
         backend: str | BackendSpec = "local",
         **kwargs: Any,
     ) -> AsyncIterator[Sandbox]:
-        """A started sandbox for the block; stopped on the way out, even on cancellation."""
+        """A started sandbox for the block; stopped on the way out, even on cancellation.
+
+        Only the sandbox: no agent, no verdict, no record (an episode is
+        :class:`harbor_async.episodes.episode.Episode`, run by :func:`harbor_async.episodes.runner.run_episode`).
+        """
         sandbox = self.launch(task, backend, **kwargs)
         try:
             await sandbox.wait_started()
             yield sandbox
         finally:
             await sandbox.stop()
+
+    def episode(
+        self, task: Task | str | Path, backend: str | BackendSpec = "local", **kwargs: Any
+    ) -> AbstractAsyncContextManager[Sandbox]:
+        """Deprecated name of :meth:`sandbox` (it yields a sandbox, not an episode); goes in the next release."""
+        warnings.warn(
+            "Engine.episode() is Engine.sandbox(): it yields a Sandbox, not an episode; the old name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.sandbox(task, backend, **kwargs)
 
     def live_sandboxes(self) -> list[Sandbox]:
         """The ledger: every sandbox launched and not yet confirmed stopped."""
