@@ -9,7 +9,12 @@ or the benchmarks inside a function (``bench`` runs the benchmarks).
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("harbor_async", "shim")
@@ -142,3 +147,19 @@ def test_the_benchmarks_never_import_the_tests():
         if bad:
             found[path.name] = bad
     assert found == {}
+
+
+@pytest.mark.slow  # one fresh import per module with a lazy import of ours (about 20 s here)
+def test_a_lazy_import_of_ours_saves_an_import():
+    """An import of our own inside a function is there to keep something out of its module's import (a heavy
+    or optional part, the CLI's start), never to dodge a cycle (the layers forbid those): its target is not
+    already loaded by importing the module itself."""
+    lazy = {(a, b) for a, targets in EDGES.items() for b, only in targets.items() if only and a.startswith("harbor_async") and b.startswith("harbor_async")}
+    importers = sorted({a for a, _ in lazy})
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "loaded_modules.py"), *importers], capture_output=True, text=True, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = json.loads(done.stdout)
+    assert len(lazy) >= 40 and len(loaded) == len(importers)
+    assert sorted((a, b) for a, b in lazy if b in loaded[a]) == []

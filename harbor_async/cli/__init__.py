@@ -19,6 +19,7 @@ from harbor_async.cli import eval as _eval
 from harbor_async.cli import report as _report
 from harbor_async.cli import run as _run
 from harbor_async.cli.bench import bench_app
+from harbor_async.cli.common import say
 from harbor_async.cli.sandboxes import sandboxes_app
 
 
@@ -38,7 +39,6 @@ class _App(typer.Typer):
     def __call__(self, *args, **kwargs):
         from typer.main import get_command
 
-        from harbor_async.cli.common import say
         from harbor_async.cli.harbor_flags import refusal
 
         given = list(kwargs.get("args") or (args[0] if args else None) or sys.argv[1:])

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from harbor_async.backends.reaper import reap
 from harbor_async.cli.common import err, fail, out, warn_renamed_flags
 
 #: Flags renamed to the shim's names of the same settings (cluster_max_live, cluster_creates_per_second).
@@ -159,7 +160,6 @@ def ledger_reap(ray_address: str | None, older_than: timedelta | float | None = 
     """
     import ray
 
-    from harbor_async.backends.reaper import reap
 
     actor = _actor(ray_address)
     if isinstance(older_than, timedelta):

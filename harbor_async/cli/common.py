@@ -17,6 +17,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
+from harbor_async.agents.task_checks import (
+    MissingVariablesError,
+    UnsupportedTaskError,
+)
+from harbor_async.backends import resolve_backend
+from harbor_async.core.errors import HarborAsyncError
+from harbor_async.core.logs import LogSettingError, configure_logging
 from harbor_async.core.printing import escape_controls
 
 out = Console()
@@ -56,10 +63,6 @@ def warn_renamed_flags(renamed: dict[str, str], argv: list[str] | None = None) -
 
 def fail(message: object, code: int = 2) -> typer.Exit:
     """Print ``message`` as a one-line error and return the exit to raise (2: bad input)."""
-    from harbor_async.agents.task_checks import (
-        MissingVariablesError,
-        UnsupportedTaskError,
-    )
 
     tabled = isinstance(message, (MissingVariablesError, UnsupportedTaskError))  # one line per task
     text = " ".join(str(message).split()) if code == 2 and not tabled else str(message)
@@ -103,8 +106,6 @@ def parse_kwargs(pairs: list[str] | None, name: str = "--ek") -> dict[str, Any]:
 
 def checked_backend(name: str, options: dict[str, Any]):
     """The backend ``name`` (class loaded), having refused options it does not take; else exit 2 in one line."""
-    from harbor_async.backends import resolve_backend
-    from harbor_async.core.errors import HarborAsyncError
 
     try:
         spec = resolve_backend(name)
@@ -116,7 +117,6 @@ def checked_backend(name: str, options: dict[str, Any]):
 
 def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
     """Configure logging for a command: the flag, else the environment variable, else the default; exit 2 if bad."""
-    from harbor_async.core.logs import LogSettingError, configure_logging
 
     try:
         configure_logging(level, fmt, force=True)

@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 
 from harbor_async.cli.common import fail, out, parse_kwargs
+from harbor_async.core.errors import HarborAsyncError
 
 
 def doctor(
@@ -46,7 +47,6 @@ def doctor(
     Credentials are checked for presence only and never printed.
     """
     from harbor_async.cli.machine_checks import FEATURES, diagnose
-    from harbor_async.core.errors import HarborAsyncError
 
     requested = [*(backend or ["local"]), *(feature or [])]
     unknown = [name for name in requested if name not in FEATURES]

@@ -8,6 +8,10 @@ from typing import Annotated, Any, cast
 import typer
 from rich.text import Text
 
+from harbor_async.agents.task_checks import (
+    MissingVariablesError,
+    UnsupportedTaskError,
+)
 from harbor_async.cli import cluster as cluster_opts
 from harbor_async.cli import setting_opts
 from harbor_async.cli.agents import AgentKwargOpt, parsed_agent_kwargs
@@ -32,7 +36,11 @@ from harbor_async.cli.selection import (
     RegistryUrlOpt,
     suite_source,
 )
+from harbor_async.core.errors import HarborAsyncError, ModelServerDownError
 from harbor_async.core.printing import escape_controls
+from harbor_async.jobs.settings import JobSettings
+from harbor_async.models.serve import ServerDiedError
+from harbor_async.verification.disk_bounds import JobDiskLimitError
 
 #: Exit code of an eval the model server stopped (1: infrastructure failures, 2: bad input).
 MODEL_SERVER_DOWN_EXIT = 3
@@ -176,7 +184,6 @@ def eval_command(
     """
     import anyio
 
-    from harbor_async.core.errors import HarborAsyncError
     from harbor_async.evaluation import evaluate
 
     setup_logging(log_level, log_format)  # the flag, else $HARBOR_ASYNC_LOG_LEVEL/_FORMAT; a bad one: one line, exit 2
@@ -266,10 +273,7 @@ def eval_command(
                 )
             )
     except HarborAsyncError as exc:
-        from harbor_async.core.errors import ModelServerDownError
         from harbor_async.evaluation import EvalInterrupted
-        from harbor_async.models.serve import ServerDiedError
-        from harbor_async.verification.disk_bounds import JobDiskLimitError
 
         if isinstance(exc, EvalInterrupted):
             err.print(f"[yellow]{exc}[/]")
@@ -283,10 +287,6 @@ def eval_command(
                 f"harbor-async eval --resume {exc.job_dir}"
             )))  # fmt: skip
             raise typer.Exit(MODEL_SERVER_DOWN_EXIT) from None
-        from harbor_async.agents.task_checks import (
-            MissingVariablesError,
-            UnsupportedTaskError,
-        )
 
         if isinstance(exc, (MissingVariablesError, UnsupportedTaskError)):
             raise fail(exc) from None
@@ -322,9 +322,7 @@ _KEY_OF = {
 
 def _given_on_resume(ctx: typer.Context, settings: dict[str, Any], resume: Path) -> dict[str, Any]:
     """The settings typed on a resume's command line (``evaluate`` checks them against the stored ones)."""
-    from harbor_async.core.errors import HarborAsyncError
     from harbor_async.jobs.folder import JobFolder
-    from harbor_async.jobs.settings import JobSettings
 
     typed = [n for n in ctx.params if getattr(ctx.get_parameter_source(n), "name", "") == "COMMANDLINE"]
     if folder := [n for n in typed if n in ("jobs_dir", "job_name")]:

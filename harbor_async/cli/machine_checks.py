@@ -34,7 +34,11 @@ from typing import TYPE_CHECKING, Any
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from harbor_async.backends import resolve_backend
+from harbor_async.backends.local.dockerfile import parse_dockerfile
 from harbor_async.core.errors import HarborAsyncError
+from harbor_async.models.serve import chat_answers
+from harbor_async.tasks.suite import load_suite
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
@@ -352,7 +356,6 @@ def check_docker_compose() -> Check:
 
 def base_images(tasks: Sequence[Task]) -> list[str]:
     """The images a docker run of ``tasks`` starts from: ``docker_image``, else the Dockerfile's ``FROM``."""
-    from harbor_async.backends.local.dockerfile import parse_dockerfile
 
     images = set()
     for task in tasks:
@@ -398,7 +401,6 @@ def check_backend_environment(backend: str, task: Task, backend_kwargs: Mapping[
 
     from harbor.models.trial.paths import TrialPaths
 
-    from harbor_async.backends import resolve_backend
 
     options = dict(backend_kwargs or {})
     name = f"{backend} environment"
@@ -466,7 +468,6 @@ def check_model_chat(base_url: str, model: str, api_key_env: str = "OPENAI_API_K
     """A one-token chat request for ``model``: what ``eval`` asks of a model the list does not name."""
     import anyio
 
-    from harbor_async.models.serve import chat_answers
 
     refused = anyio.run(lambda: chat_answers(base_url, model, api_key=os.environ.get(api_key_env)))
     if refused is None:
@@ -584,7 +585,6 @@ def diagnose(
         diagnosis.results[name] = FEATURES[name]()
     backends = [name for name in wanted if name in BACKENDS]
     if backends:
-        from harbor_async.tasks.suite import load_suite
 
         tasks = load_suite(suite).tasks
         for name in backends:

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from harbor_async.cli.common import err, fail, out
+from harbor_async.core.logs import configure_logging
 
 PathArg = Annotated[
     Path,
@@ -57,7 +58,6 @@ def view(
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error (info logs each rebuild).")] = "warning",
 ) -> None:
     """Serve the report on 127.0.0.1 and refresh it while the job runs (Ctrl-C stops)."""
-    from harbor_async.core.logs import configure_logging
 
     configure_logging(log_level, force=True)
     module = _report_module()

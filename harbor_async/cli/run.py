@@ -25,6 +25,7 @@ from harbor_async.agents.task_checks import (
     check_tasks,
     refused_summary,
 )
+from harbor_async.backends.local import task_image_mismatch
 from harbor_async.cli import cluster as cluster_opts
 from harbor_async.cli import setting_opts
 from harbor_async.cli.agents import AgentKwargOpt
@@ -78,13 +79,17 @@ from harbor_async.core.errors import (
 from harbor_async.core.interrupts import Interrupts
 from harbor_async.core.printing import escape_controls
 from harbor_async.core.records import EpisodeRecord
+from harbor_async.engine.engine import Engine
 from harbor_async.episodes.runner import (
     MODEL_FREE_AGENTS,
     FailureBudget,
     PlannedEpisode,
 )
+from harbor_async.jobs.scoring import summarize
 from harbor_async.jobs.settings import JobSettings
+from harbor_async.models.serve import ServeError
 from harbor_async.tasks.host_variables import RunEnvError, fill_values
+from harbor_async.tasks.suite import suite_task_path
 from harbor_async.verification.disk_bounds import JobDiskLimitError
 
 DEFAULT_JOBS_DIR = Path("jobs")
@@ -306,7 +311,6 @@ def run(
     if settings.agent not in MODEL_FREE_AGENTS:  # its model server answers GET /models, else one line before any job folder
         from harbor_async.agents.harbor import HarborAgentSpec, check_model_server
         from harbor_async.core.errors import AgentConfigError
-        from harbor_async.models.serve import ServeError
 
         try:  # an agent without a base URL of its own (openai/gpt-x) calls its provider: nothing local to probe
             check_model_server(HarborAgentSpec(settings.agent, _model(settings), settings.agent_kwargs))
@@ -491,9 +495,7 @@ def _on_cluster(todo, settings, concurrency, engine_kwargs, job, sink, interrupt
 
 async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, engine_kwargs: dict[str, Any], sink, interrupts: Interrupts, root: str = "", model: str | None = None, budget=None) -> None:
     """Run the episodes on this process's engine; a signal cancels the batch (records of cancelled episodes kept)."""
-    from harbor_async.engine.engine import Engine
     from harbor_async.episodes.runner import run_suite
-    from harbor_async.tasks.suite import suite_task_path
 
     # run_suite's limiter is the batch's one concurrency limit (the engine gets none).
     async with Engine(**engine_kwargs) as engine:
@@ -557,13 +559,11 @@ def _actor(settings: JobSettings):
 
 def _key(episode: PlannedEpisode, root: str, model: str | None = None) -> str:
     from harbor_async.core.records import episode_key
-    from harbor_async.tasks.suite import suite_task_path
 
     return episode_key(suite_task_path(episode.task, root), episode.attempt, model)
 
 
 def _summary(records: list[EpisodeRecord], planned: int, settings: JobSettings, *, interrupted: str | None) -> dict[str, Any]:
-    from harbor_async.jobs.scoring import summarize
 
     k = settings.n_attempts or 1
     summary = summarize(records, k=k)
@@ -600,7 +600,6 @@ def tasks(
     table.add_column("path", overflow="fold")
     local = env == "local"
     if local:
-        from harbor_async.backends.local import task_image_mismatch
 
         table.add_column("image on local", overflow="fold")
     for i, task in enumerate(loaded.tasks):

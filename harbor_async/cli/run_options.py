@@ -16,6 +16,15 @@ from harbor_async.cli.common import fail, out, say
 from harbor_async.core.printing import escape_controls
 from harbor_async.episodes.runner import PlannedEpisode
 from harbor_async.jobs.settings import JobSettings
+from harbor_async.tasks.mounts import (
+    MountError,
+    check_backend,
+    normalized,
+    parse_mounts,
+    refuse_mounting_options,
+    refuse_protected,
+)
+from harbor_async.tasks.overrides import parse_env_pairs
 
 
 def previous_refusals(job: Any) -> list[dict[str, str]]:
@@ -53,7 +62,6 @@ def with_config(ctx: typer.Context, sources: list[str]) -> dict[str, Any]:
         elif name not in typed:
             arguments[name] = value
     if "mounts" in from_config and "mounts" not in typed:  # checked here to name the file's field, not --mounts
-        from harbor_async.tasks.mounts import MountError, parse_mounts
 
         try:
             parse_mounts(from_config["mounts"], writable=bool(arguments.get("mounts_writable")), flag="environment.mounts")
@@ -112,7 +120,6 @@ def defaults_line(env: str | None, n_concurrent: int | None, settings: JobSettin
 
 def env_pairs(pairs: list[str] | None, flag: str) -> dict[str, str] | None:
     """``--ae``/``--ve``'s ``KEY=VALUE`` pairs (``None``: not given); a malformed pair exits 2 naming it."""
-    from harbor_async.tasks.overrides import parse_env_pairs
 
     if pairs is None:
         return None
@@ -138,7 +145,6 @@ def load_env_file(path: Path | str | None) -> str | None:
 
 def mounts_option(text: str | None, writable: bool) -> list[dict[str, Any]]:
     """``--mounts``' JSON, normalized (:mod:`harbor_async.tasks.mounts`: read-only unless ``--mounts-writable``); else exit 2."""
-    from harbor_async.tasks.mounts import MountError, parse_mounts
 
     try:
         return parse_mounts(text, writable=writable)
@@ -148,12 +154,6 @@ def mounts_option(text: str | None, writable: bool) -> list[dict[str, Any]]:
 
 def checked_mounts(spec: Any, settings: JobSettings) -> None:
     """A job's mounts checked again (a resume's host paths may be gone) and against its backend; else exit 2."""
-    from harbor_async.tasks.mounts import (
-        MountError,
-        check_backend,
-        normalized,
-        refuse_mounting_options,
-    )
 
     try:
         refuse_mounting_options(settings.environment_kwargs)  # Harbor's own (writable unless each says not)
@@ -166,7 +166,6 @@ def checked_mounts(spec: Any, settings: JobSettings) -> None:
 def refuse_protected_mounts(settings: JobSettings, jobs_dir: Path) -> None:
     """Exit 2 when a ``--mounts`` source overlaps the suite's task folders (their tests and solutions) or the jobs
     folder (every trial's rewards): the sandbox's code would read, or with a writable mount change, them."""
-    from harbor_async.tasks.mounts import MountError, refuse_protected
 
     if not settings.mounts:
         return

@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from harbor_async.backends.docker.cleanup import prune_task_images
 from harbor_async.backends.reaper import (
     BACKENDS,
     SandboxInfo,
@@ -20,6 +21,7 @@ from harbor_async.backends.reaper import (
 )
 from harbor_async.cli.cluster import RayAddressOpt
 from harbor_async.cli.common import fail, out, say, setup_logging
+from harbor_async.core.errors import ReaperError
 
 sandboxes_app = typer.Typer(
     name="sandboxes",
@@ -173,8 +175,6 @@ def prune_command() -> None:
     An image a container still uses (a live sandbox's) is kept and named. Exits 1
     when Docker cannot be asked.
     """
-    from harbor_async.backends.docker.cleanup import prune_task_images
-    from harbor_async.core.errors import ReaperError
 
     try:
         removed, kept = prune_task_images()

@@ -11,6 +11,7 @@ from harbor_async.cli.common import fail, say
 from harbor_async.core.errors import HarborAsyncError
 from harbor_async.core.logs import quieter
 from harbor_async.episodes.runner import PlannedEpisode
+from harbor_async.tasks.registry import resolve_dataset, resolve_task
 
 if TYPE_CHECKING:
     from harbor.models.task.task import Task
@@ -66,7 +67,6 @@ def suite_source(
     if path is not None:
         return Path(path)  # a Path is always local
     if task_ref:
-        from harbor_async.tasks.registry import resolve_task
 
         try:
             found = resolve_task(task_ref, registry_url=registry_url, registry_path=registry_path)
@@ -74,7 +74,6 @@ def suite_source(
             raise fail(exc) from None
         return [str(found.path)]  # as text: the source is kept in the job's settings (JSON)
     if dataset:
-        from harbor_async.tasks.registry import resolve_dataset
 
         try:
             resolved = resolve_dataset(dataset, registry_url=registry_url, registry_path=registry_path)

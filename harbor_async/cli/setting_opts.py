@@ -6,13 +6,14 @@ from typing import Annotated, Any
 
 import typer
 
+from harbor_async.jobs.settings import JobSettings
+
 
 def setting_default(name: str) -> str:
     """A setting's default (``limits.max_turns``: a field of a nested model), as ``--help`` shows it.
 
     Declared once, on :class:`~harbor_async.jobs.settings.JobSettings`.
     """
-    from harbor_async.jobs.settings import JobSettings
 
     model: Any = JobSettings
     *path, last = name.split(".")

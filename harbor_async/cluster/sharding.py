@@ -32,6 +32,7 @@ from harbor_async.cluster.connect import DEFAULT_NAMESPACE, ensure_connected, im
 from harbor_async.cluster.errors import ClusterError, WorkerClosedError
 from harbor_async.core.logs import get_logger
 from harbor_async.core.records import EpisodeRecord
+from harbor_async.engine.engine import Engine
 from harbor_async.jobs.folder import JobFolder
 
 log = get_logger()
@@ -77,7 +78,6 @@ class EpisodeWorker:
         return self._engine
 
     async def _hold_engine(self, opened: asyncio.Future, closing: asyncio.Event) -> None:
-        from harbor_async.engine.engine import Engine
 
         try:
             async with Engine(**self._engine_kwargs) as engine:

@@ -33,6 +33,7 @@ from harbor_async.tasks.host_variables import compose_fills, with_allowed_env
 from harbor_async.tasks.mounts import check_backend as check_mounts
 from harbor_async.tasks.mounts import normalized, refuse_mounting_options
 from harbor_async.tasks.overrides import TaskOverrides
+from harbor_async.tasks.suite import load_task
 from harbor_async.verification.disk_bounds import DiskLimits
 
 if TYPE_CHECKING:
@@ -305,7 +306,6 @@ class Engine:
         if self._tg is None or self._closing:
             raise EngineClosedError("the engine is not running (closed, or not entered)")
         if isinstance(task, (str, Path)):
-            from harbor_async.tasks.suite import load_task
 
             task = load_task(task)
         if isinstance(backend, BackendSpec):

@@ -47,6 +47,7 @@ from harbor_async.core.errors import (
 from harbor_async.core.logs import get_logger
 from harbor_async.core.policy import failure_class
 from harbor_async.core.records import EpisodeRecord, PhaseSpan
+from harbor_async.engine.loop import await_future
 from harbor_async.engine.sandbox import SandboxState
 from harbor_async.episodes import tool_messages as messages
 from harbor_async.episodes.judging import judge, stdout_came_back, verifier_output
@@ -385,7 +386,6 @@ class Episode:
         host = self.engine.host
         if host is None or host.in_loop_thread():
             return await fn(*args)
-        from harbor_async.engine.loop import await_future
 
         return await await_future(host.submit(fn, *args))
 

@@ -30,6 +30,7 @@ from harbor_async.core.errors import (
     SandboxError,
     VerifierFailure,
 )
+from harbor_async.core.results import scalar_reward
 from harbor_async.episodes.judging import judge
 
 if TYPE_CHECKING:
@@ -147,7 +148,6 @@ def _below_min_reward(rewards: dict[str, float | int], min_reward: float | dict[
 
 def _settle(episode: Episode, judged: list[dict[str, float | int]]) -> None:
     """The task's reward from its steps' (Harbor's ``multi_step_reward_strategy``)."""
-    from harbor_async.core.results import scalar_reward
 
     record = episode.record
     if not judged or not record.judged:

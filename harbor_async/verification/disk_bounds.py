@@ -51,6 +51,7 @@ from harbor_async.core.errors import (
     TransferLimitError,
     VerifierFailure,
 )
+from harbor_async.core.policy import failure_class
 
 #: An :class:`harbor_async.episodes.episode.Episode` (not imported: the episode imports this module, and the backends do).
 Episode = Any
@@ -330,7 +331,6 @@ def settle_bounds(episode: Episode) -> None:
     unjudged = record.failure is FailureClass.CANCELLED or record.failure is FailureClass.MODEL_SERVER
     if unjudged and not isinstance(error, JobDiskLimitError):
         return
-    from harbor_async.core.policy import failure_class
 
     record.error_class = record.error_phase = record.error_type = record.error = None
     record.set_error(failure_class(error), error)

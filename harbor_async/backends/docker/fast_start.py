@@ -75,6 +75,7 @@ from typing import Any, ClassVar
 from harbor.environments.base import ExecResult
 from harbor.environments.docker.docker import _sanitize_docker_compose_project_name
 
+from harbor_async.backends.docker.cleanup import remove_task_images
 from harbor_async.backends.docker.confined import ConfinedDockerEnvironment
 
 #: ``docker compose exec`` flags that take a value, as Harbor passes them (``_compose_exec``).
@@ -135,7 +136,6 @@ class FastStartDockerEnvironment(ConfinedDockerEnvironment):
     def delete_kept_builds(cls, images: list[str]) -> list[str]:
         """Remove the task images a run's sandboxes kept (Harbor's ``--delete``, at the run's end); the images
         left, each with the daemon's reason (one a container still uses: another run's sandbox)."""
-        from harbor_async.backends.docker.cleanup import remove_task_images
 
         removed, kept = remove_task_images(images)
         for image in removed:  # a later start in this process builds it again

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harbor_async.backends.leftovers import kill
 from harbor_async.core.errors import HarborAsyncError
 from harbor_async.core.naming import PREFIX
 
@@ -308,7 +309,6 @@ def cgroup_members(folders: list[Path]) -> set[int]:
 
 def remove_cgroups(folders: list[str]) -> list[str]:
     """Kill what still runs in leftover cgroup folders, then remove them; returns what is left."""
-    from harbor_async.backends.leftovers import kill
 
     pids = cgroup_members([Path(f) for f in folders])
     if pids:
