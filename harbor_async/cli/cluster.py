@@ -160,7 +160,6 @@ def ledger_reap(ray_address: str | None, older_than: timedelta | float | None = 
     """
     import ray
 
-
     actor = _actor(ray_address)
     if isinstance(older_than, timedelta):
         older_than = older_than.total_seconds()

@@ -401,7 +401,6 @@ def check_backend_environment(backend: str, task: Task, backend_kwargs: Mapping[
 
     from harbor.models.trial.paths import TrialPaths
 
-
     options = dict(backend_kwargs or {})
     name = f"{backend} environment"
     try:
@@ -467,7 +466,6 @@ def check_model_server(base_url: str, api_key_env: str = "OPENAI_API_KEY") -> Ch
 def check_model_chat(base_url: str, model: str, api_key_env: str = "OPENAI_API_KEY") -> Check:
     """A one-token chat request for ``model``: what ``eval`` asks of a model the list does not name."""
     import anyio
-
 
     refused = anyio.run(lambda: chat_answers(base_url, model, api_key=os.environ.get(api_key_env)))
     if refused is None:
@@ -585,7 +583,6 @@ def diagnose(
         diagnosis.results[name] = FEATURES[name]()
     backends = [name for name in wanted if name in BACKENDS]
     if backends:
-
         tasks = load_suite(suite).tasks
         for name in backends:
             proof = [check_backend_environment(name, tasks[0], backend_kwargs)]

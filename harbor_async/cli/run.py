@@ -564,7 +564,6 @@ def _key(episode: PlannedEpisode, root: str, model: str | None = None) -> str:
 
 
 def _summary(records: list[EpisodeRecord], planned: int, settings: JobSettings, *, interrupted: str | None) -> dict[str, Any]:
-
     k = settings.n_attempts or 1
     summary = summarize(records, k=k)
     summary["planned_episodes"] = planned
@@ -600,7 +599,6 @@ def tasks(
     table.add_column("path", overflow="fold")
     local = env == "local"
     if local:
-
         table.add_column("image on local", overflow="fold")
     for i, task in enumerate(loaded.tasks):
         cells: list[str | Text] = [str(i), Text(escape_controls(task.name)), Text(escape_controls(str(task.paths.task_dir)))]

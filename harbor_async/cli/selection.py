@@ -67,14 +67,12 @@ def suite_source(
     if path is not None:
         return Path(path)  # a Path is always local
     if task_ref:
-
         try:
             found = resolve_task(task_ref, registry_url=registry_url, registry_path=registry_path)
         except HarborAsyncError as exc:
             raise fail(exc) from None
         return [str(found.path)]  # as text: the source is kept in the job's settings (JSON)
     if dataset:
-
         try:
             resolved = resolve_dataset(dataset, registry_url=registry_url, registry_path=registry_path)
         except HarborAsyncError as exc:

@@ -78,7 +78,6 @@ class EpisodeWorker:
         return self._engine
 
     async def _hold_engine(self, opened: asyncio.Future, closing: asyncio.Event) -> None:
-
         try:
             async with Engine(**self._engine_kwargs) as engine:
                 opened.set_result(engine)

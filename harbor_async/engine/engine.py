@@ -306,7 +306,6 @@ class Engine:
         if self._tg is None or self._closing:
             raise EngineClosedError("the engine is not running (closed, or not entered)")
         if isinstance(task, (str, Path)):
-
             task = load_task(task)
         if isinstance(backend, BackendSpec):
             spec = backend
