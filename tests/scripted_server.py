@@ -21,6 +21,12 @@ The model name chooses the behaviour (each is listed by ``/v1/models``):
   batch of keystrokes that runs the task's ``solve.sh``, then ``"task_complete": true``
   twice (terminus-2 asks for a confirmation).
 
+With ``"stream": true`` the reply comes as server-sent events, as OpenAI's and vLLM's do (content in
+pieces of 5 characters, a tool call as its name and then its arguments in two pieces). As vLLM does,
+``"return_token_ids": true`` adds the prompt's and the completion's token ids (here: the UTF-8 bytes of
+the messages' JSON and of the reply's text, or of each tool call's name and arguments) and
+``"logprobs": true`` one logprob per completion token.
+
 Any other model name gets a 404, as vLLM answers. With ``api_key``, a chat
 request with another key gets a 401 (as OpenAI's API answers). ``GET /stats`` returns the
 requests seen per model. Run as a program for a managed-server test::
@@ -197,18 +203,64 @@ def _reply(body: dict[str, Any], messages: list[dict[str, Any]], calls, text: st
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if calls:
         message["tool_calls"] = calls
-    return {
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop"}
+    reply = {
         "id": "chatcmpl-scripted",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": body["model"],
-        "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop"}],
+        "choices": [choice],
         "usage": {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+    completion = "".join(c["function"]["name"] + c["function"]["arguments"] for c in calls or []) or text or ""
+    _add_tokens(body, reply, choice, completion)
+    return reply
+
+
+def token_ids(text: str) -> list[int]:
+    """This server's "tokenizer": a text's UTF-8 bytes."""
+    return list(text.encode())
+
+
+def _add_tokens(body: dict[str, Any], reply: dict[str, Any], choice: dict[str, Any], completion: str) -> None:
+    if body.get("return_token_ids"):
+        reply["prompt_token_ids"] = token_ids(json.dumps(body["messages"]))
+        choice["token_ids"] = token_ids(completion)
+    if body.get("logprobs"):
+        choice["logprobs"] = {"content": [{"token": str(b), "logprob": -0.125 * (b % 4)} for b in completion.encode()]}
+
+
+def stream_events(body: dict[str, Any], reply: dict[str, Any]) -> bytes:
+    """``reply`` as the server-sent events of a streamed answer, ``data: [DONE]`` last."""
+    message = reply["choices"][0]["message"]
+    head = {k: reply[k] for k in ("id", "created", "model")}
+    pieces: list[dict[str, Any]] = [{"role": "assistant"}]
+    texts = [""]
+    content = message.get("content") or ""
+    for start in range(0, len(content), 5):
+        pieces.append({"content": content[start : start + 5]})
+        texts.append(content[start : start + 5])
+    for index, call in enumerate(message.get("tool_calls") or []):
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        half = len(arguments) // 2
+        pieces.append({"tool_calls": [{"index": index, "id": call["id"], "type": "function", "function": {"name": name, "arguments": arguments[:half]}}]})
+        texts.append(name + arguments[:half])
+        pieces.append({"tool_calls": [{"index": index, "function": {"arguments": arguments[half:]}}]})
+        texts.append(arguments[half:])
+    events = []
+    for number, (delta, text) in enumerate(zip(pieces, texts)):
+        chunk: dict[str, Any] = {**head, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+        if number == 0 and "prompt_token_ids" in reply:
+            chunk["prompt_token_ids"] = reply["prompt_token_ids"]
+        if text:
+            _add_tokens(body, {}, chunk["choices"][0], text)
+        events.append(chunk)
+    events.append({**head, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "finish_reason": reply["choices"][0]["finish_reason"]}]})
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
 
 def _handler(server: ScriptedServer) -> type[BaseHTTPRequestHandler]:
@@ -254,6 +306,14 @@ def _handler(server: ScriptedServer) -> type[BaseHTTPRequestHandler]:
                 self._send(401, _error("Incorrect API key provided", "invalid_request_error", 401))
                 return
             code, payload = server.chat(body)
+            if code == 200 and body.get("stream"):
+                data = stream_events(body, payload)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
             self._send(code, payload)
 
     return Handler

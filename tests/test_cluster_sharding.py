@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -334,7 +335,7 @@ def test_a_ray_job_interrupted_then_resumed_with_no_flags_runs_on_the_cluster_ag
 
 
 def test_harbor_agents_run_on_the_cluster_as_they_run_locally(ray_cluster, tmp_path: Path, host_tmux: None) -> None:
-    """run and eval with -a terminus-2 over --ray: the records of a local run (agent, model, reward, tokens)."""
+    """run and eval with -a terminus-2 --capture over --ray: the records of a local run (agent, model, reward, tokens, calls captured)."""
     from tests.cli_helpers import harbor_async, records
     from tests.scripted_server import ScriptedServer
     from tests.test_harbor_agents import echo_suite
@@ -345,9 +346,9 @@ def test_harbor_agents_run_on_the_cluster_as_they_run_locally(ray_cluster, tmp_p
     with ScriptedServer(suite / "tasks") as server:
         commands = {
             "run": ["run", "-p", str(suite), "-a", "terminus-2", "-m", "hosted_vllm/terminus", "--ak",
-                    f"api_base={server.base_url}", "-k", "2"],
+                    f"api_base={server.base_url}", "-k", "2", "--capture"],
             "eval": ["eval", "-p", str(suite), "-a", "terminus-2", "-m", "terminus", "--base-url", server.base_url,
-                     "-k", "2"],
+                     "-k", "2", "--capture"],
         }  # fmt: skip
         for name, argv in commands.items():
             for where, extra in (("local", []), ("ray", cluster)):
@@ -356,6 +357,11 @@ def test_harbor_agents_run_on_the_cluster_as_they_run_locally(ray_cluster, tmp_p
                 assert done.returncode == 0, (job, done.stderr[-3000:])
                 found = records(tmp_path / "jobs" / job)
                 assert all(r["usage"]["n_input_tokens"] > 0 for r in found), job
-                seen[job] = sorted((r["agent"], r["model"], r["attempt"], r["reward"], r["error_class"]) for r in found)
-    assert seen["run-ray"] == seen["run-local"] == [("terminus-2", "hosted_vllm/terminus", a, 1.0, None) for a in (0, 1)]
-    assert seen["eval-ray"] == seen["eval-local"] == [("terminus-2", "terminus", a, 1.0, None) for a in (0, 1)]
+                for r in found:  # each worker's engine served its own capture proxy; the file came back with the trial
+                    assert json.loads((tmp_path / "jobs" / job / r["trial"] / "agent" / "capture.json").read_text())["calls"], job
+                seen[job] = sorted(
+                    (r["agent"], r["model"], r["attempt"], r["reward"], r["error_class"], r["capture"]["calls"], r["capture"]["retokenize"])
+                    for r in found
+                )
+    assert seen["run-ray"] == seen["run-local"] == [("terminus-2", "hosted_vllm/terminus", a, 1.0, None, 3, False) for a in (0, 1)]
+    assert seen["eval-ray"] == seen["eval-local"] == [("terminus-2", "terminus", a, 1.0, None, 3, False) for a in (0, 1)]

@@ -329,7 +329,7 @@ class Shell:
 
 
 def _run_agent(server: ScriptedServer, model: str, *, api_key: str = "EMPTY", retries: int = 2):
-    from harbor_async.agents.tool_loop import ToolLoop, AgentLimits
+    from harbor_async.agents.tool_loop import AgentLimits, ToolLoop
 
     async def main():
         async with openai.AsyncOpenAI(base_url=server.base_url, api_key=api_key, max_retries=0) as client:

@@ -228,6 +228,42 @@ class HarborAgentSpec:
             key = key or (options.get("llm_kwargs") or {}).get("api_key")
         return (str(url), key) if url else None
 
+    def through_proxy(self, base_url: str, api_key: str) -> HarborAgentSpec:
+        """This agent calling the same model through the capture proxy at ``base_url``, with its session's ``api_key``.
+
+        The URL goes where :meth:`with_server` puts it and the key into LiteLLM's ``llm_kwargs``, over any
+        the options named (the proxy forwards under the model server's own key).
+        """
+        cls = self.agent_class
+        options = {key: value for key, value in self.kwargs.items() if key not in ("api_base", "base_url", "model_api_key_name")}
+        options.update(endpoint_options(cls, base_url))
+        options["llm_kwargs"] = {**(self.kwargs.get("llm_kwargs") or {}), "api_key": api_key}
+        return HarborAgentSpec(self.name, self.model_name, options)
+
+    def check_capture(self) -> tuple[str, str | None]:
+        """The model server a captured run of this agent forwards to: (base URL, key); refused up front otherwise.
+
+        Raises:
+            AgentConfigError: the agent runs inside the sandbox (an installed agent: the sandbox cannot reach the
+                host's loopback proxy), takes no LiteLLM ``llm_kwargs`` (no way to hand it its session's key),
+                or calls no OpenAI-compatible server of its own (a hosted provider, another API).
+        """
+        from harbor.agents.installed.base import BaseInstalledAgent
+
+        cls = self.agent_class
+        if issubclass(cls, BaseInstalledAgent):
+            raise AgentConfigError(
+                f"--capture: agent {self.name!r} runs inside the sandbox, which cannot reach the capture proxy on the host's loopback"
+            )
+        if not _accepts(cls, "llm_kwargs"):
+            raise AgentConfigError(f"--capture: agent {self.name!r} takes no llm_kwargs, so it cannot be given its session's key")
+        endpoint = self.model_endpoint()
+        if endpoint is None:
+            raise AgentConfigError(
+                f"--capture: agent {self.name!r} calls no OpenAI-compatible server of its own: give --ak api_base=URL (or -m with --base-url in eval)"
+            )
+        return endpoint
+
     def with_server(self, served_name: str, base_url: str, *, api_key_name: str | None = None,
                     temperature: float | None = None) -> HarborAgentSpec:  # fmt: skip
         """This agent pointed at ``served_name`` on the OpenAI-compatible server ``base_url`` (``eval``).

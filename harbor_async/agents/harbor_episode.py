@@ -17,12 +17,25 @@ another 4xx) is ``model_server`` with
 model's own refusal (its context outgrown) is the agent's; anything else the
 agent does, or its running out of time, is the agent's (the verifier still
 judges what it left, as in Harbor).
+
+Capture (``capture=True``, ``--capture``): the agent calls its model through
+the engine's capture proxy (:meth:`~harbor_async.engine.engine.Engine.capture_proxy`),
+one session per episode; every call, with the server's token ids and logprobs
+where it gives them, is written to the trial's ``agent/capture.json`` after each
+instruction, and counted in the record's ``capture``. Only agents that run on
+the host and take LiteLLM's ``llm_kwargs`` (terminus-2 and its kind) can be
+captured: :meth:`~harbor_async.agents.harbor.HarborAgentSpec.check_capture`
+refuses the others up front.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import anyio
 
 from harbor_async.agents.harbor import HarborAgentSpec
 from harbor_async.core.errors import Phase, SandboxError, SandboxTimeout
@@ -31,9 +44,14 @@ from harbor_async.models.model_server import ServerVerdict, classify, model_serv
 
 if TYPE_CHECKING:
     from harbor_async.episodes.episode import Episode
+    from harbor_async.models.capture import CaptureSession
 
 #: Harbor's ``AgentContext`` counts kept in a record's ``usage`` (summed over the steps of a task).
 USAGE_KEYS = ("n_input_tokens", "n_cache_tokens", "n_output_tokens", "cost_usd")
+#: What a captured call asks the model server for besides the agent's request: vLLM's token ids and the logprobs.
+CAPTURE_REQUEST = {"logprobs": True, "return_token_ids": True}
+#: The capture's file in the trial folder (beside Harbor's own ``agent/trajectory.json``).
+CAPTURE_FILE = Path("agent") / "capture.json"
 
 
 @dataclass
@@ -45,13 +63,19 @@ class HarborAgentRunner:
         name: recorded as the record's ``agent`` (default: the spec's name).
         timeout: the agent's wall-clock budget per instruction (``eval``'s ``--agent-timeout``);
             ``None``: the task's or step's agent budget, multiplied.
+        capture: record every model call through the engine's capture proxy (see the module docs).
+        capture_request: merged into each captured request (default: vLLM's token ids and logprobs).
     """
 
     spec: HarborAgentSpec
     name: str = ""
     timeout: float | None = None
+    capture: bool = False
+    capture_request: dict[str, Any] = field(default_factory=lambda: dict(CAPTURE_REQUEST))
     _agent: Any = None
     _acted: bool = False
+    _session: CaptureSession | None = None
+    _written: int = 0  # the session's calls already in a capture file
 
     def __post_init__(self) -> None:
         self.name = self.name or self.spec.name
@@ -62,8 +86,13 @@ class HarborAgentRunner:
 
         sandbox = episode.sandbox
         assert sandbox is not None and sandbox.trial_dir is not None
-        cls = self.spec.agent_class
-        self._agent = self.spec.build(TrialPaths(trial_dir=sandbox.trial_dir).agent_dir, episode.task)
+        cls, spec = self.spec.agent_class, self.spec
+        if self.capture:
+            url, key = spec.check_capture()
+            proxy = await episode.engine.capture_proxy(url, key, self.capture_request)
+            self._session = proxy.open_session(sandbox.id)
+            spec = spec.through_proxy(proxy.base_url, self._session.api_key)
+        self._agent = spec.build(TrialPaths(trial_dir=sandbox.trial_dir).agent_dir, episode.task)
         timeouts = episode.engine.timeouts
         budget = cls.DEFAULT_SETUP_TIMEOUT_SEC * (timeouts.agent_setup_timeout_multiplier or timeouts.timeout_multiplier)  # Harbor's rule
         environment = sandbox.environment
@@ -107,7 +136,28 @@ class HarborAgentRunner:
                 except Exception:  # noqa: BLE001 - logs it could not read: no counts, not a failed episode
                     pass
             _add_usage(record.usage, context)
+            if self._session is not None:
+                step = episode.step.name if episode.step is not None else None
+                with anyio.CancelScope(shield=True):  # a cancelled episode's calls are kept too
+                    await anyio.to_thread.run_sync(self._write_capture, sandbox.trial_dir, step, record)
 
+    def _write_capture(self, trial_dir: Path | None, step: str | None, record: Any) -> None:
+        """This instruction's calls into the agent folder's capture file; the record's summary of all calls so far.
+
+        The agent folder is the instruction's own: a multi-step task's is kept as ``steps/NAME/agent``, beside
+        the step's trajectory, so each step's file holds that step's calls.
+        """
+        session = self._session
+        assert session is not None
+        calls, self._written = session.calls[self._written :], len(session.calls)
+        summary = dict(record.capture or {"files": []})
+        summary.update(calls=len(session.calls), refused=session.refused, retokenize=session.retokenize)
+        if trial_dir is not None:
+            path = Path(trial_dir) / CAPTURE_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({**session.to_json(), "calls": [call.to_json() for call in calls]}))
+            summary["files"] = [*summary["files"], str(Path("steps", step, CAPTURE_FILE) if step else CAPTURE_FILE)]
+        record.capture = summary
 
     def _keeps_processes(self) -> bool:
         """Whether the agent keeps processes between instructions (a terminal): an installed agent runs one exec each."""

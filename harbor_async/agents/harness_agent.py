@@ -158,6 +158,8 @@ def resolve_eval_agent(settings: JobSettings) -> HarborAgentSpec | None:
             )
         if settings.agent_kwargs:
             raise EvalConfigError(f"--ak sets a Harbor agent's options; -a {settings.agent} is a tool harness")
+        if settings.capture:
+            raise EvalConfigError(f"--capture records a Harbor agent's model calls; -a {settings.agent} is a tool harness (its record keeps the transcript)")
         resolve_harness(settings.agent, settings.environment_type)
         return None
     try:
@@ -184,6 +186,8 @@ def check_harbor_options(spec: HarborAgentSpec, settings: JobSettings, model: st
     pointed = spec.with_server(model, "http://127.0.0.1:8000/v1", api_key_name=settings.api_key_name)
     try:
         pointed.check()
+        if settings.capture:
+            pointed.check_capture()
     except AgentConfigError as exc:
         raise EvalConfigError(str(exc)) from None
 
@@ -194,7 +198,7 @@ def eval_episode_agent(settings: JobSettings, agent: Any, harness: Callable[[], 
     if isinstance(agent, HarborAgentSpec):
         from harbor_async.agents.harbor_episode import HarborAgentRunner
 
-        return HarborAgentRunner(agent, settings.agent, timeout=settings.limits.timeout)
+        return HarborAgentRunner(agent, settings.agent, timeout=settings.limits.timeout, capture=settings.capture)
     assert harness is not None
     return model_episode_agent(settings, agent, harness, attempt)
 

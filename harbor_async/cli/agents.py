@@ -55,3 +55,11 @@ def checked_spec(spec: HarborAgentSpec) -> HarborAgentSpec:
     except AgentConfigError as exc:
         raise fail(exc) from None
     return spec
+
+
+def checked_capture(spec: HarborAgentSpec) -> None:
+    """Exit 2 in one line unless ``--capture`` can record ``spec``'s model calls (see :meth:`HarborAgentSpec.check_capture`)."""
+    try:
+        spec.check_capture()
+    except AgentConfigError as exc:
+        raise fail(exc) from None

@@ -146,6 +146,7 @@ def eval_command(
         list[str] | None, typer.Option("--env-allow", help="A host variable a task's ${VAR} may read (repeatable; default none).")
     ] = None,
     strict_verify: StrictVerifyOpt = True,
+    capture: Annotated[bool, typer.Option("--capture", help="Record every model call of the Harbor agent (-a terminus-2 and agents like it) through a proxy on 127.0.0.1: messages, replies, the server's token ids and logprobs, in each trial's agent/capture.json and the record's capture.")] = False,
     episode_disk_limit_mb: EpisodeDiskLimitOpt = None,
     job_disk_limit_mb: JobDiskLimitOpt = None,
     override_cpus: Annotated[float | None, typer.Option("--override-cpus", min=0.01, help="Every task's cpus (bounded as a task's own).")] = None,
@@ -205,6 +206,7 @@ def eval_command(
         environment_kwargs=backend_kwargs,
         env_allow=list(env_allow or []),
         strict_verify=strict_verify,
+        capture=capture,
         episode_disk_limit_mb=episode_disk_limit_mb,
         job_disk_limit_mb=job_disk_limit_mb,
         override_cpus=override_cpus,

@@ -138,6 +138,7 @@ _SETTING_OF = {
     "start_timeout": "start_timeout", "budget": "budget", "ray_address": "ray_address", "max_live": "cluster_max_live",
     "creates_per_second": "cluster_creates_per_second", "on_ray": "ray",
     "max_model_server_failures": "max_model_server_failures", "disable_verification": "disable_verification",
+    "capture": "capture",
 }  # fmt: skip
 #: Options whose value is converted before it is compared (the agent's model and options, where its server is now; --ek).
 _CONVERTED_OPTIONS = frozenset({"model", "ak", "ek", "base_url", "api_key_name", "agent_env", "verifier_env", "mounts", "env_file"})
@@ -162,6 +163,7 @@ def run(
     artifact: Annotated[list[str] | None, typer.Option("--artifact", help="A sandbox path to collect into each trial's artifacts/ after the agent, besides the task's own (repeatable).")] = None,
     agent_env: Annotated[list[str] | None, typer.Option("--ae", "--agent-env", help="KEY=VALUE over every command of the agent (repeatable; not the verifier's); a ${VAR} is filled from --env-allow'ed host variables.")] = None,
     verifier_env: Annotated[list[str] | None, typer.Option("--ve", "--verifier-env", help="KEY=VALUE of every verification, over the task's [verifier.env] (repeatable); a ${VAR} as in task.toml.")] = None,
+    capture: Annotated[bool, typer.Option("--capture", help="Record every model call of the Harbor agent (-a terminus-2 and agents like it) through a proxy on 127.0.0.1: messages, replies, the server's token ids and logprobs, in each trial's agent/capture.json and the record's capture.")] = False,
     disable_verification: Annotated[bool, typer.Option("--disable-verification/--enable-verification", help="Run the agents and collect their artifacts, no verifier: every episode is recorded not judged (no reward, in no score, never rerun).")] = False,
     env_file: Annotated[Path | None, typer.Option("--env-file", help="A .env file loaded into this process's environment first; a task or --ae/--ve still reads a variable only through --env-allow NAME.")] = None,
     mounts: Annotated[str | None, typer.Option("--mounts", "--mounts-json", help="JSON array of host paths mounted into every sandbox (Compose volumes: '[\"/data:/data\"]' or {type: bind, source, target}); read-only, whatever it says (local, docker).")] = None,
@@ -252,7 +254,7 @@ def run(
             n_concurrent=n_concurrent or concurrency, environment_kwargs=parse_kwargs(ek), env_allow=env_allow or [],
             strict_verify=strict_verify, force_build=force_build, delete=delete, agent_env=env_pairs(agent_env, "--ae"),
             mounts=mounts_option(mounts, mounts_writable), mounts_writable=mounts_writable,
-            verifier_env=env_pairs(verifier_env, "--ve"), disable_verification=disable_verification, env_file=load_env_file(env_file), override_cpus=override_cpus, artifacts=artifact,
+            verifier_env=env_pairs(verifier_env, "--ve"), disable_verification=disable_verification, capture=capture, env_file=load_env_file(env_file), override_cpus=override_cpus, artifacts=artifact,
             override_memory_mb=override_memory_mb, override_storage_mb=override_storage_mb, override_gpus=override_gpus, episode_disk_limit_mb=episode_disk_limit_mb, max_retries=max_retries,
             retry_include=retry_include, retry_exclude=retry_exclude,
             job_disk_limit_mb=job_disk_limit_mb, timeout_multiplier=timeout_multiplier,
@@ -484,7 +486,7 @@ def _on_cluster(todo, settings, concurrency, engine_kwargs, job, sink, interrupt
         await run_on_cluster_async(
             run_item, run_items(
                 todo, settings.environment_type, settings.agent, root, model=_model(settings),
-                agent_kwargs=settings.agent_kwargs,
+                agent_kwargs=settings.agent_kwargs, capture=settings.capture,
             ), sink=sink, budget=budget,
             stop=interrupts.arm, address=settings.ray_address, concurrency=concurrency, engine_kwargs=engine_kwargs,
         )  # fmt: skip
@@ -547,14 +549,19 @@ def _actor(settings: JobSettings):
     The Harbor agent is built here once with its options (nothing started): bad options are one line, exit 2.
     """
     if settings.agent in MODEL_FREE_AGENTS:
+        if settings.capture:
+            raise fail(f"--capture records an agent's model calls: agent {settings.agent!r} calls no model")
         return settings.agent
     from functools import partial
 
     from harbor_async.agents.harbor import HarborAgentSpec
     from harbor_async.agents.harbor_episode import HarborAgentRunner
-    from harbor_async.cli.agents import checked_spec
+    from harbor_async.cli.agents import checked_capture, checked_spec
 
-    return partial(HarborAgentRunner, checked_spec(HarborAgentSpec(settings.agent, _model(settings), settings.agent_kwargs)))
+    spec = checked_spec(HarborAgentSpec(settings.agent, _model(settings), settings.agent_kwargs))
+    if settings.capture:
+        checked_capture(spec)
+    return partial(HarborAgentRunner, spec, capture=settings.capture)
 
 
 def _key(episode: PlannedEpisode, root: str, model: str | None = None) -> str:

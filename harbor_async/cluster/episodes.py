@@ -35,6 +35,7 @@ class RunItem:
     task_path: str = ""  # the task's path in its suite (the record's and the key's); "" means task_dir
     model: str | None = None  # a Harbor agent's model (-m): the record's and the key's
     agent_kwargs: str = "{}"  # a Harbor agent's options (--ak), as JSON: an item is compared and pickled by value
+    capture: bool = False  # --capture: the agent's model calls through the worker engine's capture proxy
 
     @property
     def key(self) -> str:
@@ -44,14 +45,14 @@ class RunItem:
 
 def run_items(
     episodes: Iterable[PlannedEpisode], backend: str, agent: str, root: str | None = None, *,
-    model: str | None = None, agent_kwargs: Mapping[str, Any] | None = None,
+    model: str | None = None, agent_kwargs: Mapping[str, Any] | None = None, capture: bool = False,
 ) -> list[tuple[str, RunItem]]:
     """``(key, item)`` for each planned episode of ``run`` (pass only the pending ones on a resume)."""
     options = json.dumps(dict(agent_kwargs or {}), sort_keys=True)
     items = [
         RunItem(
             str(ep.task.paths.task_dir), ep.attempt, backend, agent,
-            suite_task_path(ep.task, root) if root is not None else "", model, options,
+            suite_task_path(ep.task, root) if root is not None else "", model, options, capture,
         )  # fmt: skip
         for ep in episodes
     ]
@@ -68,7 +69,7 @@ async def run_item(engine: Engine, item: RunItem) -> EpisodeRecord:
         from harbor_async.agents.harbor import HarborAgentSpec
         from harbor_async.agents.harbor_episode import HarborAgentRunner
 
-        agent = HarborAgentRunner(HarborAgentSpec(item.agent, item.model, json.loads(item.agent_kwargs)))
+        agent = HarborAgentRunner(HarborAgentSpec(item.agent, item.model, json.loads(item.agent_kwargs)), capture=item.capture)
     return await run_episode(
         engine, load_task(item.task_dir), item.backend, agent, attempt=item.attempt,
         task_path=item.task_path or None, model=item.model,

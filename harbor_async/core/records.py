@@ -71,6 +71,8 @@ class EpisodeRecord:
     steps: list[dict[str, Any]] = field(default_factory=list)  # a multi-step task's: name, reward, rewards, error
     trial: str | None = None  # the episode's Harbor trial folder in the job folder (harbor_async.jobs.harbor_layout)
     verification_disabled: bool = False  # harbor run's --disable-verification: the agent ran, nobody judged it
+    #: ``--capture``: the agent's model calls through the capture proxy (``calls``, ``refused``, ``retokenize``, ``file``)
+    capture: dict[str, Any] | None = None
     version: int = RECORD_VERSION
 
     @property

@@ -3,7 +3,7 @@
 The names of the old ``harbor_async.engine`` module still resolve here for one release (with a
 :class:`DeprecationWarning`; :mod:`harbor_async.core.moved`).
 
-Imports: core, tasks, verification, backends.
+Imports: core, models, tasks, verification, backends.
 """
 
 from typing import Any

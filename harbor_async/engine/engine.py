@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
     from harbor.models.task.task import Task
 
+    from harbor_async.models.capture import CaptureProxy
+
 T = TypeVar("T")
 
 
@@ -183,6 +185,9 @@ class Engine:
         self._context: SandboxContext | None = None
         self._holds: dict[tuple[type, str], Callable[[], None]] = {}  # (backend class, run label) -> its release
         self._specs: dict[str, BackendSpec] = {}  # backend name -> its spec, one shared by the sandboxes
+        #: (upstream URL, its key, what each request asks for) -> the capture proxy serving it until the engine closes
+        self._captures: dict[tuple[str, str | None, str], CaptureProxy] = {}
+        self._capture_lock = anyio.Lock()
 
     # ── lifecycle of the engine itself ──────────────────────────────────
 
@@ -272,6 +277,30 @@ class Engine:
                 return [e for e in list(self.episodes) if not e.finished]
             except RuntimeError:  # the set changed size while it was copied: copy it again
                 continue
+
+    async def capture_proxy(
+        self, upstream_base_url: str, upstream_api_key: str | None = None, request_extra: Mapping[str, Any] | None = None
+    ) -> CaptureProxy:
+        """The engine's capture proxy in front of the model server ``upstream_base_url`` (call on the loop).
+
+        One per upstream (URL, key and ``request_extra``), started on first use and serving in the engine's
+        task group until the engine closes; each episode opens its own session on it.
+
+        Raises:
+            EngineClosedError: the engine is closing or closed.
+        """
+        from harbor_async.models.capture import CaptureProxy
+
+        key = (upstream_base_url, upstream_api_key, repr(sorted((request_extra or {}).items())))
+        async with self._capture_lock:  # two episodes asking at once get the same proxy, once it listens
+            proxy = self._captures.get(key)
+            if proxy is None:
+                if self._tg is None or self._closing:
+                    raise EngineClosedError("the engine is not running")
+                proxy = CaptureProxy(upstream_base_url, upstream_api_key=upstream_api_key, request_extra=request_extra)
+                await self._tg.start(proxy.serve)
+                self._captures[key] = proxy
+        return proxy
 
     @property
     def closed(self) -> bool:

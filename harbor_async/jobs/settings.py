@@ -145,6 +145,7 @@ class JobSettings(EngineSettings):
     agent_env: dict[str, str] = Field(default_factory=dict)
     verifier_env: dict[str, str] = Field(default_factory=dict)
     disable_verification: bool = False  # harbor run's --disable-verification: no verifier, nobody judged
+    capture: bool = False  # --capture: a Harbor agent's model calls through the capture proxy (harbor_async.models.capture)
     env_file: str | None = may_change_on_resume()  # harbor run's --env-file: loaded into this process's environment
     # harbor run's trial retries (-r): failed episodes a resume would rerun, rerun at once (harbor_async.jobs.retries)
     max_retries: NonNegativeInt = 0

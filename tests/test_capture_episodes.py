@@ -1,0 +1,89 @@
+"""``--capture``: a Harbor agent's model calls recorded through the engine's capture proxy, in real episodes.
+
+terminus-2 runs on real local sandboxes against the scripted model server
+(model ``terminus``), which speaks vLLM's token fields when asked: the
+trial's ``agent/capture.json`` must hold every call with the server's own
+token ids, agree with Harbor's own trajectory of the same episode, and the
+record must say so. What cannot be captured is refused before any sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.cli_helpers import harbor_async, records
+from tests.scripted_server import ScriptedServer, token_ids
+from tests.test_harbor_agents import echo_suite
+
+pytestmark = pytest.mark.slow  # real sandboxes, a real agent, CLI processes
+
+
+def _captured_run(tmp_path: Path, *extra: str, multi_step: bool = False) -> tuple[dict, Path, ScriptedServer]:
+    suite = echo_suite(tmp_path / "suite", multi_step=multi_step)
+    with ScriptedServer(suite / "tasks") as server:
+        result = harbor_async(
+            "run", "-p", str(suite), "-a", "terminus-2", "-m", "hosted_vllm/terminus", "--ak", f"api_base={server.base_url}",
+            "--capture", "-o", str(tmp_path / "jobs"), *extra,
+        )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (job,) = [p for p in (tmp_path / "jobs").iterdir() if p.is_dir()]
+    (record,) = records(job)
+    return record, job / record["trial"], server
+
+
+def test_run_capture_records_every_call_with_the_servers_tokens(tmp_path: Path, host_tmux: None) -> None:
+    record, trial, server = _captured_run(tmp_path)
+    assert record["reward"] == 1.0
+    assert record["capture"] == {"calls": 3, "refused": 0, "retokenize": False, "files": ["agent/capture.json"]}
+    capture = json.loads((trial / "agent" / "capture.json").read_text())
+    calls = capture["calls"]
+    assert len(calls) == server.requests["terminus"] == 3  # every call of the agent went through the proxy
+    for call in calls:
+        content = call["reply"]["choices"][0]["message"]["content"]
+        assert call["status"] == 200 and call["tokens_from_server"]
+        assert call["completion_token_ids"] == token_ids(content)  # the server's own ids, not a re-tokenization
+        assert call["prompt_token_ids"] == token_ids(json.dumps(call["request"]["messages"]))
+        assert len(call["logprobs"]) == len(call["completion_token_ids"])
+        assert "return_token_ids" not in call["request"]  # the agent's request as it sent it
+    # Harbor's own trajectory of the same episode: one agent step per captured call, the same answers.
+    trajectory = json.loads((trial / "agent" / "trajectory.json").read_text())
+    agent_steps = [step for step in trajectory["steps"] if step["source"] == "agent"]
+    assert len(agent_steps) == len(calls)
+    for step, call in zip(agent_steps, calls):
+        answer = json.loads(call["reply"]["choices"][0]["message"]["content"])
+        assert step["message"] == f"Analysis: {answer['analysis']}\nPlan: {answer['plan']}"
+    first_prompt = next(step["message"] for step in trajectory["steps"] if step["source"] == "user")
+    assert calls[0]["request"]["messages"][0]["content"] == first_prompt
+
+
+def test_capture_keeps_each_steps_calls_beside_that_steps_trajectory(tmp_path: Path, host_tmux: None) -> None:
+    record, trial, server = _captured_run(tmp_path, multi_step=True)
+    assert record["reward"] == 1.0
+    assert record["capture"]["files"] == ["steps/first/agent/capture.json", "steps/second/agent/capture.json"]
+    per_step = [json.loads((trial / name).read_text())["calls"] for name in record["capture"]["files"]]
+    assert [[c["index"] for c in calls] for calls in per_step] == [[0, 1, 2], [3, 4, 5]]
+    assert record["capture"]["calls"] == server.requests["terminus"] == 6
+    for name, calls in zip(("first", "second"), per_step):
+        trajectory = json.loads((trial / "steps" / name / "agent" / "trajectory.json").read_text())
+        assert len([s for s in trajectory["steps"] if s["source"] == "agent"]) == len(calls)
+        assert f"/app/{'answer' if name == 'first' else 'second'}" in calls[0]["request"]["messages"][0]["content"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["run", "-a", "oracle", "--capture"], "calls no model"),
+        (["run", "-e", "docker", "-a", "claude-code", "-m", "anthropic/claude-x", "--capture"], "runs inside the sandbox"),
+        (["run", "-a", "terminus-2", "-m", "openai/gpt-x", "--capture"], "calls no OpenAI-compatible server of its own"),
+        (["eval", "-a", "bash", "-m", "solver", "--base-url", "http://127.0.0.1:9/v1", "--capture"], "is a tool harness"),
+    ],
+)
+def test_what_cannot_be_captured_is_refused_before_any_sandbox(tmp_path: Path, argv: list[str], said: str) -> None:
+    suite = echo_suite(tmp_path / "suite")
+    result = harbor_async(*argv, "-p", str(suite), "-o", str(tmp_path / "jobs"))
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert said in result.stderr
+    assert not (tmp_path / "jobs").exists() or not any((tmp_path / "jobs").iterdir())  # no job folder, no sandbox
