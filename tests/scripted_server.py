@@ -22,7 +22,8 @@ The model name chooses the behaviour (each is listed by ``/v1/models``):
   twice (terminus-2 asks for a confirmation).
 
 With ``"stream": true`` the reply comes as server-sent events, as OpenAI's and vLLM's do (content in
-pieces of 5 characters, a tool call as its name and then its arguments in two pieces). As vLLM does,
+pieces of 5 characters, a tool call as its name and then its arguments in two pieces); with
+``"stream_whole": true`` too, as one JSON answer (a server that ignores ``stream``). As vLLM does,
 ``"return_token_ids": true`` adds the prompt's and the completion's token ids (here: the UTF-8 bytes of
 the messages' JSON and of the reply's text, or of each tool call's name and arguments) and
 ``"logprobs": true`` one logprob per completion token.
@@ -306,7 +307,7 @@ def _handler(server: ScriptedServer) -> type[BaseHTTPRequestHandler]:
                 self._send(401, _error("Incorrect API key provided", "invalid_request_error", 401))
                 return
             code, payload = server.chat(body)
-            if code == 200 and body.get("stream"):
+            if code == 200 and body.get("stream") and not body.get("stream_whole"):  # stream_whole: a server that ignores stream
                 data = stream_events(body, payload)
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")

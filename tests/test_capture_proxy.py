@@ -8,8 +8,11 @@ httpx where the test needs the raw answer); the model server is
 from __future__ import annotations
 
 import json
+import socket
+import struct
 
 import anyio
+import anyio.abc
 import httpx
 import openai
 import pytest
@@ -207,3 +210,44 @@ def test_a_servers_refusal_reaches_the_agent_and_the_record_streamed_or_not(serv
     assert all("does not exist" in r.message for r in refusals)
     assert malformed.status_code == 400 and unknown.status_code == 404  # neither is a call of the session
     assert len(session.calls) == 2
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])  # trio's send to a reset socket raises; asyncio's drops it
+def test_a_client_gone_mid_call_ends_its_connection_only(server, backend):
+    """A client that hangs up before its answer: the proxy (in its caller's task group) goes on serving."""
+    server.slow_seconds = 0.3
+
+    async def main():
+        async with CaptureProxy(server.base_url, upstream_api_key="upstream-secret") as proxy:
+            session = proxy.open_session("e")
+            body = json.dumps({"model": "slow", "messages": _messages(), "tools": TOOLS, "stream": True}).encode()
+            for _ in range(3):
+                client = await anyio.connect_tcp("127.0.0.1", int(proxy.base_url.rsplit(":", 1)[1].split("/")[0]))
+                head = f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {session.api_key}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+                await client.send(head.encode() + body)
+                raw = client.extra(anyio.abc.SocketAttribute.raw_socket)
+                raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                await client.aclose()  # gone before the answer, with a reset: the proxy's answer cannot be sent
+            await anyio.sleep(1.2)  # the three slow answers arrive to closed connections
+            reply = await _client(proxy, session.api_key).chat.completions.create(model="quitter", messages=_messages())
+            return session, reply
+
+    session, reply = anyio.run(main, backend=backend)
+    assert reply.choices[0].message.content == "I think the answer is 42."
+    assert [c.request["model"] for c in session.calls] == ["slow", "slow", "slow", "quitter"]
+
+
+def test_a_stream_asked_of_a_server_that_answers_whole_is_recorded_whole(server):
+    """A server that ignores ``stream`` (answers one JSON): forwarded as it came, recorded with its tokens."""
+    async def main():
+        async with CaptureProxy(server.base_url, upstream_api_key="upstream-secret", request_extra=VLLM_TOKENS) as proxy:
+            session = proxy.open_session("e")
+            async with httpx.AsyncClient() as raw:
+                body = {"model": "quitter", "messages": _messages(), "stream": True, "stream_whole": True}
+                answer = await raw.post(f"{proxy.base_url}/chat/completions", json=body, headers={"authorization": f"Bearer {session.api_key}"})
+            return session, answer
+
+    session, answer = anyio.run(main)
+    (call,) = session.calls
+    assert answer.json()["choices"][0]["message"]["content"] == call.reply["choices"][0]["message"]["content"]
+    assert call.completion_token_ids == token_ids(call.reply["choices"][0]["message"]["content"])

@@ -142,6 +142,18 @@ class CaptureProxy:
     # The HTTP side: one h11 connection per client, requests one after another (keep-alive).
 
     async def _serve_connection(self, stream: SocketStream) -> None:
+        """One client's connection; whatever ends it (the client gone, a bug) ends it alone, never the proxy.
+
+        The proxy serves in the engine's task group: an exception out of here would end the engine.
+        """
+        try:
+            await self._serve_requests(stream)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, h11.ProtocolError, OSError) as exc:
+            log.debug("capture proxy: a client's connection ended", error=repr(exc))
+        except Exception:  # noqa: BLE001 - contained: the other connections and the engine go on
+            log.exception("capture proxy: a connection failed")
+
+    async def _serve_requests(self, stream: SocketStream) -> None:
         connection = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
         async with stream:
             while True:
@@ -271,24 +283,16 @@ class CaptureProxy:
         async with self._client.stream("POST", "/chat/completions", json=request, headers=self._upstream_headers()) as reply:
             data = await self._read_bounded(reply)
         call.status = reply.status_code
-        try:
-            call.reply = json.loads(data)
-        except ValueError:
-            call.reply = {"text": data[:4096].decode(errors="replace")}
-        if call.status == 200 and isinstance(call.reply, dict):
-            read_tokens(call, call.reply)
+        _take_reply(call, data)
         await self._send(connection, stream, reply.status_code, data, reply.headers.get("content-type", "application/json"))
 
     async def _chat_streamed(self, connection: h11.Connection, stream: SocketStream, call: CapturedCall, request: dict[str, Any]) -> None:
         assert self._client is not None
         async with self._client.stream("POST", "/chat/completions", json=request, headers=self._upstream_headers()) as reply:
             call.status = reply.status_code
-            if reply.status_code != 200:
-                data = await self._read_bounded(reply)
-                try:
-                    call.reply = json.loads(data)
-                except ValueError:
-                    call.reply = {"text": data[:4096].decode(errors="replace")}
+            if reply.status_code != 200 or not reply.headers.get("content-type", "").startswith("text/event-stream"):
+                data = await self._read_bounded(reply)  # an error, or a server that does not stream: one answer
+                _take_reply(call, data)
                 await self._send(connection, stream, reply.status_code, data, reply.headers.get("content-type", "application/json"))
                 return
             assembler, pending, size = StreamAssembler(), b"", 0
@@ -330,6 +334,17 @@ class CaptureProxy:
             await self._send(connection, stream, status, json.dumps(payload).encode(), "application/json", close)
         except (h11.LocalProtocolError, anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass  # the client is gone or the response was under way: nothing more can be said to it
+
+
+def _take_reply(call: CapturedCall, data: bytes) -> None:
+    """A whole (unstreamed) answer into ``call``: its JSON (else the start of its text), and its tokens if it succeeded."""
+    try:
+        reply = json.loads(data)
+    except ValueError:
+        reply = None
+    call.reply = reply if isinstance(reply, dict) else {"text": data[:4096].decode(errors="replace")}
+    if call.status == 200 and isinstance(reply, dict):
+        read_tokens(call, reply)
 
 
 def _header(head: h11.Request, name: bytes) -> str | None:
