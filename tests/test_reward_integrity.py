@@ -58,8 +58,11 @@ mkdir -p /app /logs/verifier/reward.txt && echo wrong > /app/answer.txt
 echo '{"reward": 1}' > /logs/verifier/reward.json
 """
 
+# The beat is renamed into place: a `date > file` truncates first, and a read in the gap (wide on a loaded machine,
+# where a fork waits for CPU) sees an empty heartbeat and fails a service that is running.
 SERVICE = """#!/bin/bash
-nohup sh -c 'while :; do date +%s%N > /tmp/heartbeat; sleep 0.1; done' > /dev/null 2>&1 &
+nohup sh -c 'while :; do date +%s%N > /tmp/heartbeat.new && mv /tmp/heartbeat.new /tmp/heartbeat; sleep 0.1; done' \\
+  > /dev/null 2>&1 &
 """
 SERVICE_TEST = """#!/bin/bash
 before=$(cat /tmp/heartbeat); sleep 1.5; after=$(cat /tmp/heartbeat)

@@ -362,6 +362,7 @@ class EvaluateSettings(TypedDict, total=False):
     task_ref: str | None
     agent: str
     agent_kwargs: dict[str, Any]
+    capture: bool
     environment_type: str
     environment_kwargs: dict[str, Any]
     n_attempts: int
