@@ -30,7 +30,7 @@ def _captured_run(tmp_path: Path, *extra: str, multi_step: bool = False) -> tupl
         )  # fmt: skip
     assert result.returncode == 0, result.stderr
     (job,) = [p for p in (tmp_path / "jobs").iterdir() if p.is_dir()]
-    (record,) = records(job)
+    record = records(job)[0]  # the first attempt's (-k N runs more)
     return record, job / record["trial"], server
 
 
@@ -87,3 +87,30 @@ def test_what_cannot_be_captured_is_refused_before_any_sandbox(tmp_path: Path, a
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert said in result.stderr
     assert not (tmp_path / "jobs").exists() or not any((tmp_path / "jobs").iterdir())  # no job folder, no sandbox
+
+
+def test_export_writes_the_captured_episodes_as_a_datasets_dataset(tmp_path: Path, host_tmux: None) -> None:
+    import datasets
+
+    record, trial, _server = _captured_run(tmp_path, "-k", "2")
+    job = trial.parent
+    result = harbor_async("export", str(job), "-o", str(tmp_path / "data"))
+    assert result.returncode == 0, result.stderr
+    assert "wrote 2 episodes (6 model calls)" in result.stdout
+    rows = datasets.load_from_disk(str(tmp_path / "data"))
+    assert len(rows) == 2 and sorted(rows["attempt"]) == [0, 1] and rows["reward"] == [1.0, 1.0]
+    assert set(rows["model"]) == {"hosted_vllm/terminus"} and not any(rows["retokenize"])
+    for row in rows:
+        found = next(r for r in records(job) if r["attempt"] == row["attempt"])
+        files = [json.loads((job / found["trial"] / name).read_text())["calls"] for name in found["capture"]["files"]]
+        captured = [call for calls in files for call in calls]
+        assert [c["completion_token_ids"] for c in row["calls"]] == [c["completion_token_ids"] for c in captured]
+        assert [c["prompt_token_ids"] for c in row["calls"]] == [c["prompt_token_ids"] for c in captured]
+        assert [json.loads(c["request"]) for c in row["calls"]] == [c["request"] for c in captured]
+    # a job run without --capture: nothing to export, one line, exit 2
+    plain = harbor_async("run", "-p", str(job.parent.parent / "suite"), "-a", "oracle", "-o", str(tmp_path / "plain"))
+    assert plain.returncode == 0, plain.stderr
+    (plain_job,) = [p for p in (tmp_path / "plain").iterdir() if p.is_dir()]
+    refused = harbor_async("export", str(plain_job))
+    assert refused.returncode == 2 and "none of its episodes was captured (run it with --capture)" in refused.stderr
+    assert harbor_async("export", str(tmp_path)).returncode == 2  # not a job folder

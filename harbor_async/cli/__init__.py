@@ -16,6 +16,7 @@ import typer
 
 from harbor_async.cli import doctor as _doctor
 from harbor_async.cli import eval as _eval
+from harbor_async.cli import export as _export
 from harbor_async.cli import report as _report
 from harbor_async.cli import run as _run
 from harbor_async.cli.bench import bench_app
@@ -93,6 +94,7 @@ app.command("view")(_report.view)
 app.add_typer(bench_app, name="bench")
 app.command("eval")(_eval.eval_command)
 app.command("doctor")(_doctor.doctor)
+app.command("export")(_export.export)
 
 
 def main() -> None:  # pragma: no cover - console entry
