@@ -33,12 +33,14 @@ from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, Unpack
 
-from harbor_async.agents.task_checks import TRL, check_tasks
+from harbor_async.agents.harbor import HarborAgentSpec, is_harbor_agent
+from harbor_async.agents.task_checks import TRL, Driver, check_tasks
 from harbor_async.backends import resolve_backend
 from harbor_async.cli.machine_checks import require_supported
 from harbor_async.harnesses import import_reference
 from harbor_async.tasks.suite import load_suite
 from shim import engines
+from shim.agent_rollouts import TASK_FIELD, AgentRollouts, agent_reward
 from shim.env import AGENTS, HarborEnv, _close_budget
 from shim.episode import stop_episodes
 from shim.options import EngineOptions, EngineOptionsKwargs, renamed_kwargs
@@ -101,6 +103,24 @@ def _agent_reference(agent: str | type, cls: type) -> str | type:
     return cls
 
 
+def _harbor_agent(agent: str | type, model_name: str | None, agent_kwargs: Mapping[str, Any] | None) -> HarborAgentSpec | None:
+    """The Harbor agent ``agent`` names (``"terminus-2"``, ``"module:Class"`` of a Harbor agent), or ``None`` for a harness.
+
+    Raises:
+        ValueError: ``model_name`` or ``agent_kwargs`` given with a harness (they are a Harbor agent's ``-m``/``--ak``).
+    """
+    if isinstance(agent, str) and agent not in AGENTS and is_harbor_agent(agent):
+        return HarborAgentSpec(agent, model_name, dict(agent_kwargs or {}))
+    if model_name is not None or agent_kwargs:
+        raise ValueError(f"model_name and agent_kwargs are a Harbor agent's options; agent {agent!r} is a harness")
+    return None
+
+
+def _instruction(task: Any) -> str:
+    """The task's instruction (Harbor's, canary lines stripped); empty for a multi-step task (one per step)."""
+    return str(task.instruction or "")
+
+
 def _env_class(cls: type) -> type[HarborEnv]:
     """The shim env class for a resolved harness: itself, or a TRL harness rebased on the shim."""
     return adapt_trl_harness(cls) if is_trl_harness(cls) else cls
@@ -145,6 +165,9 @@ class HarborSpec:
             (a subclass of ``trl.experimental.harbor.HarborEnv``) runs unchanged
             on the engine (see :mod:`shim.trl_harness`). Unknown names raise
             ``ValueError``; anything that is not a ``HarborEnv`` subclass ``TypeError``.
+            Or one of Harbor's own agents (``"terminus-2"``, a ``module:Class``
+            of a Harbor agent): it then drives its own turns, through
+            :attr:`rollout_func` (see :mod:`shim.agent_rollouts`).
         environment_type: the backend: a Harbor type (``"docker"``, ``"e2b"``,
             ...), ``"local"`` (bubblewrap), ``"simulated"``, or an import path
             ``"package.module:Class"``. Checked here: an unknown name or a
@@ -167,6 +190,11 @@ class HarborSpec:
             task, and raise :class:`~harbor_async.core.errors.PreflightError` if it
             cannot start (a missing extra, bubblewrap, credentials, image).
             ``False`` skips it.
+        agent_kwargs: a Harbor agent's options (``harbor run --ak``), such as
+            ``{"max_turns": 8}``; ``{"api_base": URL}`` with ``model_name``
+            points it at a model server of its own instead of the trainer's model.
+        model_name: a Harbor agent's model (``-m``, LiteLLM's ``provider/name``),
+            with ``api_base``; without, the trainer's own model answers in-process.
         **engine_options: limits, timeouts and retries shared by the envs; see
             :class:`~shim.options.EngineOptions` (``max_live_sandboxes``,
             ``creates_per_second``, ``concurrent_execs``, ``start_timeout``,
@@ -192,16 +220,23 @@ class HarborSpec:
         environment_kwargs: Mapping[str, Any] | None = None,
         backend_kwargs: Mapping[str, Any] | None = None,
         preflight: bool = True,
+        agent_kwargs: Mapping[str, Any] | None = None,
+        model_name: str | None = None,
         **engine_options: Unpack[EngineOptionsKwargs],
     ) -> None:
         if num_tasks is not None and indices is not None:
             raise ValueError("Provide num_tasks or indices, not both.")
+        self._harbor_agent = _harbor_agent(agent, model_name, agent_kwargs)
         self._dataset = dataset
         self._environment_type = environment_type
         self._num_tasks = num_tasks
         self._indices = indices
         self._globs = (include, exclude)  # load_suite reads a string as one glob
         self._include_metadata = include_metadata
+        if self._harbor_agent is not None:  # Harbor's own agent: rollout_func, not environment_factory
+            if env_reward:
+                raise ValueError(f"agent {agent!r} is a Harbor agent: its reward comes with rollout_func, env_reward=True does not apply")
+            agent = "bash"  # the harness attributes below stay defined; the agent path never builds an env
         agent_cls = _resolve_agent(agent)
         self._agent_ref = _agent_reference(agent, agent_cls)  # what the factory pickles
         self._env_cls = _env_class(agent_cls)
@@ -211,7 +246,7 @@ class HarborSpec:
                 f"agent {self._env_cls.__name__} defines get_reward, which TRL always counts; with "
                 "env_reward=False the reward would be counted twice (get_reward + reward_funcs)"
             )
-        self._env_reward = owns_reward if env_reward is None else bool(env_reward)
+        self._env_reward = self._harbor_agent is None and (owns_reward if env_reward is None else bool(env_reward))
         if self._env_reward:  # TRL reads get_reward from 1.8 on; before, it would be a tool the model sees
             require_supported("trl", "HarborSpec(env_reward=True)", "trl-env-reward")
         self._options = EngineOptions.from_kwargs(dict(engine_options))
@@ -236,11 +271,13 @@ class HarborSpec:
         include, exclude = self._globs
         suite = load_suite(self._dataset, num_tasks=self._num_tasks, indices=self._indices, include=include, exclude=exclude)
         # refused now, not at a reset mid-training: a ${VAR} not allowed, a feature TRL's loop cannot honour
+        driver = TRL if self._harbor_agent is None else Driver("TRL's rollout_func", agent=self._harbor_agent.agent_class)
         check_tasks(
-            suite.tasks, resolve_backend(self._environment_type), driver=TRL, env_allow=self._options.env_allow,
+            suite.tasks, resolve_backend(self._environment_type), driver=driver, env_allow=self._options.env_allow,
             backend_kwargs=self._backend_kwargs, allow_flag="env_allow=[NAME]",
         )  # fmt: skip
         self._metadata = [dict(task.config.metadata) for task in suite.tasks]
+        self._tasks = {str(task.task_dir): task for task in suite.tasks}
         return list(zip(suite.positions, (task.task_dir for task in suite.tasks), strict=True))
 
     @cached_property
@@ -250,15 +287,21 @@ class HarborSpec:
         Columns: ``prompt`` (an empty user message; TRL appends the env's
         instruction from ``reset``), ``task_dir`` (passed to ``reset``),
         ``task_index`` (position in the sorted suite, matching ``indices``),
-        and the task metadata when ``include_metadata``.
+        and the task metadata when ``include_metadata``. With a Harbor agent
+        the prompt is the task's instruction, its message naming the task
+        folder (``harbor_task``): ``rollout_func`` receives only the prompts.
         """
         from datasets import (
             Dataset,  # imported here: heavy, and only the trainer needs it
         )
 
         selection = self._selection
+        if self._harbor_agent is None:
+            prompts = [[{"role": "user", "content": ""}] for _ in selection]
+        else:
+            prompts = [[{"role": "user", "content": _instruction(self._tasks[str(path)]), TASK_FIELD: str(path)}] for _, path in selection]
         rows: dict[str, list[Any]] = {
-            "prompt": [[{"role": "user", "content": ""}] for _ in selection],
+            "prompt": prompts,
             "task_dir": [str(path) for _, path in selection],
             "task_index": [index for index, _ in selection],
         }
@@ -273,7 +316,15 @@ class HarborSpec:
 
         A ``functools.partial`` of a module-level function (not a closure), so
         it pickles: AsyncGRPOTrainer sends it to a spawned rollout process.
+
+        Raises:
+            ValueError: the spec's agent is a Harbor agent, which runs through :attr:`rollout_func` instead.
         """
+        if self._harbor_agent is not None:
+            raise ValueError(
+                f"agent {self._harbor_agent.name!r} is a Harbor agent, which drives its own turns: pass "
+                "rollout_func=spec.rollout_func to GRPOTrainer, not environment_factory"
+            )
         return partial(
             _make_env,
             self._agent_ref,
@@ -292,9 +343,26 @@ class HarborSpec:
         (a new one each time: TRL appends to it) when the envs own their reward
         (``env_reward``), so that no reward is counted twice.
         """
+        if self._harbor_agent is not None:
+            return agent_reward
         if self._env_reward:
             return []
         return _outcome_reward_func
+
+    @cached_property
+    def rollout_func(self) -> AgentRollouts:
+        """TRL's ``rollout_func`` for a Harbor agent (``agent="terminus-2"``): see :mod:`shim.agent_rollouts`.
+
+        Raises:
+            ValueError: the spec's agent is a harness (use ``environment_factory``).
+        """
+        if self._harbor_agent is None:
+            raise ValueError("rollout_func runs a Harbor agent (agent='terminus-2', ...); a harness runs through environment_factory")
+        rollouts = AgentRollouts(
+            self._harbor_agent, self._tasks, resolve_backend(self._environment_type), self._backend_kwargs, self._options
+        )
+        rollouts.agent_spec().check_capture()  # an agent that cannot be captured is refused here, not mid-training
+        return rollouts
 
     @property
     def env_reward(self) -> bool:

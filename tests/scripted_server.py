@@ -25,7 +25,7 @@ With ``"stream": true`` the reply comes as server-sent events, as OpenAI's and v
 pieces of 5 characters, a tool call as its name and then its arguments in two pieces); with
 ``"stream_whole": true`` too, as one JSON answer (a server that ignores ``stream``). As vLLM does,
 ``"return_token_ids": true`` adds the prompt's and the completion's token ids (here: the UTF-8 bytes of
-the messages' JSON and of the reply's text, or of each tool call's name and arguments) and
+the messages under :func:`chat_text` and of the reply's text, or of each tool call's name and arguments) and
 ``"logprobs": true`` one logprob per completion token.
 
 Any other model name gets a 404, as vLLM answers. With ``api_key``, a chat
@@ -75,12 +75,15 @@ class ScriptedServer:
         die_after: int | None = None,
         api_key: str | None = None,
         models: str = "listed",
+        refuse_fields: tuple[str, ...] = (),
     ) -> None:
         self.solutions = load_solutions(Path(suite))
         self.api_key = api_key  # chat requests with another key get a 401 (the model list answers anyway)
         #: ``/v1/models``: "listed" (every model), "empty" (none, as transformers serve of a local folder),
         #: "500" (an error, as transformers serve without its hub cache), "401" (the key is checked there too).
         self.models = models
+        #: request fields answered with a 422 naming them, as ``transformers serve`` answers vLLM's ``return_token_ids``
+        self.refuse_fields = refuse_fields
         self.slow_seconds = slow_seconds
         self.die_after = die_after
         self.requests: Counter[str] = Counter()
@@ -131,6 +134,9 @@ class ScriptedServer:
 
     def chat(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         model = body.get("model")
+        refused = {name for name in self.refuse_fields if name in body}
+        if refused:
+            return 422, {"detail": f"Unexpected fields in the request: {refused}"}
         if model not in MODELS:
             return 404, _error(f"The model `{model}` does not exist.", "NotFoundError", 404)
         with self._lock:
@@ -227,9 +233,29 @@ def token_ids(text: str) -> list[int]:
     return list(text.encode())
 
 
+def chat_text(messages: list[dict[str, Any]]) -> str:
+    """This server's "chat template": each message as ``<|role|>`` and its text, then ``<|assistant|>``.
+
+    As a real template does, a conversation extended by the model's answer and the next message renders as the
+    earlier prompt, the answer, and what was added: the captured rows of an agent that keeps its history chain.
+    """
+    parts = []
+    for message in messages:
+        content = message.get("content")
+        text = "".join(p.get("text", "") for p in content if isinstance(p, dict)) if isinstance(content, list) else content or ""
+        text += "".join(c["function"]["name"] + c["function"]["arguments"] for c in message.get("tool_calls") or [])
+        parts.append(f"<|{message.get('role')}|>{text}")
+    return "".join(parts) + "<|assistant|>"
+
+
+def chat_ids(messages: list[dict[str, Any]]) -> list[int]:
+    """The prompt token ids this server gives for ``messages``."""
+    return token_ids(chat_text(messages))
+
+
 def _add_tokens(body: dict[str, Any], reply: dict[str, Any], choice: dict[str, Any], completion: str) -> None:
     if body.get("return_token_ids"):
-        reply["prompt_token_ids"] = token_ids(json.dumps(body["messages"]))
+        reply["prompt_token_ids"] = chat_ids(body["messages"])
         choice["token_ids"] = token_ids(completion)
     if body.get("logprobs"):
         choice["logprobs"] = {"content": [{"token": str(b), "logprob": -0.125 * (b % 4)} for b in completion.encode()]}

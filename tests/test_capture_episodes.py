@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_helpers import harbor_async, records
-from tests.scripted_server import ScriptedServer, token_ids
+from tests.scripted_server import ScriptedServer, chat_ids, token_ids
 from tests.test_harbor_agents import echo_suite
 
 pytestmark = pytest.mark.slow  # real sandboxes, a real agent, CLI processes
@@ -45,7 +45,7 @@ def test_run_capture_records_every_call_with_the_servers_tokens(tmp_path: Path, 
         content = call["reply"]["choices"][0]["message"]["content"]
         assert call["status"] == 200 and call["tokens_from_server"]
         assert call["completion_token_ids"] == token_ids(content)  # the server's own ids, not a re-tokenization
-        assert call["prompt_token_ids"] == token_ids(json.dumps(call["request"]["messages"]))
+        assert call["prompt_token_ids"] == chat_ids(call["request"]["messages"])
         assert len(call["logprobs"]) == len(call["completion_token_ids"])
         assert "return_token_ids" not in call["request"]  # the agent's request as it sent it
     # Harbor's own trajectory of the same episode: one agent step per captured call, the same answers.
@@ -107,6 +107,10 @@ def test_export_writes_the_captured_episodes_as_a_datasets_dataset(tmp_path: Pat
         assert [c["completion_token_ids"] for c in row["calls"]] == [c["completion_token_ids"] for c in captured]
         assert [c["prompt_token_ids"] for c in row["calls"]] == [c["prompt_token_ids"] for c in captured]
         assert [json.loads(c["request"]) for c in row["calls"]] == [c["request"] for c in captured]
+        # the episode as one sequence: the last call's prompt and answer, the model's own tokens unmasked
+        assert row["prompt_ids"] + row["completion_ids"] == captured[-1]["prompt_token_ids"] + captured[-1]["completion_token_ids"]
+        assert [t for t, m in zip(row["completion_ids"], row["env_mask"]) if m] == [t for c in captured for t in c["completion_token_ids"]]
+        assert 0 in row["env_mask"] and row["dropped_calls"] == 0
     # a job run without --capture: nothing to export, one line, exit 2
     plain = harbor_async("run", "-p", str(job.parent.parent / "suite"), "-a", "oracle", "-o", str(tmp_path / "plain"))
     assert plain.returncode == 0, plain.stderr

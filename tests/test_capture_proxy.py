@@ -19,7 +19,7 @@ import pytest
 
 from harbor_async.models.capture import CaptureLimits, CaptureProxy, CaptureProxyError
 from harbor_async.suites import example_suite_path
-from tests.scripted_server import ScriptedServer, load_solutions, token_ids
+from tests.scripted_server import ScriptedServer, chat_ids, load_solutions, token_ids
 
 VLLM_TOKENS = {"logprobs": True, "return_token_ids": True}
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]
@@ -58,12 +58,31 @@ def test_a_call_is_forwarded_and_recorded_with_the_servers_tokens(server):
     assert "return_token_ids" not in call.request  # the record holds what the agent sent, not the proxy's additions
     recorded = call.reply["choices"][0]["message"]["tool_calls"][0]
     assert recorded["function"]["arguments"] == reply.choices[0].message.tool_calls[0].function.arguments
-    assert call.prompt_token_ids == token_ids(json.dumps(_messages()))
+    assert call.prompt_token_ids == chat_ids(_messages())
     assert call.completion_token_ids == token_ids("bash" + recorded["function"]["arguments"])
     assert call.logprobs is not None and len(call.logprobs) == len(call.completion_token_ids)
     assert call.tokens_from_server and not session.retokenize
     # The upstream saw its own key only: the session's key never leaves the proxy.
     assert server.auth == {"Bearer upstream-secret"}
+
+
+def test_a_field_the_server_refuses_is_dropped_and_the_call_asked_again() -> None:
+    async def main(server: ScriptedServer):
+        async with CaptureProxy(server.base_url, request_extra=VLLM_TOKENS) as proxy:
+            session = proxy.open_session("episode-1")
+            client = _client(proxy, session.api_key)
+            first = await client.chat.completions.create(model="solver", messages=_messages(), tools=TOOLS)
+            second = await client.chat.completions.create(model="solver", messages=_messages(), tools=TOOLS, stream=True)
+            async for _ in second:
+                pass
+            return session, first
+
+    with ScriptedServer(refuse_fields=("return_token_ids",)) as server:
+        session, first = anyio.run(main, server)
+        assert server.requests["solver"] == 2  # the refused asks never reached the model
+    assert first.choices[0].message.tool_calls  # the agent got its answer, not the 422
+    assert [call.status for call in session.calls] == [200, 200] and session.retokenize
+    assert all(call.logprobs and not call.tokens_from_server for call in session.calls)  # logprobs still asked
 
 
 def test_without_the_servers_tokens_the_session_is_marked_for_retokenizing(server):
@@ -100,7 +119,7 @@ def test_a_streamed_reply_reaches_the_agent_and_is_recorded_as_the_unstreamed_on
     assert json.loads(arguments)["command"]  # joined from two pieces into the whole JSON
     assert tool_call.reply["choices"][0]["finish_reason"] == "tool_calls"
     assert tool_call.completion_token_ids == token_ids("bash" + arguments)
-    assert tool_call.prompt_token_ids == token_ids(json.dumps(_messages()))
+    assert tool_call.prompt_token_ids == chat_ids(_messages())
     assert len(tool_call.logprobs) == len(tool_call.completion_token_ids)
     assert streamed_text == plain.choices[0].message.content
     assert text.reply["choices"][0]["message"]["content"] == unstreamed.reply["choices"][0]["message"]["content"]

@@ -43,6 +43,10 @@ from harbor_async.core.moved import renamed_attribute
 from harbor_async.models.model_server import ServerVerdict, classify, model_server_error
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import httpx
+
     from harbor_async.episodes.episode import Episode
     from harbor_async.models.capture import CaptureSession
 
@@ -65,6 +69,10 @@ class HarborAgentRunner:
             ``None``: the task's or step's agent budget, multiplied.
         capture: record every model call through the engine's capture proxy (see the module docs).
         capture_request: merged into each captured request (default: vLLM's token ids and logprobs).
+        upstream_transport: answers for the model server in this process (the trainer's own model,
+            :mod:`shim.policy_server`) instead of a socket to it; only with ``capture``.
+        on_session: called with the episode's capture session once it is open (the trainer's rollouts read
+            the calls from it, not from the trial's file).
     """
 
     spec: HarborAgentSpec
@@ -72,6 +80,8 @@ class HarborAgentRunner:
     timeout: float | None = None
     capture: bool = False
     capture_request: dict[str, Any] = field(default_factory=lambda: dict(CAPTURE_REQUEST))
+    upstream_transport: httpx.AsyncBaseTransport | None = None
+    on_session: Callable[[CaptureSession], None] | None = None
     _agent: Any = None
     _acted: bool = False
     _session: CaptureSession | None = None
@@ -89,8 +99,10 @@ class HarborAgentRunner:
         cls, spec = self.spec.agent_class, self.spec
         if self.capture:
             url, key = spec.check_capture()
-            proxy = await episode.engine.capture_proxy(url, key, self.capture_request)
+            proxy = await episode.engine.capture_proxy(url, key, self.capture_request, self.upstream_transport)
             self._session = proxy.open_session(sandbox.id)
+            if self.on_session is not None:
+                self.on_session(self._session)
             spec = spec.through_proxy(proxy.base_url, self._session.api_key)
         self._agent = spec.build(TrialPaths(trial_dir=sandbox.trial_dir).agent_dir, episode.task)
         timeouts = episode.engine.timeouts
@@ -110,6 +122,8 @@ class HarborAgentRunner:
         environment = sandbox.environment
         again = self._acted and sandbox.context.strict_verify and self._keeps_processes()
         self._acted = True
+        if self._session is not None:
+            self._session.closed = False  # open while the agent acts on this instruction, closed in between
         try:
             with environment.scoped_exec_env({**self._agent.extra_env, **sandbox.context.agent_env}):
                 async with sandbox.context.budget.exec_slot(), sandbox.bounded_phase(Phase.AGENT, budget=episode.agent_budget):
@@ -137,6 +151,7 @@ class HarborAgentRunner:
                     pass
             _add_usage(record.usage, context)
             if self._session is not None:
+                self._session.closed = True  # what the agent left running calls in vain
                 step = episode.step.name if episode.step is not None else None
                 with anyio.CancelScope(shield=True):  # a cancelled episode's calls are kept too
                     await anyio.to_thread.run_sync(self._write_capture, sandbox.trial_dir, step, record)

@@ -39,6 +39,7 @@ from harbor_async.verification.disk_bounds import DiskLimits
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
+    import httpx
     from harbor.models.task.task import Task
 
     from harbor_async.models.capture import CaptureProxy
@@ -186,7 +187,7 @@ class Engine:
         self._holds: dict[tuple[type, str], Callable[[], None]] = {}  # (backend class, run label) -> its release
         self._specs: dict[str, BackendSpec] = {}  # backend name -> its spec, one shared by the sandboxes
         #: (upstream URL, its key, what each request asks for) -> the capture proxy serving it until the engine closes
-        self._captures: dict[tuple[str, str | None, str], CaptureProxy] = {}
+        self._captures: dict[tuple[str, str | None, str, int], CaptureProxy] = {}
         self._capture_lock = anyio.Lock()
 
     # ── lifecycle of the engine itself ──────────────────────────────────
@@ -279,25 +280,32 @@ class Engine:
                 continue
 
     async def capture_proxy(
-        self, upstream_base_url: str, upstream_api_key: str | None = None, request_extra: Mapping[str, Any] | None = None
+        self,
+        upstream_base_url: str,
+        upstream_api_key: str | None = None,
+        request_extra: Mapping[str, Any] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> CaptureProxy:
         """The engine's capture proxy in front of the model server ``upstream_base_url`` (call on the loop).
 
-        One per upstream (URL, key and ``request_extra``), started on first use and serving in the engine's
-        task group until the engine closes; each episode opens its own session on it.
+        One per upstream (URL, key, ``request_extra`` and ``transport``, an in-process upstream), started on
+        first use and serving in the engine's task group until the engine closes; each episode opens its own
+        session on it.
 
         Raises:
             EngineClosedError: the engine is closing or closed.
         """
         from harbor_async.models.capture import CaptureProxy
 
-        key = (upstream_base_url, upstream_api_key, repr(sorted((request_extra or {}).items())))
+        key = (upstream_base_url, upstream_api_key, repr(sorted((request_extra or {}).items())), id(transport))
         async with self._capture_lock:  # two episodes asking at once get the same proxy, once it listens
             proxy = self._captures.get(key)
             if proxy is None:
                 if self._tg is None or self._closing:
                     raise EngineClosedError("the engine is not running")
-                proxy = CaptureProxy(upstream_base_url, upstream_api_key=upstream_api_key, request_extra=request_extra)
+                proxy = CaptureProxy(
+                    upstream_base_url, upstream_api_key=upstream_api_key, request_extra=request_extra, transport=transport
+                )
                 await self._tg.start(proxy.serve)
                 self._captures[key] = proxy
         return proxy

@@ -16,7 +16,7 @@ by a model server (:class:`harbor_async.agents.harness_agent.HarnessAgent`, for 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,6 +152,7 @@ async def run_episode(
     model: str | None = None,
     checkpoint: str | None = None,
     on_done: Callable[[EpisodeRecord], None] | None = None,
+    backend_kwargs: Mapping[str, Any] | None = None,
 ) -> EpisodeRecord:
     """Run one episode to its end and record it; failures are recorded, never raised.
 
@@ -160,6 +161,7 @@ async def run_episode(
     interrupted episode has its record too (class ``cancelled`` for the first),
     and the cancellation is then re-raised. A string ``agent`` is one of
     :data:`MODEL_FREE_AGENTS` (not checked here: the caller checks it once).
+    ``backend_kwargs``: this episode's backend options, over the engine's (the shim's engine is shared).
     """
     actor = BuiltinAgent(agent) if isinstance(agent, str) else agent
     spec = backend if isinstance(backend, BackendSpec) else resolve_backend(backend)
@@ -171,7 +173,7 @@ async def run_episode(
 
     episode = Episode(
         engine, task, spec, task_path=task_path, attempt=attempt, agent=actor.name, model=model, checkpoint=checkpoint,
-        on_done=done, agent_timeout=getattr(actor, "timeout", None),
+        on_done=done, agent_timeout=getattr(actor, "timeout", None), backend_kwargs=dict(backend_kwargs or {}),
     )  # fmt: skip
     full = episode.disk.job_full()
     if full is not None:  # the job folder reached its bound: nothing more starts (not judged, resumable)
@@ -252,6 +254,7 @@ async def run_suite(
     model: str | None = None,
     budget: FailureBudget | None = None,
     stop: Callable[[Callable[[], None]], None] | None = None,
+    backend_kwargs: Mapping[str, Any] | None = None,
 ) -> list[EpisodeRecord]:
     """Run ``episodes`` (tasks, or planned episodes), ``concurrency`` at a time: the one orchestration of ``run`` and ``eval``.
 
@@ -265,7 +268,8 @@ async def run_suite(
     episode's too), then to ``budget``: when the budget says stop, every episode
     still running is cancelled (and recorded) and the batch ends; the caller
     raises ``budget.error``. ``stop`` is given the batch's cancel function (an
-    interrupt policy arms it: :class:`harbor_async.core.interrupts.Interrupts`).
+    interrupt policy arms it: :class:`harbor_async.core.interrupts.Interrupts`). ``backend_kwargs``: each
+    episode's backend options, over the engine's.
 
     This is the batch's one concurrency limit: an episode launches its sandbox
     only when it holds a slot, so its episode deadline starts then (give the
@@ -294,6 +298,7 @@ async def run_suite(
                     engine, episode.task, spec, actor, attempt=episode.attempt, on_done=done,
                     model=episode.model if episode.model is not None else model, checkpoint=episode.checkpoint,
                     task_path=episode.task_path if episode.task_path is not None else None if task_path is None else task_path(episode.task),
+                    backend_kwargs=backend_kwargs,
                 )  # fmt: skip
 
         if stop is not None:

@@ -11,6 +11,12 @@ chat template over the conversation so far), its ``completion_token_ids``
 the model's. ``retokenize`` marks an episode whose server gave no token ids
 (null there): tokenize it with the model's own tokenizer before training on it.
 
+Each row also holds the episode as one training sequence, as the trainer's
+agent path builds it (:func:`~harbor_async.models.capture.rows.token_row`):
+``prompt_ids``, ``completion_ids``, ``env_mask`` (1: the model's token, 0: the
+environment's or the scaffolding's), ``logprobs`` and ``dropped_calls`` (calls
+after the agent re-templated its history); null without the server's ids.
+
 Episodes not judged (the infrastructure's, a model server's, cancelled) are
 left out, as the trainer leaves them out of the loss; ``--all`` keeps them
 (reward null).
@@ -27,6 +33,7 @@ from typing import Any
 from harbor_async.core.errors import HarborAsyncError
 from harbor_async.core.records import EpisodeRecord
 from harbor_async.jobs.folder import EPISODES_NAME, latest_records, read_records
+from harbor_async.models.capture.rows import token_row
 
 
 class ExportError(HarborAsyncError, ValueError):
@@ -53,7 +60,7 @@ def captured_rows(job: Path, *, include_unjudged: bool = False) -> Iterator[dict
 
 
 def _row(job: Path, record: EpisodeRecord) -> dict[str, Any]:
-    calls: list[dict[str, Any]] = []
+    raw: list[dict[str, Any]] = []
     assert record.capture is not None
     for name in record.capture.get("files", []):
         path = job / (record.trial or "") / name
@@ -61,11 +68,15 @@ def _row(job: Path, record: EpisodeRecord) -> dict[str, Any]:
             captured = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise ExportError(f"episode {record.key}: cannot read {path}: {exc}") from exc
-        calls += [_call(call) for call in captured.get("calls", [])]
+        raw += [call for call in captured.get("calls", []) if isinstance(call, dict)]
+    row = token_row(raw)  # the server's ids only: a call without them ends the sequence (retokenize)
     return {
         "task": record.task_path or record.task, "attempt": record.attempt, "agent": record.agent, "model": record.model,
         "reward": record.reward, "rewards": json.dumps(record.rewards), "judged": record.judged,
-        "retokenize": bool(record.capture.get("retokenize")), "calls": calls,
+        "retokenize": bool(record.capture.get("retokenize")), "calls": [_call(call) for call in raw],
+        "prompt_ids": row.prompt_ids if row else None, "completion_ids": row.completion_ids if row else None,
+        "env_mask": row.env_mask if row else None, "logprobs": row.logprobs if row else None,
+        "dropped_calls": row.dropped if row else None,
     }  # fmt: skip
 
 

@@ -10,8 +10,10 @@ under the upstream's own key and recorded in the session
 
 ``request_extra`` is merged into every forwarded chat request: with vLLM,
 ``{"logprobs": True, "return_token_ids": True}`` makes the server say which
-tokens it read and sampled (the agent sees those fields too; OpenAI's own API
-refuses ``return_token_ids``, so it is not the default).
+tokens it read and sampled (the agent sees those fields too). A server that
+refuses a field the proxy adds (a 400 or 422 naming it: ``transformers serve``,
+OpenAI's API) is asked again without it, and the field is dropped for the rest
+of the proxy's life: its calls are then re-tokenized, never lost.
 
 The proxy listens on 127.0.0.1 only, runs in the calling event loop (asyncio
 or trio: h11 over anyio streams, httpx to the upstream) and is bounded
@@ -71,7 +73,11 @@ class _Refused(Exception):
 
 
 class CaptureProxy:
-    """``async with CaptureProxy(upstream) as proxy:``; then :meth:`open_session` per episode."""
+    """``async with CaptureProxy(upstream) as proxy:``; then :meth:`open_session` per episode.
+
+    ``transport``: an httpx transport that answers for the upstream in this process (a model served by the
+    trainer itself, :mod:`shim.policy_server`) instead of a socket to ``upstream_base_url``.
+    """
 
     def __init__(
         self,
@@ -80,8 +86,10 @@ class CaptureProxy:
         upstream_api_key: str | None = None,
         limits: CaptureLimits = CaptureLimits(),
         request_extra: Mapping[str, Any] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.upstream_base_url = upstream_base_url.rstrip("/")
+        self._transport = transport  # an in-process upstream (the trainer's own model): no socket to it
         self.limits = limits
         self._upstream_key = upstream_api_key
         self._extra = dict(request_extra or {})
@@ -109,6 +117,7 @@ class CaptureProxy:
 
     def close_session(self, session: CaptureSession) -> None:
         """Later requests with the session's key are refused (401); its record stays as it is."""
+        session.closed = True
         self._sessions.pop(session.api_key, None)
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -116,7 +125,9 @@ class CaptureProxy:
         if self._port is not None:
             raise CaptureProxyError("the capture proxy is serving already")
         async with await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0) as listener:
-            self._client = httpx.AsyncClient(base_url=self.upstream_base_url, timeout=httpx.Timeout(self.limits.call_seconds))
+            self._client = httpx.AsyncClient(
+                base_url=self.upstream_base_url, timeout=httpx.Timeout(self.limits.call_seconds), transport=self._transport
+            )
             try:
                 self._port = listener.extra(anyio.abc.SocketAttribute.local_port)
                 log.debug("capture proxy serving", url=self.base_url, upstream=self.upstream_base_url)
@@ -224,7 +235,8 @@ class CaptureProxy:
     def _session_of(self, head: h11.Request) -> CaptureSession | None:
         value = _header(head, b"authorization") or ""
         key = value[7:].strip() if value.lower().startswith("bearer ") else ""
-        return self._sessions.get(key)
+        session = self._sessions.get(key)
+        return None if session is None or session.closed else session
 
     def _upstream_headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self._upstream_key}"} if self._upstream_key else {}
@@ -256,9 +268,9 @@ class CaptureProxy:
         try:
             with anyio.fail_after(self.limits.call_seconds):
                 if call.streamed:
-                    await self._chat_streamed(connection, stream, call, {**request, **self._extra})
+                    await self._chat_streamed(connection, stream, call, request)
                 else:
-                    await self._chat_once(connection, stream, call, {**request, **self._extra})
+                    await self._chat_once(connection, stream, call, request)
         except TimeoutError:
             call.error = f"no reply within {self.limits.call_seconds} s"
             if connection.our_state is h11.SEND_RESPONSE:
@@ -278,20 +290,41 @@ class CaptureProxy:
                 raise httpx.DecodingError(f"the model server's reply is over {self.limits.max_reply_bytes} bytes")
         return bytes(data)
 
+    def _refused_extras(self, status: int, data: bytes) -> bool:
+        """Whether the server refused a field the proxy adds (``transformers serve``: 422 on ``return_token_ids``).
+
+        The fields it names are dropped for good (the calls are then re-tokenized, as for any server that gives no
+        ids); the caller asks again without them.
+        """
+        if status not in (400, 422):
+            return False
+        named = [key for key in self._extra if key.encode() in data]
+        for key in named:
+            log.warning("the model server refuses a field the capture proxy asks for; asking without it", field=key,
+                        upstream=self.upstream_base_url)  # fmt: skip
+            del self._extra[key]
+        return bool(named)
+
     async def _chat_once(self, connection: h11.Connection, stream: SocketStream, call: CapturedCall, request: dict[str, Any]) -> None:
         assert self._client is not None
-        async with self._client.stream("POST", "/chat/completions", json=request, headers=self._upstream_headers()) as reply:
+        body = {**request, **self._extra}
+        async with self._client.stream("POST", "/chat/completions", json=body, headers=self._upstream_headers()) as reply:
             data = await self._read_bounded(reply)
+        if self._refused_extras(reply.status_code, data):
+            return await self._chat_once(connection, stream, call, request)
         call.status = reply.status_code
         _take_reply(call, data)
         await self._send(connection, stream, reply.status_code, data, reply.headers.get("content-type", "application/json"))
 
     async def _chat_streamed(self, connection: h11.Connection, stream: SocketStream, call: CapturedCall, request: dict[str, Any]) -> None:
         assert self._client is not None
-        async with self._client.stream("POST", "/chat/completions", json=request, headers=self._upstream_headers()) as reply:
+        body = {**request, **self._extra}
+        async with self._client.stream("POST", "/chat/completions", json=body, headers=self._upstream_headers()) as reply:
             call.status = reply.status_code
             if reply.status_code != 200 or not reply.headers.get("content-type", "").startswith("text/event-stream"):
                 data = await self._read_bounded(reply)  # an error, or a server that does not stream: one answer
+                if self._refused_extras(reply.status_code, data):
+                    return await self._chat_streamed(connection, stream, call, request)
                 _take_reply(call, data)
                 await self._send(connection, stream, reply.status_code, data, reply.headers.get("content-type", "application/json"))
                 return

@@ -50,6 +50,9 @@ class CaptureSession:
     api_key: str
     calls: list[CapturedCall] = field(default_factory=list)
     refused: int = 0  # requests refused by a bound (size, count), never forwarded
+    #: a closed session's key is refused (401), as an unknown one: its agent is not acting (between the steps of
+    #: a task, after its episode), so nothing it left running can add calls to the episode's record
+    closed: bool = False
 
     @property
     def retokenize(self) -> bool:
