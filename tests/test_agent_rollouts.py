@@ -103,6 +103,11 @@ def test_grpo_trainer_trains_terminus_2_on_the_trainers_own_model(tmp_path: Path
             first = next(c for c in rollout.session.calls if c.status == 200)
             assert ids == rollout.row.completion_ids and ids[: len(first.completion_token_ids)] == first.completion_token_ids
             assert mask == rollout.row.env_mask and sum(mask) == rollout.row.model_tokens > 0
+            # terminus-2's own record of its ids (collect_rollout_details) agrees with the capture, turn by turn
+            # (it keeps its chat's turns, not the calls it repeats after a reply it could not parse: those are missing)
+            answered = [c for c in rollout.session.calls if c.status == 200]
+            checked = rollout.record.capture["rollout_details"]
+            assert checked["mismatches"] == 0 and checked["turns"] >= 1 and checked["turns"] + checked["missing"] == len(answered)
     logged = {key for entry in trainer.state.log_history for key in entry}
     assert {"env/calls", "env/dropped_calls", "env/retokenized", "env/truncated", "env/not_judged"} <= logged
     assert len(JobFolder(tmp_path / "job").records()) == 8  # every rollout's record, as run writes it
@@ -139,6 +144,7 @@ def test_a_vllm_style_servers_ids_arrive_unchanged_and_the_environments_tokens_a
         model_tokens = [t for t, m in zip(ids, mask, strict=True) if m]
         assert model_tokens == [t for call in calls for t in call.completion_token_ids]
         assert 0 in mask and sum(mask) == sum(len(call.completion_token_ids) for call in calls)
+        assert rollout.record.capture["rollout_details"] == {"turns": 3, "mismatches": 0, "missing": 0}
         # the sessions never mix: each episode's calls are about its own task
         instruction = spec._tasks[rollout.task].instruction
         assert all(call.request["messages"][0]["content"].count(instruction.strip()[:60]) for call in calls)
@@ -179,7 +185,8 @@ def test_a_server_without_token_ids_is_retokenized_and_marked(tmp_path: Path, ti
         server.wait(30)
     (rollout,) = spec.rollout_func.last
     answered = [call for call in rollout.session.calls if call.status == 200]
-    assert rollout.session.calls[0].request.get("return_token_ids") is None  # the agent's request, as sent
+    assert rollout.session.calls[0].request.get("return_token_ids") is True  # terminus-2 asks too: dropped for it
+    assert rollout.record.capture.get("rollout_details") is None  # Harbor's record has no ids either
     assert rollout.reward is not None, rollout.record.error
     assert answered and not any(call.tokens_from_server for call in answered) and rollout.session.retokenize
     assert out["harbor_retokenized"] == [rollout.row.calls] and rollout.row.retokenized >= 1

@@ -37,7 +37,11 @@ def _captured_run(tmp_path: Path, *extra: str, multi_step: bool = False) -> tupl
 def test_run_capture_records_every_call_with_the_servers_tokens(tmp_path: Path, host_tmux: None) -> None:
     record, trial, server = _captured_run(tmp_path)
     assert record["reward"] == 1.0
-    assert record["capture"] == {"calls": 3, "refused": 0, "retokenize": False, "files": ["agent/capture.json"]}
+    assert record["capture"] == {
+        "calls": 3, "refused": 0, "retokenize": False, "files": ["agent/capture.json"],
+        # terminus-2's own record of its ids (collect_rollout_details, asked by the capture) agrees turn by turn
+        "rollout_details": {"turns": 3, "mismatches": 0, "missing": 0},
+    }  # fmt: skip
     capture = json.loads((trial / "agent" / "capture.json").read_text())
     calls = capture["calls"]
     assert len(calls) == server.requests["terminus"] == 3  # every call of the agent went through the proxy
@@ -47,7 +51,7 @@ def test_run_capture_records_every_call_with_the_servers_tokens(tmp_path: Path, 
         assert call["completion_token_ids"] == token_ids(content)  # the server's own ids, not a re-tokenization
         assert call["prompt_token_ids"] == chat_ids(call["request"]["messages"])
         assert len(call["logprobs"]) == len(call["completion_token_ids"])
-        assert "return_token_ids" not in call["request"]  # the agent's request as it sent it
+        assert call["request"]["return_token_ids"] is True  # terminus-2 asked itself: collect_rollout_details is on
     # Harbor's own trajectory of the same episode: one agent step per captured call, the same answers.
     trajectory = json.loads((trial / "agent" / "trajectory.json").read_text())
     agent_steps = [step for step in trajectory["steps"] if step["source"] == "agent"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from harbor_async.models.capture.rows import token_row
+from harbor_async.models.capture.trace import CapturedCall, check_rollout_details
 
 
 def call(prompt: list[int] | None, completion: list[int] | None, logprobs: list[float] | None = None, status: int = 200) -> dict:
@@ -61,3 +62,18 @@ def test_a_call_without_the_servers_ids_is_retokenized_or_ends_the_row() -> None
     assert row is not None and seen == [(calls[1]["request"], calls[1]["reply"])]
     assert row.completion_ids == [2, 3, 4, 0] and row.env_mask == [1, 0, 1, 1] and row.retokenized == 1
     assert row.logprobs[:2] == [-0.5, 0.0] and all(math.isnan(x) for x in row.logprobs[2:])  # unknown, not made up
+
+
+def test_the_capture_is_checked_against_the_agents_own_record_of_its_ids() -> None:
+    calls = [
+        CapturedCall(0, {}, False, status=200, prompt_token_ids=[1], completion_token_ids=[2]),
+        CapturedCall(1, {}, False, status=500),  # no answer: in neither record
+        CapturedCall(2, {}, False, status=200, prompt_token_ids=[1, 2, 3], completion_token_ids=[4]),
+    ]
+    same = [{"prompt_token_ids": [[1], [1, 2, 3]], "completion_token_ids": [[2], [4]]}]
+    assert check_rollout_details(calls, same) == {"turns": 2, "mismatches": 0, "missing": 0}
+    other = [{"prompt_token_ids": [[1], [1, 2, 9]], "completion_token_ids": [[2], [4]]}]
+    assert check_rollout_details(calls, other) == {"turns": 2, "mismatches": 1, "missing": 1}
+    later = [{"prompt_token_ids": [[1, 2, 3]], "completion_token_ids": [[4]]}]  # Harbor kept only the later turn
+    assert check_rollout_details(calls, later) == {"turns": 1, "mismatches": 0, "missing": 1}
+    assert check_rollout_details(calls, None) is None and check_rollout_details(calls, [{}]) is None

@@ -232,12 +232,16 @@ class HarborAgentSpec:
         """This agent calling the same model through the capture proxy at ``base_url``, with its session's ``api_key``.
 
         The URL goes where :meth:`with_server` puts it and the key into LiteLLM's ``llm_kwargs``, over any
-        the options named (the proxy forwards under the model server's own key).
+        the options named (the proxy forwards under the model server's own key). An agent that can record its
+        own token ids (terminus-2's ``collect_rollout_details``) is asked to, unless the options say otherwise:
+        the capture is checked against them.
         """
         cls = self.agent_class
         options = {key: value for key, value in self.kwargs.items() if key not in ("api_base", "base_url", "model_api_key_name")}
         options.update(endpoint_options(cls, base_url))
         options["llm_kwargs"] = {**(self.kwargs.get("llm_kwargs") or {}), "api_key": api_key}
+        if _accepts(cls, "collect_rollout_details"):  # Harbor's own record of the ids, checked against the capture
+            options.setdefault("collect_rollout_details", True)
         return HarborAgentSpec(self.name, self.model_name, options)
 
     def check_capture(self) -> tuple[str, str | None]:

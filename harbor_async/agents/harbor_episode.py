@@ -40,6 +40,7 @@ import anyio
 from harbor_async.agents.harbor import HarborAgentSpec
 from harbor_async.core.errors import Phase, SandboxError, SandboxTimeout
 from harbor_async.core.moved import renamed_attribute
+from harbor_async.models.capture.trace import check_rollout_details
 from harbor_async.models.model_server import ServerVerdict, classify, model_server_error
 
 if TYPE_CHECKING:
@@ -154,9 +155,9 @@ class HarborAgentRunner:
                 self._session.closed = True  # what the agent left running calls in vain
                 step = episode.step.name if episode.step is not None else None
                 with anyio.CancelScope(shield=True):  # a cancelled episode's calls are kept too
-                    await anyio.to_thread.run_sync(self._write_capture, sandbox.trial_dir, step, record)
+                    await anyio.to_thread.run_sync(self._write_capture, sandbox.trial_dir, step, record, context)
 
-    def _write_capture(self, trial_dir: Path | None, step: str | None, record: Any) -> None:
+    def _write_capture(self, trial_dir: Path | None, step: str | None, record: Any, context: Any = None) -> None:
         """This instruction's calls into the agent folder's capture file; the record's summary of all calls so far.
 
         The agent folder is the instruction's own: a multi-step task's is kept as ``steps/NAME/agent``, beside
@@ -167,6 +168,10 @@ class HarborAgentRunner:
         calls, self._written = session.calls[self._written :], len(session.calls)
         summary = dict(record.capture or {"files": []})
         summary.update(calls=len(session.calls), refused=session.refused, retokenize=session.retokenize)
+        checked = check_rollout_details(calls, getattr(context, "rollout_details", None))
+        if checked is not None:  # the agent's own ids (terminus-2's collect_rollout_details) against this instruction's calls
+            before = summary.get("rollout_details") or {"turns": 0, "mismatches": 0, "missing": 0}
+            summary["rollout_details"] = {key: before[key] + checked[key] for key in checked}
         if trial_dir is not None:
             path = Path(trial_dir) / CAPTURE_FILE
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -93,6 +93,7 @@ class CaptureProxy:
         self.limits = limits
         self._upstream_key = upstream_api_key
         self._extra = dict(request_extra or {})
+        self._refused: set[str] = set()  # fields of ``request_extra`` the server refused: not sent again
         #: held weakly: a session the caller dropped (its episode over) is gone, and its key refused, with no close
         self._sessions: weakref.WeakValueDictionary[str, CaptureSession] = weakref.WeakValueDictionary()
         self._port: int | None = None
@@ -303,11 +304,16 @@ class CaptureProxy:
             log.warning("the model server refuses a field the capture proxy asks for; asking without it", field=key,
                         upstream=self.upstream_base_url)  # fmt: skip
             del self._extra[key]
+            self._refused.add(key)  # an agent that asks for it too (terminus-2's collect_rollout_details) is spared the error
         return bool(named)
+
+    def _body(self, request: dict[str, Any]) -> dict[str, Any]:
+        """What goes upstream: the agent's request less the fields the server refused, plus the proxy's own."""
+        return {**{k: v for k, v in request.items() if k not in self._refused}, **self._extra}
 
     async def _chat_once(self, connection: h11.Connection, stream: SocketStream, call: CapturedCall, request: dict[str, Any]) -> None:
         assert self._client is not None
-        body = {**request, **self._extra}
+        body = self._body(request)
         async with self._client.stream("POST", "/chat/completions", json=body, headers=self._upstream_headers()) as reply:
             data = await self._read_bounded(reply)
         if self._refused_extras(reply.status_code, data):
@@ -318,7 +324,7 @@ class CaptureProxy:
 
     async def _chat_streamed(self, connection: h11.Connection, stream: SocketStream, call: CapturedCall, request: dict[str, Any]) -> None:
         assert self._client is not None
-        body = {**request, **self._extra}
+        body = self._body(request)
         async with self._client.stream("POST", "/chat/completions", json=body, headers=self._upstream_headers()) as reply:
             call.status = reply.status_code
             if reply.status_code != 200 or not reply.headers.get("content-type", "").startswith("text/event-stream"):

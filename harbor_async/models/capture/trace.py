@@ -177,3 +177,33 @@ def _logprobs(value: Any) -> list[float] | None:
     found = [entry.get("logprob") for entry in value["content"] if isinstance(entry, dict)]
     numbers = [float(v) for v in found if isinstance(v, (int, float))]
     return numbers if len(numbers) == len(found) else None
+
+
+def check_rollout_details(calls: list[CapturedCall], details: Any) -> dict[str, int] | None:
+    """The captured calls against the agent's own record of its ids (Harbor's ``rollout_details``, terminus-2's).
+
+    Harbor's first ``RolloutDetail`` is the main conversation, one entry per turn it kept (terminus-2 keeps
+    the turns of its chat, not the calls it repeats after a reply it could not parse). ``turns``: Harbor's
+    turns; ``mismatches``: those with no captured call of the same prompt and completion ids (the two records
+    disagree); ``missing``: answered calls with ids that Harbor's record does not hold. ``None``: the agent
+    recorded no ids.
+    """
+    if not isinstance(details, list) or not details or not isinstance(details[0], dict):
+        return None
+    main = details[0]
+    turns = list(zip(main.get("prompt_token_ids") or [], main.get("completion_token_ids") or []))
+    if not turns:
+        return None
+    ours = [
+        (tuple(call.prompt_token_ids or ()), tuple(call.completion_token_ids or ()))
+        for call in calls if call.status == 200 and call.tokens_from_server
+    ]  # fmt: skip
+    unmatched = list(ours)
+    mismatches = 0
+    for prompt, completion in turns:
+        key = (tuple(prompt), tuple(completion))
+        if key in unmatched:
+            unmatched.remove(key)
+        else:
+            mismatches += 1
+    return {"turns": len(turns), "mismatches": mismatches, "missing": len(unmatched)}
