@@ -365,6 +365,17 @@ class HarborSpec:
         return rollouts
 
     @property
+    def session_factory(self) -> Callable[..., Any]:
+        """For ``AsyncGRPOTrainer``'s harness worker: ``session_factory(sampling=...)`` is an OpenEnv ``ResourceSessionFactory``.
+
+        Its sessions are this spec's Harbor agent episodes (see :mod:`shim.openenv_sessions`); a Harbor agent
+        with a model server of its own only (the trainer's vLLM server).
+        """
+        from shim.openenv_sessions import session_factory
+
+        return partial(session_factory, self.rollout_func)
+
+    @property
     def env_reward(self) -> bool:
         """Whether the factory's envs own their reward (``get_reward``)."""
         return self._env_reward

@@ -89,6 +89,7 @@ class ScriptedServer:
         self.requests: Counter[str] = Counter()
         self.tools: dict[str, list[dict[str, Any]]] = {}  # the tools of the latest request, per model
         self.seeds: set[int | None] = set()
+        self.sampling: list[dict[str, Any]] = []  # temperature and top_p of every chat request, in arrival order
         #: (tool messages in the conversation so far, seed) of every chat request, in arrival order.
         self.seed_turns: list[tuple[int, int | None]] = []
         self.auth: set[str | None] = set()  # Authorization headers of chat requests
@@ -143,6 +144,7 @@ class ScriptedServer:
             self.requests[model] += 1
             self.tools[model] = body.get("tools") or []
             self.seeds.add(body.get("seed"))
+            self.sampling.append({key: body.get(key) for key in ("temperature", "top_p")})
             self.seed_turns.append((sum(1 for m in body["messages"] if m.get("role") == "tool"), body.get("seed")))
             total = sum(self.requests.values())
         if self.die_after is not None and total > self.die_after:

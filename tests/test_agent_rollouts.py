@@ -261,3 +261,61 @@ def _wait_ready(url: str, server: subprocess.Popen, timeout: float = 240.0) -> N
             pass
         time.sleep(0.5)
     raise AssertionError(f"transformers serve not ready within {timeout} s")
+
+
+def test_async_grpo_sessions_keep_openenvs_contract_and_convert_in_trl(tmp_path: Path, host_tmux: None) -> None:
+    from openenv.core.harness import (
+        ResourceSession,
+        ResourceSessionFactory,
+        TrainableSession,
+        TrainingTrace,
+    )
+    from openenv.core.harness.capture.upstream import training_sampling
+    from trl.experimental.async_grpo.async_rollout_worker import _chain_to_sequences
+    from trl.experimental.async_grpo.openenv_harness import _turns_from_training_trace
+
+    from shim.openenv_sessions import SessionFactoryError
+
+    suite = example_suite_path()
+    with ScriptedServer(suite / "tasks") as server:
+        spec = shim.HarborSpec(
+            suite, agent="terminus-2", environment_type="local", indices=INDICES, preflight=False,
+            model_name="hosted_vllm/terminus", agent_kwargs={"api_base": server.base_url, "temperature": 0.2},
+        )  # fmt: skip
+        # as TRL's HarnessRolloutWorker calls it in its loop-owning mode
+        factory = spec.session_factory(sampling=training_sampling({"temperature": 0.7, "top_p": 1.0}))
+        assert isinstance(factory, ResourceSessionFactory)
+        row = spec.train_dataset[0]
+        sessions = [factory.create(row["prompt"], seed=0, episode_id=f"e{i}") for i in range(2)]  # one group
+        for session in sessions:
+            assert isinstance(session, ResourceSession) and isinstance(session, TrainableSession)
+            assert session.initial_messages()[0]["content"].startswith("# Count the log files")
+            assert session.wait_for_completion(timeout_s=300) == 0
+            trace = session.fetch_training_trace()
+            assert isinstance(trace, TrainingTrace) and len(trace.turns) == 3
+            for turn, call in zip(trace.turns, session.capture.calls, strict=True):
+                content = call.reply["choices"][0]["message"]["content"]
+                assert turn.prompt_token_ids == chat_ids(call.request["messages"])
+                assert turn.completion_token_ids == token_ids(content)
+                assert turn.loss_mask == [0] * len(turn.prompt_token_ids) + [1] * len(turn.completion_token_ids)
+            assert session.verify([]).env_reward == 1.0
+            # TRL's own conversion of the trace: one sequence, the three answers trained, nothing between them
+            sequences, tally = _chain_to_sequences(_turns_from_training_trace(trace), session.episode_id, 0)
+            assert len(sequences) == 1 and tally["fork"] == 0 and tally["clean"] == 2
+            session.close()
+        # the trainer's policy, not the agent's 0.2: every forwarded call sampled at the worker's temperature
+        assert server.sampling and all(s["temperature"] == 0.7 for s in server.sampling)
+        assert len({s.episode_id for s in sessions}) == 2 and sessions[0].capture is not sessions[1].capture
+        spec.close()
+
+        failing = shim.HarborSpec(
+            suite, agent="terminus-2", environment_type="local", indices=INDICES[:1], preflight=False,
+            model_name="hosted_vllm/always-500", agent_kwargs={"api_base": server.base_url, "max_turns": 1},
+        )  # fmt: skip
+        session = failing.session_factory(sampling=training_sampling({"temperature": 1.0})).create(failing.train_dataset[0]["prompt"])
+        assert session.wait_for_completion(timeout_s=300) == 1  # no verdict: the model server failed
+        assert session.verify([]).env_reward is None and session.fetch_training_trace().turns == []
+        failing.close()
+    in_process = shim.HarborSpec(suite, agent="terminus-2", environment_type="local", indices=INDICES, preflight=False)
+    with pytest.raises(SessionFactoryError, match="vLLM server"):
+        in_process.session_factory(sampling={})
