@@ -128,3 +128,41 @@ def harbor(suite: Path, env: str, agent: str, n: int, n_tasks: int | None, repea
     path = write_json(out / f"harbor-vs-harbor-async-{name}.json", "harbor", result)
     err.print(f"wrote {path}", markup=False)
     return path
+
+
+def starts(profiles: list[str], policies: list, repeats: int, episodes: int, speedup: float, out: Path) -> Path:
+    """Adaptive against fixed start policies (:mod:`benchmarks.starts`); writes ``starts.json``."""
+    from rich.table import Table
+
+    from benchmarks.starts import run_starts
+
+    result = run_starts(profiles, policies, repeats=repeats, episodes=episodes, speedup=speedup)
+    table = Table(title=f"starts: medians of {repeats} runs, {episodes} episodes each")
+    for column in ("profile", "policy", "goodput (ep/s)", "episode p99 (s)", "429s", "quota", "not judged"):
+        table.add_column(column, justify="right")
+    for profile, rows in result["summary"].items():
+        for name, row in rows.items():
+            table.add_row(
+                profile, name, f"{row['goodput']:.2f}", f"{row['episode_p99_s']:.2f}", f"{row['rate_limited']:g}",
+                f"{row['quota_refused']:g}", f"{row['not_judged']:g}",
+            )  # fmt: skip
+    print_tables(table)
+    path = write_json(out / "starts.json", "starts", result)
+    err.print(f"wrote {path}", markup=False)
+    return path
+
+
+def starts_backend(env: str, repeats: int, out: Path) -> Path:
+    """Throughput with the start window on and off on a real backend; writes ``starts-<env>.json``."""
+    from benchmarks.starts import run_backend
+
+    result = run_backend(env, repeats=repeats)
+    for level, row in result["summary"].items():
+        err.print(
+            f"{env} -n {level}: adaptive / fixed episodes per second, median {row['ratio_median']} "
+            f"({row['ratio_min']}-{row['ratio_max']})",
+            markup=False,
+        )
+    path = write_json(out / f"starts-{env}.json", "starts", result)
+    err.print(f"wrote {path}", markup=False)
+    return path

@@ -165,11 +165,13 @@ async def run_throughput(
     backend_kwargs: dict[str, Any] | None = None,
     sample_memory: bool = True,
     floor_samples: int = 30,
+    adaptive_starts: bool = True,
 ) -> ThroughputResult:
     """Run ``episodes`` episodes, ``concurrency`` at a time, and measure them (and, on local, the bwrap floor)."""
     tasks = load_suite(suite).tasks
     failures = 0
-    async with Engine(limits=Limits(live_sandboxes=concurrency), backend_kwargs=backend_kwargs) as engine:
+    limits = Limits(live_sandboxes=concurrency, adaptive_starts=adaptive_starts)
+    async with Engine(limits=limits, backend_kwargs=backend_kwargs) as engine:
         # One episode first, so lazy imports and caches do not count as sandbox memory.
         async with engine.sandbox(tasks[0], backend) as sandbox:
             await sandbox.exec(command)
@@ -199,7 +201,7 @@ async def run_throughput(
         stats = engine.stats()
     # After the episodes (no sandbox of ours competes with it), in the same run and machine state.
     floor = concurrent = None
-    if _is_local(backend):
+    if floor_samples and _is_local(backend):
         floor = await anyio.to_thread.run_sync(bwrap_floor, floor_samples)
         if concurrency > 1:
             concurrent = await anyio.to_thread.run_sync(bwrap_floor, floor_samples, concurrency)

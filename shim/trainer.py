@@ -107,6 +107,8 @@ METRIC_KEYS = (
     "env/wait_tools_s",
     "env/wait_rewards_s",
     "env/live_sandboxes",
+    "env/start_window",
+    "env/start_throttles",
     *(f"env/{phase}_{q}_s" for phase in LATENCY_PHASES for q in ("p50", "p99")),
     *(f"env/failures/{phase}" for phase in FAILURE_PHASES),
 )
@@ -175,7 +177,9 @@ class HarborGRPOTrainer(GRPOTrainer):
         self._harbor_batch_begin = time.perf_counter()
         self._harbor_rewards: torch.Tensor | None = None
         # Engines are shared per option set: count the failures from now on, not an earlier trainer's.
-        self._harbor_failures_seen: dict[str, int] = dict(engine_snapshot()["failures"])
+        seen = engine_snapshot()
+        self._harbor_failures_seen: dict[str, int] = dict(seen["failures"])
+        self._harbor_throttles_seen: int = seen["throttled"]
         self._harbor_prefetch = bool(prefetch)
         self._harbor_lookahead: GenerationLookahead | None = None
         self._harbor_next_tasks: list[Any] | None = None
@@ -358,6 +362,9 @@ class HarborGRPOTrainer(GRPOTrainer):
         metrics["env/wait_s"].append(wait["reset"] + wait["tools"] + wait["rewards"])
         snapshot = engine_snapshot()
         metrics["env/live_sandboxes"].append(float(snapshot["live"]))
+        metrics["env/start_window"].append(float(snapshot["start_window"]))
+        metrics["env/start_throttles"].append(float(snapshot["throttled"] - self._harbor_throttles_seen))
+        self._harbor_throttles_seen = snapshot["throttled"]
         if self._harbor_lookahead is not None:  # prefetch on (and possible: the same on every process)
             counts = self._harbor_prefetch_counts or prefetch.PrefetchCounts()
             local = torch.tensor([counts.hits, counts.unused], dtype=torch.long, device=device)
@@ -405,12 +412,12 @@ def select_rows(inputs: dict[str, Any], keep: torch.Tensor) -> dict[str, Any]:
 
 
 def engine_snapshot() -> dict[str, Any]:
-    """Live sandboxes, latency percentiles and failure totals by phase, over every engine the shim opened.
+    """Live sandboxes, start windows, latency percentiles and failure totals by phase, over every engine the shim opened.
 
     Read on the loop thread, where the counters change. With several engines
     a percentile is the largest of theirs (percentiles do not add up).
     """
-    empty: dict[str, Any] = {"live": 0, "latency": {}, "failures": {}}
+    empty: dict[str, Any] = {"live": 0, "start_window": 0, "throttled": 0, "latency": {}, "failures": {}}
     if not engines.loop_running():
         return empty
 
@@ -427,4 +434,11 @@ def engine_snapshot() -> dict[str, Any]:
                 for q in ("p50", "p99"):
                     key = f"env/{phase}_{q}_s"
                     latency[key] = max(latency.get(key, 0.0), float(getattr(summary, q)))
-    return {"live": sum(s.live for s in stats), "latency": latency, "failures": dict(failures)}
+    windows = [s.start_window.get("window") or 0 for s in stats if s.start_window is not None]
+    return {
+        "live": sum(s.live for s in stats),
+        "start_window": sum(windows),  # 0: fixed starts (no window)
+        "throttled": sum(s.throttled for s in stats),
+        "latency": latency,
+        "failures": dict(failures),
+    }

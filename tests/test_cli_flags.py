@@ -393,3 +393,36 @@ def test_artifact_collects_a_sandbox_path_from_every_task(tmp_path):
         assert any(e["source"] == "/workdir/answer.txt" and e["status"] == "ok" for e in manifest), manifest
     shown = harbor_async("run", "-p", str(suite), "--artifact", "/workdir/answer.txt", "--print-config")
     assert json.loads(shown.stdout)["artifacts"] == ["/workdir/answer.txt"]
+
+
+@pytest.mark.slow
+def test_fixed_starts_turns_the_start_window_off_and_the_records_say_which(tmp_path):
+    """Against a simulated provider's create rate: the default window, and none with --fixed-starts.
+
+    Starts refused past their retries end the run with exit 1 (infrastructure): what is checked is the records.
+    """
+    provider = ("-e", "simulated", "-n", "8", "--ek", "create_rate=2", "--ek", "start_latency=0.2")
+    found = {}
+    for name, extra in (("adaptive", ()), ("fixed", ("--fixed-starts",))):
+        result = harbor_async("run", "-o", str(tmp_path / "jobs"), "--job-name", name, *provider, *extra)
+        assert result.returncode in (0, 1), result.stderr
+        found[name] = records(tmp_path / "jobs" / name)
+    windows = [r["start_window"] for r in found["adaptive"]]
+    assert len(windows) == 10 and all(isinstance(w, int) and 1 <= w <= 8 for w in windows), windows
+    assert len(found["fixed"]) == 10 and {r["start_window"] for r in found["fixed"]} == {None}
+    stored = json.loads((tmp_path / "jobs" / "fixed" / "harbor-async.json").read_text())
+    assert stored["adaptive_starts"] is False
+
+
+@pytest.mark.slow
+def test_bench_starts_compares_the_policies_on_a_provider_profile(tmp_path):
+    result = harbor_async(
+        "bench", "starts", "--profile", "e2b-hobby", "--policy", "fixed-8", "--policy", "adaptive-8",
+        "--episodes", "12", "--repeats", "1", "--speedup", "20", "-o", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads((tmp_path / "starts.json").read_text())
+    summary = data["summary"]["e2b-hobby"]
+    assert set(summary) == {"fixed-8", "adaptive-8"} and all(row["goodput"] > 0 for row in summary.values())
+    assert data["profiles"]["e2b-hobby"]["source"].startswith("E2B") and data["provenance"]["command"]
+    assert {r["policy"]: r["start_window"] is None for r in data["runs"]} == {"fixed-8": True, "adaptive-8": False}

@@ -87,6 +87,9 @@ def test_three_processes_never_exceed_the_cluster_cap(ray_cluster, live_dir: Pat
     stats = ray.get(actor.stats.remote())
     assert stats["live_used"] == 0 and stats["live_peak"] <= 4
     assert ray.get(actor.ledger.remote())["sandboxes"] == []
+    # The three processes' starts went through the actor's one start window, and each gave its place back.
+    window = ray.get(actor.start_state.remote())
+    assert window is not None and window["in_flight"] == 0 and window["window"] <= 4
 
 
 def test_a_killed_process_loses_its_leases_within_the_heartbeat_timeout(

@@ -175,3 +175,5 @@ def test_env_metrics_and_failure_counts_in_the_logged_history(failed_step) -> No
     assert entry["env/start_p99_s"] >= entry["env/start_p50_s"] >= 0.0
     # The batch's 3 started sandboxes are still stopping in the background (8 s each); the failed one never lived.
     assert entry["env/live_sandboxes"] == 3.0
+    # The adaptive start window (on by default) opened past its first 8 as the starts succeeded; no 429s here.
+    assert entry["env/start_window"] >= 8.0 and entry["env/start_throttles"] == 0.0

@@ -175,7 +175,9 @@ class BackendSpec:
         """``exc`` from this backend's start, typed for the error policy where the library left it untyped.
 
         Harbor's docker backend (and subclasses of it) raise a bare
-        ``RuntimeError``; see :mod:`harbor_async.backends.docker.errors`.
+        ``RuntimeError``; see :mod:`harbor_async.backends.docker.errors`. A
+        cloud SDK's HTTP 429 or quota answer becomes a rate-limit or quota
+        error (:mod:`harbor_async.backends.throttles`), which the start window reads.
         """
         from harbor.environments.docker.docker import DockerEnvironment
 
@@ -183,7 +185,9 @@ class BackendSpec:
             from harbor_async.backends.docker.errors import typed_start_error
 
             return typed_start_error(exc)
-        return exc
+        from harbor_async.backends.throttles import typed_throttle
+
+        return typed_throttle(exc) or exc
 
     def check_async_library(self) -> None:
         """Load the class; fail clearly when an asyncio-only backend is driven under trio.

@@ -8,6 +8,15 @@ the same call order sees the same faults.
 Latencies are given as seconds (``0.5``) or as a distribution string:
 ``"uniform:LOW:HIGH"``, ``"lognormal:MEDIAN:SIGMA"`` or ``"exp:MEAN"``.
 
+A provider's faults (a cloud sandbox service, not one sandbox's) are shared by
+every simulated sandbox of one ``provider`` name: a create rate (a token
+bucket: a create over it is answered with a rate-limit error, as a 429), a
+quota of live sandboxes (a create over it is answered with a quota error),
+and bursts of failures (every start fails transiently while a burst lasts;
+bursts begin at exponentially spaced times). With a heavy-tailed start
+latency (``lognormal:MEDIAN:SIGMA``) these make the provider profiles of
+``harbor-async bench starts``.
+
 The verifier's test script is recognised by Harbor's command that runs it
 (a script under ``/tests/``, its output redirected to ``test-stdout.txt``):
 that exec takes the verify latency (and may fail), and the verifier then reads
@@ -33,7 +42,11 @@ from harbor.environments.base import (
 )
 from harbor.environments.capabilities import EnvironmentCapabilities
 
-from harbor_async.core.errors import BackendStartError
+from harbor_async.core.errors import (
+    BackendQuotaError,
+    BackendRateLimitError,
+    BackendStartError,
+)
 from harbor_async.verification.reward_files import RESET_DONE
 
 
@@ -41,6 +54,76 @@ class SimulatedTransientError(BackendStartError, ConnectionError):
     """A simulated start failure that a retry can fix (like a provider's 503)."""
 
     transient = True
+
+
+class SimulatedRateLimitError(BackendRateLimitError):
+    """The simulated provider's create rate was exceeded (its 429)."""
+
+
+class SimulatedQuotaError(BackendQuotaError):
+    """The simulated provider's quota of live sandboxes was reached."""
+
+
+class Provider:
+    """The state a simulated cloud provider keeps across its sandboxes (see the module's docstring).
+
+    Args:
+        create_rate: creates accepted per second (``None``: any), in bursts of up to ``create_burst``.
+        quota: live sandboxes allowed at once (``None``: any).
+        burst_every: mean seconds between bursts of failures (``None``: none).
+        burst_seconds: how long a burst lasts.
+        rng: the draws of the bursts' times.
+    """
+
+    def __init__(
+        self,
+        create_rate: float | None,
+        create_burst: float | None,
+        quota: int | None,
+        burst_every: float | None,
+        burst_seconds: float,
+        rng: random.Random,
+    ) -> None:
+        self.create_rate = create_rate
+        self.create_burst = create_burst if create_burst is not None else max(1.0, create_rate or 1.0)
+        self.quota = quota
+        self.burst_every = burst_every
+        self.burst_seconds = burst_seconds
+        self._rng = rng
+        self._tokens = self.create_burst
+        self._refilled: float | None = None
+        self._next_burst: float | None = None
+        self.live = 0
+        self.rate_limited = 0
+        self.quota_refused = 0
+        self.burst_failures = 0
+
+    def admit(self, now: float) -> str | None:
+        """Take one create at ``now``: ``None`` when accepted, else why not (``rate``, ``quota``, ``burst``)."""
+        if self.create_rate is not None:
+            if self._refilled is not None:
+                self._tokens = min(self.create_burst, self._tokens + (now - self._refilled) * self.create_rate)
+            self._refilled = now
+            if self._tokens < 1.0:
+                self.rate_limited += 1
+                return "rate"
+            self._tokens -= 1.0
+        if self.quota is not None and self.live >= self.quota:
+            self.quota_refused += 1
+            return "quota"
+        if self.burst_every is not None:
+            if self._next_burst is None:
+                self._next_burst = now + self._rng.expovariate(1.0 / self.burst_every)
+            while now >= self._next_burst + self.burst_seconds:
+                self._next_burst += self.burst_seconds + self._rng.expovariate(1.0 / self.burst_every)
+            if now >= self._next_burst:
+                self.burst_failures += 1
+                return "burst"
+        return None
+
+    def counts(self) -> dict[str, int]:
+        """The provider's refusals so far."""
+        return {"rate_limited": self.rate_limited, "quota_refused": self.quota_refused, "burst_failures": self.burst_failures}
 
 
 @dataclass(frozen=True)
@@ -100,7 +183,10 @@ class SimulatedEnvironment(BaseEnvironment):
     verifier's reward, default 1.0), ``start_failure_rate`` (transient),
     ``start_permanent_failure_rate``, ``fail_first_starts`` (the first N starts
     of each task fail transiently), ``exec_hang_rate``, ``verify_failure_rate``,
-    ``stop_failure_rate``, ``seed``.
+    ``stop_failure_rate``, ``seed``; the provider's (see the module's
+    docstring): ``provider`` (its name), ``create_rate``, ``create_burst``,
+    ``quota``, ``failure_burst_every``, ``failure_burst_seconds``,
+    ``throttle_latency`` (the seconds a refusal takes to come back).
     """
 
     ANYIO_NATIVE: ClassVar[bool] = True
@@ -114,6 +200,7 @@ class SimulatedEnvironment(BaseEnvironment):
     peak_execs: ClassVar[int] = 0
     _starts_by_task: ClassVar[dict[str, int]] = defaultdict(int)
     _rngs: ClassVar[dict[Any, random.Random]] = {}
+    providers: ClassVar[dict[str, Provider]] = {}
 
     def __init__(
         self,
@@ -130,6 +217,13 @@ class SimulatedEnvironment(BaseEnvironment):
         verify_failure_rate: float = 0.0,
         stop_failure_rate: float = 0.0,
         seed: int | None = 0,
+        provider: str = "simulated",
+        create_rate: float | None = None,
+        create_burst: float | None = None,
+        quota: int | None = None,
+        failure_burst_every: float | None = None,
+        failure_burst_seconds: float = 2.0,
+        throttle_latency: float = 0.05,
         run_label: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -154,6 +248,15 @@ class SimulatedEnvironment(BaseEnvironment):
         if seed not in self._rngs:
             self._rngs[seed] = random.Random(seed)
         self._rng = self._rngs[seed]
+        faults = (create_rate, create_burst, quota, failure_burst_every)
+        if provider not in self.providers or any(v is not None for v in faults):
+            self.providers.setdefault(
+                provider,
+                Provider(create_rate, create_burst, quota, failure_burst_every, failure_burst_seconds, self._rng),
+            )
+        self._provider = self.providers[provider]
+        self._throttle_latency = float(throttle_latency)
+        self._counted = False
         self._running = False
         self._verified = False
         super().__init__(*args, **kwargs)
@@ -179,6 +282,7 @@ class SimulatedEnvironment(BaseEnvironment):
         cls.peak_execs = 0
         cls._starts_by_task.clear()
         cls._rngs.clear()
+        cls.providers.clear()
 
     def _chance(self, name: str) -> bool:
         rate = self._rates[name]
@@ -193,6 +297,17 @@ class SimulatedEnvironment(BaseEnvironment):
         type(self).start_times.append(anyio.current_time())
         counts = type(self)._starts_by_task
         counts[self.environment_name] += 1
+        refused = self._provider.admit(anyio.current_time())
+        if refused is not None:
+            if self._throttle_latency > 0:
+                await anyio.sleep(self._throttle_latency)
+            if refused == "rate":
+                raise SimulatedRateLimitError(f"simulated 429: create rate exceeded ({self.session_id})")
+            if refused == "quota":
+                raise SimulatedQuotaError(f"simulated quota of {self._provider.quota} live sandboxes ({self.session_id})")
+            raise SimulatedTransientError(f"simulated burst of failures ({self.session_id})")
+        self._provider.live += 1
+        self._counted = True
         await self._sleep("start")
         if self._chance("start_permanent"):
             raise SandboxBuildFailedError(f"simulated permanent start failure ({self.session_id})")
@@ -210,6 +325,9 @@ class SimulatedEnvironment(BaseEnvironment):
             was_running, self._running = self._running, False
             if was_running:
                 type(self).live_now -= 1
+            if self._counted:
+                self._counted = False
+                self._provider.live -= 1
         if self._chance("stop"):
             raise RuntimeError(f"simulated stop failure ({self.session_id})")
 

@@ -238,3 +238,50 @@ def harbor(
         run_it(suite, env, agent, n_concurrent, n_tasks, repeats, out)
     except HarborBenchError as exc:
         raise fail(f"bench harbor: {exc}", code=1) from None
+
+
+@bench_app.command("starts")
+def starts(
+    profile: Annotated[
+        list[str] | None,
+        typer.Option("--profile", help="A provider profile (repeatable): e2b-pro, e2b-hobby, bursty.", show_default="all"),
+    ] = None,
+    policy: Annotated[
+        list[str] | None,
+        typer.Option("--policy", help="fixed-N or adaptive-N (repeatable).", show_default="fixed-8, fixed-64, adaptive-64"),
+    ] = None,
+    episodes: Annotated[int, typer.Option("--episodes", min=1, help="Episodes per run.")] = 200,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs of each policy (the order alternates).")] = 3,
+    speedup: Annotated[
+        float, typer.Option(min=1.0, help="Divide every latency and multiply every rate by this (the dynamics keep their shape).")
+    ] = 5.0,
+    env: Annotated[
+        str,
+        typer.Option("--env", "-e", help="simulated (the provider profiles), or local or docker (throughput, window on and off)."),
+    ] = "simulated",
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file.")] = DEFAULT_OUT,
+    log_level: LogOpt = None,
+) -> None:
+    """Adaptive starts against fixed limits on simulated cloud providers (429s, quotas, heavy tails); writes starts.json.
+
+    With --env local or docker: the throughput of -n 8 and 32 with the window on and off; writes starts-ENV.json.
+    """
+    _setup(log_level or "error")
+    _one_of(env, ("simulated", "local", "docker"), "--env")
+    if env != "simulated":
+        from benchmarks.cli import starts_backend
+
+        starts_backend(env, repeats, out)
+        return
+    from benchmarks.starts import PROFILES, Policy
+
+    names = profile or list(PROFILES)
+    for name in names:
+        _one_of(name, tuple(PROFILES), "--profile")
+    try:
+        policies = [Policy.parse(text) for text in policy or ("fixed-8", "fixed-64", "adaptive-64")]
+    except ValueError as exc:
+        raise fail(f"--policy: {exc}") from None
+    from benchmarks.cli import starts as run_it
+
+    run_it(names, policies, repeats, episodes, speedup, out)

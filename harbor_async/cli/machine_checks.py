@@ -526,8 +526,22 @@ def _docker_checks() -> list[Check]:
 BACKENDS = ("local", "simulated", "docker", "docker-fast", *_CLOUD)
 
 
+#: How each cloud backend's rate-limit and quota answers reach the start window (harbor_async.backends.throttles).
+_THROTTLES = {
+    "runloop": "typed: its Stainless client's APIStatusError carries the HTTP status (429: rate limit or quota)",
+    "e2b": "untyped unless its error carries the HTTP status: a 429 may count as a plain start failure",
+    "modal": "untyped (gRPC errors carry no HTTP status): a refusal counts as a plain start failure",
+    "daytona": "untyped unless its error carries the HTTP status: a 429 may count as a plain start failure",
+}
+
+
+def check_throttles(backend: str) -> Check:
+    """Whether the backend's rate-limit and quota answers are typed for the adaptive start window (informational)."""
+    return Check(f"{backend} throttle answers", True, _THROTTLES.get(backend, "untyped"))
+
+
 def _cloud(backend: str) -> Callable[[], list[Check]]:
-    return lambda: [check_package(_CLOUD[backend][0], ""), check_credentials(backend)]
+    return lambda: [check_package(_CLOUD[backend][0], ""), check_credentials(backend), check_throttles(backend)]
 
 
 def _packages(*dists: str) -> Callable[[], list[Check]]:

@@ -50,6 +50,16 @@ StartRetryMaxTotalOpt = Annotated[
     float | None,
     typer.Option(help="Seconds all attempts of one start may take.", show_default=setting_default("start_retry_max_total")),
 ]
+AdaptiveStartsOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--adaptive-starts/--fixed-starts",
+        help="Bound the sandbox starts in flight by a window that opens while starts succeed in time and halves "
+        "on a provider's rate-limit or quota answer or a start-latency breach (default); --fixed-starts: start "
+        "as many as the concurrency allows at once.",
+        show_default=False,
+    ),
+]
 DeleteOpt = Annotated[
     bool,
     typer.Option(

@@ -32,6 +32,7 @@ from harbor_async.cluster.connect import (
     ensure_connected,
 )
 from harbor_async.cluster.errors import ClusterBudgetConfigError
+from harbor_async.engine.start_window import StartOutcome, StartTicket, StartWindow
 
 #: Seconds a holder may stay silent before its leases are taken back (sized for
 #: a busy 2-core machine: a heartbeat thread can stall for seconds under load).
@@ -113,6 +114,9 @@ class BudgetActor:
         self._refilled = time.monotonic()
         self._reaper: asyncio.Task | None = None
         self.worlds: dict[str, dict[str, Any]] = {}  # distributed runs: group -> size, members, event
+        self.start_window: StartWindow | None = None  # made on the first start that asks for it
+        self.start_tickets: dict[str, tuple[str, StartTicket]] = {}  # request id -> (holder, ticket)
+        self.start_waits: dict[str, asyncio.Task] = {}
 
     # ── configuration ────────────────────────────────────────────────────
 
@@ -190,6 +194,8 @@ class BudgetActor:
             self._release(lease.lease_id)
         if orphan:
             self.orphans.extend(rows)
+        for request_id in [r for r, (h, _) in self.start_tickets.items() if h == holder]:
+            self.start_release(request_id, StartOutcome.FAILED.value, 0.0)
         for pool in self.pools.values():
             for request in [r for r in pool.queue if r.holder == holder]:
                 pool.queue.remove(request)
@@ -292,6 +298,46 @@ class BudgetActor:
         self._refilled = now
         self._tokens -= 1.0
         return 0.0 if self._tokens >= 0 else -self._tokens / rate
+
+    # ── the start window, shared by every holder ─────────────────────────
+
+    async def start_acquire(self, holder: str, request_id: str) -> dict[str, Any]:
+        """Wait for a place in the cluster's start window (:mod:`harbor_async.engine.start_window`).
+
+        Replies ``{"epoch", "window"}``; ``{"cancelled": True}`` when
+        :meth:`start_cancel` came first.
+        """
+        if self.start_window is None:
+            self.start_window = StartWindow(self.caps.max_live, clock=time.monotonic)
+        self.start_waits[request_id] = asyncio.current_task()  # type: ignore[assignment]  # an actor call runs as a task
+        try:
+            ticket = await self.start_window.acquire()
+        except asyncio.CancelledError:
+            return {"cancelled": True}
+        finally:
+            self.start_waits.pop(request_id, None)
+        self.start_tickets[request_id] = (holder, ticket)
+        return {"epoch": ticket.epoch, "window": ticket.window}
+
+    def start_release(self, request_id: str, outcome: str, latency: float) -> bool:
+        """The start of ``request_id`` ended with ``outcome`` (a :class:`StartOutcome` value) after ``latency`` s."""
+        entry = self.start_tickets.pop(request_id, None)
+        if entry is None or self.start_window is None:
+            return False
+        self.start_window.release(entry[1], StartOutcome(outcome), latency)
+        return True
+
+    def start_cancel(self, request_id: str) -> bool:
+        """The client stopped waiting: drop its wait, or its place if it was granted meanwhile."""
+        task = self.start_waits.get(request_id)
+        if task is not None:
+            task.cancel()
+            return True
+        return self.start_release(request_id, StartOutcome.FAILED.value, 0.0)
+
+    def start_state(self) -> dict[str, Any] | None:
+        """The shared start window's state (``None`` before any start asked for it)."""
+        return None if self.start_window is None else self.start_window.snapshot()
 
     def _grant(self, pool: _Pool) -> None:
         while pool.queue and pool.queue[0].n <= pool.free():

@@ -46,7 +46,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
 import anyio
@@ -68,6 +68,7 @@ from harbor_async.cluster.ranks import World, current_world
 from harbor_async.core.logs import get_logger
 from harbor_async.core.policy import Limits
 from harbor_async.engine.budget import LocalBudget
+from harbor_async.engine.start_window import StartOutcome, StartTicket
 
 if TYPE_CHECKING:
     from harbor_async.jobs.settings import JobSettings
@@ -95,7 +96,10 @@ class RayBudget:
         if batch is not None and batch < 1:
             raise ValueError(f"batch must be a positive integer or None, got {batch!r}")
         self.actor = actor
-        self.local = LocalBudget(limits)
+        # The start window is the actor's, shared by every process: none of this process's own.
+        self.adaptive_starts = limits.adaptive_starts
+        self.local = LocalBudget(replace(limits, adaptive_starts=False))
+        self._window: int | None = None
         self.batch = batch
         self.caps = caps
         self.live_limit = caps["max_live"] if caps["max_live"] is not None else limits.live_sandboxes
@@ -147,6 +151,30 @@ class RayBudget:
                 self._maybe_return_block()
         finally:
             self.local.release_live(owner)
+
+    async def begin_start(self) -> StartTicket | None:
+        """A place in the cluster's start window (one round trip to the actor), or ``None`` when starts are fixed."""
+        if not self.adaptive_starts:
+            return None
+        request_id = uuid.uuid4().hex
+        try:
+            reply = await _resolve(self.actor.start_acquire.remote(self.holder, request_id))
+        except BaseException:
+            self.actor.start_cancel.remote(request_id)
+            raise
+        if reply.get("cancelled"):
+            raise LeaseExpiredError(f"the budget actor dropped start {request_id} of {self.holder}")
+        self._window = reply["window"]
+        return StartTicket(anyio.current_time(), reply["epoch"], reply["window"], key=request_id)
+
+    def end_start(self, ticket: StartTicket | None, outcome: StartOutcome, latency: float) -> None:
+        """Tell the actor how the start ended (no wait for its answer)."""
+        if ticket is not None:
+            self.actor.start_release.remote(ticket.key, outcome.value, latency)
+
+    def start_window(self) -> dict[str, Any] | None:
+        """The shared window as this process last saw it (``None``: starts are fixed)."""
+        return None if not self.adaptive_starts else {"window": self._window, "shared": True}
 
     async def create_turn(self) -> None:
         """The local create rate, then the cluster's token bucket."""

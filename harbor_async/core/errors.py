@@ -66,6 +66,40 @@ class BackendStartError(HarborAsyncError, RuntimeError):
     transient: bool = True
 
 
+class BackendThrottledError(BackendStartError):
+    """The provider refused a create for its load, not for the sandbox: the start window halves.
+
+    Transient: a later attempt, with fewer starts in flight, may be accepted.
+
+    Attributes:
+        retry_after: the seconds the provider asked the caller to wait, where it said.
+    """
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def is_throttle(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) is a provider's rate-limit or quota answer."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, BackendThrottledError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
+class BackendRateLimitError(BackendThrottledError):
+    """The provider's create rate was exceeded (an HTTP 429, a "rate limit" answer)."""
+
+
+class BackendQuotaError(BackendThrottledError):
+    """The provider's quota of sandboxes (concurrent, or per account) was reached."""
+
+
 class BackendNotInstalledError(BackendError):
     """The backend's client package (a Harbor extra) is not installed: found before any sandbox starts.
 

@@ -15,15 +15,16 @@ from harbor.environments.base import SandboxBuildFailedError
 from tenacity import (
     AsyncRetrying,
     retry_if_exception,
-    stop_after_attempt,
     stop_after_delay,
     wait_random_exponential,
 )
+from tenacity.stop import stop_base
 
 from harbor_async.core.errors import (
     AgentSetupError,
     BackendError,
     BackendStartError,
+    BackendThrottledError,
     EpisodeDeadlineError,
     EpisodeInterruptedError,
     FailureClass,
@@ -37,6 +38,7 @@ from harbor_async.core.errors import (
     SettingError,
     TaskDefinitionError,
     VerifierFailure,
+    is_throttle,
 )
 
 
@@ -346,6 +348,41 @@ def _stop_at(deadline: Callable[[], float]) -> Callable[[Any], bool]:
     return lambda retry_state: anyio.current_time() >= deadline()
 
 
+#: Throttled attempts one start may make (each also within the start's time budget and ``max_total``).
+THROTTLED_ATTEMPTS = 32
+
+
+class _AttemptsBesideThrottles(stop_base):
+    """A tenacity stop: ``attempts`` failed attempts, not counting a provider's throttles (up to ``cap`` of them).
+
+    A rate-limit or quota answer says the provider is busy, not that the start
+    failed: it is retried (after the provider's ``Retry-After``, where given)
+    until the start's time budget or ``cap`` throttles, whichever comes first.
+    One per :meth:`RetryPolicy.retrying` call (it counts that start's throttles).
+    """
+
+    def __init__(self, attempts: int, cap: int) -> None:
+        self.attempts, self.cap, self.throttles = attempts, cap, 0
+
+    def __call__(self, retry_state: Any) -> bool:
+        outcome = retry_state.outcome
+        if outcome is not None and outcome.failed and is_throttle(outcome.exception()):
+            self.throttles += 1
+        return retry_state.attempt_number - self.throttles >= self.attempts or self.throttles >= self.cap
+
+
+def _after_retry_after(wait: Callable[[Any], float]) -> Callable[[Any], float]:
+    """A tenacity wait of at least the seconds a provider's throttle asked for."""
+
+    def waited(retry_state: Any) -> float:
+        outcome = retry_state.outcome
+        error = outcome.exception() if outcome is not None and outcome.failed else None
+        asked = getattr(error, "retry_after", None) if isinstance(error, BackendThrottledError) else None
+        return max(wait(retry_state), asked or 0.0)
+
+    return waited
+
+
 def _capped_at(deadline: Callable[[], float], wait: Callable[[Any], float]) -> Callable[[Any], float]:
     """A tenacity wait that never sleeps past ``deadline`` (the stop then ends the retries)."""
     return lambda retry_state: max(0.0, min(wait(retry_state), deadline() - anyio.current_time()))
@@ -380,12 +417,14 @@ class RetryPolicy:
         """
         if not callable(deadline):
             deadline = functools.partial(float, deadline)
-        stop = stop_after_attempt(max(1, self.attempts)) | _stop_at(deadline)  # type: ignore[operator]  # tenacity takes any callable stop
+        attempts = _AttemptsBesideThrottles(max(1, self.attempts), THROTTLED_ATTEMPTS)
+        stop = attempts | _stop_at(deadline)  # type: ignore[operator]  # tenacity takes any callable stop
         if self.max_total is not None:
             stop = stop | stop_after_delay(self.max_total)
+        jitter = wait_random_exponential(multiplier=self.initial_wait, max=self.max_wait)
         return AsyncRetrying(
             stop=stop,
-            wait=_capped_at(deadline, wait_random_exponential(multiplier=self.initial_wait, max=self.max_wait)),
+            wait=_capped_at(deadline, _after_retry_after(jitter)),
             retry=retry_if_exception(is_transient),
             sleep=anyio.sleep,
             reraise=True,
@@ -399,12 +438,16 @@ class Limits:
     ``live_sandboxes`` counts a sandbox from its create call until its stop is
     confirmed, so a slow teardown still holds its slot. ``concurrent_execs``
     bounds the commands, uploads, downloads, agent runs and verifier runs in
-    flight across all sandboxes.
+    flight across all sandboxes. ``adaptive_starts`` bounds the starts in
+    flight by an AIMD window below ``live_sandboxes``
+    (:mod:`harbor_async.engine.start_window`): it opens while starts succeed in
+    time and halves on rate-limit and quota answers and on a latency breach.
     """
 
     live_sandboxes: int | None = None
     creates_per_second: float | None = None
     concurrent_execs: int | None = None
+    adaptive_starts: bool = True
 
     def __post_init__(self) -> None:
         _check_count("live_sandboxes", self.live_sandboxes)

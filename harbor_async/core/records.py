@@ -60,6 +60,7 @@ class EpisodeRecord:
     error: str | None = None
     sandbox: str | None = None
     start_attempts: int = 0
+    start_window: int | None = None  # the adaptive start window when the last start attempt began (None: off)
     started_at: str | None = None
     finished_at: str | None = None
     phases: list[PhaseSpan] = field(default_factory=list)

@@ -18,6 +18,7 @@ SKETCH_ACCURACY = 0.01
 #: Bins a sketch keeps at most (its memory bound); the lowest collapse first.
 SKETCH_BINS = 1024
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -58,6 +59,8 @@ class EngineStats:
     retried: int
     stopped: int
     stop_failures: int
+    throttled: int = 0
+    start_window: dict[str, Any] | None = None
     phases: dict[str, PhaseStats] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -78,6 +81,7 @@ class StatsRecorder:
         self.retried = 0
         self.stopped = 0
         self.stop_failures = 0
+        self.throttled = 0  # start attempts answered with a rate limit or a quota
         self._sketches: dict[str, LogCollapsingLowestDenseDDSketch] = {}
         self._max: dict[str, float] = defaultdict(float)
         self._failures: dict[str, int] = defaultdict(int)
@@ -97,8 +101,8 @@ class StatsRecorder:
         if not ok:
             self._failures[phase] += 1
 
-    def snapshot(self) -> EngineStats:
-        """An immutable copy of the counters with percentiles computed."""
+    def snapshot(self, start_window: dict[str, Any] | None = None) -> EngineStats:
+        """An immutable copy of the counters with percentiles computed (and the budget's start window)."""
         phases = {
             phase: PhaseStats(
                 count=int(sketch.count),
@@ -121,6 +125,8 @@ class StatsRecorder:
             retried=self.retried,
             stopped=self.stopped,
             stop_failures=self.stop_failures,
+            throttled=self.throttled,
+            start_window=start_window,
             phases=phases,
         )
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 
 from harbor_async.core.policy import Limits, RateLimiter
+from harbor_async.engine.start_window import StartOutcome, StartTicket, StartWindow
 
 
 @runtime_checkable
@@ -23,8 +24,11 @@ class Budget(Protocol):
 
     ``acquire_live`` returns once ``owner`` holds one live-sandbox slot and is
     cancellable while it waits; ``release_live`` gives it back (once per
-    acquire); ``create_turn`` waits for the create rate; ``exec_slot`` returns
-    an async context holding one concurrent-exec slot.
+    acquire); ``begin_start`` waits for a place in the adaptive start window
+    (``None``: no window) and ``end_start`` gives it back with how the attempt
+    ended; ``create_turn`` waits for the create rate; ``exec_slot`` returns
+    an async context holding one concurrent-exec slot; ``start_window``
+    is the window's state (``None``: no window).
     """
 
     live_limit: int | None
@@ -32,6 +36,12 @@ class Budget(Protocol):
     async def acquire_live(self, owner: Any) -> None: ...
 
     def release_live(self, owner: Any) -> None: ...
+
+    async def begin_start(self) -> StartTicket | None: ...
+
+    def end_start(self, ticket: StartTicket | None, outcome: StartOutcome, latency: float) -> None: ...
+
+    def start_window(self) -> dict[str, Any] | None: ...
 
     async def create_turn(self) -> None: ...
 
@@ -44,7 +54,7 @@ _NO_SLOT = nullcontext()
 
 
 class LocalBudget:
-    """The limits of one process: a capacity limiter, a rate limiter, an exec limiter.
+    """The limits of one process: a capacity limiter, a start window, a rate limiter, an exec limiter.
 
     Create it on the loop that uses it (anyio primitives belong to one loop).
     """
@@ -54,6 +64,7 @@ class LocalBudget:
         self.live_limit = limits.live_sandboxes
         self._live = anyio.CapacityLimiter(limits.live_sandboxes or math.inf)
         self._rate = RateLimiter(limits.creates_per_second)
+        self._starts = StartWindow(limits.live_sandboxes) if limits.adaptive_starts else None
         self._execs = anyio.CapacityLimiter(limits.concurrent_execs) if limits.concurrent_execs else None
 
     async def acquire_live(self, owner: Any) -> None:
@@ -63,6 +74,19 @@ class LocalBudget:
     def release_live(self, owner: Any) -> None:
         """Give ``owner``'s live slot back."""
         self._live.release_on_behalf_of(owner)
+
+    async def begin_start(self) -> StartTicket | None:
+        """Wait for a place in the start window (``None`` at once without one)."""
+        return None if self._starts is None else await self._starts.acquire()
+
+    def end_start(self, ticket: StartTicket | None, outcome: StartOutcome, latency: float) -> None:
+        """Give ``ticket``'s place back; the window learns from ``outcome`` and ``latency``."""
+        if ticket is not None and self._starts is not None:
+            self._starts.release(ticket, outcome, latency)
+
+    def start_window(self) -> dict[str, Any] | None:
+        """The start window's state (``None``: adaptive starts are off)."""
+        return None if self._starts is None else self._starts.snapshot()
 
     async def create_turn(self) -> None:
         """Wait for the create rate."""

@@ -432,8 +432,9 @@ class Engine:
         return list(self._ledger.values())
 
     def stats(self) -> EngineStats:
-        """A snapshot of the counters and latency percentiles."""
-        return self._stats.snapshot()
+        """A snapshot of the counters, latency percentiles and the start window."""
+        budget = self._context.budget if self._context is not None else None
+        return self._stats.snapshot(budget.start_window() if budget is not None else None)
 
     def _forget(self, sandbox: Sandbox) -> None:
         if self._ledger.pop(sandbox.id, None) is not None:  # once per sandbox: its stop runs once

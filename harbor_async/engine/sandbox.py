@@ -34,6 +34,7 @@ from harbor_async.core.errors import (
     TransferLimitError,
     VerifierFailure,
     VerifierPathError,
+    is_throttle,
 )
 from harbor_async.core.logs import get_logger
 from harbor_async.core.naming import TRIAL_MARKER_NAME, TrialDirNames, new_sandbox_id
@@ -48,6 +49,7 @@ from harbor_async.core.results import (
 from harbor_async.core.stats import StatsRecorder
 from harbor_async.engine.budget import Budget
 from harbor_async.engine.phase_scope import PhaseScope, now
+from harbor_async.engine.start_window import StartOutcome
 from harbor_async.verification.reward_files import verifier_output
 
 if TYPE_CHECKING:
@@ -141,6 +143,7 @@ class Sandbox:
         self.id = new_sandbox_id(context.run_label)
         self.state = SandboxState.PENDING
         self.start_attempts = 0
+        self.start_window: int | None = None  # the adaptive window when the last start attempt began
         self.times = PhaseTimes()
         self.start_error: SandboxError | None = None
         self.stop_error: SandboxError | None = None
@@ -487,7 +490,26 @@ class Sandbox:
             await self._change.wait()
 
     async def _start_once(self) -> None:
-        await self.context.budget.create_turn()
+        """One start attempt, holding a place in the start window from its create turn to its answer."""
+        budget = self.context.budget
+        ticket = await budget.begin_start()
+        outcome, began = StartOutcome.FAILED, anyio.current_time()
+        try:
+            await budget.create_turn()
+            began = anyio.current_time()
+            if ticket is not None:
+                self.start_window = ticket.window
+            await self._create_and_start()
+            outcome = StartOutcome.OK
+        except BaseException as exc:
+            if is_throttle(exc):
+                outcome = StartOutcome.THROTTLED
+                self.context.stats.throttled += 1
+            raise
+        finally:
+            budget.end_start(ticket, outcome, anyio.current_time() - began)
+
+    async def _create_and_start(self) -> None:
         async with self._phase(Phase.START, budget=self.timeouts.start, wrap=False):
             self._trial_dir = self._make_trial_dir()
             paths = self._trial_paths()

@@ -555,6 +555,7 @@ class Episode:
         record, sandbox = self.record, self.sandbox
         if sandbox is not None:
             record.start_attempts = sandbox.start_attempts
+            record.start_window = sandbox.start_window
             record.seconds.update({k: round(v, 4) for k, v in sandbox.times.seconds.items()})
             if sandbox.stop_error is not None:  # a leaked sandbox is the infrastructure's, unless blamed earlier
                 self.fail_with(sandbox.stop_error)  # a stop's error (phase stop): infrastructure; a verdict given stays

@@ -161,6 +161,7 @@ class EngineSettings(SettingsModel):
     agent_timeout_multiplier: float | None = knob("timeouts", "agent_timeout_multiplier")
     verifier_timeout_multiplier: float | None = knob("timeouts", "verifier_timeout_multiplier")
     environment_build_timeout_multiplier: float | None = knob("timeouts", "environment_build_timeout_multiplier")
+    adaptive_starts: bool = knob("limits", "adaptive_starts")
     budget: Literal["local", "ray"] = "local"
     ray_address: str | None = None
     cluster_max_live: int | None = Field(None, gt=0)

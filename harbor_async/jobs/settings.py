@@ -348,6 +348,7 @@ class EvaluateSettings(TypedDict, total=False):
     start_retry_wait: float
     start_retry_max_wait: float
     start_retry_max_total: float | None
+    adaptive_starts: bool
     timeout_multiplier: float
     agent_timeout_multiplier: float | None
     verifier_timeout_multiplier: float | None
