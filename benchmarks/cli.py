@@ -152,11 +152,11 @@ def starts(profiles: list[str], policies: list, repeats: int, episodes: int, spe
     return path
 
 
-def starts_backend(env: str, repeats: int, out: Path) -> Path:
+def starts_backend(env: str, repeats: int, episodes: int, out: Path) -> Path:
     """Throughput with the start window on and off on a real backend; writes ``starts-<env>.json``."""
     from benchmarks.starts import run_backend
 
-    result = run_backend(env, repeats=repeats)
+    result = run_backend(env, repeats=repeats, episodes=min(episodes, 64))
     for level, row in result["summary"].items():
         err.print(
             f"{env} -n {level}: adaptive / fixed episodes per second, median {row['ratio_median']} "

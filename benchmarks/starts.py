@@ -41,6 +41,13 @@ PROFILES: dict[str, dict[str, Any]] = {
         "source": "E2B's rate limits, Hobby plan: 1 creation per second, 20 concurrent sandboxes "
         "(https://e2b.dev/docs/sandbox/rate-limits)",
     },
+    "coreweave-free": {
+        "create_rate": 10.0,
+        "quota": 20,
+        "source": "CoreWeave Sandboxes' default concurrent-sandbox quota for W&B Free accounts: 20 "
+        "(https://docs.coreweave.com/products/sandboxes/reference/limits-and-quotas); its create rate is "
+        "not published: 10 per second assumed",
+    },
     "bursty": {
         "create_rate": 10.0,
         "quota": 1000,

@@ -60,6 +60,9 @@ class EngineOptions(EngineSettings):
             most seconds all attempts of one start may take (``None``: no cap).
         start_attempts: start attempts for transient failures (jittered
             exponential backoff); a permanent failure is not retried.
+        adaptive_starts: bound the starts in flight by the adaptive window
+            (:mod:`harbor_async.engine.start_window`; default ``True``);
+            ``False``: every start is sent at once, up to ``max_live_sandboxes``.
         agent_timeout: seconds of tool time a rollout may use (the sum of its
             commands) when its task sets no ``[agent] timeout_sec``; ``None``: no limit.
         timeout_multiplier, agent_timeout_multiplier, verifier_timeout_multiplier,
@@ -210,6 +213,7 @@ class EngineOptionsKwargs(TypedDict, total=False):
     start_retry_wait: float
     start_retry_max_wait: float
     start_retry_max_total: float | None
+    adaptive_starts: bool
     agent_timeout: float | None
     timeout_multiplier: float
     agent_timeout_multiplier: float | None

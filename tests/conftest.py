@@ -14,15 +14,50 @@ import pytest
 
 # Every test session gets its own temporary folder and local-sandbox root, so the
 # leak check sees this session's sandboxes only (other runs may share the machine).
-SESSION_DIR = Path(tempfile.mkdtemp(prefix="harbor-async-tests-"))
+# Under `pytest -n`, each worker's folder sits beside the controller's, not inside it (a socket path inside
+# two nested session folders is past AF_UNIX's 108 bytes).
+os.environ.setdefault("HARBOR_ASYNC_TESTS_TMP", tempfile.gettempdir())
+SESSION_DIR = Path(tempfile.mkdtemp(prefix="harbor-async-tests-", dir=os.environ["HARBOR_ASYNC_TESTS_TMP"]))
 (SESSION_DIR / "tmp").mkdir()
 os.environ["TMPDIR"] = str(SESSION_DIR / "tmp")
 tempfile.tempdir = None  # forget the cached default so the new TMPDIR applies
+if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker of `pytest -n`: its own root, not the one it inherited,
+    os.environ["HARBOR_ASYNC_LOCAL_ROOT"] = str(SESSION_DIR / "local")
+    # and its own label for sandboxes made outside an engine (their names and cgroups: "adhoc" by default)
+    os.environ["HARBOR_ASYNC_RUN_LABEL"] = f"adhoc{os.environ['PYTEST_XDIST_WORKER']}"
 os.environ.setdefault("HARBOR_ASYNC_LOCAL_ROOT", str(SESSION_DIR / "local"))
 LOCAL_ROOT = Path(os.environ["HARBOR_ASYNC_LOCAL_ROOT"])
 
 from harbor_async.backends.simulated import SimulatedEnvironment  # noqa: E402
 from harbor_async.suites import example_suite_path  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``pytest -n N --dist loadgroup`` (.ci/run), pin the tests that share one thing to one worker.
+
+    The session's Ray cluster is one per process (a second on the same machine would fight over its
+    ports), and the docker tests build, tag and delete the same task images (``sandboxes prune`` and
+    ``--delete`` remove every idle one), some of them through the cluster: they all run in order on one
+    worker, beside the other worker's tests. Without xdist the marker does nothing.
+    """
+    for item in items:
+        if _shares_the_cluster_or_the_daemon(item):
+            item.add_marker(pytest.mark.xdist_group("ray-and-docker"))
+
+
+def _shares_the_cluster_or_the_daemon(item: pytest.Item) -> bool:
+    """A test on the session's Ray cluster, or one that runs docker (marked, named, or saying so in its code)."""
+    import inspect
+
+    if "ray_cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("docker") is not None:
+        return True
+    if "docker" in item.nodeid:
+        return True
+    function = getattr(item, "function", None)
+    try:
+        return function is not None and "docker" in inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -323,7 +323,7 @@ def test_usage_window_measures_the_thread_it_names_and_the_collector():
         del garbage, a, b
         assert gc.collect() > 0
     spinner.join()
-    assert busy.usage.busy > max(0.25, 3 * idle.usage.busy)  # a loaded runner shares the cores: not 1.0
+    assert busy.usage.busy > max(0.1, 3 * idle.usage.busy)  # a loaded runner (two test workers, load 4) shares the cores: not 1.0
     # the collection above, timed; a zero bound counts every pause as over it
     assert busy.usage.collections >= 1 and busy.usage.longest_collection_ms > 0
     assert busy.usage.collections_over_bound == busy.usage.collections

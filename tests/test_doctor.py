@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -143,8 +144,9 @@ def test_reports_a_missing_bubblewrap(tmp_path: Path):
 
 @pytest.mark.slow
 @pytest.mark.range
-def test_reports_a_missing_docker_daemon(tmp_path: Path):
-    dead = tmp_path / "dead.sock"
+def test_reports_a_missing_docker_daemon():
+    # A short folder: a socket's path must fit AF_UNIX's 108 bytes (a pytest -n worker's tmp_path may not).
+    dead = Path(tempfile.mkdtemp(prefix="hd", dir=os.environ.get("HARBOR_ASYNC_TESTS_TMP"))) / "dead.sock"
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(dead))
     listener.close()  # the socket file stays; nobody listens on it

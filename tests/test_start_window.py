@@ -270,3 +270,42 @@ async def test_a_throttle_is_retried_beside_the_start_attempts_after_the_wait_it
                 await attempt()
     assert len(calls) == 7  # five 429s, then the two attempts the policy allows
     assert all(later - earlier >= 3.0 for earlier, later in zip(calls[:5], calls[1:6]))  # Retry-After honoured
+
+
+def test_the_simulated_providers_bursts_fail_every_start_for_their_length():
+    from harbor_async.backends.simulated import Provider
+
+    provider = Provider(None, None, None, burst_every=10.0, burst_seconds=2.0, rng=random.Random(3))
+    answers = [provider.admit(step / 10) for step in range(3000)]  # 300 s, a start every 0.1 s
+    runs, length = [], 0
+    for answer in answers:
+        if answer == "burst":
+            length += 1
+        elif length:
+            runs.append(length)
+            length = 0
+    assert 10 <= len(runs) <= 50 and max(runs) <= 21  # bursts of at most 2 s, every 12 s or so on average
+    assert provider.counts()["burst_failures"] == sum(runs) + length
+
+
+@pytest.mark.parametrize("anyio_backend", [("trio", {"clock": MockClock(autojump_threshold=0)})])
+async def test_a_providers_quota_answer_closes_the_window_and_the_start_waits_for_a_place(example_tasks):
+    provider = {"quota": 2, "start_latency": 0.5, "exec_latency": 3.0, "throttle_latency": 0.05}
+    random.seed(0)
+    async with Engine(limits=Limits(live_sandboxes=4), retry=RetryPolicy(), backend_kwargs=provider) as engine:
+        rewards: list[float | None] = []
+
+        async def episode(index: int) -> None:
+            async with engine.sandbox(example_tasks[index], "simulated") as sandbox:
+                await sandbox.exec("true")
+                result = await sandbox.verify()
+                rewards.append(result.reward)
+
+        async with anyio.create_task_group() as tg:
+            for index in range(4):
+                tg.start_soon(episode, index)
+        stats = engine.stats()
+    refused = SimulatedEnvironment.providers["simulated"].quota_refused
+    assert rewards == [1.0] * 4  # the quota delayed two episodes, it lost none
+    assert refused > 0 and stats.throttled == refused and stats.start_window["throttles"] == refused
+    assert SimulatedEnvironment.peak_live <= 2

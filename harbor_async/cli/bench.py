@@ -244,13 +244,13 @@ def harbor(
 def starts(
     profile: Annotated[
         list[str] | None,
-        typer.Option("--profile", help="A provider profile (repeatable): e2b-pro, e2b-hobby, bursty.", show_default="all"),
+        typer.Option("--profile", help="A provider profile (repeatable): e2b-pro, e2b-hobby, coreweave-free, bursty.", show_default="all"),
     ] = None,
     policy: Annotated[
         list[str] | None,
         typer.Option("--policy", help="fixed-N or adaptive-N (repeatable).", show_default="fixed-8, fixed-64, adaptive-64"),
     ] = None,
-    episodes: Annotated[int, typer.Option("--episodes", min=1, help="Episodes per run.")] = 200,
+    episodes: Annotated[int, typer.Option("--episodes", min=1, help="Episodes per run (simulated; local and docker: at most 64).")] = 200,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs of each policy (the order alternates).")] = 3,
     speedup: Annotated[
         float, typer.Option(min=1.0, help="Divide every latency and multiply every rate by this (the dynamics keep their shape).")
@@ -271,7 +271,7 @@ def starts(
     if env != "simulated":
         from benchmarks.cli import starts_backend
 
-        starts_backend(env, repeats, out)
+        starts_backend(env, repeats, episodes, out)
         return
     from benchmarks.starts import PROFILES, Policy
 
