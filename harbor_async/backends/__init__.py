@@ -6,6 +6,7 @@ Imports: core, tasks, verification.
 from __future__ import annotations
 
 import builtins
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -46,6 +47,15 @@ class BackendSpec:
     def environment_class(self) -> builtins.type:  # builtins: `type` is the field above
         """The Harbor environment class (imports it; vendor SDKs load only here)."""
         return _environment_class(self)
+
+    @functools.cached_property
+    def on_this_machine(self) -> bool:
+        """Whether its sandboxes run on this machine (local, docker): their start latency is the machine's load."""
+        from harbor.environments.docker.docker import DockerEnvironment
+
+        from harbor_async.backends.local import LocalEnvironment
+
+        return issubclass(self.environment_class(), (LocalEnvironment, DockerEnvironment))
 
     def options(self) -> BackendOptions:
         """What this backend accepts as options, read off the installed Harbor (loads the class)."""

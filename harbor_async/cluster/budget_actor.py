@@ -319,12 +319,12 @@ class BudgetActor:
         self.start_tickets[request_id] = (holder, ticket)
         return {"epoch": ticket.epoch, "window": ticket.window}
 
-    def start_release(self, request_id: str, outcome: str, latency: float) -> bool:
+    def start_release(self, request_id: str, outcome: str, latency: float, latency_signal: bool = True) -> bool:
         """The start of ``request_id`` ended with ``outcome`` (a :class:`StartOutcome` value) after ``latency`` s."""
         entry = self.start_tickets.pop(request_id, None)
         if entry is None or self.start_window is None:
             return False
-        self.start_window.release(entry[1], StartOutcome(outcome), latency)
+        self.start_window.release(entry[1], StartOutcome(outcome), latency, latency_signal=latency_signal)
         return True
 
     def start_cancel(self, request_id: str) -> bool:

@@ -167,10 +167,12 @@ class RayBudget:
         self._window = reply["window"]
         return StartTicket(anyio.current_time(), reply["epoch"], reply["window"], key=request_id)
 
-    def end_start(self, ticket: StartTicket | None, outcome: StartOutcome, latency: float) -> None:
+    def end_start(
+        self, ticket: StartTicket | None, outcome: StartOutcome, latency: float, latency_signal: bool = True
+    ) -> None:
         """Tell the actor how the start ended (no wait for its answer)."""
         if ticket is not None:
-            self.actor.start_release.remote(ticket.key, outcome.value, latency)
+            self.actor.start_release.remote(ticket.key, outcome.value, latency, latency_signal)
 
     def start_window(self) -> dict[str, Any] | None:
         """The shared window as this process last saw it (``None``: starts are fixed)."""

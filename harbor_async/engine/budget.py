@@ -39,7 +39,9 @@ class Budget(Protocol):
 
     async def begin_start(self) -> StartTicket | None: ...
 
-    def end_start(self, ticket: StartTicket | None, outcome: StartOutcome, latency: float) -> None: ...
+    def end_start(
+        self, ticket: StartTicket | None, outcome: StartOutcome, latency: float, latency_signal: bool = True
+    ) -> None: ...
 
     def start_window(self) -> dict[str, Any] | None: ...
 
@@ -79,10 +81,12 @@ class LocalBudget:
         """Wait for a place in the start window (``None`` at once without one)."""
         return None if self._starts is None else await self._starts.acquire()
 
-    def end_start(self, ticket: StartTicket | None, outcome: StartOutcome, latency: float) -> None:
-        """Give ``ticket``'s place back; the window learns from ``outcome`` and ``latency``."""
+    def end_start(
+        self, ticket: StartTicket | None, outcome: StartOutcome, latency: float, latency_signal: bool = True
+    ) -> None:
+        """Give ``ticket``'s place back; the window learns from ``outcome`` and ``latency`` (see :meth:`StartWindow.release`)."""
         if ticket is not None and self._starts is not None:
-            self._starts.release(ticket, outcome, latency)
+            self._starts.release(ticket, outcome, latency, latency_signal=latency_signal)
 
     def start_window(self) -> dict[str, Any] | None:
         """The start window's state (``None``: adaptive starts are off)."""

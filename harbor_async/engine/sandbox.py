@@ -507,7 +507,7 @@ class Sandbox:
                 self.context.stats.throttled += 1
             raise
         finally:
-            budget.end_start(ticket, outcome, anyio.current_time() - began)
+            budget.end_start(ticket, outcome, anyio.current_time() - began, not self.backend.on_this_machine)
 
     async def _create_and_start(self) -> None:
         async with self._phase(Phase.START, budget=self.timeouts.start, wrap=False):

@@ -157,24 +157,30 @@ class StartWindow:
         if begin > now:
             await anyio.sleep(begin - now)
 
-    def release(self, ticket: StartTicket, outcome: StartOutcome, latency: float | None = None) -> None:
+    def release(
+        self, ticket: StartTicket, outcome: StartOutcome, latency: float | None = None, *, latency_signal: bool = True
+    ) -> None:
         """End ``ticket``'s start with ``outcome``; the window opens or closes by it.
 
         ``latency``: the start's own seconds, where the caller measured them
         (past its create turn); by default the time since :meth:`acquire`.
+        ``latency_signal=False``: the latency says nothing about a provider's
+        queue (a sandbox on this machine, slower as the machine is busier, which
+        fewer starts at once would not make faster): it paces, never breaches.
         """
         self.in_flight -= 1
         if outcome is StartOutcome.OK:
-            self._on_success(self._clock() - ticket.began if latency is None else latency)
+            self._on_success(self._clock() - ticket.began if latency is None else latency, latency_signal)
         elif outcome is StartOutcome.THROTTLED:
             self.throttles += 1
             self._decrease(ticket)
         self._wake()
 
-    def _on_success(self, latency: float) -> None:
+    def _on_success(self, latency: float, signal: bool) -> None:
         self._latency = latency if self._latency is None else self._latency + LATENCY_WEIGHT * (latency - self._latency)
-        self._block.append(latency)
-        if len(self._block) >= self._block_size:
+        if signal:
+            self._block.append(latency)
+        if signal and len(self._block) >= self._block_size:
             median = statistics.median(self._block)
             self._block.clear()
             if self._baseline is None or median < self._baseline:
