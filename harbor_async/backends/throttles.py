@@ -16,6 +16,7 @@ from harbor_async.core.errors import (
     BackendQuotaError,
     BackendRateLimitError,
     BackendThrottledError,
+    error_chain,
 )
 
 #: Words of a refusal's text that make it a quota answer rather than a rate limit.
@@ -24,19 +25,15 @@ _QUOTA_WORDS = ("quota", "concurrent", "limit of", "maximum number")
 
 def typed_throttle(exc: BaseException) -> BackendThrottledError | None:
     """``exc`` (or an error it was raised from) as a rate-limit or quota error, or ``None`` when it is neither."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
+    for current in error_chain(exc):
         if isinstance(current, BackendThrottledError):
             return current
-        seen.add(id(current))
         status, retry_after, body = _answer(current)
         if status == 429 or (status == 403 and _names_a_quota(body)):
             text = f"{type(current).__name__}: {current}"
             if _names_a_quota(body):
                 return BackendQuotaError(text, retry_after)
             return BackendRateLimitError(text, retry_after)
-        current = current.__cause__ or current.__context__
     return None
 
 

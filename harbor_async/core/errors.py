@@ -7,7 +7,7 @@ can be traced to one sandbox without reading logs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -80,16 +80,19 @@ class BackendThrottledError(BackendStartError):
         self.retry_after = retry_after
 
 
-def is_throttle(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an error it was raised from) is a provider's rate-limit or quota answer."""
+def error_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then each error it was raised from (``__cause__``, else ``__context__``), each once."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
-        if isinstance(current, BackendThrottledError):
-            return True
+        yield current
         seen.add(id(current))
         current = current.__cause__ or current.__context__
-    return False
+
+
+def is_throttle(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) is a provider's rate-limit or quota answer."""
+    return any(isinstance(error, BackendThrottledError) for error in error_chain(exc))
 
 
 class BackendRateLimitError(BackendThrottledError):
