@@ -915,7 +915,8 @@ anyio.run(main)
 """
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO)
     marker = json.loads(child.stdout.strip().splitlines()[-1])
-    folder = tmp_path / "sandboxes" / "harbor-async-adhoc-killed"
+    label = os.environ.get("HARBOR_ASYNC_RUN_LABEL", "adhoc")  # a pytest -n worker's own (tests/conftest.py)
+    folder = tmp_path / "sandboxes" / f"harbor-async-{label}-killed"
     assert folder.exists()
     if os.geteuid() == 0:
         assert marker["mount"] and Path(marker["mount"]).exists() and marker["cgroups"]
