@@ -6,10 +6,9 @@ Imports: core, tasks, verification.
 from __future__ import annotations
 
 import builtins
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +47,7 @@ class BackendSpec:
         """The Harbor environment class (imports it; vendor SDKs load only here)."""
         return _environment_class(self)
 
-    @functools.cached_property
+    @cached_property
     def on_this_machine(self) -> bool:
         """Whether its sandboxes run on this machine (local, docker): their start latency is the machine's load."""
         from harbor.environments.docker.docker import DockerEnvironment

@@ -38,6 +38,7 @@ from harbor_async.core.errors import (
     SettingError,
     TaskDefinitionError,
     VerifierFailure,
+    error_chain,
     is_throttle,
 )
 
@@ -377,8 +378,9 @@ def _after_retry_after(wait: Callable[[Any], float]) -> Callable[[Any], float]:
     def waited(retry_state: Any) -> float:
         outcome = retry_state.outcome
         error = outcome.exception() if outcome is not None and outcome.failed else None
-        asked = getattr(error, "retry_after", None) if isinstance(error, BackendThrottledError) else None
-        return max(wait(retry_state), asked or 0.0)
+        chain = error_chain(error) if error is not None else ()
+        throttle = next((e for e in chain if isinstance(e, BackendThrottledError)), None)  # as is_throttle finds it
+        return max(wait(retry_state), (throttle.retry_after if throttle is not None else None) or 0.0)
 
     return waited
 

@@ -95,7 +95,6 @@ class StartWindow:
     ) -> None:
         if initial < 1 or block < 1 or latency_factor <= 1:
             raise ValueError("initial and block must be >= 1, latency_factor > 1")
-        self.ceiling = ceiling
         self._cap = math.inf if ceiling is None else float(ceiling)
         self._window = min(float(initial), self._cap)
         self._threshold = self._cap  # slow start until the first throttle
