@@ -166,3 +166,19 @@ def starts_backend(env: str, repeats: int, episodes: int, out: Path) -> Path:
     path = write_json(out / f"starts-{env}.json", "starts", result)
     err.print(f"wrote {path}", markup=False)
     return path
+
+
+def telemetry(env: str, repeats: int, episodes: int, concurrency: int, out: Path) -> Path:
+    """Throughput with resource telemetry on and off, and the reading's own latency; writes ``telemetry-<env>.json``."""
+    from benchmarks.telemetry import run_telemetry
+
+    result = run_telemetry(env, repeats=repeats, episodes=episodes, concurrency=concurrency)
+    row = result["summary"]
+    err.print(
+        f"{env}: telemetry on / off episodes per second, median {row['ratio_median']} ({row['ratio_min']}-"
+        f"{row['ratio_max']}); a reading p50 {row['reading_p50_ms_median']} ms, p99 {row['reading_p99_ms_median']} ms",
+        markup=False,
+    )
+    path = write_json(out / f"telemetry-{env}.json", "telemetry", result)
+    err.print(f"wrote {path}", markup=False)
+    return path

@@ -166,12 +166,13 @@ async def run_throughput(
     sample_memory: bool = True,
     floor_samples: int = 30,
     adaptive_starts: bool = True,
+    resource_telemetry: bool = True,
 ) -> ThroughputResult:
     """Run ``episodes`` episodes, ``concurrency`` at a time, and measure them (and, on local, the bwrap floor)."""
     tasks = load_suite(suite).tasks
     failures = 0
     limits = Limits(live_sandboxes=concurrency, adaptive_starts=adaptive_starts)
-    async with Engine(limits=limits, backend_kwargs=backend_kwargs) as engine:
+    async with Engine(limits=limits, backend_kwargs=backend_kwargs, resource_telemetry=resource_telemetry) as engine:
         # One episode first, so lazy imports and caches do not count as sandbox memory.
         async with engine.sandbox(tasks[0], backend) as sandbox:
             await sandbox.exec(command)

@@ -97,6 +97,10 @@ class EngineOptions(EngineSettings):
         strict_verify: end every process the agent left running before the
             verifier starts (default on; ``False``: they keep running, as in
             Harbor; see :mod:`harbor_async.verification.isolation`).
+        resource_telemetry: read what each sandbox used (CPU seconds, peak
+            memory, disk written, processes) into its record's ``resources``
+            and the trainer's ``env/cpu_seconds`` and ``env/memory_peak_mb``
+            (default on; :mod:`harbor_async.core.usage`).
         reap_stale: when the engine opens, remove what killed runs left on this
             machine (sandboxes, mounts, cgroups, containers of dead owners only;
             logged). Default on.
@@ -228,4 +232,5 @@ class EngineOptionsKwargs(TypedDict, total=False):
     cluster_creates_per_second: float | None
     env_allow: tuple[str, ...]
     strict_verify: bool
+    resource_telemetry: bool
     reap_stale: bool

@@ -109,6 +109,9 @@ METRIC_KEYS = (
     "env/live_sandboxes",
     "env/start_window",
     "env/start_throttles",
+    "env/sandbox_seconds",
+    "env/cpu_seconds",
+    "env/memory_peak_mb",
     *(f"env/{phase}_{q}_s" for phase in LATENCY_PHASES for q in ("p50", "p99")),
     *(f"env/failures/{phase}" for phase in FAILURE_PHASES),
 )
@@ -180,6 +183,7 @@ class HarborGRPOTrainer(GRPOTrainer):
         seen = engine_snapshot()
         self._harbor_failures_seen: dict[str, int] = dict(seen["failures"])
         self._harbor_throttles_seen: int = seen["throttled"]
+        self._harbor_usage_seen: dict[str, float] = {k: seen[k] for k in ("sandbox_seconds", "cpu_seconds")}
         self._harbor_prefetch = bool(prefetch)
         self._harbor_lookahead: GenerationLookahead | None = None
         self._harbor_next_tasks: list[Any] | None = None
@@ -365,6 +369,11 @@ class HarborGRPOTrainer(GRPOTrainer):
         metrics["env/start_window"].append(float(snapshot["start_window"]))
         metrics["env/start_throttles"].append(float(snapshot["throttled"] - self._harbor_throttles_seen))
         self._harbor_throttles_seen = snapshot["throttled"]
+        # the sandboxes stopped since the last step: their billed and CPU seconds; the highest peak memory so far
+        for part in ("sandbox_seconds", "cpu_seconds"):
+            metrics[f"env/{part}"].append(snapshot[part] - self._harbor_usage_seen.get(part, 0.0))
+            self._harbor_usage_seen[part] = snapshot[part]
+        metrics["env/memory_peak_mb"].append(snapshot["memory_peak_bytes"] / 2**20)
         if self._harbor_lookahead is not None:  # prefetch on (and possible: the same on every process)
             counts = self._harbor_prefetch_counts or prefetch.PrefetchCounts()
             local = torch.tensor([counts.hits, counts.unused], dtype=torch.long, device=device)
@@ -417,7 +426,10 @@ def engine_snapshot() -> dict[str, Any]:
     Read on the loop thread, where the counters change. With several engines
     a percentile is the largest of theirs (percentiles do not add up).
     """
-    empty: dict[str, Any] = {"live": 0, "start_window": 0, "throttled": 0, "latency": {}, "failures": {}}
+    empty: dict[str, Any] = {
+        "live": 0, "start_window": 0, "throttled": 0, "latency": {}, "failures": {},
+        "sandbox_seconds": 0.0, "cpu_seconds": 0.0, "memory_peak_bytes": 0,
+    }  # fmt: skip
     if not engines.loop_running():
         return empty
 
@@ -439,6 +451,9 @@ def engine_snapshot() -> dict[str, Any]:
         "live": sum(s.live for s in stats),
         "start_window": sum(windows),  # 0: fixed starts (no window)
         "throttled": sum(s.throttled for s in stats),
+        "sandbox_seconds": sum(s.sandbox_seconds for s in stats),
+        "cpu_seconds": sum(s.cpu_seconds for s in stats),
+        "memory_peak_bytes": max((s.memory_peak_bytes for s in stats), default=0),
         "latency": latency,
         "failures": dict(failures),
     }

@@ -11,6 +11,7 @@ import pytest
 
 from harbor_async.jobs.scoring import pass_at_k
 from tests.cli_helpers import REPO, harbor_async, make_suite, records
+from tests.requirements import needs_bwrap
 
 
 def run_job(tmp_path, *args: str, name: str = "j", code: int = 0):
@@ -426,3 +427,16 @@ def test_bench_starts_compares_the_policies_on_a_provider_profile(tmp_path):
     assert set(summary) == {"fixed-8", "adaptive-8"} and all(row["goodput"] > 0 for row in summary.values())
     assert data["profiles"]["e2b-hobby"]["source"].startswith("E2B") and data["provenance"]["command"]
     assert {r["policy"]: r["start_window"] is None for r in data["runs"]} == {"fixed-8": True, "adaptive-8": False}
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_bench_telemetry_times_the_readings_with_telemetry_on_only(tmp_path):
+    result = harbor_async("bench", "telemetry", "-e", "local", "--episodes", "4", "-n", "2", "--repeats", "1", "-o", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    data = json.loads((tmp_path / "telemetry-local.json").read_text())
+    (round_,) = data["rounds"]
+    # one reading per stopped sandbox of the run with telemetry on (its warm-up episode too); none with it off
+    assert round_["readings"] == 5 and round_["readings_off"] == 0
+    assert round_["reading_p50_ms"] > 0 and round_["failures"] == 0
+    assert round_["on_eps"] > 0 and round_["off_eps"] > 0 and data["provenance"]["command"]

@@ -177,3 +177,7 @@ def test_env_metrics_and_failure_counts_in_the_logged_history(failed_step) -> No
     assert entry["env/live_sandboxes"] == 3.0
     # The adaptive start window (on by default) opened past its first 8 as the starts succeeded; no 429s here.
     assert entry["env/start_window"] >= 8.0 and entry["env/start_throttles"] == 0.0
+    # What the sandboxes stopped during the step used: the failed start's billed seconds (its environment was
+    # created); the simulated backend measures no CPU, and the 3 still stopping are not counted yet.
+    assert entry["env/sandbox_seconds"] > 0.0 and entry["env/cpu_seconds"] == 0.0
+    assert entry["env/memory_peak_mb"] >= 0.0  # the highest of any sandbox of this process so far (an earlier test's)

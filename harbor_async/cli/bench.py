@@ -240,6 +240,23 @@ def harbor(
         raise fail(f"bench harbor: {exc}", code=1) from None
 
 
+@bench_app.command("telemetry")
+def telemetry(
+    env: Annotated[str, typer.Option("--env", "-e", help="local or docker.")] = "local",
+    episodes: Annotated[int, typer.Option("--episodes", min=1, help="Episodes per run.")] = 48,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-n", min=1, help="Episodes at once.")] = 8,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Rounds of on and off (the order alternates).")] = 3,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file.")] = DEFAULT_OUT,
+    log_level: LogOpt = None,
+) -> None:
+    """What resource telemetry costs: throughput with it on and off, and each reading's latency; writes telemetry-ENV.json."""
+    _setup(log_level or "error")
+    _one_of(env, ("local", "docker"), "--env")
+    from benchmarks.cli import telemetry as run_it
+
+    run_it(env, repeats, episodes, concurrency, out)
+
+
 @bench_app.command("starts")
 def starts(
     profile: Annotated[

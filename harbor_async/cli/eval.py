@@ -131,6 +131,7 @@ def eval_command(
     start_retry_max_wait: setting_opts.StartRetryMaxWaitOpt = None,
     start_retry_max_total: setting_opts.StartRetryMaxTotalOpt = None,
     adaptive_starts: setting_opts.AdaptiveStartsOpt = None,
+    resource_telemetry: setting_opts.ResourceTelemetryOpt = None,
     max_concurrent_requests: Annotated[int | None, typer.Option(min=1, help="Model requests in flight at once.", show_default=setting_opts.setting_default("max_concurrent_requests"))] = None,
     request_timeout: Annotated[float | None, typer.Option(help="Seconds for one model request.", show_default=setting_opts.setting_default("request_timeout"))] = None,
     model_retries: Annotated[
@@ -253,6 +254,7 @@ def eval_command(
         start_retry_max_wait=start_retry_max_wait,
         start_retry_max_total=start_retry_max_total,
         adaptive_starts=adaptive_starts,
+        resource_telemetry=resource_telemetry,
         ready_timeout=ready_timeout,
         ready_error_timeout=ready_error_timeout,
     )

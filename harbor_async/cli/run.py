@@ -125,7 +125,7 @@ _PLAN_OPTIONS = frozenset({
 _SETTING_OF = {
     "slot_timeout": "slot_timeout", "start_attempts": "start_attempts", "start_retry_wait": "start_retry_wait",
     "start_retry_max_wait": "start_retry_max_wait", "start_retry_max_total": "start_retry_max_total",
-    "adaptive_starts": "adaptive_starts", "env": "environment_type", "backend": "environment_type", "agent": "agent", "n_concurrent": "n_concurrent",
+    "adaptive_starts": "adaptive_starts", "resource_telemetry": "resource_telemetry", "env": "environment_type", "backend": "environment_type", "agent": "agent", "n_concurrent": "n_concurrent",
     "concurrency": "n_concurrent", "n_attempts": "n_attempts", "env_allow": "env_allow", "strict_verify": "strict_verify",
     "episode_disk_limit_mb": "episode_disk_limit_mb", "job_disk_limit_mb": "job_disk_limit_mb",
     "max_retries": "max_retries", "retry_include": "retry_include", "retry_exclude": "retry_exclude",
@@ -204,6 +204,7 @@ def run(
     start_retry_max_wait: setting_opts.StartRetryMaxWaitOpt = None,
     start_retry_max_total: setting_opts.StartRetryMaxTotalOpt = None,
     adaptive_starts: setting_opts.AdaptiveStartsOpt = None,
+    resource_telemetry: setting_opts.ResourceTelemetryOpt = None,
     jobs_dir: Annotated[Path, typer.Option("--jobs-dir", "-o", help="Folder of job folders.")] = DEFAULT_JOBS_DIR,
     job_name: Annotated[str | None, typer.Option("--job-name", help="The job folder's name.", show_default="a timestamp")] = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="A job folder: run only its missing episodes and those a resume reruns.")] = None,
@@ -264,7 +265,7 @@ def run(
             agent_setup_timeout_multiplier=agent_setup_timeout_multiplier, episode_timeout=episode_timeout,
             start_timeout=start_timeout, slot_timeout=slot_timeout, start_attempts=start_attempts,
             start_retry_wait=start_retry_wait, start_retry_max_wait=start_retry_max_wait,
-            start_retry_max_total=start_retry_max_total, adaptive_starts=adaptive_starts, ray=on_ray, ray_address=ray_address, budget=budget,
+            start_retry_max_total=start_retry_max_total, adaptive_starts=adaptive_starts, resource_telemetry=resource_telemetry, ray=on_ray, ray_address=ray_address, budget=budget,
             cluster_max_live=max_live, cluster_creates_per_second=creates_per_second,
             max_model_server_failures=max_model_server_failures,
         )  # fmt: skip

@@ -60,6 +60,15 @@ AdaptiveStartsOpt = Annotated[
         show_default=False,
     ),
 ]
+ResourceTelemetryOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--resource-telemetry/--no-resource-telemetry",
+        help="Read what each sandbox used (CPU seconds, peak memory, disk written, processes) just before its stop, "
+        "into its record's resources (default); sandbox-seconds are counted either way.",
+        show_default=False,
+    ),
+]
 DeleteOpt = Annotated[
     bool,
     typer.Option(

@@ -74,6 +74,8 @@ class EpisodeRecord:
     verification_disabled: bool = False  # harbor run's --disable-verification: the agent ran, nobody judged it
     #: ``--capture``: the agent's model calls through the capture proxy (``calls``, ``refused``, ``retokenize``, ``file``)
     capture: dict[str, Any] | None = None
+    #: what the sandbox used and its billed seconds (harbor_async.core.usage); None: no sandbox was created
+    resources: dict[str, Any] | None = None
     version: int = RECORD_VERSION
 
     @property

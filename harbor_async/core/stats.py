@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from ddsketch import LogCollapsingLowestDenseDDSketch
+
+from harbor_async.core.usage import ResourceUsage
 
 #: Relative accuracy of the latency percentiles.
 SKETCH_ACCURACY = 0.01
 #: Bins a sketch keeps at most (its memory bound); the lowest collapse first.
 SKETCH_BINS = 1024
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -48,6 +50,9 @@ class EngineStats:
 
     ``live`` counts sandboxes holding a slot (from the create call until the
     stop is confirmed); ``peak_live`` is its highest value so far.
+    ``sandbox_seconds`` and ``cpu_seconds`` add up what the stopped sandboxes
+    used; ``memory_peak_bytes`` is the highest peak of any of them
+    (:mod:`harbor_async.core.usage`).
     """
 
     live: int
@@ -61,6 +66,9 @@ class EngineStats:
     stop_failures: int
     throttled: int = 0
     start_window: dict[str, Any] | None = None
+    sandbox_seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    memory_peak_bytes: int = 0
     phases: dict[str, PhaseStats] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -82,6 +90,9 @@ class StatsRecorder:
         self.stopped = 0
         self.stop_failures = 0
         self.throttled = 0  # start attempts answered with a rate limit or a quota
+        self.sandbox_seconds = 0.0
+        self.cpu_seconds = 0.0
+        self.memory_peak_bytes = 0
         self._sketches: dict[str, LogCollapsingLowestDenseDDSketch] = {}
         self._max: dict[str, float] = defaultdict(float)
         self._failures: dict[str, int] = defaultdict(int)
@@ -90,6 +101,13 @@ class StatsRecorder:
         """Count a slot taken (+1) or given back (-1)."""
         self.live += delta
         self.peak_live = max(self.peak_live, self.live)
+
+    def add_usage(self, sandbox_seconds: float, usage: ResourceUsage | None) -> None:
+        """Count what one stopped sandbox used."""
+        self.sandbox_seconds += sandbox_seconds
+        if usage is not None:
+            self.cpu_seconds += usage.cpu_seconds or 0.0
+            self.memory_peak_bytes = max(self.memory_peak_bytes, usage.memory_peak_bytes or 0)
 
     def record(self, phase: str, seconds: float, ok: bool) -> None:
         """Record one phase's duration and outcome."""
@@ -127,6 +145,9 @@ class StatsRecorder:
             stop_failures=self.stop_failures,
             throttled=self.throttled,
             start_window=start_window,
+            sandbox_seconds=self.sandbox_seconds,
+            cpu_seconds=self.cpu_seconds,
+            memory_peak_bytes=self.memory_peak_bytes,
             phases=phases,
         )
 

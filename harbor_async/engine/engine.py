@@ -117,6 +117,10 @@ class Engine:
             ``${VAR}`` from its own allowed host variables:
             :func:`harbor_async.tasks.host_variables.fill_values`), so a cluster's workers
             get the driver's values.
+        resource_telemetry: read what each sandbox used (CPU seconds, peak
+            memory, disk written, processes) just before its stop, into its
+            record's ``resources`` (default on; :mod:`harbor_async.core.usage`).
+            The seconds each sandbox existed are counted either way.
     """
 
     def __init__(
@@ -143,6 +147,7 @@ class Engine:
         mounts_writable: bool = False,
         task_overrides: TaskOverrides | None = None,
         agent_env: Mapping[str, str] | None = None,
+        resource_telemetry: bool = True,
     ) -> None:
         self.limits = limits or Limits()
         self.timeouts = timeouts or Timeouts()
@@ -164,6 +169,7 @@ class Engine:
         self.mounts = normalized(list(mounts), writable=mounts_writable)
         self.task_overrides = task_overrides or TaskOverrides()
         self.agent_env = dict(agent_env or {})
+        self.resource_telemetry = resource_telemetry
         #: the job folder where each episode keeps a Harbor trial folder: its agent and verifier logs and its
         #: artifacts (``None``: nothing kept; see harbor_async.jobs.harbor_layout and harbor_async.verification.artifacts)
         self.trials_dir = Path(trials_dir) if trials_dir is not None else None
@@ -210,6 +216,7 @@ class Engine:
                            "env_allow": sorted(self.env_allow)},
             strict_verify=self.strict_verify,
             agent_env=self.agent_env,
+            resource_telemetry=self.resource_telemetry,
         )
         if self.reap_stale:
             from harbor_async.backends.reaper import reap_stale_once

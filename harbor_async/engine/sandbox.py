@@ -47,10 +47,14 @@ from harbor_async.core.results import (
     truncate_output,
 )
 from harbor_async.core.stats import StatsRecorder
+from harbor_async.core.usage import ResourceUsage
 from harbor_async.engine.budget import Budget
 from harbor_async.engine.phase_scope import PhaseScope, now
 from harbor_async.engine.start_window import StartOutcome
 from harbor_async.verification.reward_files import verifier_output
+
+#: Seconds the reading of a sandbox's resource use may add to its stop.
+USAGE_TIMEOUT = 10.0
 
 if TYPE_CHECKING:
     from harbor.environments.base import BaseEnvironment
@@ -78,6 +82,8 @@ class SandboxContext:
         strict_verify: end every agent process before the verifier runs
             (default; :mod:`harbor_async.verification.isolation`).
         agent_env: the run's variables over the agent phase's commands (``--ae``, filled).
+        resource_telemetry: read what each sandbox used just before its stop
+            (:mod:`harbor_async.core.usage`); its billed seconds are counted either way.
     """
 
     run_label: str
@@ -92,6 +98,7 @@ class SandboxContext:
     trial_names: TrialDirNames | None = None
     strict_verify: bool = True
     agent_env: Mapping[str, str] = field(default_factory=dict)
+    resource_telemetry: bool = True
 
     _timeouts_seen: dict[Timeouts, Timeouts] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -145,6 +152,11 @@ class Sandbox:
         self.start_attempts = 0
         self.start_window: int | None = None  # the adaptive window when the last start attempt began
         self.times = PhaseTimes()
+        #: what the sandbox used, read just before its stop (None: not read, or its backend measures nothing)
+        self.resources: ResourceUsage | None = None
+        #: seconds its environments existed, from each create call to that environment's stop (failed attempts too)
+        self.sandbox_seconds = 0.0
+        self._up_since: float | None = None  # when the running environment's create call began
         self.start_error: SandboxError | None = None
         self.stop_error: SandboxError | None = None
         self._backend_kwargs = dict(backend_kwargs or {})
@@ -378,12 +390,18 @@ class Sandbox:
                     try:
                         async with self._phase(Phase.STOP, budget=self.timeouts.stop):
                             self.kept_build = getattr(self._env, "kept_build", None) or self.kept_build
+                            if self.context.resource_telemetry:
+                                self.resources = await self._read_usage(self._env)
                             await self._env.stop(delete=True)
                     except SandboxError as exc:
                         self.stop_error = exc
                         self.context.stats.stop_failures += 1
                         self._log.error("stop failed; the sandbox may be left behind", error=str(exc))
                     self._env = None
+                    if self._up_since is not None:
+                        self.sandbox_seconds += anyio.current_time() - self._up_since
+                        self._up_since = None
+                self.context.stats.add_usage(self.sandbox_seconds, self.resources)  # failed attempts' seconds too
                 if self.state is not SandboxState.FAILED:
                     self.state = SandboxState.STOPPED
             finally:
@@ -510,6 +528,7 @@ class Sandbox:
             budget.end_start(ticket, outcome, anyio.current_time() - began, not self.backend.on_this_machine)
 
     async def _create_and_start(self) -> None:
+        created = anyio.current_time()
         async with self._phase(Phase.START, budget=self.timeouts.start, wrap=False):
             self._trial_dir = self._make_trial_dir()
             paths = self._trial_paths()
@@ -527,10 +546,12 @@ class Sandbox:
                 await self._env.run_healthcheck()
             except BaseException as exc:
                 await self._discard_failed_start()
+                self.sandbox_seconds += anyio.current_time() - created
                 typed = self.backend.typed_error(exc)
                 if typed is exc:
                     raise
                 raise typed from exc
+            self._up_since = created
 
     async def _discard_failed_start(self) -> None:
         """Tear down what a failed start attempt left, so a retry starts clean."""
@@ -544,6 +565,27 @@ class Sandbox:
                     except Exception as exc:  # the start error is the one that matters
                         self._log.warning("stop after failed start failed", error=repr(exc))
             self._remove_trial_dir()
+
+    async def _read_usage(self, env: BaseEnvironment) -> ResourceUsage | None:
+        """``env``'s ``resource_usage()`` where its backend has one; a reading that fails or hangs costs the stop nothing."""
+        reader = getattr(env, "resource_usage", None)
+        if reader is None:
+            return None
+        began, usage, ok = anyio.current_time(), None, False
+        with anyio.move_on_after(USAGE_TIMEOUT):
+            try:
+                usage, ok = await reader(), True
+            except Exception as exc:  # noqa: BLE001  # telemetry never fails an episode
+                self._log.warning("resource usage not read", error=repr(exc))
+        self.context.stats.record("usage", anyio.current_time() - began, ok)  # its cost, in the engine's latencies
+        return usage
+
+    def resource_record(self) -> dict[str, Any] | None:
+        """The record's ``resources`` (:meth:`~harbor_async.core.usage.ResourceUsage.as_record`); ``None``: no
+        environment was ever created."""
+        if self.resources is None and not self.sandbox_seconds:
+            return None
+        return (self.resources or ResourceUsage()).as_record(self.sandbox_seconds)
 
     # ── helpers ─────────────────────────────────────────────────────────
 

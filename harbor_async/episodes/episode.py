@@ -143,6 +143,7 @@ class Episode:
         self.verify_error: SandboxError | None = None
         self.exec_errors: list[SandboxError] = []
         self.tool_seconds = 0.0
+        self.judge_seconds = 0.0  # the billed seconds of its separate verifiers' sandboxes
         #: The agent's own budget (eval's ``--agent-timeout``), which replaces the task's (each step's).
         self.agent_timeout = agent_timeout
         self.agent_budget: float | None = self.agent_budget_for(None)
@@ -556,6 +557,10 @@ class Episode:
         if sandbox is not None:
             record.start_attempts = sandbox.start_attempts
             record.start_window = sandbox.start_window
+            record.resources = sandbox.resource_record()
+            if self.judge_seconds and record.resources is not None:  # a separate verifier's sandbox is billed too
+                record.resources["judge_sandbox_seconds"] = round(self.judge_seconds, 4)
+                record.resources["sandbox_seconds"] = round(record.resources["sandbox_seconds"] + self.judge_seconds, 4)
             record.seconds.update({k: round(v, 4) for k, v in sandbox.times.seconds.items()})
             if sandbox.stop_error is not None:  # a leaked sandbox is the infrastructure's, unless blamed earlier
                 self.fail_with(sandbox.stop_error)  # a stop's error (phase stop): infrastructure; a verdict given stays

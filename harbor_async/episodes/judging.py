@@ -45,6 +45,7 @@ class Episode(Protocol):
     backend_kwargs: dict[str, Any]
     sandbox: Sandbox | None
     record: EpisodeRecord
+    judge_seconds: float  # the billed seconds of its separate verifiers' sandboxes, added to here
 
     @property
     def trial_folder(self) -> Path | None: ...
@@ -109,6 +110,7 @@ async def judge(episode: Episode, step: StepConfig | None = None) -> VerifyResul
             if step is not None:
                 keep_trial_logs(sandbox.trial_dir, logs, only=("agent",))
         await judge_box.stop()
+        episode.judge_seconds += judge_box.sandbox_seconds
 
 
 def _outgrown(exc: OSError, folder: Path, task: Task) -> str | None:

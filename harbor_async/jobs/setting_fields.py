@@ -169,6 +169,7 @@ class EngineSettings(SettingsModel):
     # A tuple: the shim's option sets are hashable (they key the shared engines).
     env_allow: tuple[str, ...] = Field((), strict=False)
     strict_verify: bool = True
+    resource_telemetry: bool = True
 
     @field_validator("env_allow", mode="before")
     @classmethod
@@ -221,6 +222,7 @@ class EngineSettings(SettingsModel):
             "retry": self.retry(),
             "env_allow": self.env_allow,
             "strict_verify": self.strict_verify,
+            "resource_telemetry": self.resource_telemetry,
         }
 
 

@@ -359,6 +359,7 @@ class EvaluateSettings(TypedDict, total=False):
     cluster_creates_per_second: float | None
     env_allow: Sequence[str]
     strict_verify: bool
+    resource_telemetry: bool
     dataset: str | None
     task_ref: str | None
     agent: str

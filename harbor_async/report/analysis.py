@@ -56,6 +56,8 @@ class JobAnalysis:
     episodes: list[dict[str, Any]]
     tasks: list[dict[str, Any]]
     differences: list[dict[str, Any]] = field(default_factory=list)
+    #: per task (and model), what its sandboxes used, with the job's totals first (see :func:`resource_rows`)
+    resources: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def sweep(self) -> bool:
@@ -106,10 +108,42 @@ def analyze(
         phases=phase_percentiles(records),
         episodes=episodes,
         tasks=_task_rows(episodes, order),
+        resources=resource_rows(records, labels),
     )
     if analysis.sweep:
         analysis.differences = _differences(groups)
     return analysis
+
+
+def resource_rows(records: list[EpisodeRecord], labels: list[str] | None = None) -> list[dict[str, Any]]:
+    """What the sandboxes used: the whole job first (``task`` ``None``), then one row per (model, task).
+
+    Each row: ``measured`` episodes (with a ``resources`` record), ``sandbox_seconds`` and
+    ``cpu_seconds`` summed, and the highest ``memory_peak_bytes``, ``disk_written_bytes`` and
+    ``processes_peak`` of any of them (``None`` where none was measured). Empty: no record has any.
+    """
+    labels = labels if labels is not None else group_labels(records)
+    rows: dict[tuple[str, str] | None, dict[str, Any]] = {}
+    for record, label in zip(records, labels, strict=True):
+        if not record.resources:
+            continue
+        for key in (None, (label, record.task_path or record.task)):
+            row = rows.setdefault(key, {
+                "task": None if key is None else record.task, "group": None if key is None else label, "measured": 0,
+                "sandbox_seconds": None, "cpu_seconds": None,
+                "memory_peak_bytes": None, "disk_written_bytes": None, "processes_peak": None,
+            })  # fmt: skip
+            row["measured"] += 1
+            for name, value in record.resources.items():
+                if name not in row or name in ("task", "group", "measured") or not isinstance(value, int | float):
+                    continue
+                old = row[name]
+                summed = name in ("sandbox_seconds", "cpu_seconds")
+                row[name] = value if old is None else old + value if summed else max(old, value)
+    if not rows:
+        return []
+    total = rows.pop(None)
+    return [total, *sorted(rows.values(), key=lambda r: (r["group"], natural_key(r["task"])))]
 
 
 def group_labels(records: list[EpisodeRecord]) -> list[str]:

@@ -60,6 +60,7 @@ def episode_details(record: EpisodeRecord) -> dict[str, Any]:
         "usage": record.usage,
         "finish_reason": record.finish_reason,
         "steps": record.steps,
+        "resources": record.resources,
     }
 
 

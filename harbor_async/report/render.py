@@ -44,6 +44,7 @@ def _environment():
     env.filters["num"] = _num
     env.filters["ci"] = _ci
     env.filters["secs"] = _secs
+    env.filters["mib"] = _mib
     return env
 
 
@@ -59,6 +60,10 @@ def _secs(value: Any) -> str:
     if value is None:
         return "-"
     return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _mib(value: Any) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f} MiB"
 
 
 @cache

@@ -49,6 +49,7 @@ from typing import IO, Any, cast
 
 import anyio
 import anyio.from_thread
+import httpx
 from harbor.environments.base import ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities
 from harbor.environments.docker import COMPOSE_NO_NETWORK_PATH
@@ -61,8 +62,10 @@ from harbor.models.task.config import NetworkMode
 from harbor_async.backends.docker import host_network, storage
 from harbor_async.backends.docker.cleanup import docker_is_local
 from harbor_async.backends.docker.loader_files import reset_loader_files
+from harbor_async.backends.docker.usage import container_usage
 from harbor_async.core.bounded_output import HeadTail
 from harbor_async.core.errors import TransferLimitError
+from harbor_async.core.usage import ResourceUsage
 from harbor_async.tasks.resources import capped_environment_config
 from harbor_async.verification import disk_bounds
 from harbor_async.verification.disk_bounds import StorageLimitError
@@ -128,6 +131,7 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         self._transfer_limit = None if transfer_limit_mb is None else int(transfer_limit_mb) * 2**20
         self._output_limit = None if output_limit is None else int(output_limit)
         self._main_container: str | None = None
+        self._usage_before_restart: ResourceUsage | None = None  # read before a strict verify's restart
         #: The task's storage_mb, past which the watch killed the container (harbor_async.verification.disk_bounds reads it).
         self.storage_exceeded: StorageLimitError | None = None
         self._watched_container: str | None = None
@@ -314,6 +318,9 @@ class ConfinedDockerEnvironment(DockerEnvironment):
             raise RuntimeError("the sandbox's main container is not running: it cannot be restarted for the verifier")
         # Stopped, then started: in between, with nothing running, the loader's files are the image's again, so
         # the main command does not load a library the agent named (loader_files).
+        before = await self._daemon_usage(container)  # the restart makes new counters: this reading is kept
+        if before is not None:
+            self._usage_before_restart = before if self._usage_before_restart is None else self._usage_before_restart.then(before)
         for command in ("stop", "start"):
             process = await asyncio.create_subprocess_exec(
                 "docker", command, *(["--time", "0"] if command == "stop" else []), container,
@@ -327,6 +334,22 @@ class ConfinedDockerEnvironment(DockerEnvironment):
                 if changed:
                     self.logger.info("docker sandbox %s: before the verifier, %s put back to the image's (the "
                                      "agent's kept as *%s)", self.session_id, ", ".join(changed), HIDDEN_SUFFIX)
+
+    # -- what the sandbox used -----------------------------------------------------
+
+    async def resource_usage(self) -> ResourceUsage | None:
+        """What the main container used over its life, asked of the daemon (:mod:`.usage`), across a strict verify's restart."""
+        container = await self._find_main_container()
+        now = None if container is None else await self._daemon_usage(container)
+        before = self._usage_before_restart
+        return now if before is None else before if now is None else before.then(now)
+
+    async def _daemon_usage(self, container: str) -> ResourceUsage | None:
+        try:
+            return await anyio.to_thread.run_sync(container_usage, container)
+        except httpx.HTTPError as exc:
+            self.logger.warning("docker sandbox %s: the daemon gave no usage: %s", self.session_id, exc)
+            return None
 
     async def _find_main_container(self) -> str | None:
         """The id of this project's main container (looked up once, by Compose's labels)."""

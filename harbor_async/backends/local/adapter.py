@@ -74,6 +74,7 @@ from harbor_async.backends.local.transfers import (
     DEFAULT_TRANSFER_LIMIT_MB,
     SandboxTransfers,
 )
+from harbor_async.backends.local.usage import cgroup_usage, used_bytes
 from harbor_async.backends.local.verifier_ns import VerifierNamespace
 from harbor_async.core.naming import (
     DEFAULT_LOCAL_ROOT,
@@ -82,6 +83,7 @@ from harbor_async.core.naming import (
     local_folder_name,
 )
 from harbor_async.core.printing import escape_controls
+from harbor_async.core.usage import ResourceUsage
 from harbor_async.tasks.resources import cap, host_cpus, host_memory_mb
 from harbor_async.verification.isolation import HIDDEN_SUFFIX
 
@@ -177,6 +179,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         self._confinement: Confinement | None = None
         self._uid_lease: UidLease | None = None
         self._mount: Path | None = None  # the sandbox's tmpfs (as root), fs/ links to it
+        self._disk_at_start: int | None = None  # bytes in use on that tmpfs when the start was done
         super().__init__(
             environment_dir, environment_name, session_id, trial_paths, task_env_config,
             logger=logger, **kwargs,
@@ -311,6 +314,14 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         self._write_marker()
         # Prebuilt-image tasks without a Dockerfile ship loose files for the workdir.
         await self._upload_environment_dir_after_start()
+        self._disk_at_start = used_bytes(self._mount)  # what the sandbox writes is counted from here
+
+    async def resource_usage(self) -> ResourceUsage | None:
+        """What the sandbox used so far, from its cgroups and its tmpfs root (:mod:`.usage`); ``None`` without root."""
+        confinement = self._confinement
+        if confinement is None:
+            return None
+        return await anyio.to_thread.run_sync(cgroup_usage, confinement.cgroups, self._mount, self._disk_at_start)
 
     def _adopt(self, piece: Piece) -> None:
         """Make ``piece`` this sandbox's: its folder is renamed to ours, its resources are ours to free."""

@@ -366,7 +366,8 @@
       el("div", { class: "meta" },
         kv([["outcome", e.o], ["task path", d.task_path], ["agent", d.agent], ["model", d.model], ["checkpoint", d.checkpoint],
             ["sandbox", d.sandbox], ["start attempts", d.start_attempts], ["started at", d.started_at],
-            ["finish reason", d.finish_reason], ["usage", Object.keys(d.usage || {}).length ? d.usage : null]]),
+            ["finish reason", d.finish_reason], ["usage", Object.keys(d.usage || {}).length ? d.usage : null],
+            ["resources", d.resources || null]]),
         rewards),
     ];
     if (d.error_class || d.error) {

@@ -1,0 +1,70 @@
+"""What one sandbox used: CPU time, peak memory, disk written, processes, and its billed seconds.
+
+A backend that can measure its sandboxes gives their environments an async
+``resource_usage()`` returning a :class:`ResourceUsage` (the local backend from
+the sandbox's cgroups, docker from the daemon); the engine reads it once, just
+before the stop, and adds the seconds the sandbox existed (``sandbox_seconds``:
+from its create call to its stop's end, failed start attempts included, the
+unit providers bill). A figure a backend cannot read is ``None`` and left out
+of the record; ``source`` says where the others came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+#: A record's ``resources`` keys, in the order reports show them.
+RESOURCE_FIELDS = ("sandbox_seconds", "cpu_seconds", "memory_peak_bytes", "disk_written_bytes", "processes_peak")
+
+
+@dataclass(frozen=True)
+class ResourceUsage:
+    """One sandbox's use of the machine over its life (agent and verifier); ``None``: not measured.
+
+    Attributes:
+        cpu_seconds: CPU time of every process of the sandbox, user and system.
+        memory_peak_bytes: the most memory the sandbox held at once (its files
+            on a tmpfs root included, as the kernel charges them).
+        disk_written_bytes: what its writable filesystem grew by (apparent
+            size: a sparse file counts in full on docker, by its blocks on local).
+        processes_peak: the most processes (threads count on cgroup's ``pids``) at once.
+        source: where the figures came from (``"cgroup v1"``, ``"docker daemon"`` ...).
+    """
+
+    cpu_seconds: float | None = None
+    memory_peak_bytes: int | None = None
+    disk_written_bytes: int | None = None
+    processes_peak: int | None = None
+    source: str | None = None
+
+    def then(self, later: ResourceUsage) -> ResourceUsage:
+        """This reading followed by ``later`` of a new set of counters (a restarted container): CPU adds up, peaks
+        take the higher, the disk is the later reading's (the same files)."""
+
+        def peak(a: int | None, b: int | None) -> int | None:
+            return b if a is None else a if b is None else max(a, b)
+
+        cpu = None if self.cpu_seconds is None and later.cpu_seconds is None else (
+            (self.cpu_seconds or 0.0) + (later.cpu_seconds or 0.0)
+        )  # fmt: skip
+        return replace(
+            later,
+            cpu_seconds=cpu,
+            memory_peak_bytes=peak(self.memory_peak_bytes, later.memory_peak_bytes),
+            processes_peak=peak(self.processes_peak, later.processes_peak),
+            disk_written_bytes=later.disk_written_bytes if later.disk_written_bytes is not None else self.disk_written_bytes,
+            source=later.source or self.source,
+        )
+
+    def as_record(self, sandbox_seconds: float | None) -> dict[str, Any]:
+        """The record's ``resources``: the measured figures only, ``sandbox_seconds`` and ``source`` first."""
+        out: dict[str, Any] = {}
+        if sandbox_seconds is not None:
+            out["sandbox_seconds"] = round(sandbox_seconds, 4)
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if value is not None and item.name != "source":
+                out[item.name] = round(value, 4) if isinstance(value, float) else value
+        out["source"] = self.source
+        return out
