@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -101,12 +103,12 @@ def test_without_telemetry_only_the_billed_seconds_are_counted(tmp_path: Path) -
 def test_docker_records_carry_what_each_sandbox_used(tmp_path: Path, docker_daemon: str) -> None:
     # strict verify (the default) restarts the container before the verifier: its counters are read before and after
     found, job = _run(tmp_path, "docker")
-    _check_measured(found, job, "docker daemon")
+    _check_measured(found, job, "docker cgroup v")  # the daemon on this machine: its cgroup, not its slow stats call
 
 
 def test_a_restart_adds_cpu_and_keeps_the_higher_peaks() -> None:
-    before = ResourceUsage(cpu_seconds=1.5, memory_peak_bytes=900, disk_written_bytes=10, processes_peak=40, source="docker daemon")
-    after = ResourceUsage(cpu_seconds=0.25, memory_peak_bytes=100, disk_written_bytes=30, processes_peak=2, source="docker daemon")
+    before = ResourceUsage(cpu_seconds=1.5, memory_peak_bytes=900, disk_written_bytes=10, processes_peak=40, source="docker cgroup v1")
+    after = ResourceUsage(cpu_seconds=0.25, memory_peak_bytes=100, disk_written_bytes=30, processes_peak=2, source="docker cgroup v1")
     both = before.then(after)
     assert (both.cpu_seconds, both.memory_peak_bytes, both.disk_written_bytes, both.processes_peak) == (1.75, 900, 30, 40)
     assert ResourceUsage().then(ResourceUsage()).cpu_seconds is None  # nothing measured stays unmeasured
@@ -127,3 +129,34 @@ def test_report_rows_sum_seconds_and_keep_the_highest_peaks() -> None:
     assert (a["task"], a["measured"], a["cpu_seconds"], a["memory_peak_bytes"]) == ("a", 2, 1.5, 9)
     assert (b["task"], b["memory_peak_bytes"], b["processes_peak"]) == ("b", None, None)
     assert resource_rows([EpisodeRecord(task="c")]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+def test_docker_daemon_stats_where_the_cgroup_cannot_be_read(docker_daemon: str, monkeypatch, tmp_path: Path) -> None:
+    """A daemon elsewhere (its cgroups not on this machine): the daemon's own stats, which agree with the cgroup's."""
+    from harbor_async.backends.docker import usage
+
+    made = subprocess.run(
+        ["docker", "run", "-d", "--network", "none", "debian:bookworm-slim", "sh", "-c",
+         f"head -c {HUNGRY_BYTES} /dev/zero | tail -n 1 >/dev/null; head -c {WRITTEN_BYTES} /dev/zero > /big; sleep 600"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    container = made.stdout.strip()
+    try:
+        deadline = time.monotonic() + 60
+        while (local := usage.container_usage(container)).disk_written_bytes < WRITTEN_BYTES:
+            time.sleep(0.1)
+            assert time.monotonic() < deadline, local
+        monkeypatch.setattr(usage, "_CGROUP", tmp_path / "no-cgroups")
+        remote = usage.container_usage(container)
+    finally:
+        subprocess.run(["docker", "rm", "-f", container], capture_output=True, timeout=60)
+    assert local.source.startswith("docker cgroup") and remote.source == "docker daemon"
+    assert remote.cpu_seconds == pytest.approx(local.cpu_seconds, rel=0.05, abs=0.02)
+    assert remote.disk_written_bytes == local.disk_written_bytes >= WRITTEN_BYTES
+    assert local.memory_peak_bytes >= HUNGRY_BYTES and local.processes_peak >= 2
+    if local.source.endswith("v1"):  # the daemon reports a peak on cgroup v1 only
+        assert remote.memory_peak_bytes == local.memory_peak_bytes
+    assert remote.processes_peak is None  # not in the daemon's stats

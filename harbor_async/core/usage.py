@@ -12,6 +12,7 @@ of the record; ``source`` says where the others came from.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 #: A record's ``resources`` keys, in the order reports show them.
@@ -68,3 +69,24 @@ class ResourceUsage:
                 out[item.name] = round(value, 4) if isinstance(value, float) else value
         out["source"] = self.source
         return out
+
+
+def counter(path: Path) -> int | None:
+    """The first number in a counter file (``None``: missing or not a number)."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def counter_field(path: Path, name: str) -> int | None:
+    """The value of ``name`` in a ``key value`` counter file such as ``cpu.stat``."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        key, _, value = line.partition(" ")
+        if key == name and value.strip().isdigit():
+            return int(value)
+    return None

@@ -1,12 +1,17 @@
-"""A docker sandbox's resource use, asked of the daemon: its stats and its writable layer's size.
+"""A docker sandbox's resource use: its cgroup's counters where the daemon is on this machine, else the daemon's stats.
 
-One ``GET /containers/{id}/stats?stream=false&one-shot=true`` gives the main
-container's CPU time and (on a cgroup v1 host) its peak memory, and one
-``GET /containers/{id}/json?size=1`` its writable layer's apparent size
-(``SizeRw``: what the sandbox wrote). Where the daemon is on this machine and
-the container's cgroup can be read, ``pids.peak`` gives its most processes at
-once, and ``memory.peak`` its peak memory where the daemon reports none (cgroup
-v2). Both calls run in a worker thread, over one connection pool per process.
+Where the daemon runs on this machine (``DOCKER_HOST`` unset or a unix socket)
+and the main container's cgroup can be read (the cgroupfs or systemd driver,
+v1 or v2), its counters are read as the local backend reads its own: CPU time
+(``cpuacct.usage`` or ``cpu.stat``), peak memory (``memory.max_usage_in_bytes``
+or ``memory.peak``) and ``pids.peak``. Elsewhere one ``GET
+/containers/{id}/stats?stream=false&one-shot=true`` gives the CPU time and
+(on a cgroup v1 host) the peak memory; no process peak. The daemon's stats
+call took about 450 ms per container here while other containers started and
+stopped (5 ms idle), against well under a millisecond for the files: the
+files come first. Either way one ``GET /containers/{id}/json?size=1`` gives the
+writable layer's apparent size (``SizeRw``: what the sandbox wrote). Every
+call runs in a worker thread, over one connection pool per process.
 
 The daemon is reached at ``DOCKER_HOST`` (a unix socket, the default one, or
 plain ``tcp://``); behind TLS, ssh or a ``DOCKER_CONTEXT`` nothing is read and
@@ -18,12 +23,13 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from harbor_async.core.usage import ResourceUsage
+from harbor_async.core.usage import ResourceUsage, counter, counter_field
 
 #: Seconds one call to the daemon may take.
 DAEMON_TIMEOUT = 10.0
@@ -61,36 +67,51 @@ def container_usage(container: str) -> ResourceUsage | None:
     client = _client()
     if client is None:
         return None
-    stats = client.get(f"/containers/{container}/stats", params={"stream": "false", "one-shot": "true"})
-    stats.raise_for_status()
     inspect = client.get(f"/containers/{container}/json", params={"size": "1"})
     inspect.raise_for_status()
+    size = inspect.json().get("SizeRw")
+    disk = size if isinstance(size, int) else None
+    local = cgroup_usage(container)
+    if local is not None:
+        return replace(local, disk_written_bytes=disk)
+    stats = client.get(f"/containers/{container}/stats", params={"stream": "false", "one-shot": "true"})
+    stats.raise_for_status()
     answer: dict[str, Any] = stats.json()
     total = (answer.get("cpu_stats") or {}).get("cpu_usage", {}).get("total_usage")
-    memory = (answer.get("memory_stats") or {}).get("max_usage") or _cgroup_number(container, "memory", "memory.peak")
-    size = inspect.json().get("SizeRw")
     return ResourceUsage(
         cpu_seconds=None if total is None else total / 1e9,
-        memory_peak_bytes=memory,
-        disk_written_bytes=size if isinstance(size, int) else None,
-        processes_peak=_cgroup_number(container, "pids", "pids.peak"),
+        memory_peak_bytes=(answer.get("memory_stats") or {}).get("max_usage"),
+        disk_written_bytes=disk,
         source="docker daemon",
     )
 
 
-def _cgroup_number(container: str, controller: str, name: str) -> int | None:
-    """A counter of ``container``'s cgroup, where the daemon is on this machine (cgroupfs or systemd driver, v1 or v2)."""
+def cgroup_usage(container: str) -> ResourceUsage | None:
+    """``container``'s counters from its cgroup on this machine (``None``: the daemon is elsewhere, or none is readable)."""
     host = os.environ.get("DOCKER_HOST", "")
     if host and not host.startswith("unix://"):
         return None
-    for folder in (
-        _CGROUP / controller / "docker" / container,
-        _CGROUP / controller / "system.slice" / f"docker-{container}.scope",
-        _CGROUP / "docker" / container,
-        _CGROUP / "system.slice" / f"docker-{container}.scope",
-    ):
-        try:
-            return int((folder / name).read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue
-    return None
+    v1 = {name: _first(_CGROUP / name / "docker" / container, _CGROUP / name / "system.slice" / f"docker-{container}.scope")
+          for name in ("cpuacct", "memory", "pids")}  # fmt: skip
+    if v1["cpuacct"] is not None:
+        nanoseconds = counter(v1["cpuacct"] / "cpuacct.usage")
+        return ResourceUsage(
+            cpu_seconds=None if nanoseconds is None else nanoseconds / 1e9,
+            memory_peak_bytes=counter(v1["memory"] / "memory.max_usage_in_bytes") if v1["memory"] else None,
+            processes_peak=counter(v1["pids"] / "pids.peak") if v1["pids"] else None,
+            source="docker cgroup v1",
+        )
+    v2 = _first(_CGROUP / "docker" / container, _CGROUP / "system.slice" / f"docker-{container}.scope")
+    if v2 is None:
+        return None
+    microseconds = counter_field(v2 / "cpu.stat", "usage_usec")
+    return ResourceUsage(
+        cpu_seconds=None if microseconds is None else microseconds / 1e6,
+        memory_peak_bytes=counter(v2 / "memory.peak"),
+        processes_peak=counter(v2 / "pids.peak"),
+        source="docker cgroup v2",
+    )
+
+
+def _first(*folders: Path) -> Path | None:
+    return next((folder for folder in folders if folder.is_dir()), None)

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 
 from harbor_async.backends.local.limits import Cgroups
-from harbor_async.core.usage import ResourceUsage
+from harbor_async.core.usage import ResourceUsage, counter, counter_field
 
 
 def used_bytes(mount: Path | None) -> int | None:
@@ -47,31 +47,13 @@ def cgroup_usage(cgroups: Cgroups | None, mount: Path | None, disk_at_start: int
         pids_dir, memory_dir = cgroups.folders[0], cgroups.folders[1]
         memory_file = "memory.max_usage_in_bytes"
     cpu_dir = cgroups.kill_parent or (cgroups.folders[0] if cgroups.version == "v2" else None)
-    usage_usec = _stat_field(cpu_dir / "cpu.stat", "usage_usec") if cpu_dir is not None else None
+    usage_usec = counter_field(cpu_dir / "cpu.stat", "usage_usec") if cpu_dir is not None else None
     disk = used_bytes(mount)
     return ResourceUsage(
         cpu_seconds=None if usage_usec is None else usage_usec / 1e6,
-        memory_peak_bytes=_number(memory_dir / memory_file),
-        processes_peak=_number(pids_dir / "pids.peak") or _number(pids_dir / "pids.current"),
+        memory_peak_bytes=counter(memory_dir / memory_file),
+        processes_peak=counter(pids_dir / "pids.peak") or counter(pids_dir / "pids.current"),
         disk_written_bytes=None if disk is None or disk_at_start is None else max(disk - disk_at_start, 0),
         source=f"cgroup {cgroups.version}",
     )
 
-
-def _number(path: Path) -> int | None:
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _stat_field(path: Path, name: str) -> int | None:
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        key, _, value = line.partition(" ")
-        if key == name and value.strip().isdigit():
-            return int(value)
-    return None
