@@ -438,7 +438,9 @@ def _synchronous[**P, T](function: Callable[P, Awaitable[T]]) -> Callable[P, T]:
 
     @functools.wraps(function)  # its signature, for help() and completion
     def run(*args: P.args, **kwargs: P.kwargs) -> T:
-        return anyio.run(functools.partial(function, *args, **kwargs))
+        from harbor_async.engine.loop import run_loop
+
+        return run_loop(functools.partial(function, *args, **kwargs))
 
     return run
 

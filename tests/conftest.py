@@ -29,6 +29,14 @@ os.environ.setdefault("HARBOR_ASYNC_LOCAL_ROOT", str(SESSION_DIR / "local"))
 LOCAL_ROOT = Path(os.environ["HARBOR_ASYNC_LOCAL_ROOT"])
 
 from harbor_async.backends.simulated import SimulatedEnvironment  # noqa: E402
+from harbor_async.engine.loop import uses_uvloop  # noqa: E402
+
+if uses_uvloop():  # HARBOR_ASYNC_UVLOOP=1 (.ci/run's second pass over the engine tests): every asyncio loop is uvloop's
+    import asyncio
+
+    import uvloop
+
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 from harbor_async.suites import example_suite_path  # noqa: E402
 
 

@@ -165,3 +165,24 @@ def test_process_exit_stops_live_sandboxes_and_never_hangs(tmp_path, how):
     assert list(root.glob("harbor-async-*")) == [], stderr
     left = subprocess.run(["pgrep", "-f", f"bwrap.*{root}"], capture_output=True, text=True).stdout
     assert left == "", f"bubblewrap processes left: {left}"
+
+
+@pytest.mark.range  # .ci/range: on the lowest and highest uvloop the extra allows
+def test_the_loop_runs_on_uvloop_exactly_when_asked(loop, monkeypatch):
+    """HARBOR_ASYNC_UVLOOP=1 puts the loop thread (and run, eval) on uvloop; .ci/run runs the engine tests so too."""
+    import asyncio
+
+    from harbor_async.engine.loop import UVLOOP_VARIABLE, run_loop, uses_uvloop
+
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert loop.call(loop_module).startswith("uvloop") == uses_uvloop()
+    monkeypatch.setenv(UVLOOP_VARIABLE, "1")
+    assert run_loop(loop_module).startswith("uvloop")
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed
+    with pytest.raises(LoopThreadError, match="harbor-async\\[uvloop\\]"):
+        run_loop(loop_module)
+    monkeypatch.setenv(UVLOOP_VARIABLE, "0")  # not asked: asyncio's own loop (uvloop's where the test session made it the policy)
+    policy_is_uvloop = type(asyncio.get_event_loop_policy()).__module__.startswith("uvloop")
+    assert run_loop(loop_module).startswith("uvloop") == policy_is_uvloop

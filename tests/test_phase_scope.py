@@ -62,7 +62,7 @@ async def test_an_unwrapped_phase_lets_the_bare_timeout_through_and_its_body_err
                     raise ValueError("the agent broke")
             async with sandbox.bounded_phase(Phase.AGENT, budget=5.0) as seconds:
                 await anyio.sleep(0.05)
-                assert seconds() >= 0.05
+                assert seconds() >= 0.05 - 0.001  # uvloop's clock is libuv's, in whole milliseconds
             agent_stats = eng.stats().phases["agent"]
     assert isinstance(typed.value.__cause__, ValueError) and "the agent broke" in str(typed.value)
     assert (agent_stats.count, agent_stats.failures) == (3, 2)

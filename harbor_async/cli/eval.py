@@ -185,8 +185,7 @@ def eval_command(
     bad input, 3 when the model server failed --max-model-server-failures
     episodes in a row (the eval stopped; resume it), 130/143/129 on a signal.
     """
-    import anyio
-
+    from harbor_async.engine.loop import run_loop
     from harbor_async.evaluation import evaluate
 
     setup_logging(log_level, log_format)  # the flag, else $HARBOR_ASYNC_LOG_LEVEL/_FORMAT; a bad one: one line, exit 2
@@ -264,7 +263,7 @@ def eval_command(
     progress = EpisodeProgress(err)
     try:
         with progress:
-            result = anyio.run(
+            result = run_loop(
                 lambda: evaluate(
                     model,
                     suite,

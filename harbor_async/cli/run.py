@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 from typing import IO, Annotated, Any, cast
 
-import anyio
 import typer
 from rich.table import Table
 from rich.text import Text
@@ -80,6 +79,7 @@ from harbor_async.core.interrupts import Interrupts
 from harbor_async.core.printing import escape_controls
 from harbor_async.core.records import EpisodeRecord
 from harbor_async.engine.engine import Engine
+from harbor_async.engine.loop import run_loop
 from harbor_async.episodes.runner import (
     MODEL_FREE_AGENTS,
     FailureBudget,
@@ -372,7 +372,7 @@ def run(
                 if todo and on_ray:
                     _on_cluster(todo, settings, concurrency, engine_kwargs, job, sink, interrupts, root, failures)
                 elif todo:
-                    anyio.run(_batch, todo, spec, actor, concurrency, engine_kwargs, sink, interrupts, root, _model(settings), failures)
+                    run_loop(_batch, todo, spec, actor, concurrency, engine_kwargs, sink, interrupts, root, _model(settings), failures)
         finally:
             job.close()
     latest = job.latest(root)
@@ -494,7 +494,7 @@ def _on_cluster(todo, settings, concurrency, engine_kwargs, job, sink, interrupt
         )  # fmt: skip
         interrupts.disarm()
 
-    anyio.run(main)
+    run_loop(main)
 
 
 async def _batch(todo: list[PlannedEpisode], spec, agent, concurrency, engine_kwargs: dict[str, Any], sink, interrupts: Interrupts, root: str = "", model: str | None = None, budget=None) -> None:

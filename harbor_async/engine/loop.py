@@ -40,6 +40,31 @@ T = TypeVar("T")
 EXIT_BUDGET = float(os.environ.get("HARBOR_ASYNC_EXIT_BUDGET") or 60.0)
 #: Seconds the exit handler then waits for the loop itself to end.
 LOOP_STOP_BUDGET = 5.0
+#: Set to 1 to run every event loop of harbor-async (the loop thread, ``run``, ``eval``) on uvloop.
+UVLOOP_VARIABLE = "HARBOR_ASYNC_UVLOOP"
+
+
+def uses_uvloop() -> bool:
+    """Whether ``HARBOR_ASYNC_UVLOOP`` asks for uvloop (``1``, ``true``, ``yes``, ``on``)."""
+    return os.environ.get(UVLOOP_VARIABLE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def run_loop[T](fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``anyio.run(fn, *args)`` on asyncio, on uvloop where :func:`uses_uvloop` says so.
+
+    Raises:
+        LoopThreadError: uvloop is asked for and not installed (the ``uvloop`` extra).
+    """
+    options: dict[str, Any] = {}
+    if uses_uvloop():
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            raise LoopThreadError(
+                f"{UVLOOP_VARIABLE}=1 asks for uvloop, which is not installed: pip install 'harbor-async[uvloop]'"
+            ) from None
+        options["use_uvloop"] = True
+    return anyio.run(fn, *args, backend="asyncio", backend_options=options)
 
 
 class LoopThread:
@@ -67,7 +92,7 @@ class LoopThread:
                 await portal.sleep_until_stopped()
 
         try:
-            anyio.run(serve, backend="asyncio")
+            run_loop(serve)
         except BaseException as exc:  # surfaced to the caller waiting in start()
             self._error = exc
         finally:

@@ -533,7 +533,8 @@ class Episode:
                     if self.trial_folder is not None:  # before the stop removes the sandbox's own trial folder
                         from harbor_async.jobs.harbor_layout import keep_trial_logs
 
-                        keep_trial_logs(self.sandbox.trial_dir, self.trial_folder)
+                        # moves, copies and a walk of the logs: off the loop thread
+                        await anyio.to_thread.run_sync(keep_trial_logs, self.sandbox.trial_dir, self.trial_folder)
                     await self.sandbox.stop()
                 self._close_phase()
                 self.finish()

@@ -9,6 +9,7 @@ the sandbox when the verifier's own download did not bring it.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -61,7 +62,6 @@ async def judge(episode: Episode, step: StepConfig | None = None) -> VerifyResul
     sandbox of the task's environment, given the collected artifacts
     (:mod:`harbor_async.verification.artifacts`); it is stopped once it has judged.
     """
-    from harbor_async.jobs.harbor_layout import keep_trial_logs
     from harbor_async.verification.artifacts import collect_artifacts, upload_artifacts
     from harbor_async.verification.verifier_env import separate_verifier, verifier_task
 
@@ -81,7 +81,7 @@ async def judge(episode: Episode, step: StepConfig | None = None) -> VerifyResul
     if not episode.engine.verify:
         episode.record.verification_disabled = True
         if logs is not None and step is not None:
-            keep_trial_logs(sandbox.trial_dir, logs, only=("agent",))
+            await _keep_logs(sandbox.trial_dir, logs, ("agent",))
         return None
     if not separate:
         await enter_network_phase(sandbox.environment, episode.task, "verifier", step)
@@ -89,7 +89,7 @@ async def judge(episode: Episode, step: StepConfig | None = None) -> VerifyResul
             return await sandbox.verify(step)
         finally:
             if logs is not None and step is not None:  # each step's agent and verifier logs, as Harbor keeps them
-                keep_trial_logs(sandbox.trial_dir, logs)
+                await _keep_logs(sandbox.trial_dir, logs)
     task, tests_in_image = verifier_task(episode.task, step)  # the task's environment, or the verifier's own
     # No host mount: what the agent wrote through a writable one, or still writes, is not the judge's to read.
     judge_box = episode.engine.launch(task, episode.backend, backend_kwargs=episode.backend_kwargs, host_mounts=False)
@@ -99,18 +99,29 @@ async def judge(episode: Episode, step: StepConfig | None = None) -> VerifyResul
             try:
                 await upload_artifacts(judge_box.environment, task, folder, step)
             except OSError as exc:
-                if (outgrown := _outgrown(exc, folder, task)) is None:
+                with anyio.CancelScope(shield=True):  # the walk decides whose failure this is: it finishes
+                    outgrown = await anyio.to_thread.run_sync(_outgrown, exc, folder, task)
+                if outgrown is None:
                     raise
                 raise VerifierFailure(Phase.VERIFY, task.name, judge_box.id, outgrown) from exc
         await enter_network_phase(judge_box.environment, task, "verifier", step)
         return await judge_box.verify(step, tests_in_image=tests_in_image)
     finally:
         if logs is not None:  # the verifier's output is the judge's, in its own trial folder
-            keep_trial_logs(judge_box.trial_dir, logs, only=("verifier",))
+            await _keep_logs(judge_box.trial_dir, logs, ("verifier",))
             if step is not None:
-                keep_trial_logs(sandbox.trial_dir, logs, only=("agent",))
+                await _keep_logs(sandbox.trial_dir, logs, ("agent",))
         await judge_box.stop()
         episode.judge_seconds += judge_box.sandbox_seconds
+
+
+async def _keep_logs(trial_dir: Path | None, logs: Path, only: tuple[str, ...] | None = None) -> None:
+    """:func:`~harbor_async.jobs.harbor_layout.keep_trial_logs` in a worker thread (it moves, copies and walks)."""
+    from harbor_async.jobs.harbor_layout import keep_trial_logs
+
+    kwargs = {} if only is None else {"only": only}
+    with anyio.CancelScope(shield=True):  # in a finally: a cancelled caller still keeps them, then stops its judge
+        await anyio.to_thread.run_sync(functools.partial(keep_trial_logs, trial_dir, logs, **kwargs))
 
 
 def _outgrown(exc: OSError, folder: Path, task: Task) -> str | None:

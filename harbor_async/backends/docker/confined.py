@@ -290,7 +290,7 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         from harbor_async.verification.artifacts import prune_excluded
 
         await self.download_dir(source_dir, target_dir)
-        prune_excluded(Path(target_dir), exclude)
+        await anyio.to_thread.run_sync(prune_excluded, Path(target_dir), exclude)  # a walk: off the loop
 
     async def _copy_out(self, source: str, target: Path, *, single: bool) -> None:
         container = await self._find_main_container()

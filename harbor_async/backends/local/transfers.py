@@ -117,7 +117,7 @@ class SandboxTransfers:
         from harbor_async.verification.artifacts import prune_excluded
 
         await self.download_dir(source_dir, target_dir)
-        prune_excluded(Path(target_dir), exclude)
+        await anyio.to_thread.run_sync(prune_excluded, Path(target_dir), exclude)  # a walk: off the loop
 
     @property
     def _task_dir(self) -> Path | None:
