@@ -182,3 +182,19 @@ def telemetry(env: str, repeats: int, episodes: int, concurrency: int, out: Path
     path = write_json(out / f"telemetry-{env}.json", "telemetry", result)
     err.print(f"wrote {path}", markup=False)
     return path
+
+
+def churn(repeats: int, seconds: float, width: int, out: Path) -> Path:
+    """The loop thread's responsiveness while sandboxes start, are killed and transfer files; writes ``churn.json``."""
+    from benchmarks.churn import run_churn
+
+    result = run_churn(repeats=repeats, seconds=seconds, width=width)
+    for name, row in result["summary"].items():
+        err.print(
+            f"{name}: the probe's p99 under churn / idle, median {row['p99_ratio_median']} "
+            f"({row['p99_ratio_min']}-{row['p99_ratio_max']}); idle p99 {row['idle_p99_ms_median']} ms",
+            markup=False,
+        )
+    path = write_json(out / "churn.json", "churn", result)
+    err.print(f"wrote {path}", markup=False)
+    return path

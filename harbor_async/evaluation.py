@@ -51,6 +51,7 @@ from harbor_async.core.errors import (
 from harbor_async.core.interrupts import Interrupts
 from harbor_async.core.logs import get_logger
 from harbor_async.core.records import EpisodeRecord, episode_key
+from harbor_async.engine.loop import run_loop
 from harbor_async.episodes.runner import FailureBudget, PlannedEpisode, run_suite
 from harbor_async.jobs.folder import JobFolder
 from harbor_async.jobs.scoring import summarize, sweep_summary
@@ -438,8 +439,6 @@ def _synchronous[**P, T](function: Callable[P, Awaitable[T]]) -> Callable[P, T]:
 
     @functools.wraps(function)  # its signature, for help() and completion
     def run(*args: P.args, **kwargs: P.kwargs) -> T:
-        from harbor_async.engine.loop import run_loop
-
         return run_loop(functools.partial(function, *args, **kwargs))
 
     return run

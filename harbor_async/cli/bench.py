@@ -240,6 +240,24 @@ def harbor(
         raise fail(f"bench harbor: {exc}", code=1) from None
 
 
+@bench_app.command("churn")
+def churn(
+    seconds: Annotated[float, typer.Option("--seconds", min=1.0, help="Seconds of each window (idle, churn).")] = 6.0,
+    width: Annotated[int, typer.Option("--width", min=1, help="Churners of each kind (starts, kills, transfers).")] = 2,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Rounds on each event loop (asyncio, uvloop).")] = 3,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the JSON file.")] = DEFAULT_OUT,
+    log_level: LogOpt = None,
+) -> None:
+    """Does the loop thread stay responsive while local sandboxes start, are killed and transfer files? Writes churn.json.
+
+    A trainer-like thread times calls through the loop thread idle and under the churn, on asyncio and on uvloop.
+    """
+    _setup(log_level or "error")
+    from benchmarks.cli import churn as run_it
+
+    run_it(repeats, seconds, width, out)
+
+
 @bench_app.command("telemetry")
 def telemetry(
     env: Annotated[str, typer.Option("--env", "-e", help="local or docker.")] = "local",

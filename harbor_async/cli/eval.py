@@ -38,6 +38,7 @@ from harbor_async.cli.selection import (
 )
 from harbor_async.core.errors import HarborAsyncError, ModelServerDownError
 from harbor_async.core.printing import escape_controls
+from harbor_async.engine.loop import run_loop
 from harbor_async.jobs.settings import JobSettings
 from harbor_async.models.serve import ServerDiedError
 from harbor_async.verification.disk_bounds import JobDiskLimitError
@@ -185,7 +186,6 @@ def eval_command(
     bad input, 3 when the model server failed --max-model-server-failures
     episodes in a row (the eval stopped; resume it), 130/143/129 on a signal.
     """
-    from harbor_async.engine.loop import run_loop
     from harbor_async.evaluation import evaluate
 
     setup_logging(log_level, log_format)  # the flag, else $HARBOR_ASYNC_LOG_LEVEL/_FORMAT; a bad one: one line, exit 2

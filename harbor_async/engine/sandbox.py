@@ -38,6 +38,7 @@ from harbor_async.core.errors import (
 )
 from harbor_async.core.logs import get_logger
 from harbor_async.core.naming import TRIAL_MARKER_NAME, TrialDirNames, new_sandbox_id
+from harbor_async.core.offload import off_loop
 from harbor_async.core.policy import RetryPolicy, Timeouts, is_invalid_task
 from harbor_async.core.results import (
     ExecOutput,
@@ -405,7 +406,7 @@ class Sandbox:
                 if self.state is not SandboxState.FAILED:
                     self.state = SandboxState.STOPPED
             finally:
-                self._remove_trial_dir()
+                await self._remove_trial_dir()
                 self._release()
                 self._set("stopped")
 
@@ -530,9 +531,9 @@ class Sandbox:
     async def _create_and_start(self) -> None:
         created = anyio.current_time()
         async with self._phase(Phase.START, budget=self.timeouts.start, wrap=False):
-            self._trial_dir = self._make_trial_dir()
+            self._trial_dir = await self._make_trial_dir()
             paths = self._trial_paths()
-            paths.mkdir()
+            await self._file_work(paths.mkdir)
             try:
                 self._env = self.backend.create_environment(
                     self.task,
@@ -564,7 +565,7 @@ class Sandbox:
                         await env.stop(delete=True)
                     except Exception as exc:  # the start error is the one that matters
                         self._log.warning("stop after failed start failed", error=repr(exc))
-            self._remove_trial_dir()
+            await self._remove_trial_dir()
 
     async def _read_usage(self, env: BaseEnvironment) -> ResourceUsage | None:
         """``env``'s ``resource_usage()`` where its backend has one; a reading that fails or hangs costs the stop nothing."""
@@ -604,23 +605,28 @@ class Sandbox:
             raise SandboxClosedError(Phase.EXEC, self.task_name, self.id, "sandbox has no trial directory")
         return TrialPaths(trial_dir=self._trial_dir)
 
-    def _make_trial_dir(self) -> Path:
+    async def _make_trial_dir(self) -> Path:
+        """A new trial folder of this run's (its name taken on the loop; made in a worker thread: file work is not the loop's)."""
         names = cast(TrialDirNames, self.context.trial_names)  # set by __post_init__
         while True:
             folder = Path(tempfile.gettempdir()) / names.acquire()
-            try:
-                folder.mkdir(mode=0o700)
-            except FileExistsError:  # left by someone else: keep its slot taken
-                continue
-            (folder / TRIAL_MARKER_NAME).write_text(self.id)
-            return folder
+            with anyio.CancelScope(shield=True):  # made and marked, or not made: never half
+                made = await self._file_work(_make_marked_folder, folder, self.id)
+            if made:
+                return folder  # else left by someone else: keep its slot taken
 
-    def _remove_trial_dir(self) -> None:
-        if self._trial_dir is not None:
-            shutil.rmtree(self._trial_dir, ignore_errors=True)
-            if not self._trial_dir.exists():
-                cast(TrialDirNames, self.context.trial_names).release(self._trial_dir.name)
-            self._trial_dir = None
+    async def _file_work[T](self, fn: Callable[..., T], *args: Any) -> T:
+        """The trial folder's file work: in a worker thread where the sandboxes share this machine (local, docker),
+        whose disk they keep busy (a mkdir or an rmtree there takes milliseconds under load); inline for a
+        simulated or remote backend, whose folder is a few small files (and whose tests run on trio's MockClock,
+        which a thread's wait would make jump)."""
+        return await off_loop(fn, *args) if self.backend.on_this_machine else fn(*args)
+
+    async def _remove_trial_dir(self) -> None:
+        """Remove the trial folder (in a worker thread) and free its name; call shielded."""
+        folder, self._trial_dir = self._trial_dir, None
+        if folder is not None and await self._file_work(_remove_folder, folder):
+            cast(TrialDirNames, self.context.trial_names).release(folder.name)
 
     def _budget(self, phase: Phase, budget: float | None) -> float:
         """The phase budget, cut to what is left of the episode (teardown excepted)."""
@@ -663,3 +669,18 @@ class Sandbox:
     def __repr__(self) -> str:
         return f"<Sandbox {self.id} task={self.task_name!r} backend={self.backend.name!r} {self.state}>"
 
+
+def _make_marked_folder(folder: Path, owner: str) -> bool:
+    """Make ``folder`` with its trial marker naming ``owner``; ``False`` if it exists already."""
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        return False
+    (folder / TRIAL_MARKER_NAME).write_text(owner)
+    return True
+
+
+def _remove_folder(folder: Path) -> bool:
+    """Remove ``folder`` and everything in it, quietly; whether it is gone."""
+    shutil.rmtree(folder, ignore_errors=True)
+    return not folder.exists()

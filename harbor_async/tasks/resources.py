@@ -9,6 +9,7 @@ warning per task and value (cloud backends keep them: their hosts are not this o
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -29,6 +30,7 @@ def host_cpus() -> int:
         return os.cpu_count() or 1
 
 
+@functools.cache  # a start reads it on the loop; the host's memory does not change under a run
 def host_memory_mb() -> int:
     """This host's memory in MB."""
     return int(psutil.virtual_memory().total // 2**20)

@@ -10,6 +10,7 @@ import os
 import posixpath
 import shutil
 import subprocess
+import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -82,6 +83,7 @@ from harbor_async.core.naming import (
     MARKER_NAME,
     local_folder_name,
 )
+from harbor_async.core.offload import off_loop
 from harbor_async.core.printing import escape_controls
 from harbor_async.core.usage import ResourceUsage
 from harbor_async.tasks.resources import cap, host_cpus, host_memory_mb
@@ -163,6 +165,10 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         self._tools: Tools | None = None
         self._started = False
         self._marker_live = False  # the marker may be (re)written: between start and stop
+        # Markers are written in worker threads (a file write is milliseconds under load, not the loop's to wait
+        # for): one at a time, the newest snapshot last, none once the stop has begun.
+        self._marker_lock = threading.Lock()
+        self._marker_seq = self._marker_written = 0
         self._warned_user = False
         self._created_at = ""
         self._defaults = ResourceLimits(
@@ -304,6 +310,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
                             self.session_id, self._binds,
                         )  # fmt: skip
             self._adopt(piece)  # type: ignore[arg-type]  # built if None (nothing cancels that scope); no await since the build: from here on stop() removes it
+            await self._save_marker()
             await anyio.to_thread.run_sync(self._apply_task)
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -311,7 +318,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
                 await anyio.to_thread.run_sync(self._teardown, True)
             raise
         self._started = True
-        self._write_marker()
+        await self._save_marker()
         # Prebuilt-image tasks without a Dockerfile ship loose files for the workdir.
         await self._upload_environment_dir_after_start()
         self._disk_at_start = used_bytes(self._mount)  # what the sandbox writes is counted from here
@@ -336,7 +343,6 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         self._keeper, self._root_fd = piece.keeper, piece.root_fd
         self._created_at = piece.created_at
         self._marker_live = True
-        self._write_marker()
         self._guard_keeper()
 
     def _guard_keeper(self) -> None:
@@ -398,7 +404,8 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         if keeper.process.returncode is None:
             keeper.process.kill()
             await keeper.wait()
-        keeper.close()
+        # Closing the last descriptor of a namespace frees it in the kernel (a mount namespace waits for RCU): off the loop.
+        await off_loop(keeper.close)
 
     async def _end_processes(self) -> None:
         """Kill every process of the sandbox, its PID 1 included; call shielded."""
@@ -444,7 +451,7 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             await anyio.to_thread.run_sync(functools.partial(start_keeper, piece, self._tools, restart=True))
             self._keeper = piece.keeper
             self._guard_keeper()
-            self._write_marker()
+            await self._save_marker()
 
     def _sandbox_uid(self) -> int | None:
         """The host uid files made for the sandbox belong to (None: the caller's, root inside already)."""
@@ -483,8 +490,9 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
         Idempotent. With ``delete=False`` the folder stays for inspection.
         """
         self._started = False
-        # An exec finishing during the removal must not write its marker back.
-        self._marker_live = False
+        # An exec finishing during the removal must not write its marker back (one being written finishes first).
+        with self._marker_lock:
+            self._marker_live = False
         with anyio.CancelScope(shield=True):  # teardown must finish even when cancelled
             await self._end_processes()
             try:
@@ -530,27 +538,32 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             self.logger.warning("local environment runs every command as root, not %r", user)
         variables = {**BASE_ENV, **self._spec.env, **(self._merge_env(env) or {})}
         workdir = posixpath.join(self._workdir, cwd or self._workdir)
-        shell = "bash" if shutil.which("bash") else "sh"  # resolved with the sandbox's PATH, as bwrap did
-        kill_group = self._confinement.cgroups.exec_group() if self._confinement and self._confinement.cgroups else None
-        spec = self._join(variables, workdir, [shell, "-c", command], kill_group=kill_group)
+        shell = _shell()
+        cgroups = self._confinement.cgroups if self._confinement is not None else None
         out, err = OutputPipe(self._output_limit), OutputPipe(self._output_limit)
+        kill_group: Path | None = None
         self._launching += 1  # no await since the _started check: stop() waits for this
         try:
-            with anyio.CancelScope(shield=True):  # a cancelled spawn must not leak a process
+            with anyio.CancelScope(shield=True):  # a cancelled spawn must not leak a process (or a cgroup)
+                # A cgroup's mkdir waits for the kernel's cgroup lock, which a neighbour's fork bomb can hold: off the loop.
+                kill_group = await off_loop(cgroups.exec_group) if cgroups is not None else None
+                spec = self._join(variables, workdir, [shell, "-c", command], kill_group=kill_group)
                 # Own session: the whole tree can be found and killed without touching ours.
                 process = await open_join(spec, stdin=subprocess.DEVNULL, stdout=out.write_fd, stderr=err.write_fd)
         except BaseException:
             out.close()
             err.close()
             if kill_group is not None:
-                Cgroups.drop_exec_group(kill_group)
+                with anyio.CancelScope(shield=True):
+                    await off_loop(Cgroups.drop_exec_group, kill_group)
             raise
         finally:
             self._launching -= 1
             out.close_write_end()
             err.close_write_end()
         self._running[process.pid] = process  # no await since the launch: stop() sees it
-        self._write_marker()
+        with anyio.CancelScope(shield=True):  # its pid recorded for a reaper before anything can end the exec
+            await self._save_marker()
         ended = False
         try:
             with anyio.move_on_after(timeout_sec or None) as deadline:
@@ -567,8 +580,8 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
                 if not ended:  # timed out or cancelled
                     await end_exec(process, self._procs_files(), kill_group=kill_group)
                 await process.aclose()
-            if kill_group is not None:
-                Cgroups.drop_exec_group(kill_group)
+                if kill_group is not None:
+                    await off_loop(Cgroups.drop_exec_group, kill_group)
             self._running.pop(process.pid, None)
             for pipe in (out, err):
                 pipe.settle()
@@ -578,7 +591,8 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             for pipe in (out, err):
                 if pipe.eof:
                     pipe.close()
-            self._write_marker()
+            with anyio.CancelScope(shield=True):
+                await self._save_marker()
         stdout, stderr = out.text(), err.text()
         if deadline.cancelled_caught:
             raise ExecTimeoutError(timeout_sec or 0, stdout, stderr)
@@ -602,11 +616,26 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
 
     # -- bookkeeping ------------------------------------------------------------
 
-    def _write_marker(self) -> None:
-        """Record who owns this sandbox and which processes run it, for a reaper."""
+    async def _save_marker(self) -> None:
+        """Record who owns this sandbox and which processes run it, for a reaper (written in a worker thread)."""
         if not self._marker_live:
             return
-        marker = {
+        self._marker_seq += 1
+        await off_loop(self._store_marker, self._marker(), self._marker_seq)
+
+    def _store_marker(self, marker: dict[str, Any], seq: int) -> None:
+        """Write ``marker`` unless the stop has begun or a newer one is written already."""
+        with self._marker_lock:
+            if not self._marker_live or seq <= self._marker_written:
+                return
+            temporary = self._root / f"{MARKER_NAME}.tmp"
+            temporary.write_text(json.dumps(marker))
+            temporary.replace(self._root / MARKER_NAME)  # atomic: a reaper never reads half
+            self._marker_written = seq
+
+    def _marker(self) -> dict[str, Any]:
+        """The marker's content now (read on the loop, where the state changes)."""
+        return {
             "run_label": self.run_label,
             "session_id": self.session_id,
             "environment_name": self.environment_name,
@@ -623,8 +652,10 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
             else [],
             "mount": str(self._mount) if self._mount is not None else None,
         }
-        temporary = self._root / f"{MARKER_NAME}.tmp"
-        temporary.write_text(json.dumps(marker))
-        temporary.replace(self._root / MARKER_NAME)  # atomic: a reaper never reads half
 
+
+@functools.cache
+def _shell() -> str:
+    """The shell each exec runs its command with: bash where the host has one (the sandbox sees the host's), else sh."""
+    return "bash" if shutil.which("bash") else "sh"
 

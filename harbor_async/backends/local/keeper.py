@@ -36,6 +36,7 @@ class Tools:
     prlimit: str
 
 
+@functools.cache  # once a process (a start reads it on the loop); a failure is not kept, so it is asked again
 def find_tools() -> Tools:
     """Locate bwrap, setpriv, prlimit and sh, or say clearly what is missing.
 
