@@ -16,6 +16,7 @@ from pathlib import Path
 import anyio
 
 from benchmarks.churn import churn_files, run_churners
+from harbor_async.core.logs import configure_logging
 from harbor_async.core.policy import Limits
 from harbor_async.engine.engine import Engine
 from harbor_async.suites import example_suite_path
@@ -33,5 +34,6 @@ async def main(seconds: float, width: int, kinds: tuple[str, ...]) -> dict[str, 
 
 
 if __name__ == "__main__":
+    configure_logging("error")  # its timeouts are the point: not worth a warning each
     seconds, width, kinds = float(sys.argv[1]), int(sys.argv[2]), tuple(sys.argv[3].split(","))
     print(json.dumps(anyio.run(main, seconds, width, kinds)))

@@ -440,3 +440,17 @@ def test_bench_telemetry_times_the_readings_with_telemetry_on_only(tmp_path):
     assert round_["readings"] == 5 and round_["readings_off"] == 0
     assert round_["reading_p50_ms"] > 0 and round_["failures"] == 0
     assert round_["on_eps"] > 0 and round_["off_eps"] > 0 and data["provenance"]["command"]
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_bench_churn_times_the_loop_beside_starts_kills_and_transfers_on_both_loops(tmp_path):
+    result = harbor_async("bench", "churn", "--seconds", "1", "--width", "1", "--repeats", "1", "-o", str(tmp_path), timeout=600)
+    assert result.returncode == 0, result.stderr
+    data = json.loads((tmp_path / "churn.json").read_text())
+    assert sorted(r["event_loop"].split(".")[0] for r in data["rounds"]) == ["asyncio", "uvloop"]
+    for round_ in data["rounds"]:
+        assert round_["starts"] > 0 and round_["kills"] > 0 and round_["transfers"] > 0 and round_["churn_errors"] == 0
+        assert round_["idle_p99_ms"] > 0 and round_["exec_idle_p99_ms"] > round_["idle_p99_ms"]  # an exec is a process
+        assert round_["control_ratio"] > 0 and round_["exec_control_ratio"] > 0
+    assert set(data["summary"]) == {r["event_loop"] for r in data["rounds"]}
