@@ -71,6 +71,25 @@ async def test_a_throttle_halves_the_window_once_per_burst_then_it_grows_by_one_
     assert window.window == 2
 
 
+async def test_a_quota_answer_halves_the_window_but_it_grows_back_by_one_per_success():
+    """A quota counts live sandboxes, not creates a second: once stops free places, the window reopens at
+    slow-start speed; after a rate limit it would grow by one per window's worth."""
+    clock = Clock()
+    window = StartWindow(64, initial=8, clock=clock)
+    for _ in range(8):  # out of slow start's first round: 16
+        await _start(window, clock, 0.5)
+    assert window.window == 16
+    await _start(window, clock, 0.5, StartOutcome.QUOTA)
+    assert window.window == 8 and window.throttles == 1
+    for _ in range(8):
+        await _start(window, clock, 0.5)
+    assert window.window == 16  # one per success: back where it was
+    await _start(window, clock, 0.5, StartOutcome.THROTTLED)
+    for _ in range(8):
+        await _start(window, clock, 0.5)
+    assert window.window == 8  # after a rate limit: one per window's worth (8 successes: +1, still 8.x)
+
+
 async def test_a_block_of_slow_starts_is_a_latency_breach_but_one_slow_start_is_not():
     clock = Clock()
     window = StartWindow(None, initial=16, block=4, clock=clock)

@@ -24,6 +24,7 @@ from harbor_async.backends import BackendSpec
 from harbor_async.core.errors import (
     PHASE_ERRORS,
     BackendExecTimeout,
+    BackendQuotaError,
     EpisodeDeadlineError,
     InvalidTaskError,
     Phase,
@@ -34,6 +35,7 @@ from harbor_async.core.errors import (
     TransferLimitError,
     VerifierFailure,
     VerifierPathError,
+    error_chain,
     is_throttle,
 )
 from harbor_async.core.logs import get_logger
@@ -522,7 +524,8 @@ class Sandbox:
             outcome = StartOutcome.OK
         except BaseException as exc:
             if is_throttle(exc):
-                outcome = StartOutcome.THROTTLED
+                quota = any(isinstance(error, BackendQuotaError) for error in error_chain(exc))
+                outcome = StartOutcome.QUOTA if quota else StartOutcome.THROTTLED
                 self.context.stats.throttled += 1
             raise
         finally:

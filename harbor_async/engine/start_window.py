@@ -15,6 +15,13 @@ answer, a quota answer, or a *latency breach*.
   start (the heavy tail every provider has) is no signal; a block of them is
   a queue building at the provider.
 
+A quota answer halves the window as a rate limit does, but keeps the
+slow-start threshold: a quota counts live sandboxes, not creates per second,
+so the window grows back by one per success as soon as stops free places,
+where after a rate limit it grows by one per window's worth (on a quota-bound
+profile, halving the threshold too cost 22% of the goodput against fixed
+starts: docs/benchmarks.md).
+
 One decrease per round trip: a throttle seen by a start that began before the
 last decrease does not decrease again (the burst it belonged to was already
 answered). The window never exceeds ``ceiling`` (the static limits: live
@@ -59,7 +66,8 @@ class StartOutcome(Enum):
     """How one start attempt ended, as the window reads it."""
 
     OK = "ok"
-    THROTTLED = "throttled"  # a rate-limit or quota answer
+    THROTTLED = "throttled"  # a rate-limit answer
+    QUOTA = "quota"  # a quota answer: the provider's live sandboxes, not its create rate
     FAILED = "failed"  # anything else: no signal about the provider's load
 
 
@@ -170,9 +178,9 @@ class StartWindow:
         self.in_flight -= 1
         if outcome is StartOutcome.OK:
             self._on_success(self._clock() - ticket.began if latency is None else latency, latency_signal)
-        elif outcome is StartOutcome.THROTTLED:
+        elif outcome in (StartOutcome.THROTTLED, StartOutcome.QUOTA):
             self.throttles += 1
-            self._decrease(ticket)
+            self._decrease(ticket, slow_start=outcome is StartOutcome.QUOTA)
         self._wake()
 
     def _on_success(self, latency: float, signal: bool) -> None:
@@ -197,12 +205,14 @@ class StartWindow:
         self._window = min(self._window, self._cap)
         self.peak = max(self.peak, self.window)
 
-    def _decrease(self, ticket: StartTicket | None) -> None:
+    def _decrease(self, ticket: StartTicket | None, *, slow_start: bool = False) -> None:
+        """Halve the window; ``slow_start`` (a quota answer): keep the threshold, so it grows back by one per success."""
         if ticket is not None and ticket.epoch < self._epoch:
             return  # that burst was answered already
         self._epoch += 1
         self._window = max(MIN_WINDOW, self._window * DECREASE)
-        self._threshold = self._window
+        if not slow_start:
+            self._threshold = self._window
 
     def _wake(self) -> None:
         while self._waiters and self.in_flight < self.window:
