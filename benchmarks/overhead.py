@@ -163,9 +163,18 @@ def measure_round_trip(loop: LoopThread, probe: Sandbox, calls: int) -> RoundTri
 
 
 def measure_capacity(
-    loop: LoopThread, probe: Sandbox, tasks, sizes: list[int], probe_calls: int = 300, bound_us: float = 20_000.0
+    loop: LoopThread,
+    probe: Sandbox,
+    tasks,
+    sizes: list[int],
+    probe_calls: int = 300,
+    bound_us: float = 20_000.0,
+    engine_kwargs: dict | None = None,
 ) -> list[CapacityStep]:
-    """For each size, hold that many live sandboxes under agent-like load and probe the portal; stop at the first miss."""
+    """For each size, hold that many live sandboxes under agent-like load and probe the portal; stop at the first miss.
+
+    ``engine_kwargs``: more arguments of each size's engine (the cluster benchmark's Ray budget).
+    """
     async def loop_thread_id() -> int:
         return threading.get_ident()
 
@@ -173,7 +182,7 @@ def measure_capacity(
     steps = []
     for size in sizes:
         engine = loop.open_engine(
-            limits=NO_LIMITS, backend_kwargs={"exec_latency": "uniform:0.01:0.05"}
+            limits=NO_LIMITS, backend_kwargs={"exec_latency": "uniform:0.01:0.05"}, **(engine_kwargs or {})
         )
 
         async def launch_all() -> list[Sandbox]:
