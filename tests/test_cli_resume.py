@@ -53,6 +53,8 @@ def test_resume_after_an_interruption_reproduces_an_uninterrupted_run(tmp_path):
     assert whole.returncode == 0, whole.stderr
     summary = json.loads((job / "summary.json").read_text())
     reference = json.loads((jobs / "whole" / "summary.json").read_text())
+    # the seconds billed are measured (and the interrupted run's attempts count too): all else is the same
+    assert summary.pop("sandbox_seconds") > 0 and reference.pop("sandbox_seconds") > 0
     assert summary == reference
     assert summary["complete"] and summary["episodes"] == 10 and summary["mean_reward"] == 1.0
     assert set(summary["pass_at_k"]) == {"1", "2"}

@@ -70,4 +70,4 @@ def test_a_job_folder_is_checked_before_use(tmp_path):
         JobFolder.open(tmp_path / "elsewhere")
     assert JobFolder.open(tmp_path / "j").config == {"x": 1}
     job.write_summary({"mean_reward": 1.0})
-    assert json.loads((job.path / "summary.json").read_text()) == {"mean_reward": 1.0}
+    assert json.loads((job.path / "summary.json").read_text()) == {"mean_reward": 1.0, "sandbox_seconds": 0.0}  # no record: none billed

@@ -643,11 +643,11 @@ async def test_killed_execs_leave_no_zombie_and_stop_is_prompt(tmp_path: Path, t
 
 @pytest.mark.anyio
 async def test_start_fails_clearly_without_util_linux(tmp_path: Path, task_dir: Path, monkeypatch) -> None:
-    from harbor_async.backends.local.keeper import find_tools
+    from harbor_async.backends.local.keeper import find_tools, tools_on
 
     real_which = shutil.which
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "setpriv" else real_which(name, *a, **k))
-    find_tools.cache_clear()  # found once a process: this test's machine has no setpriv
+    tools_on.cache_clear()  # found once per PATH: this test's machine has no setpriv
     env = make_env(tmp_path, task_dir, session="no-setpriv")
     with pytest.raises(SandboxBuildFailedError, match="setpriv and prlimit from util-linux.*setpriv"):
         await env.start(force_build=False)

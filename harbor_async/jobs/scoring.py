@@ -97,8 +97,6 @@ def summarize(
         "mean_reward_ci": bootstrap_interval(task_means),
         "mean_reward_completed": mean,
         "success_threshold": success_threshold,
-        # what a provider bills: every sandbox's seconds from its create call to its stop (harbor_async.core.usage)
-        "sandbox_seconds": round(sum((r.resources or {}).get("sandbox_seconds", 0.0) for r in records), 3),
     }
     fewest = min((len(rs) for rs in tasks.values()), default=0)
     k_max = min(k or fewest, fewest)

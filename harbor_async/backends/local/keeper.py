@@ -36,15 +36,23 @@ class Tools:
     prlimit: str
 
 
-@functools.cache  # once a process (a start reads it on the loop); a failure is not kept, so it is asked again
 def find_tools() -> Tools:
-    """Locate bwrap, setpriv, prlimit and sh, or say clearly what is missing.
+    """Locate bwrap, setpriv, prlimit and sh on ``PATH``, or say clearly what is missing.
+
+    Looked up once per ``PATH`` (a start reads it on the loop thread); a failure is not kept, so it is
+    looked up again.
 
     Raises:
         SandboxBuildFailedError: a program is missing, or one that must run
             inside the sandbox is not under a host folder the sandbox sees.
     """
-    found = {name: shutil.which(name) for name in ("bwrap", "setpriv", "sh", "prlimit")}
+    return tools_on(os.environ.get("PATH", os.defpath))
+
+
+@functools.cache
+def tools_on(search_path: str) -> Tools:
+    """:func:`find_tools` for one ``PATH`` (cached: ``tools_on.cache_clear()`` forgets what was found)."""
+    found = {name: shutil.which(name, path=search_path) for name in ("bwrap", "setpriv", "sh", "prlimit")}
     if found["bwrap"] is None:
         raise SandboxBuildFailedError("bubblewrap is not installed (apt-get install bubblewrap)")
     missing = [name for name in ("setpriv", "prlimit") if found[name] is None]
