@@ -30,8 +30,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 from benchmarks.provenance import begin, stamp
 
 REPO = Path(__file__).resolve().parents[1]
-ONE_NODE_SIZES = (2000, 4000, 6000, 8000, 10000, 12000)
-PER_NODE_SIZES = (1000, 2000, 3000, 4000, 5000, 6000)
+ONE_NODE_SIZES = (2000, 4000, 8000, 12000, 16000, 20000)
+PER_NODE_SIZES = (1000, 2000, 3000, 4000, 6000, 8000)
 BOUND_US = 20_000.0
 
 
