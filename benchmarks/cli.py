@@ -58,9 +58,7 @@ def fork_bombs(repeats: int, seconds: float, bomber_cpus: float, out: Path, bomb
     ratio = result["p99_ratio"]
     err.print(f"p99 under bombs / idle: median {ratio['median']}x ({ratio['min']}-{ratio['max']})", markup=False)
     name = "fork-bombs.json" if bomber_pids is None else f"fork-bombs-pids{bomber_pids}.json"
-    path = write_json(out / name, "fork-bombs", result)
-    err.print(f"wrote {path}", markup=False)
-    return path
+    return _written(out / name, "fork-bombs", result)
 
 
 def overhead(calls: int, sizes: list[int], out: Path, bound_us: float = 20_000.0) -> Path:
@@ -125,9 +123,7 @@ def harbor(suite: Path, env: str, agent: str, n: int, n_tasks: int | None, repea
     )  # fmt: skip
     print_tables(harbor_table(result), harbor_task_table(result))
     name = env.replace(":", "_").replace(".", "_")
-    path = write_json(out / f"harbor-vs-harbor-async-{name}.json", "harbor", result)
-    err.print(f"wrote {path}", markup=False)
-    return path
+    return _written(out / f"harbor-vs-harbor-async-{name}.json", "harbor", result)
 
 
 def starts(profiles: list[str], policies: list, repeats: int, episodes: int, speedup: float, out: Path) -> Path:
@@ -147,9 +143,7 @@ def starts(profiles: list[str], policies: list, repeats: int, episodes: int, spe
                 f"{row['quota_refused']:g}", f"{row['not_judged']:g}",
             )  # fmt: skip
     print_tables(table)
-    path = write_json(out / "starts.json", "starts", result)
-    err.print(f"wrote {path}", markup=False)
-    return path
+    return _written(out / "starts.json", "starts", result)
 
 
 def starts_backend(env: str, repeats: int, episodes: int, out: Path) -> Path:
@@ -163,9 +157,7 @@ def starts_backend(env: str, repeats: int, episodes: int, out: Path) -> Path:
             f"({row['ratio_min']}-{row['ratio_max']})",
             markup=False,
         )
-    path = write_json(out / f"starts-{env}.json", "starts", result)
-    err.print(f"wrote {path}", markup=False)
-    return path
+    return _written(out / f"starts-{env}.json", "starts", result)
 
 
 def telemetry(env: str, repeats: int, episodes: int, concurrency: int, out: Path) -> Path:
@@ -179,9 +171,7 @@ def telemetry(env: str, repeats: int, episodes: int, concurrency: int, out: Path
         f"{row['ratio_max']}); a reading p50 {row['reading_p50_ms_median']} ms, p99 {row['reading_p99_ms_median']} ms",
         markup=False,
     )
-    path = write_json(out / f"telemetry-{env}.json", "telemetry", result)
-    err.print(f"wrote {path}", markup=False)
-    return path
+    return _written(out / f"telemetry-{env}.json", "telemetry", result)
 
 
 def churn(repeats: int, seconds: float, width: int, out: Path) -> Path:
@@ -195,6 +185,11 @@ def churn(repeats: int, seconds: float, width: int, out: Path) -> Path:
             f"({row['p99_ratio_min']}-{row['p99_ratio_max']}); idle p99 {row['idle_p99_ms_median']} ms",
             markup=False,
         )
-    path = write_json(out / "churn.json", "churn", result)
-    err.print(f"wrote {path}", markup=False)
-    return path
+    return _written(out / "churn.json", "churn", result)
+
+
+def _written(path: Path, kind: str, result: dict) -> Path:
+    """``result`` written to ``path`` with its provenance (:func:`benchmarks.report.write_json`), and said so."""
+    written = write_json(path, kind, result)
+    err.print(f"wrote {written}", markup=False)
+    return written
