@@ -90,9 +90,14 @@ def error_chain(exc: BaseException) -> Iterator[BaseException]:
         current = current.__cause__ or current.__context__
 
 
+def throttle_in(exc: BaseException) -> BackendThrottledError | None:
+    """The provider's rate-limit or quota answer that ``exc`` is, or was raised from (the first in its chain)."""
+    return next((error for error in error_chain(exc) if isinstance(error, BackendThrottledError)), None)
+
+
 def is_throttle(exc: BaseException) -> bool:
     """Whether ``exc`` (or an error it was raised from) is a provider's rate-limit or quota answer."""
-    return any(isinstance(error, BackendThrottledError) for error in error_chain(exc))
+    return throttle_in(exc) is not None
 
 
 class BackendRateLimitError(BackendThrottledError):

@@ -24,7 +24,6 @@ from harbor_async.core.errors import (
     AgentSetupError,
     BackendError,
     BackendStartError,
-    BackendThrottledError,
     EpisodeDeadlineError,
     EpisodeInterruptedError,
     FailureClass,
@@ -38,8 +37,8 @@ from harbor_async.core.errors import (
     SettingError,
     TaskDefinitionError,
     VerifierFailure,
-    error_chain,
     is_throttle,
+    throttle_in,
 )
 
 
@@ -378,8 +377,7 @@ def _after_retry_after(wait: Callable[[Any], float]) -> Callable[[Any], float]:
     def waited(retry_state: Any) -> float:
         outcome = retry_state.outcome
         error = outcome.exception() if outcome is not None and outcome.failed else None
-        chain = error_chain(error) if error is not None else ()
-        throttle = next((e for e in chain if isinstance(e, BackendThrottledError)), None)  # as is_throttle finds it
+        throttle = throttle_in(error) if error is not None else None
         return max(wait(retry_state), (throttle.retry_after if throttle is not None else None) or 0.0)
 
     return waited

@@ -35,8 +35,7 @@ from harbor_async.core.errors import (
     TransferLimitError,
     VerifierFailure,
     VerifierPathError,
-    error_chain,
-    is_throttle,
+    throttle_in,
 )
 from harbor_async.core.logs import get_logger
 from harbor_async.core.naming import TRIAL_MARKER_NAME, TrialDirNames, new_sandbox_id
@@ -523,9 +522,8 @@ class Sandbox:
             await self._create_and_start()
             outcome = StartOutcome.OK
         except BaseException as exc:
-            if is_throttle(exc):
-                quota = any(isinstance(error, BackendQuotaError) for error in error_chain(exc))
-                outcome = StartOutcome.QUOTA if quota else StartOutcome.THROTTLED
+            if (throttle := throttle_in(exc)) is not None:
+                outcome = StartOutcome.QUOTA if isinstance(throttle, BackendQuotaError) else StartOutcome.THROTTLED
                 self.context.stats.throttled += 1
             raise
         finally:
