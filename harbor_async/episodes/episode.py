@@ -45,6 +45,7 @@ from harbor_async.core.errors import (
     VerifierFailure,
 )
 from harbor_async.core.logs import get_logger
+from harbor_async.core.offload import off_loop
 from harbor_async.core.policy import failure_class
 from harbor_async.core.records import EpisodeRecord, PhaseSpan
 from harbor_async.engine.loop import await_future
@@ -534,7 +535,7 @@ class Episode:
                         from harbor_async.jobs.harbor_layout import keep_trial_logs
 
                         # moves, copies and a walk of the logs: off the loop thread
-                        await anyio.to_thread.run_sync(keep_trial_logs, self.sandbox.trial_dir, self.trial_folder)
+                        await off_loop(keep_trial_logs, self.sandbox.trial_dir, self.trial_folder)
                     await self.sandbox.stop()
                 self._close_phase()
                 self.finish()

@@ -18,6 +18,7 @@ import anyio
 
 from harbor_async.backends import enter_network_phase
 from harbor_async.core.errors import Phase, SandboxError, VerifierFailure
+from harbor_async.core.offload import off_loop
 from harbor_async.core.policy import disk_full
 from harbor_async.verification.reward_files import VERIFIER_OUTPUT_LIMIT
 
@@ -100,7 +101,7 @@ async def judge(episode: Episode, step: StepConfig | None = None) -> VerifyResul
                 await upload_artifacts(judge_box.environment, task, folder, step)
             except OSError as exc:
                 with anyio.CancelScope(shield=True):  # the walk decides whose failure this is: it finishes
-                    outgrown = await anyio.to_thread.run_sync(_outgrown, exc, folder, task)
+                    outgrown = await off_loop(_outgrown, exc, folder, task)
                 if outgrown is None:
                     raise
                 raise VerifierFailure(Phase.VERIFY, task.name, judge_box.id, outgrown) from exc
@@ -121,7 +122,7 @@ async def _keep_logs(trial_dir: Path | None, logs: Path, only: tuple[str, ...] |
 
     kwargs = {} if only is None else {"only": only}
     with anyio.CancelScope(shield=True):  # in a finally: a cancelled caller still keeps them, then stops its judge
-        await anyio.to_thread.run_sync(functools.partial(keep_trial_logs, trial_dir, logs, **kwargs))
+        await off_loop(functools.partial(keep_trial_logs, trial_dir, logs, **kwargs))
 
 
 def _outgrown(exc: OSError, folder: Path, task: Task) -> str | None:

@@ -65,6 +65,7 @@ from harbor_async.backends.docker.loader_files import reset_loader_files
 from harbor_async.backends.docker.usage import container_usage
 from harbor_async.core.bounded_output import HeadTail
 from harbor_async.core.errors import TransferLimitError
+from harbor_async.core.offload import off_loop
 from harbor_async.core.usage import ResourceUsage
 from harbor_async.tasks.resources import capped_environment_config
 from harbor_async.verification import disk_bounds
@@ -290,7 +291,7 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         from harbor_async.verification.artifacts import prune_excluded
 
         await self.download_dir(source_dir, target_dir)
-        await anyio.to_thread.run_sync(prune_excluded, Path(target_dir), exclude)  # a walk: off the loop
+        await off_loop(prune_excluded, Path(target_dir), exclude)  # a walk
 
     async def _copy_out(self, source: str, target: Path, *, single: bool) -> None:
         container = await self._find_main_container()

@@ -23,6 +23,7 @@ import anyio.from_thread
 from harbor_async.backends.local import hostfs
 from harbor_async.backends.local.errors import SandboxPathError, TaskPathEscapeError
 from harbor_async.backends.local.rootfs import check_sandbox_path
+from harbor_async.core.offload import off_loop
 from harbor_async.verification import disk_bounds
 from harbor_async.verification.transfer_budget import Budget
 
@@ -117,7 +118,7 @@ class SandboxTransfers:
         from harbor_async.verification.artifacts import prune_excluded
 
         await self.download_dir(source_dir, target_dir)
-        await anyio.to_thread.run_sync(prune_excluded, Path(target_dir), exclude)  # a walk: off the loop
+        await off_loop(prune_excluded, Path(target_dir), exclude)  # a walk
 
     @property
     def _task_dir(self) -> Path | None:
