@@ -15,8 +15,10 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-#: A record's ``resources`` keys, in the order reports show them.
+#: A record's ``resources`` figures, in the order reports show them.
 RESOURCE_FIELDS = ("sandbox_seconds", "cpu_seconds", "memory_peak_bytes", "disk_written_bytes", "processes_peak")
+#: The figures that add up over episodes (the others are peaks: the highest counts).
+SUMMED_FIELDS = frozenset({"sandbox_seconds", "cpu_seconds"})
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from harbor_async.core.records import EpisodeRecord
+from harbor_async.core.usage import RESOURCE_FIELDS, SUMMED_FIELDS
 from harbor_async.jobs.scoring import (
     DEFAULT_SUCCESS_THRESHOLD,
     paired_difference,
@@ -130,16 +131,13 @@ def resource_rows(records: list[EpisodeRecord], labels: list[str] | None = None)
         for key in (None, (label, record.task_path or record.task)):
             row = rows.setdefault(key, {
                 "task": None if key is None else record.task, "group": None if key is None else label, "measured": 0,
-                "sandbox_seconds": None, "cpu_seconds": None,
-                "memory_peak_bytes": None, "disk_written_bytes": None, "processes_peak": None,
+                **dict.fromkeys(RESOURCE_FIELDS),
             })  # fmt: skip
             row["measured"] += 1
-            for name, value in record.resources.items():
-                if name not in row or name in ("task", "group", "measured") or not isinstance(value, int | float):
-                    continue
-                old = row[name]
-                summed = name in ("sandbox_seconds", "cpu_seconds")
-                row[name] = value if old is None else old + value if summed else max(old, value)
+            for name in RESOURCE_FIELDS:
+                value, old = record.resources.get(name), row[name]
+                if value is not None:
+                    row[name] = value if old is None else old + value if name in SUMMED_FIELDS else max(old, value)
     if not rows:
         return []
     total = rows.pop(None)
