@@ -46,6 +46,8 @@ def _run(tmp_path: Path, backend: str, *extra: str) -> tuple[dict[str, dict], Pa
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     job = jobs / "job"
+    billed = json.loads((job / "summary.json").read_text())["sandbox_seconds"]
+    assert f"; {billed:.1f} sandbox-seconds" in done.stdout + done.stderr  # the end-of-run line: the job's figure
     found = {r["task"]: r for r in records(job)}
     assert sorted(found) == ["hungry", "plain"] and all(r["reward"] == 1.0 for r in found.values())
     return found, job

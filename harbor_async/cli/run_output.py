@@ -60,7 +60,7 @@ def print_summary(summary: dict[str, Any], records: list[EpisodeRecord]) -> None
         + (f", {summary['not_judged'] - disabled} not judged ({unjudged}: rerun by --resume{fix})" if by_class else "")
         + (f", {disabled} not verified (--disable-verification)" if disabled else "")
         + f"; failures: {failures}"
-        + (f"; {billed:.1f} sandbox-seconds" if (billed := sum((r.resources or {}).get("sandbox_seconds", 0.0) for r in records)) else "")
+        + (f"; {summary['sandbox_seconds']:.1f} sandbox-seconds" if summary.get("sandbox_seconds") else "")
     ))  # fmt: skip
     if summary["pass_at_k"]:
         out.print(Text("  ".join(f"pass@{k} {fmt(v['value'])}" for k, v in summary["pass_at_k"].items())))

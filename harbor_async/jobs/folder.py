@@ -158,11 +158,12 @@ class JobFolder:
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Write ``summary.json`` (and finish Harbor's ``result.json``: metrics, pass@k, end time).
 
-        Adds ``sandbox_seconds``: what a provider bills for the job, every record's sandboxes (reruns and
-        the attempts they replaced included; :mod:`harbor_async.core.usage`).
+        Sets ``summary["sandbox_seconds"]`` first (the caller prints it): what a provider bills for the job,
+        every record's sandboxes (reruns and the attempts they replaced included; :mod:`harbor_async.core.usage`).
         """
         billed = sum((record.resources or {}).get("sandbox_seconds", 0.0) for record in self.records())
-        self.write_json(SUMMARY_NAME, {**summary, "sandbox_seconds": round(billed, 3)})
+        summary["sandbox_seconds"] = round(billed, 3)
+        self.write_json(SUMMARY_NAME, summary)
         if self._harbor is not None:
             try:
                 self._harbor.finish()
