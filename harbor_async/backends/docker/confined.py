@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import os
 import posixpath
 import re
@@ -319,7 +320,7 @@ class ConfinedDockerEnvironment(DockerEnvironment):
             raise RuntimeError("the sandbox's main container is not running: it cannot be restarted for the verifier")
         # Stopped, then started: in between, with nothing running, the loader's files are the image's again, so
         # the main command does not load a library the agent named (loader_files).
-        before = await self._daemon_usage(container)  # the restart makes new counters: this reading is kept
+        before = await self._daemon_usage(container, disk=False)  # the restart makes new counters: this reading is kept
         if before is not None:
             self._usage_before_restart = before if self._usage_before_restart is None else self._usage_before_restart.then(before)
         for command in ("stop", "start"):
@@ -345,9 +346,9 @@ class ConfinedDockerEnvironment(DockerEnvironment):
         before = self._usage_before_restart
         return now if before is None else before if now is None else before.then(now)
 
-    async def _daemon_usage(self, container: str) -> ResourceUsage | None:
+    async def _daemon_usage(self, container: str, *, disk: bool = True) -> ResourceUsage | None:
         try:
-            return await anyio.to_thread.run_sync(container_usage, container)
+            return await off_loop(functools.partial(container_usage, container, disk=disk))
         except httpx.HTTPError as exc:
             self.logger.warning("docker sandbox %s: the daemon gave no usage: %s", self.session_id, exc)
             return None

@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from harbor_async.backends.docker.cleanup import docker_is_local
 from harbor_async.core.usage import ResourceUsage, counter, counter_field
 
 #: Seconds one call to the daemon may take.
@@ -58,8 +59,11 @@ def _client() -> httpx.Client | None:
     return client
 
 
-def container_usage(container: str) -> ResourceUsage | None:
+def container_usage(container: str, *, disk: bool = True) -> ResourceUsage | None:
     """What ``container`` used since it last started (blocking: a worker thread's); ``None``: the daemon cannot be asked.
+
+    ``disk=False``: not its writable layer's size (the daemon walks the layer for it), for a reading whose
+    disk figure a later one replaces (before a strict verify's restart, which keeps the files).
 
     Raises:
         httpx.HTTPError: the daemon did not answer, or answered an error.
@@ -67,13 +71,15 @@ def container_usage(container: str) -> ResourceUsage | None:
     client = _client()
     if client is None:
         return None
-    inspect = client.get(f"/containers/{container}/json", params={"size": "1"})
-    inspect.raise_for_status()
-    size = inspect.json().get("SizeRw")
-    disk = size if isinstance(size, int) else None
+    written = None
+    if disk:
+        inspect = client.get(f"/containers/{container}/json", params={"size": "1"})
+        inspect.raise_for_status()
+        size = inspect.json().get("SizeRw")
+        written = size if isinstance(size, int) else None
     local = cgroup_usage(container)
     if local is not None:
-        return replace(local, disk_written_bytes=disk)
+        return replace(local, disk_written_bytes=written)
     stats = client.get(f"/containers/{container}/stats", params={"stream": "false", "one-shot": "true"})
     stats.raise_for_status()
     answer: dict[str, Any] = stats.json()
@@ -81,15 +87,14 @@ def container_usage(container: str) -> ResourceUsage | None:
     return ResourceUsage(
         cpu_seconds=None if total is None else total / 1e9,
         memory_peak_bytes=(answer.get("memory_stats") or {}).get("max_usage"),
-        disk_written_bytes=disk,
+        disk_written_bytes=written,
         source="docker daemon",
     )
 
 
 def cgroup_usage(container: str) -> ResourceUsage | None:
     """``container``'s counters from its cgroup on this machine (``None``: the daemon is elsewhere, or none is readable)."""
-    host = os.environ.get("DOCKER_HOST", "")
-    if host and not host.startswith("unix://"):
+    if not docker_is_local():
         return None
     v1 = {name: _first(_CGROUP / name / "docker" / container, _CGROUP / name / "system.slice" / f"docker-{container}.scope")
           for name in ("cpuacct", "memory", "pids")}  # fmt: skip
