@@ -79,3 +79,26 @@ async def test_a_stopped_sandbox_refuses_work(task):
             await sandbox.exec("true")
         assert engine.live_sandboxes() == []
         await sandbox.stop()  # idempotent
+
+
+def test_a_wrapped_errors_detail_names_its_root_cause():
+    """Harbor's ``AddTestsDirError`` says only which step failed; the record must say why (a failed ``docker cp``)."""
+    from harbor.verifier.verifier import AddTestsDirError
+
+    from harbor_async.engine.sandbox import CAUSE_CHARS, _describe
+
+    def wrapped(cause: str) -> AddTestsDirError:
+        try:
+            try:
+                raise RuntimeError(cause)
+            except RuntimeError as exc:
+                raise AddTestsDirError("Failed to add tests directory to environment.") from exc
+        except AddTestsDirError as exc:
+            return exc
+
+    detail = _describe(wrapped("cp error: Error response from daemon: container 1f2e is not running"))
+    assert detail.startswith("AddTestsDirError: Failed to add tests directory to environment.")
+    assert "(from RuntimeError: cp error: Error response from daemon: container 1f2e is not running)" in detail
+    long = _describe(wrapped("head " + "x" * 10_000 + " tail"))
+    assert "head" in long and "tail" in long and len(long) < 200 + CAUSE_CHARS  # both ends kept, bounded
+    assert _describe(RuntimeError("alone")) == "RuntimeError: alone"  # no cause: nothing added

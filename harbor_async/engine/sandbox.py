@@ -35,6 +35,7 @@ from harbor_async.core.errors import (
     TransferLimitError,
     VerifierFailure,
     VerifierPathError,
+    error_chain,
     throttle_in,
 )
 from harbor_async.core.logs import get_logger
@@ -652,7 +653,7 @@ class Sandbox:
         elif isinstance(exc, anyio.get_cancelled_exc_class()):
             error = SandboxCancelledError(phase, self.task_name, self.id, "cancelled before it finished", start_attempt=attempt)
         else:
-            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            detail = _describe(exc)
             invalid = InvalidTaskError if phase is Phase.START and is_invalid_task(exc) else None
             error = (invalid or PHASE_ERRORS[phase])(phase, self.task_name, self.id, detail, start_attempt=attempt)
         error.__cause__ = exc
@@ -669,6 +670,22 @@ class Sandbox:
 
     def __repr__(self) -> str:
         return f"<Sandbox {self.id} task={self.task_name!r} backend={self.backend.name!r} {self.state}>"
+
+
+#: Characters of a wrapped error's root cause kept in the detail (a failed CLI call's output can be long).
+CAUSE_CHARS = 600
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message``, and the root cause it was raised from where that says more: a library's wrapper
+    (Harbor's ``AddTestsDirError``) names the step that failed, only its cause says why."""
+    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    root = list(error_chain(exc))[-1]
+    if root is not exc and str(root) and str(root) not in detail:
+        text = str(root)
+        cut = text if len(text) <= CAUSE_CHARS else text[: CAUSE_CHARS // 2] + " … " + text[-CAUSE_CHARS // 2 :]
+        detail += f" (from {type(root).__name__}: {cut})"
+    return detail
 
 
 def _make_marked_folder(folder: Path, owner: str) -> bool:
