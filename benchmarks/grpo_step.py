@@ -23,7 +23,7 @@ from harbor_async.tasks.suite import load_suite
 
 IMPLEMENTATIONS = ("trl", "shim", "shim-rounds", "shim-prefetch", "shim-prefetch-early")
 #: ``shim-rounds``: the shim's envs with each turn's calls dispatched by HarborGRPOTrainer's own
-#: round code (:func:`shim.tool_dispatch.run_tool_round`, all rollouts at once) instead of one after another.
+#: round code (:class:`shim.tool_rounds.ToolCallsAhead`, all rollouts at once) instead of one after another.
 #: ``shim-prefetch``: and the next step's sandboxes started once this step's rewards are in (where
 #: HarborGRPOTrainer starts them), through its prefetch (:mod:`shim.prefetch`), released once the next
 #: step's resets are in; ``shim-prefetch-early``: started when the rewards begin instead, beside the
@@ -192,18 +192,15 @@ def run_grpo_steps(
 
 
 def _round(envs: Sequence[Any], commands: Sequence[str]) -> None:
-    """One turn through HarborGRPOTrainer's dispatch: every rollout's ``bash`` call at once."""
+    """One turn through HarborGRPOTrainer's dispatch: TRL's serial calls, each rollout's ``bash`` run ahead at once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from shim.tool_dispatch import run_tool_round
+    from shim.tool_rounds import ToolCallsAhead
 
-    calls = [
-        (
-            [{"type": "function", "function": {"name": "bash", "arguments": {"command": command}}}],
-            {"bash": env.bash},
-            {},
-        )
-        for env, command in zip(envs, commands, strict=True)
-    ]
+    calls = [{"type": "function", "function": {"name": "bash", "arguments": {"command": c}}} for c in commands]
+    completions = [[{"role": "assistant", "tool_calls": [call]}] for call in calls]
     with ThreadPoolExecutor(len(calls)) as pool:
-        run_tool_round(calls, None, pool)
+        ahead = ToolCallsAhead(completions, [{"bash": env.bash} for env in envs], pool)
+        for tools, call in zip(ahead.tool_dicts(), calls, strict=True):  # as TRL's loop asks, one after another
+            tools["bash"](**call["function"]["arguments"])
+        ahead.close()

@@ -19,8 +19,8 @@ Three changes to a ``GRPOTrainer`` step, nothing else:
    which waits on the shim's loop thread). A rollout's own calls stay in order,
    sync results before async ones, with TRL's ``{"error": ...}`` messages and
    failure counts: the messages, their order, the masks, the logprobs and the
-   token accounting are GRPOTrainer's own (see :mod:`shim.tool_rounds`, TRL
-   1.16's loop with only the calling block replaced). Tools passed as
+   token accounting are GRPOTrainer's own: TRL's own loop runs unchanged, and
+   each round's calls run ahead of it (see :mod:`shim.tool_rounds`). Tools passed as
    ``tools=`` (not env methods) are shared by all rollouts, so they must be
    thread-safe; ``tool_workers=1`` gives TRL's serial behaviour back.
    (TRL's ``AsyncGRPOTrainer`` needs none of this: its rollout worker already
@@ -52,8 +52,10 @@ Three changes to a ``GRPOTrainer`` step, nothing else:
    boundary, which a ``max_live_sandboxes`` limit bounds (starts ahead then
    queue for slots). Logged as ``env/prefetch_hits`` and ``env/prefetch_unused``.
 
-Written against TRL 1.16; any other TRL version is refused with
-:class:`UnsupportedTRLVersionError`.
+Runs on every TRL release pyproject.toml allows (:data:`SUPPORTED_TRL`; CI
+trains with it on both ends); another version is refused with
+:class:`UnsupportedTRLVersionError`. Nothing of TRL's is copied: it overrides
+the trainer's own steps and calls them.
 """
 
 from __future__ import annotations
@@ -61,13 +63,13 @@ from __future__ import annotations
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import torch
 import trl
-from packaging.version import Version
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 from transformers.trainer_utils import IntervalStrategy
 from trl import GRPOTrainer
 
@@ -77,17 +79,12 @@ from shim import engines, prefetch
 from shim.env import HarborEnv
 from shim.lookahead import TASK_COLUMN, GenerationLookahead, LookaheadSampler, task_key
 from shim.prefetch import PrefetchCounts
-from shim.tool_rounds import (
-    RolloutCalls,
-    RolloutOutcome,
-    run_tool_round,
-    tool_call_loop,
-)
+from shim.tool_rounds import ToolCallsAhead
 
 log = get_logger("harbor_async.shim")
 
-#: The TRL release series this integration copies its tool loop from and was tested with.
-TESTED_TRL_VERSION = "1.16"
+#: The TRL releases HarborGRPOTrainer runs on: pyproject.toml's range for the ``trl`` extra, whose ends CI tests.
+SUPPORTED_TRL = ">=1.7,<2"
 #: Key of the per-row "failed for infrastructure reasons" flag in the trainer's generation batch.
 FAILED_KEY = "harbor_infrastructure_failed"
 #: Loss types that average over sequences: failed rows are dropped so the count of sequences excludes them.
@@ -123,26 +120,26 @@ RELEASE_TIMEOUT = 30.0
 
 
 class UnsupportedTRLVersionError(HarborAsyncError, RuntimeError):
-    """The installed TRL is not the release series ``HarborGRPOTrainer`` was written against."""
+    """The installed TRL is outside the releases ``HarborGRPOTrainer`` runs on (:data:`SUPPORTED_TRL`)."""
 
     def __init__(self, found: str) -> None:
         self.found = found
-        self.tested = TESTED_TRL_VERSION
+        self.supported = SUPPORTED_TRL
         super().__init__(
-            f"HarborGRPOTrainer copies TRL {TESTED_TRL_VERSION}'s tool loop and was tested with TRL "
-            f"{TESTED_TRL_VERSION}.x only; TRL {found} is installed. Install trl=={TESTED_TRL_VERSION}.* "
-            "or use GRPOTrainer with the shim's HarborSpec (serial tool rounds)."
+            f"HarborGRPOTrainer runs on TRL {SUPPORTED_TRL} (it drives GRPOTrainer's own tool loop); TRL {found} "
+            f"is installed. Install 'trl{SUPPORTED_TRL}' or use GRPOTrainer with the shim's "
+            "HarborSpec (serial tool rounds)."
         )
 
 
 def check_trl_version(version: str | None = None) -> None:
-    """Raise :class:`UnsupportedTRLVersionError` unless ``version`` (default: TRL's) is a 1.16.x release."""
+    """Raise :class:`UnsupportedTRLVersionError` unless ``version`` (default: TRL's) is within :data:`SUPPORTED_TRL`."""
     found = trl.__version__ if version is None else version
     try:
-        release = Version(found).release[:2]
-    except Exception as exc:
+        release = Version(found)
+    except InvalidVersion as exc:
         raise UnsupportedTRLVersionError(found) from exc
-    if release != Version(TESTED_TRL_VERSION).release[:2]:
+    if not SpecifierSet(SUPPORTED_TRL).contains(release, prereleases=True):
         raise UnsupportedTRLVersionError(found)
 
 
@@ -163,7 +160,7 @@ class HarborGRPOTrainer(GRPOTrainer):
             generation and before an evaluation.
 
     Raises:
-        UnsupportedTRLVersionError: the installed TRL is not 1.16.x.
+        UnsupportedTRLVersionError: the installed TRL is outside :data:`SUPPORTED_TRL`.
     """
 
     # As GRPOTrainer sets them (transformers' Trainer types them wider: an optional model, TrainingArguments).
@@ -193,19 +190,17 @@ class HarborGRPOTrainer(GRPOTrainer):
 
     # ── concurrent tool rounds ───────────────────────────────────────────
 
-    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
-        """TRL 1.16's loop, each round's rollouts at once (see :mod:`shim.tool_rounds`)."""
-        return tool_call_loop(
-            self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
-        )
-
-    def _harbor_run_tool_round(self, rollouts: Sequence[RolloutCalls]) -> list[RolloutOutcome]:
-        """One round's calls of every rollout; the trainer thread's wait is timed."""
-        begin = time.perf_counter()
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, *rest):
+        """TRL's own loop, with each round's sync calls of every rollout run at once ahead of it (:mod:`shim.tool_rounds`)."""
+        originals = self._sync_tool_dicts
+        ahead = ToolCallsAhead(completions, originals, self._tool_pool())
+        self._sync_tool_dicts = ahead.tool_dicts()
         try:
-            return run_tool_round(rollouts, getattr(self, "async_loop", None), self._tool_pool())
+            return super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, *rest)
         finally:
-            self._harbor_wait["tools"] += time.perf_counter() - begin
+            self._sync_tool_dicts = originals
+            ahead.close()
+            self._harbor_wait["tools"] += ahead.waited
 
     def _tool_pool(self) -> ThreadPoolExecutor | None:
         if self._harbor_tool_workers == 1:
@@ -243,10 +238,10 @@ class HarborGRPOTrainer(GRPOTrainer):
             return sampler
         data = self.train_dataset if dataset is None else dataset
         key = task_key(data)
-        if key is None or self._multi_environment:
+        if key is None or getattr(self, "_multi_environment", False):  # TRL < 1.16: one factory
             log.warning(
                 "prefetch is off: it needs a `task_dir` column and a single environment factory",
-                multi_environment=self._multi_environment,
+                multi_environment=getattr(self, "_multi_environment", False),
             )
             self._harbor_prefetch_warned = True
             return sampler

@@ -19,6 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import copy
 import json
 import re
 import threading
@@ -37,13 +38,14 @@ from harbor_async.suites import example_suite_path
 from shim import engines
 from shim.trainer import (
     FAILED_KEY,
+    SUPPORTED_TRL,
     HarborGRPOTrainer,
     UnsupportedTRLVersionError,
     check_trl_version,
 )
 from tests.test_shim_grpo import _grpo_args
 
-pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
+pytestmark = [pytest.mark.slow, pytest.mark.trl_api]  # a real trainer; .ci/range trains on both ends of TRL's range
 
 INDICES = [1, 3]  # csv-column-sum, csv-max-price: tasks with a gold answer
 MARKER = re.compile(r"\[r(\d)\]")
@@ -199,6 +201,15 @@ def _run_one_step(trainer_cls, tmp_path: Path, tiny_model) -> dict:
         return output
 
     trainer._generate_and_score_completions = recording
+    conversations = []
+    inner_loop = trainer._tool_call_loop
+
+    def recording_loop(*args):  # the conversations as the tool loop leaves them (TRL < 1.16 logs decoded text)
+        result = inner_loop(*args)
+        conversations.append(copy.deepcopy(result[1]))
+        return result
+
+    trainer._tool_call_loop = recording_loop
     CALLS.clear()
     try:
         with patch.object(trainer.model, "generate", side_effect=ScriptedTurns(tokenizer, scripts(golds))):
@@ -211,6 +222,7 @@ def _run_one_step(trainer_cls, tmp_path: Path, tiny_model) -> dict:
         "output": output,
         "prompts": list(trainer._logs["prompt"]),
         "completions": list(trainer._logs["completion"]),
+        "conversations": conversations[0],
         "rewards": {k: list(v) for k, v in trainer._logs["rewards"].items()},
         "history": trainer.state.log_history,
         "calls": [(start, end, env_rows[env], tool, arg) for start, end, env, tool, arg in CALLS],
@@ -232,7 +244,8 @@ def test_same_step_as_grpo_trainer_with_rollouts_run_at_once(tmp_path: Path, tin
     # ── the conversations: prompts, assistant turns, tool messages in TRL's order ──
     assert harbor["prompts"] == plain["prompts"]
     assert harbor["completions"] == plain["completions"]
-    tool_messages = [[m for m in c if m["role"] == "tool"] for c in plain["completions"]]
+    assert harbor["conversations"] == plain["conversations"]
+    tool_messages = [[m for m in c if m["role"] == "tool"] for c in plain["conversations"]]
     assert tool_messages[0] == []  # no tool call
     first_turn = tool_messages[1][:5]
     # sync results first, in call order; then the async one, which saw both sync writes
@@ -281,13 +294,18 @@ def test_same_step_as_grpo_trainer_with_rollouts_run_at_once(tmp_path: Path, tin
     assert leak_probe.bwrap_pids() - bwrap_before == set()
 
 
-def test_untested_trl_version_is_refused() -> None:
-    check_trl_version("1.16.0")
-    check_trl_version("1.16.3")
-    for version in ("1.15.2", "1.17.0", "2.0.0", "not-a-version"):
+def test_a_trl_outside_the_supported_range_is_refused() -> None:
+    """The gate is pyproject.toml's own range for TRL, whose ends .ci/range trains on."""
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f"trl{SUPPORTED_TRL}" in extras["trl"]
+    for version in ("1.7.0", "1.16.0", "1.16.3", "1.99"):
+        check_trl_version(version)
+    for version in ("1.6.0", "0.29.1", "2.0.0", "not-a-version"):
         with pytest.raises(UnsupportedTRLVersionError) as info:
             check_trl_version(version)
-        assert info.value.tested == "1.16" and info.value.found == version
-        assert "1.16" in str(info.value)
-    with patch("trl.__version__", "1.17.0"), pytest.raises(UnsupportedTRLVersionError):
+        assert info.value.supported == SUPPORTED_TRL and info.value.found == version
+        assert SUPPORTED_TRL in str(info.value)
+    with patch("trl.__version__", "2.0.0"), pytest.raises(UnsupportedTRLVersionError):
         HarborGRPOTrainer(model="unused", args=None)

@@ -33,7 +33,7 @@ from shim.trainer import FAILED_KEY, METRIC_KEYS, HarborGRPOTrainer, select_rows
 from tests.test_trainer import grpo_args
 from tests.trainer_backend import OneFailedStart
 
-pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
+pytestmark = [pytest.mark.slow, pytest.mark.trl_api]  # a real trainer; .ci/range trains on both ends of TRL's range
 
 MARKER = re.compile(r"\[r(\d)\]")
 

@@ -29,7 +29,7 @@ from shim import engines
 from shim.trainer import HarborGRPOTrainer
 from tests.test_trainer import grpo_args
 
-pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
+pytestmark = [pytest.mark.slow, pytest.mark.trl_api]  # a real trainer; .ci/range trains on both ends of TRL's range
 
 HARNESS = str(Path(__file__).with_name("trl_style_harness.py")) + ":NotesHarness"
 INDICES = [1, 3, 4, 9]  # tasks with a gold answer
@@ -102,12 +102,21 @@ def test_trl_harness_file_trains_two_steps_unchanged(tmp_path: Path, leak_probe)
         return per_func
 
     trainer._calculate_rewards = recording
+    conversations: list[list[dict]] = []
+    inner_loop = trainer._tool_call_loop
+
+    def recording_loop(*args):  # each step's conversations (TRL < 1.16 logs them as decoded text)
+        result = inner_loop(*args)
+        conversations[:] = result[1]
+        return result
+
+    trainer._tool_call_loop = recording_loop
     try:
         assert sorted(tool.__name__ for tool in trainer.tools) == ["run", "submit"]
         with patch.object(trainer.model, "generate", side_effect=Scripted(tokenizer, golds)):
             trainer.train()
-        pool = list(trainer._environment_pool[None])
-        completions = list(trainer._logs["completion"])  # the last step's
+        pool = trainer.environments  # the envs of the batch (TRL 1.16: drawn from a pool that holds the same ones)
+        completions = conversations  # the last step's
     finally:
         spec.close()
         env.close()

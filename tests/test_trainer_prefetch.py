@@ -38,7 +38,7 @@ from shim.trainer import PREFETCH_METRIC_KEYS, HarborGRPOTrainer
 from tests.test_shim_grpo import _grpo_args
 from tests.test_trainer_failures import Scripted, _turns
 
-pytestmark = pytest.mark.slow  # a real trainer, cluster, daemon, browser or wheel
+pytestmark = [pytest.mark.slow, pytest.mark.trl_api]  # a real trainer; .ci/range trains on both ends of TRL's range
 
 STEPS = 3
 
@@ -260,7 +260,8 @@ def test_an_unforeseen_evaluation_stops_the_starts_ahead_instead_of_waiting_behi
 
 def test_no_start_ahead_before_a_scheduled_evaluation(runs) -> None:
     run = runs["scheduled-eval"]
-    assert len(run["evaluations"]) == 2  # after step 2, and at the end
+    # after step 2, and at the end where the installed transformers evaluates there too (5.2 does not)
+    assert [e["step"] for e in run["evaluations"]] in ([2], [2, STEPS])
     assert run["started_ahead"] == [(0, 4)]  # step 2's: steps 3 and "4" come after an evaluation or not at all
     assert [e["env/prefetch_hits"] for e in run["history"]] == [0.0, 4.0, 0.0]
     assert all(e["eval_env/prefetch_unused"] == 0.0 for e in run["evaluations"])

@@ -1,0 +1,131 @@
+"""ToolCallsAhead: a round's sync calls run ahead for every rollout, served to a caller that asks one rollout at a time.
+
+The caller here plays TRL's ``_tool_call_loop`` calling block (rollout after
+rollout, each call in order, ``{"error": str(e)}`` for a raising tool); the
+real loop is exercised in ``tests/test_trainer.py`` against ``GRPOTrainer``.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from shim.tool_rounds import ToolCallsAhead
+
+
+def call(name: str, **arguments: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def as_trl_calls(ahead: ToolCallsAhead, completions: list[list[dict[str, Any]]]) -> list[list[Any]]:
+    """TRL's calling block: each rollout in turn, its sync calls in order, errors as messages."""
+    tools = ahead.tool_dicts()
+    results = []
+    for index, messages in enumerate(completions):
+        mine = []
+        for tool_call in messages[-1].get("tool_calls") or []:
+            function = tool_call["function"]
+            try:
+                if function["name"] not in tools[index]:
+                    raise ValueError(f"Tool {function['name']} not found.")
+                mine.append(tools[index][function["name"]](**function["arguments"]))
+            except Exception as e:  # noqa: BLE001 - as TRL
+                mine.append({"error": str(e)})
+        results.append(mine)
+    return results
+
+
+class Shell:
+    """A rollout's sync tools, logging each call; ``gate`` holds a call until another rollout's call has begun."""
+
+    def __init__(self, log: list[tuple[int, str]], index: int, gate: threading.Event | None = None) -> None:
+        self.log, self.index, self.gate, self.files = log, index, gate, ""
+
+    def write(self, text: str) -> str:
+        self.log.append((self.index, f"write {text}"))
+        self.files += text
+        return "ok"
+
+    def read(self) -> str:
+        if self.gate is not None:
+            self.log.append((self.index, f"waited {self.gate.wait(timeout=10)}"))
+        self.log.append((self.index, "read"))
+        return self.files
+
+    def fail(self, reason: str) -> str:
+        raise RuntimeError(f"failed: {reason}")
+
+    def tools(self) -> dict[str, Any]:
+        return {"write": self.write, "read": self.read, "fail": self.fail}
+
+
+def test_a_rounds_rollouts_run_at_once_each_in_its_own_order():
+    log: list[tuple[int, str]] = []
+    started = threading.Event()
+    first = Shell(log, 0, gate=started)  # its read needs rollout 1 to have begun: serially this waits 10 s and logs False
+    second = Shell(log, 1)
+    second_write = second.write
+
+    def write_and_signal(text: str) -> str:
+        started.set()
+        return second_write(text)
+
+    second.write = write_and_signal  # type: ignore[method-assign]
+    completions = [
+        [{"role": "assistant", "tool_calls": [call("write", text="a"), call("read"), call("fail", reason="boom")]}],
+        [{"role": "assistant", "tool_calls": [call("write", text="b"), call("nope"), call("read")]}],
+    ]
+    with ThreadPoolExecutor(4) as pool:
+        ahead = ToolCallsAhead(completions, [first.tools(), second.tools()], pool)
+        results = as_trl_calls(ahead, completions)
+        ahead.close()
+    assert results == [["ok", "a", {"error": "failed: boom"}], ["ok", {"error": "Tool nope not found."}, "b"]]
+    assert (0, "waited True") in log  # rollout 1 ran while rollout 0 was still in its calls
+    assert [entry for i, entry in log if i == 0] == ["write a", "waited True", "read"]  # each rollout's own order
+    assert [entry for i, entry in log if i == 1] == ["write b", "read"]  # every call once: none run twice
+    assert ahead.rounds == 1 and ahead.waited > 0
+
+
+def test_only_the_calls_trl_makes_run_ahead_and_an_answered_message_never_runs_again():
+    log: list[tuple[int, str]] = []
+    shell = Shell(log, 0)
+    message = {
+        "role": "assistant",
+        "tool_calls": [
+            call("write", text="x"),
+            {"type": "code", "function": {"name": "write", "arguments": {"text": "other type"}}},
+            {"type": "function", "function": {"name": "write", "arguments": '{"text": "a string"}'}},
+            call("unknown", text="y"),
+        ],
+    }
+    completions = [[message]]
+    with ThreadPoolExecutor(2) as pool:
+        ahead = ToolCallsAhead(completions, [shell.tools()], pool)
+        tools = ahead.tool_dicts()
+        assert tools[0]["write"](text="x") == "ok"
+        # a rolled-back round leaves the same message last: the next round must not run its calls again
+        assert tools[0]["write"](text="later") == "ok"  # not foreseen: run as called
+        ahead.close()
+    assert log == [(0, "write x"), (0, "write later")]
+
+
+def test_the_callers_exception_is_the_tools_own():
+    shell = Shell([], 0)
+    completions = [[{"role": "assistant", "tool_calls": [call("fail", reason="why")]}]]
+    with ThreadPoolExecutor(2) as pool:
+        ahead = ToolCallsAhead(completions, [shell.tools()], pool)
+        with pytest.raises(RuntimeError, match="failed: why"):
+            ahead.tool_dicts()[0]["fail"](reason="why")
+        ahead.close()
+
+
+def test_without_a_pool_nothing_runs_ahead():
+    log: list[tuple[int, str]] = []
+    shells = [Shell(log, 0), Shell(log, 1)]
+    completions = [[{"role": "assistant", "tool_calls": [call("write", text=str(i)), call("read")]}] for i in range(2)]
+    ahead = ToolCallsAhead(completions, [s.tools() for s in shells], None)
+    assert as_trl_calls(ahead, completions) == [["ok", "0"], ["ok", "1"]]
+    assert log == [(0, "write 0"), (0, "read"), (1, "write 1"), (1, "read")] and ahead.rounds == 0
