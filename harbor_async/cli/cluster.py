@@ -1,7 +1,7 @@
 """Command-line pieces for running past one machine: the budget options, ``--ray``, and the ledger commands.
 
-``run`` and ``eval`` take the options as parameters and call
-:func:`budget_from_options`; ``sandboxes list|reap --ray`` call
+``run`` and ``eval`` take the options as parameters, turn them into settings
+with :func:`cluster_settings` (checked), and build the budget with :func:`budget_from_options`; ``sandboxes list|reap --ray`` call
 :func:`ledger_list` and :func:`ledger_reap`. Ray is imported only when asked for.
 """
 
@@ -69,7 +69,8 @@ def budget_from_options(
     ``on_ray``: the episodes run on the Ray cluster (``--ray``), whose address ``ray_address`` is then too.
     Raises ``typer.Exit(2)`` on a bad combination, and when Ray is not installed.
     """
-    warn_renamed_flags(RENAMED_FLAGS)
+    if on_ray:
+        require_ray()
     if budget not in ("local", "ray"):
         raise fail(f"--budget must be 'local' or 'ray', got {budget!r}")
     if budget == "local":
@@ -83,6 +84,19 @@ def budget_from_options(
 
     # run/eval episodes need one sandbox each: per-sandbox leases cannot deadlock.
     return factory(address=ray_address, max_live=max_live, creates_per_second=creates_per_second)
+
+
+def cluster_settings(
+    budget: str, ray_address: str | None, max_live: int | None, creates_per_second: float | None, on_ray: bool
+) -> dict[str, Any]:
+    """The options as run's and eval's settings (``RunSettings`` and ``EvaluateSettings`` share these names),
+    checked as a combination by :func:`budget_from_options` (``typer.Exit(2)``)."""
+    warn_renamed_flags(RENAMED_FLAGS)
+    budget_from_options(budget, ray_address, max_live, creates_per_second, on_ray)
+    return {
+        "ray": on_ray, "ray_address": ray_address, "budget": budget,
+        "cluster_max_live": max_live, "cluster_creates_per_second": creates_per_second,
+    }  # fmt: skip
 
 
 def require_ray() -> None:

@@ -191,9 +191,7 @@ def eval_command(
     setup_logging(log_level, log_format)  # the flag, else $HARBOR_ASYNC_LOG_LEVEL/_FORMAT; a bad one: one line, exit 2
     if err.is_terminal and _names_a_harbor_agent(agent):  # its libraries take seconds to load: say so now (a person)
         say("loading:", f"-a {agent} (Harbor's agent and its model libraries take a few seconds)", "dim")
-    cluster_opts.budget_from_options(budget, ray_address, max_live, creates_per_second, on_ray)  # checks the combination
-    if on_ray:
-        cluster_opts.require_ray()
+    cluster = cluster_opts.cluster_settings(budget, ray_address, max_live, creates_per_second, on_ray)  # checked now
     if path and dataset:
         raise fail("give -p PATH or -d DATASET, not both")
     if not model and resume is None:
@@ -222,11 +220,7 @@ def eval_command(
         n_tasks=num_tasks,
         include=include,
         exclude=exclude,
-        ray=on_ray,
-        ray_address=ray_address,
-        budget=budget,
-        cluster_max_live=max_live,
-        cluster_creates_per_second=creates_per_second,
+        **cluster,
         base_url=base_url,
         serve_cmd=serve_cmd,
         step_from=step_from,

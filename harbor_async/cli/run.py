@@ -265,8 +265,8 @@ def run(
             agent_setup_timeout_multiplier=agent_setup_timeout_multiplier, episode_timeout=episode_timeout,
             start_timeout=start_timeout, slot_timeout=slot_timeout, start_attempts=start_attempts,
             start_retry_wait=start_retry_wait, start_retry_max_wait=start_retry_max_wait,
-            start_retry_max_total=start_retry_max_total, adaptive_starts=adaptive_starts, resource_telemetry=resource_telemetry, ray=on_ray, ray_address=ray_address, budget=budget,
-            cluster_max_live=max_live, cluster_creates_per_second=creates_per_second,
+            start_retry_max_total=start_retry_max_total, adaptive_starts=adaptive_starts, resource_telemetry=resource_telemetry,
+            **cluster_opts.cluster_settings(budget, ray_address, max_live, creates_per_second, on_ray),
             max_model_server_failures=max_model_server_failures,
         )  # fmt: skip
         if settings.agent not in MODEL_FREE_AGENTS and not quiet and err.is_terminal:  # seconds to load: say so now
@@ -323,8 +323,6 @@ def run(
     budget_factory = cluster_opts.budget_from_options(
         settings.budget, settings.ray_address, settings.cluster_max_live, settings.cluster_creates_per_second, on_ray
     )
-    if on_ray:
-        cluster_opts.require_ray()
 
     export = _open_export(json_path)  # an unwritable export fails now, not after the batch
     if resume is None:
