@@ -52,8 +52,8 @@ Three changes to a ``GRPOTrainer`` step, nothing else:
    boundary, which a ``max_live_sandboxes`` limit bounds (starts ahead then
    queue for slots). Logged as ``env/prefetch_hits`` and ``env/prefetch_unused``.
 
-Runs on every TRL release pyproject.toml allows (:data:`SUPPORTED_TRL`; CI
-trains with it on both ends); another version is refused with
+Runs on the TRL releases CI trains it on (:data:`SUPPORTED_TRL`: the lowest
+the range allows to the highest released); another version is refused with
 :class:`UnsupportedTRLVersionError`. Nothing of TRL's is copied: it overrides
 the trainer's own steps and calls them.
 """
@@ -73,6 +73,7 @@ from packaging.version import InvalidVersion, Version
 from transformers.trainer_utils import IntervalStrategy
 from trl import GRPOTrainer
 
+from harbor_async.cli.machine_checks import SUPPORTED
 from harbor_async.core.errors import HarborAsyncError
 from harbor_async.core.logs import get_logger
 from shim import engines, prefetch
@@ -83,8 +84,9 @@ from shim.tool_rounds import ToolCallsAhead
 
 log = get_logger("harbor_async.shim")
 
-#: The TRL releases HarborGRPOTrainer runs on: pyproject.toml's range for the ``trl`` extra, whose ends CI tests.
-SUPPORTED_TRL = ">=1.7,<2"
+#: The TRL releases HarborGRPOTrainer runs on: those of the range CI trains on (its lowest and highest), as for all
+#: code that overrides TRL's private methods (``trl-internals``); a later release may change them.
+SUPPORTED_TRL = SUPPORTED["trl-internals"]
 #: Key of the per-row "failed for infrastructure reasons" flag in the trainer's generation batch.
 FAILED_KEY = "harbor_infrastructure_failed"
 #: Loss types that average over sequences: failed rows are dropped so the count of sequences excludes them.

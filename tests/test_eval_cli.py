@@ -200,7 +200,10 @@ def test_a_killed_server_stops_the_eval_and_keeps_the_judged_episodes(tmp_path: 
 
 def test_a_backend_whose_package_is_missing_is_one_line_before_the_server(tmp_path: Path) -> None:
     with ScriptedServer() as server:
-        result = _cli("-m", "solver", "--base-url", server.base_url, "-e", "e2b", "-l", "2", "-o", str(tmp_path / "jobs"))
+        result = _cli(
+            "-m", "solver", "--base-url", server.base_url, "-e", "e2b", "-l", "2", "-o", str(tmp_path / "jobs"),
+            env={"PYTHONPATH": str(Path(__file__).parent / "missing_packages")},  # E2B's SDK hidden, as not installed
+        )  # fmt: skip
         assert server.requests == {}
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.strip()]

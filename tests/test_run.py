@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -232,13 +233,14 @@ async def test_an_interruption_after_a_scored_failure_leaves_the_episode_unjudge
     assert [p.phase for p in record.phases] == ["start", "agent", "verify", "stop"]
 
 
+#: E2B's SDK hidden from a child process, as where it is not installed (the dev environment has it).
+WITHOUT_E2B = {"PYTHONPATH": str(Path(__file__).parent / "missing_packages")}
+
+
 @pytest.mark.slow
 @pytest.mark.range
 def test_a_backend_whose_package_is_missing_is_one_line_before_anything_starts(tmp_path) -> None:
-    import importlib.util
-
-    assert importlib.util.find_spec("e2b") is None  # harbor[e2b] is not part of this project's environment
-    result = harbor_async("run", "-e", "e2b", "-o", str(tmp_path / "jobs"))
+    result = harbor_async("run", "-e", "e2b", "-o", str(tmp_path / "jobs"), env=WITHOUT_E2B)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["error: backend 'e2b' needs the 'e2b' package, which is not installed: pip install 'harbor[e2b]'"]
     assert not (tmp_path / "jobs").exists()  # no job folder, no episode

@@ -34,6 +34,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 import shim
 from benchmarks.tiny_model import build_tiny_qwen3, encode_exact
+from harbor_async.cli.machine_checks import SUPPORTED, TESTED
 from harbor_async.suites import example_suite_path
 from shim import engines
 from shim.trainer import (
@@ -295,14 +296,12 @@ def test_same_step_as_grpo_trainer_with_rollouts_run_at_once(tmp_path: Path, tin
 
 
 def test_a_trl_outside_the_supported_range_is_refused() -> None:
-    """The gate is pyproject.toml's own range for TRL, whose ends .ci/range trains on."""
-    import tomllib
-
-    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert f"trl{SUPPORTED_TRL}" in extras["trl"]
-    for version in ("1.7.0", "1.16.0", "1.16.3", "1.99"):
+    """The releases .ci/range trains on, from the lowest the range allows (this file is marked trl_api)."""
+    assert SUPPORTED_TRL == SUPPORTED["trl-internals"] and SUPPORTED_TRL.startswith(">=1.7,")
+    for version in TESTED["trl"]:
         check_trl_version(version)
-    for version in ("1.6.0", "0.29.1", "2.0.0", "not-a-version"):
+    check_trl_version("1.16.3")
+    for version in ("1.6.0", "0.29.1", "1.17.0", "2.0.0", "not-a-version"):
         with pytest.raises(UnsupportedTRLVersionError) as info:
             check_trl_version(version)
         assert info.value.supported == SUPPORTED_TRL and info.value.found == version

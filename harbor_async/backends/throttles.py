@@ -6,8 +6,15 @@ Stainless as OpenAI's and Runloop's are) carry the answer's status: an
 ``httpx.HTTPStatusError``'s ``response``, or a ``status_code`` of their own.
 A 429 is a rate limit; a 429 or 403 whose body names a quota or a limit of
 concurrent sandboxes is a quota. The ``Retry-After`` header, where given,
-becomes ``retry_after``. An error carrying no status stays what it was (a
-plain start failure for the retry policy, no signal for the start window).
+becomes ``retry_after`` (from the response, or the headers the error keeps, as
+Daytona's do). Some SDKs answer a 429 with a class of their own and no status
+(E2B before 2.3x: ``RateLimitException`` alone), and Modal's gRPC answers carry
+no HTTP status at all (``RESOURCE_EXHAUSTED`` becomes its
+``ResourceExhaustedError``): those classes, named in :data:`SDK_THROTTLE_CLASSES`,
+count as a 429 whatever they carry. An error carrying neither stays what it
+was (a plain start failure for the retry policy, no signal for the start
+window). ``tests/test_cloud_throttles.py`` drives each SDK against a local
+provider that refuses it and checks what comes out here.
 """
 
 from __future__ import annotations
@@ -21,6 +28,15 @@ from harbor_async.core.errors import (
 
 #: Words of a refusal's text that make it a quota answer rather than a rate limit.
 _QUOTA_WORDS = ("quota", "concurrent", "limit of", "maximum number")
+#: The cloud SDKs' own classes of a refusal (module and name, as ``type(exc)`` has them): each is a 429 (or, for
+#: Modal, gRPC's ``RESOURCE_EXHAUSTED``), its text deciding rate limit or quota.
+SDK_THROTTLE_CLASSES = frozenset({
+    "e2b.exceptions.RateLimitException",
+    "daytona.common.errors.DaytonaRateLimitError",
+    "runloop_api_client.RateLimitError",
+    "runloop_api_client._exceptions.RateLimitError",
+    "modal.exception.ResourceExhaustedError",
+})  # fmt: skip
 
 
 def typed_throttle(exc: BaseException) -> BackendThrottledError | None:
@@ -30,7 +46,7 @@ def typed_throttle(exc: BaseException) -> BackendThrottledError | None:
             return current
         status, retry_after, body = _answer(current)
         if status == 429 or (status == 403 and _names_a_quota(body)):
-            text = f"{type(current).__name__}: {current}"
+            text = f"{type(current).__name__}: {str(current) or repr(current)}"
             if _names_a_quota(body):
                 return BackendQuotaError(text, retry_after)
             return BackendRateLimitError(text, retry_after)
@@ -43,19 +59,35 @@ def _answer(exc: BaseException) -> tuple[int | None, float | None, str]:
     status = getattr(exc, "status_code", None)
     if not isinstance(status, int):
         status = getattr(response, "status_code", None)
+    if not isinstance(status, int) and _is_sdk_throttle(exc):
+        status = 429
     if not isinstance(status, int):
         return None, None, ""
-    headers = getattr(response, "headers", None) or {}
+    headers = getattr(response, "headers", None) or getattr(exc, "headers", None)
     retry_after: float | None
     try:
-        retry_after = float(headers.get("retry-after"))  # type: ignore[arg-type]  # None: the TypeError below
+        retry_after = float(_header(headers, "retry-after"))  # type: ignore[arg-type]  # None: the TypeError below
     except (TypeError, ValueError):
         retry_after = None
     try:
         body = str(getattr(response, "text", "") or "")
     except Exception:  # noqa: BLE001 - a streamed body not read: no text to judge by
         body = ""
-    return status, retry_after, f"{body} {exc}".lower()
+    return status, retry_after, f"{body} {str(exc) or repr(exc)}".lower()
+
+
+def _is_sdk_throttle(exc: BaseException) -> bool:
+    return any(f"{cls.__module__}.{cls.__qualname__}" in SDK_THROTTLE_CLASSES for cls in type(exc).__mro__)
+
+
+def _header(headers: object, name: str) -> object:
+    """A header's value from an httpx ``Headers`` (case-blind already) or a plain dict (Daytona's), else ``None``."""
+    if not hasattr(headers, "items"):
+        return None
+    found = getattr(headers, "get", lambda _: None)(name)
+    if found is not None:
+        return found
+    return next((value for key, value in headers.items() if str(key).lower() == name), None)
 
 
 def _names_a_quota(body: str) -> bool:

@@ -71,7 +71,7 @@ def _declared_ranges() -> dict[str, str]:
 #: Supported ranges: what the installed package declares (pyproject.toml's), and
 #: what ``doctor`` checks, plus narrower ranges of single features:
 #: ``trl-internals``, code that reaches into TRL's private methods
-#: (``benchmarks/reference.py``): only the releases CI tested; ``trl-env-reward``: TRL
+#: (``benchmarks/reference.py``, ``shim.HarborGRPOTrainer``): only the releases CI tested; ``trl-env-reward``: TRL
 #: reads an env's ``get_reward`` as a reward source from 1.8 on (1.7 would list
 #: it as a tool).
 SUPPORTED: dict[str, str] = {
@@ -528,10 +528,14 @@ BACKENDS = ("local", "simulated", "docker", "docker-fast", *_CLOUD)
 
 #: How each cloud backend's rate-limit and quota answers reach the start window (harbor_async.backends.throttles).
 _THROTTLES = {
-    "runloop": "typed: its Stainless client's APIStatusError carries the HTTP status (429: rate limit or quota)",
-    "e2b": "untyped unless its error carries the HTTP status: a 429 may count as a plain start failure",
-    "modal": "untyped (gRPC errors carry no HTTP status): a refusal counts as a plain start failure",
-    "daytona": "untyped unless its error carries the HTTP status: a 429 may count as a plain start failure",
+    "runloop": "typed: its client's RateLimitError and any APIStatusError carry the HTTP status (429, or a 403 that "
+    "names a quota); Retry-After from the response",
+    "e2b": "typed: RateLimitException (its 429; a text naming a quota or a concurrency limit: a quota); no "
+    "Retry-After (its errors keep no headers)",
+    "daytona": "typed: DaytonaRateLimitError and any DaytonaError with a status (429, or a 403 that names a quota); "
+    "Retry-After from the headers it keeps",
+    "modal": "typed by class: ResourceExhaustedError (gRPC's RESOURCE_EXHAUSTED; its text decides rate limit or "
+    "quota); no Retry-After",
 }
 
 
