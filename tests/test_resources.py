@@ -108,6 +108,43 @@ def test_docker_records_carry_what_each_sandbox_used(tmp_path: Path, docker_daem
     _check_measured(found, job, "docker cgroup v")  # the daemon on this machine: its cgroup, not its slow stats call
 
 
+@pytest.mark.slow
+@pytest.mark.docker
+def test_a_compose_side_service_counts_beside_the_main_container(tmp_path: Path, docker_daemon: str) -> None:
+    """A side service that spends a CPU second and holds 60 MB while the main container idles: both in the record."""
+    suite = make_suite(tmp_path / "suite", ["plain", "busy-helper"])
+    task = suite / "tasks" / "busy-helper"
+    (task / "environment" / "docker-compose.yaml").write_text(
+        "services:\n"
+        "  helper:\n"
+        "    image: debian:bookworm-slim\n"
+        "    command: [\"bash\", \"-c\", \"head -c 60000000 /dev/zero | tail -n 1 >/dev/null; "
+        "i=0; while [ $$i -lt 300000 ]; do i=$$((i+1)); done; exec sleep infinity\"]\n"
+    )
+    solve = task / "solution" / "solve.sh"
+    lines = solve.read_text().splitlines(keepends=True)
+    solve.write_text(lines[0] + "sleep 8\n" + "".join(lines[1:]))  # the agent waits for the helper's work to be done
+    done = harbor_async(
+        "run", "-p", str(suite / "tasks"), "-a", "oracle", "-e", "docker", "-o", str(tmp_path / "jobs"), "--job-name", "job",
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = {r["task"]: r["resources"] for r in records(tmp_path / "jobs" / "job")}
+    busy, plain = found["busy-helper"], found["plain"]
+    assert busy["source"].endswith(", 2 containers") and ", " not in plain["source"], (busy, plain)
+    assert busy["memory_peak_bytes"] >= 60_000_000 > 2 * plain["memory_peak_bytes"], (busy, plain)
+    assert busy["cpu_seconds"] > plain["cpu_seconds"] + 0.3, (busy, plain)
+    assert busy["processes_peak"] > plain["processes_peak"], (busy, plain)
+
+
+def test_side_by_side_containers_add_up_even_their_peaks() -> None:
+    main = ResourceUsage(cpu_seconds=1.5, memory_peak_bytes=900, disk_written_bytes=10, processes_peak=4, source="docker cgroup v1")
+    helper = ResourceUsage(cpu_seconds=0.5, memory_peak_bytes=100, disk_written_bytes=None, processes_peak=2, source="docker cgroup v1")
+    both = main.beside(helper)
+    assert (both.cpu_seconds, both.memory_peak_bytes, both.disk_written_bytes, both.processes_peak) == (2.0, 1000, 10, 6)
+    assert ResourceUsage().beside(ResourceUsage()).cpu_seconds is None
+
+
 def test_a_restart_adds_cpu_and_keeps_the_higher_peaks() -> None:
     before = ResourceUsage(cpu_seconds=1.5, memory_peak_bytes=900, disk_written_bytes=10, processes_peak=40, source="docker cgroup v1")
     after = ResourceUsage(cpu_seconds=0.25, memory_peak_bytes=100, disk_written_bytes=30, processes_peak=2, source="docker cgroup v1")

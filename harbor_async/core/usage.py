@@ -60,6 +60,21 @@ class ResourceUsage:
             source=later.source or self.source,
         )
 
+    def beside(self, other: ResourceUsage) -> ResourceUsage:
+        """This reading and ``other``'s of a container that ran at the same time (a Compose side service): CPU
+        and disk add up; so do the peaks, an upper bound (the two need not have peaked at once)."""
+
+        def add(a: float | None, b: float | None) -> Any:
+            return b if a is None else a if b is None else a + b
+
+        return ResourceUsage(
+            cpu_seconds=add(self.cpu_seconds, other.cpu_seconds),
+            memory_peak_bytes=add(self.memory_peak_bytes, other.memory_peak_bytes),
+            disk_written_bytes=add(self.disk_written_bytes, other.disk_written_bytes),
+            processes_peak=add(self.processes_peak, other.processes_peak),
+            source=self.source or other.source,
+        )
+
     def as_record(self, sandbox_seconds: float | None) -> dict[str, Any]:
         """The record's ``resources``: the measured figures only, ``sandbox_seconds`` and ``source`` first."""
         out: dict[str, Any] = {}

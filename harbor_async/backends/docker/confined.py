@@ -45,6 +45,7 @@ import subprocess
 import tarfile
 import time
 from collections.abc import Collection
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -63,7 +64,7 @@ from harbor.models.task.config import NetworkMode
 from harbor_async.backends.docker import host_network, storage
 from harbor_async.backends.docker.cleanup import docker_is_local
 from harbor_async.backends.docker.loader_files import reset_loader_files
-from harbor_async.backends.docker.usage import container_usage
+from harbor_async.backends.docker.usage import container_usage, side_services
 from harbor_async.core.bounded_output import HeadTail
 from harbor_async.core.errors import TransferLimitError
 from harbor_async.core.offload import off_loop
@@ -340,11 +341,25 @@ class ConfinedDockerEnvironment(DockerEnvironment):
     # -- what the sandbox used -----------------------------------------------------
 
     async def resource_usage(self) -> ResourceUsage | None:
-        """What the main container used over its life, asked of the daemon (:mod:`.usage`), across a strict verify's restart."""
+        """What the sandbox used over its life, asked of the daemon (:mod:`.usage`): the main container across a
+        strict verify's restart, and beside it the task's other Compose services."""
         container = await self._find_main_container()
         now = None if container is None else await self._daemon_usage(container)
         before = self._usage_before_restart
-        return now if before is None else before if now is None else before.then(now)
+        usage = now if before is None else before if now is None else before.then(now)
+        if usage is None or not self._environment_docker_compose_path.exists():  # no side service to add
+            return usage
+        project = _sanitize_docker_compose_project_name(self.session_id)
+        try:
+            services = await off_loop(side_services, project)
+        except httpx.HTTPError as exc:
+            self.logger.warning("docker sandbox %s: the daemon listed no services: %s", self.session_id, exc)
+            return usage
+        for service in services:
+            other = await self._daemon_usage(service)
+            if other is not None:
+                usage = usage.beside(other)
+        return replace(usage, source=f"{usage.source}, {len(services) + 1} containers") if services else usage
 
     async def _daemon_usage(self, container: str, *, disk: bool = True) -> ResourceUsage | None:
         try:

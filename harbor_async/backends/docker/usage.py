@@ -15,12 +15,15 @@ call runs in a worker thread, over one connection pool per process.
 
 The daemon is reached at ``DOCKER_HOST`` (a unix socket, the default one, or
 plain ``tcp://``); behind TLS, ssh or a ``DOCKER_CONTEXT`` nothing is read and
-the record says so (no ``source``). Only the main container is measured: a
-task's other Compose services are not.
+the record says so (no ``source``). A task's other Compose services
+(:func:`side_services`: the project's running containers but ``main``) are
+measured the same way and added (:meth:`ResourceUsage.beside`): their CPU
+time and disk add up, and so do their peaks, an upper bound.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from dataclasses import replace
@@ -90,6 +93,24 @@ def container_usage(container: str, *, disk: bool = True) -> ResourceUsage | Non
         disk_written_bytes=written,
         source="docker daemon",
     )
+
+
+def side_services(project: str) -> list[str]:
+    """The running containers of Compose project ``project`` other than its ``main`` service (blocking; ``[]``:
+    the daemon cannot be asked plainly).
+
+    Raises:
+        httpx.HTTPError: the daemon did not answer, or answered an error.
+    """
+    client = _client()
+    if client is None:
+        return []
+    listed = client.get("/containers/json", params={"filters": json.dumps({"label": [f"com.docker.compose.project={project}"]})})
+    listed.raise_for_status()
+    return [
+        row["Id"] for row in listed.json()
+        if (row.get("Labels") or {}).get("com.docker.compose.service") != "main"
+    ]  # fmt: skip
 
 
 def cgroup_usage(container: str) -> ResourceUsage | None:
