@@ -207,8 +207,9 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
 
 
 def _reply(body: dict[str, Any], messages: list[dict[str, Any]], calls, text: str | None = None) -> dict[str, Any]:
-    prompt_tokens = len(json.dumps(messages)) // 4
-    completion_tokens = len(json.dumps(calls or text)) // 4 + 1
+    completion = "".join(c["function"]["name"] + c["function"]["arguments"] for c in calls or []) or text or ""
+    # As vLLM counts: the token ids this server gives (a trace checked against the agent's own usage agrees).
+    prompt_tokens, completion_tokens = len(chat_ids(messages)), len(token_ids(completion))
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if calls:
         message["tool_calls"] = calls
@@ -225,7 +226,6 @@ def _reply(body: dict[str, Any], messages: list[dict[str, Any]], calls, text: st
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
-    completion = "".join(c["function"]["name"] + c["function"]["arguments"] for c in calls or []) or text or ""
     _add_tokens(body, reply, choice, completion)
     return reply
 
