@@ -145,6 +145,7 @@ def test_a_vllm_style_servers_ids_arrive_unchanged_and_the_environments_tokens_a
         assert model_tokens == [t for call in calls for t in call.completion_token_ids]
         assert 0 in mask and sum(mask) == sum(len(call.completion_token_ids) for call in calls)
         assert rollout.record.capture["rollout_details"] == {"turns": 3, "mismatches": 0, "missing": 0}
+        assert rollout.record.capture["trajectory"] == {"steps": 3, "mismatches": 0}  # Harbor's ATIF file agrees too
         # the sessions never mix: each episode's calls are about its own task
         instruction = spec._tasks[rollout.task].instruction
         assert all(call.request["messages"][0]["content"].count(instruction.strip()[:60]) for call in calls)
@@ -187,6 +188,7 @@ def test_a_server_without_token_ids_is_retokenized_and_marked(tmp_path: Path, ti
     answered = [call for call in rollout.session.calls if call.status == 200]
     assert rollout.session.calls[0].request.get("return_token_ids") is True  # terminus-2 asks too: dropped for it
     assert rollout.record.capture.get("rollout_details") is None  # Harbor's record has no ids either
+    assert rollout.record.capture.get("trajectory") is None  # nor ids from the server to check its counts by
     assert rollout.reward is not None, rollout.record.error
     assert answered and not any(call.tokens_from_server for call in answered) and rollout.session.retokenize
     assert out["harbor_retokenized"] == [rollout.row.calls] and rollout.row.retokenized >= 1

@@ -41,6 +41,8 @@ def test_run_capture_records_every_call_with_the_servers_tokens(tmp_path: Path, 
         "calls": 3, "refused": 0, "retokenize": False, "files": ["agent/capture.json"],
         # terminus-2's own record of its ids (collect_rollout_details, asked by the capture) agrees turn by turn
         "rollout_details": {"turns": 3, "mismatches": 0, "missing": 0},
+        # and so does its ATIF trajectory (agent/trajectory.json), step by step
+        "trajectory": {"steps": 3, "mismatches": 0},
     }  # fmt: skip
     capture = json.loads((trial / "agent" / "capture.json").read_text())
     calls = capture["calls"]

@@ -5,7 +5,11 @@ from __future__ import annotations
 import math
 
 from harbor_async.models.capture.rows import token_row
-from harbor_async.models.capture.trace import CapturedCall, check_rollout_details
+from harbor_async.models.capture.trace import (
+    CapturedCall,
+    check_rollout_details,
+    check_trajectory,
+)
 
 
 def call(prompt: list[int] | None, completion: list[int] | None, logprobs: list[float] | None = None, status: int = 200) -> dict:
@@ -77,3 +81,28 @@ def test_the_capture_is_checked_against_the_agents_own_record_of_its_ids() -> No
     later = [{"prompt_token_ids": [[1, 2, 3]], "completion_token_ids": [[4]]}]  # Harbor kept only the later turn
     assert check_rollout_details(calls, later) == {"turns": 1, "mismatches": 0, "missing": 1}
     assert check_rollout_details(calls, None) is None and check_rollout_details(calls, [{}]) is None
+
+
+def test_the_capture_is_checked_against_the_agents_atif_trajectory() -> None:
+    calls = [
+        CapturedCall(0, {}, False, status=200, prompt_token_ids=[1], completion_token_ids=[2, 3]),
+        CapturedCall(1, {}, False, status=500),
+        CapturedCall(2, {}, False, status=200, prompt_token_ids=[1, 2, 3], completion_token_ids=[4]),
+    ]
+
+    def trajectory(*metrics: dict) -> dict:
+        steps = [{"step_id": 1, "source": "user", "message": "task"}]
+        steps += [{"step_id": i + 2, "source": "agent", "metrics": m} for i, m in enumerate(metrics)]
+        return {"schema_version": "ATIF-v1.4", "steps": steps}
+
+    by_ids = trajectory({"prompt_token_ids": [1], "completion_token_ids": [2, 3]}, {"prompt_token_ids": [1, 2, 3], "completion_token_ids": [4]})
+    assert check_trajectory(calls, by_ids) == {"steps": 2, "mismatches": 0}
+    by_counts = trajectory({"prompt_tokens": 1, "completion_tokens": 2}, {"prompt_tokens": 3, "completion_tokens": 1})
+    assert check_trajectory(calls, by_counts) == {"steps": 2, "mismatches": 0}
+    other = trajectory({"prompt_tokens": 1, "completion_tokens": 2}, {"prompt_token_ids": [1, 2, 9], "completion_token_ids": [4]})
+    assert check_trajectory(calls, other) == {"steps": 2, "mismatches": 1}
+    twice = trajectory({"prompt_tokens": 1, "completion_tokens": 2}, {"prompt_tokens": 1, "completion_tokens": 2})
+    assert check_trajectory(calls, twice) == {"steps": 2, "mismatches": 1}  # one captured call answers one step
+    assert check_trajectory(calls, None) is None and check_trajectory(calls, trajectory()) is None
+    no_ids = [CapturedCall(0, {}, False, status=200)]  # a server that gave none (transformers serve)
+    assert check_trajectory(no_ids, by_counts) is None  # nothing of the server's to check the counts by

@@ -40,7 +40,7 @@ import anyio
 from harbor_async.agents.harbor import HarborAgentSpec
 from harbor_async.core.errors import Phase, SandboxError, SandboxTimeout
 from harbor_async.core.moved import renamed_attribute
-from harbor_async.models.capture.trace import check_rollout_details
+from harbor_async.models.capture.trace import check_rollout_details, check_trajectory
 from harbor_async.models.model_server import ServerVerdict, classify, model_server_error
 
 if TYPE_CHECKING:
@@ -57,6 +57,8 @@ USAGE_KEYS = ("n_input_tokens", "n_cache_tokens", "n_output_tokens", "cost_usd")
 CAPTURE_REQUEST = {"logprobs": True, "return_token_ids": True}
 #: The capture's file in the trial folder (beside Harbor's own ``agent/trajectory.json``).
 CAPTURE_FILE = Path("agent") / "capture.json"
+#: Where Harbor's agents write their ATIF trajectory (terminus-2 does), beside the capture.
+TRAJECTORY_FILE = Path("agent") / "trajectory.json"
 
 
 @dataclass
@@ -173,6 +175,10 @@ class HarborAgentRunner:
             before = summary.get("rollout_details") or {"turns": 0, "mismatches": 0, "missing": 0}
             summary["rollout_details"] = {key: before[key] + checked[key] for key in checked}
         if trial_dir is not None:
+            checked = check_trajectory(calls, _read_json(Path(trial_dir) / TRAJECTORY_FILE))
+            if checked is not None:  # the agent's ATIF trajectory (its steps' ids or token counts) against the calls
+                before = summary.get("trajectory") or {"steps": 0, "mismatches": 0}
+                summary["trajectory"] = {key: before[key] + checked[key] for key in checked}
             path = Path(trial_dir) / CAPTURE_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({**session.to_json(), "calls": [call.to_json() for call in calls]}))
@@ -184,6 +190,16 @@ class HarborAgentRunner:
         from harbor.agents.installed.base import BaseInstalledAgent
 
         return not isinstance(self._agent, BaseInstalledAgent)
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file the agent wrote (bounded: a trajectory past 64 MiB is not read); ``None`` if missing or not JSON."""
+    try:
+        if path.stat().st_size > 64 * 2**20:
+            return None
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _add_usage(usage: dict[str, Any], context: Any) -> None:

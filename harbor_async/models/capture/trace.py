@@ -207,3 +207,41 @@ def check_rollout_details(calls: list[CapturedCall], details: Any) -> dict[str, 
         else:
             mismatches += 1
     return {"turns": len(turns), "mismatches": mismatches, "missing": len(unmatched)}
+
+
+def check_trajectory(calls: list[CapturedCall], trajectory: Any) -> dict[str, int] | None:
+    """The captured calls against the agent's ATIF trajectory (``agent/trajectory.json``, terminus-2's).
+
+    Each agent step that reports its model call's ``metrics`` is matched with a captured call, in order:
+    by the ids where the step holds them (``prompt_token_ids`` and ``completion_token_ids``, written when
+    the agent collects its rollout details), else by the counts (``prompt_tokens``, ``completion_tokens``)
+    against the captured ids' lengths, for the calls whose ids came from the server. ``steps``: the agent
+    steps with metrics; ``mismatches``: those whose ids or counts no captured call has. ``None``: no
+    trajectory, no step with metrics, or no call whose ids came from the server.
+    """
+    steps = trajectory.get("steps") if isinstance(trajectory, dict) else None
+    measured = [
+        step["metrics"] for step in steps or []
+        if isinstance(step, dict) and step.get("source") == "agent" and isinstance(step.get("metrics"), dict)
+    ]  # fmt: skip
+    if not measured:
+        return None
+    ours = [call for call in calls if call.status == 200 and call.tokens_from_server]
+    if not ours:  # a server that gave no ids: the capture's are re-tokenized, not the server's, so nothing to match
+        return None
+    by_ids = [(tuple(c.prompt_token_ids or ()), tuple(c.completion_token_ids or ())) for c in ours]
+    by_counts = [(len(c.prompt_token_ids or ()), len(c.completion_token_ids or ())) for c in ours]
+    mismatches = 0
+    for metrics in measured:
+        prompt, completion = metrics.get("prompt_token_ids"), metrics.get("completion_token_ids")
+        if isinstance(prompt, list) and isinstance(completion, list):
+            key: tuple[Any, Any] = (tuple(prompt), tuple(completion))
+            pool: list[Any] = by_ids
+        else:
+            key, pool = (metrics.get("prompt_tokens"), metrics.get("completion_tokens")), by_counts
+        if key in pool:
+            index = pool.index(key)
+            del by_ids[index], by_counts[index]
+        else:
+            mismatches += 1
+    return {"steps": len(measured), "mismatches": mismatches}
