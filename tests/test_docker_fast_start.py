@@ -8,6 +8,8 @@ call is in the per-call profile, and nothing is left behind.
 
 from __future__ import annotations
 
+import subprocess
+
 import anyio
 import pytest
 
@@ -155,12 +157,21 @@ async def test_an_image_already_on_the_daemon_is_not_built_again(example_tasks, 
     assert docker_leftovers(OUR_PREFIX) == {}
 
 
-def test_sandboxes_prune_removes_the_task_images_runs_kept(example_tasks):
+def test_sandboxes_prune_removes_the_task_images_runs_kept(example_tasks, tmp_path):
     """The fast start keeps each task's image (``hb__*``) for the run and later ones; ``sandboxes prune`` removes them."""
+    import shutil
+    import uuid
+
     from harbor_async.backends.docker.cleanup import task_images
+    from harbor_async.tasks.suite import load_task
     from tests.cli_helpers import harbor_async
 
-    task = next(t for t in example_tasks if t.name.endswith("csv-column-sum"))
+    # An environment folder of this test's own: its image is no other test's, whose sandbox may still be using it.
+    copy = tmp_path / "own-image"
+    shutil.copytree(next(t for t in example_tasks if t.name.endswith("csv-column-sum")).paths.task_dir, copy)
+    with (copy / "environment" / "Dockerfile").open("a") as dockerfile:
+        dockerfile.write(f"\n# {uuid.uuid4()}\n")
+    task = load_task(copy)
     kept: list[str] = []
 
     async def one() -> None:
@@ -179,6 +190,7 @@ def test_sandboxes_prune_removes_the_task_images_runs_kept(example_tasks):
     # this process still believes it built the image: its next start finds it gone and builds it again
     anyio.run(one)
     assert ours in task_images()
+    subprocess.run(["docker", "rmi", ours], capture_output=True)  # this test's own image: not left behind
 
 
 

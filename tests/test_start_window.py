@@ -170,15 +170,18 @@ def test_a_throttle_is_read_through_the_errors_it_was_raised_from():
 
 
 @pytest.mark.parametrize("anyio_backend", [("trio", {"clock": MockClock(autojump_threshold=0)})])
-async def test_the_engine_halves_its_starts_on_a_providers_429s_and_says_so_in_its_figures(example_tasks):
+async def test_the_engine_halves_its_starts_on_a_providers_429s_and_says_so_in_its_figures(example_tasks, monkeypatch):
     """Virtual time: trio's MockClock jumps whenever every task waits, so the provider's rate and the
     sandboxes' latencies are exact and take no wall time."""
+    import tenacity.wait
     provider = {"create_rate": 5.0, "start_latency": 0.5, "exec_latency": 2.0, "throttle_latency": 0.05}
     retry = RetryPolicy(attempts=3, initial_wait=0.5, max_wait=10.0)
     found = {}
     for adaptive in (False, True):
         SimulatedEnvironment.reset_observations()
-        random.seed(0)  # the retries' jitter: with trio's mock clock, the whole run is then the same each time
+        # The retries' jitter from a generator of its own: with trio's mock clock the whole run is then the same each
+        # time (the process's shared one is drawn from by whatever else runs in it, a thread an earlier test left).
+        monkeypatch.setattr(tenacity.wait, "random", random.Random(0))
         windows: list[int | None] = []
         judged = 0
         async with Engine(

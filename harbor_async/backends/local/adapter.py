@@ -91,6 +91,8 @@ from harbor_async.verification.isolation import HIDDEN_SUFFIX
 
 #: Set to 0 to stop open engines keeping local sandboxes ready ahead of starts (see ``engine_hold``).
 POOL_ENV = "HARBOR_ASYNC_LOCAL_POOL"
+#: Seconds a killed exec's cgroup waits (in a worker thread) for its processes to be reaped before it is removed.
+KILLED_GROUP_WAIT = 2.0
 
 
 _WARNED: set[tuple[str, tuple[str, ...]]] = set()  # (environment folder, what it ignores) already warned of
@@ -580,8 +582,8 @@ class LocalEnvironment(SandboxTransfers, VerifierNamespace, BaseEnvironment):
                 if not ended:  # timed out or cancelled
                     await end_exec(process, self._procs_files(), kill_group=kill_group)
                 await process.aclose()
-                if kill_group is not None:
-                    await off_loop(Cgroups.drop_exec_group, kill_group)
+                if kill_group is not None:  # a killed exec's processes leave its group as they are reaped: wait for them
+                    await off_loop(Cgroups.drop_exec_group, kill_group, 0.0 if ended else KILLED_GROUP_WAIT)
             self._running.pop(process.pid, None)
             for pipe in (out, err):
                 pipe.settle()

@@ -220,8 +220,16 @@ class Cgroups:
         return folder
 
     @staticmethod
-    def drop_exec_group(folder: Path) -> None:
-        """Remove an exec's cgroup if it is empty; one still holding what the exec left running stays until :meth:`remove`."""
+    def drop_exec_group(folder: Path, wait: float = 0.0) -> None:
+        """Remove an exec's cgroup if it is empty; one still holding what the exec left running stays until :meth:`remove`.
+
+        ``wait``: seconds to let a killed exec's processes leave it first (blocking: a worker thread's). A process
+        killed through ``cgroup.kill`` stays in the group until it has exited and been reaped, which on a loaded
+        machine takes a moment after the exec's own process has ended.
+        """
+        deadline = time.monotonic() + wait
+        while wait and _populated(folder) and time.monotonic() < deadline:
+            time.sleep(0.01)
         Cgroups._rmdir_quietly(folder)
 
     @staticmethod
@@ -342,3 +350,11 @@ def sandbox_cgroups(name: str, limits: ResourceLimits) -> Cgroups:
     cgroups = Cgroups(name, version)
     cgroups.create(limits)
     return cgroups
+
+
+def _populated(folder: Path) -> bool:
+    """Whether a cgroup2 group still holds a process (its ``cgroup.events``); ``False`` where it cannot be read."""
+    try:
+        return "populated 1" in (folder / "cgroup.events").read_text()
+    except OSError:
+        return False
