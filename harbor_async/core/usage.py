@@ -11,6 +11,8 @@ of the record; ``source`` says where the others came from.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -44,18 +46,11 @@ class ResourceUsage:
     def then(self, later: ResourceUsage) -> ResourceUsage:
         """This reading followed by ``later`` of a new set of counters (a restarted container): CPU adds up, peaks
         take the higher, the disk is the later reading's (the same files)."""
-
-        def peak(a: int | None, b: int | None) -> int | None:
-            return b if a is None else a if b is None else max(a, b)
-
-        cpu = None if self.cpu_seconds is None and later.cpu_seconds is None else (
-            (self.cpu_seconds or 0.0) + (later.cpu_seconds or 0.0)
-        )  # fmt: skip
         return replace(
             later,
-            cpu_seconds=cpu,
-            memory_peak_bytes=peak(self.memory_peak_bytes, later.memory_peak_bytes),
-            processes_peak=peak(self.processes_peak, later.processes_peak),
+            cpu_seconds=_combine(self.cpu_seconds, later.cpu_seconds, operator.add),
+            memory_peak_bytes=_combine(self.memory_peak_bytes, later.memory_peak_bytes, max),
+            processes_peak=_combine(self.processes_peak, later.processes_peak, max),
             disk_written_bytes=later.disk_written_bytes if later.disk_written_bytes is not None else self.disk_written_bytes,
             source=later.source or self.source,
         )
@@ -63,15 +58,11 @@ class ResourceUsage:
     def beside(self, other: ResourceUsage) -> ResourceUsage:
         """This reading and ``other``'s of a container that ran at the same time (a Compose side service): CPU
         and disk add up; so do the peaks, an upper bound (the two need not have peaked at once)."""
-
-        def add(a: float | None, b: float | None) -> Any:
-            return b if a is None else a if b is None else a + b
-
         return ResourceUsage(
-            cpu_seconds=add(self.cpu_seconds, other.cpu_seconds),
-            memory_peak_bytes=add(self.memory_peak_bytes, other.memory_peak_bytes),
-            disk_written_bytes=add(self.disk_written_bytes, other.disk_written_bytes),
-            processes_peak=add(self.processes_peak, other.processes_peak),
+            cpu_seconds=_combine(self.cpu_seconds, other.cpu_seconds, operator.add),
+            memory_peak_bytes=_combine(self.memory_peak_bytes, other.memory_peak_bytes, operator.add),
+            disk_written_bytes=_combine(self.disk_written_bytes, other.disk_written_bytes, operator.add),
+            processes_peak=_combine(self.processes_peak, other.processes_peak, operator.add),
             source=self.source or other.source,
         )
 
@@ -86,6 +77,11 @@ class ResourceUsage:
                 out[item.name] = round(value, 4) if isinstance(value, float) else value
         out["source"] = self.source
         return out
+
+
+def _combine(a: Any, b: Any, both: Callable[[Any, Any], Any]) -> Any:
+    """``both(a, b)``, or the one of them that was measured (``None``: neither was)."""
+    return b if a is None else a if b is None else both(a, b)
 
 
 def counter(path: Path) -> int | None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import anyio
 
 from harbor_async.backends import BackendSpec
+from harbor_async.core.bounded_output import HeadTail
 from harbor_async.core.errors import (
     PHASE_ERRORS,
     BackendExecTimeout,
@@ -672,7 +673,7 @@ class Sandbox:
         return f"<Sandbox {self.id} task={self.task_name!r} backend={self.backend.name!r} {self.state}>"
 
 
-#: Characters of a wrapped error's root cause kept in the detail (a failed CLI call's output can be long).
+#: Bytes of a wrapped error's root cause kept in the detail, head and tail (a failed CLI call's output can be long).
 CAUSE_CHARS = 600
 
 
@@ -682,9 +683,9 @@ def _describe(exc: BaseException) -> str:
     detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     root = list(error_chain(exc))[-1]
     if root is not exc and str(root) and str(root) not in detail:
-        text = str(root)
-        cut = text if len(text) <= CAUSE_CHARS else text[: CAUSE_CHARS // 2] + " … " + text[-CAUSE_CHARS // 2 :]
-        detail += f" (from {type(root).__name__}: {cut})"
+        cut = HeadTail(CAUSE_CHARS)
+        cut.keep(str(root).encode())
+        detail += f" (from {type(root).__name__}: {cut.text()})"
     return detail
 
 
