@@ -328,3 +328,21 @@ def test_usage_window_measures_the_thread_it_names_and_the_collector():
     assert busy.usage.collections >= 1 and busy.usage.longest_collection_ms > 0
     assert busy.usage.collections_over_bound == busy.usage.collections
     assert busy._on_collection not in gc.callbacks  # the callback leaves with the window
+
+
+def test_the_openenv_side_by_side_finds_every_episode_that_differs():
+    """The benchmark's claim of "the same episodes" is a comparison of reward, calls and captured tokens per task."""
+    from benchmarks.openenv_side import compare
+
+    def side(**episodes: tuple) -> dict:
+        return {"episodes": {task: dict(zip(("reward", "calls", "tokens"), row, strict=True)) for task, row in episodes.items()}}
+
+    same = compare(side(a=(1.0, 3, 427), b=(0.0, 2, 90)), side(a=(1.0, 3, 427), b=(0.0, 2, 90)))
+    assert same == {"same_episodes": True, "differences": []}
+    found = compare(side(a=(1.0, 3, 427), b=(0.0, 2, 90)), side(a=(1.0, 3, 426), c=(1.0, 3, 1)))
+    assert not found["same_episodes"]
+    assert found["differences"] == [
+        {"task": "a", "field": "tokens", "openenv": 427, "harbor-async": 426},
+        {"task": "b", "missing_from": "harbor-async"},
+        {"task": "c", "missing_from": "openenv"},
+    ]
