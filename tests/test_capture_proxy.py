@@ -34,7 +34,15 @@ def _messages() -> list[dict]:
 
 
 def _client(proxy: CaptureProxy, key: str) -> openai.AsyncOpenAI:
+    """The agent's client; use it in ``async with``: one left open is closed by its ``__del__`` in whichever loop
+    is running when it is collected (another test's), where its connections' closed loop raises."""
     return openai.AsyncOpenAI(base_url=proxy.base_url, api_key=key, max_retries=0)
+
+
+async def _ask(proxy: CaptureProxy, key: str, **request: object) -> object:
+    """One chat completion from a client of its own, closed before the answer is returned."""
+    async with _client(proxy, key) as client:
+        return await client.chat.completions.create(**request)
 
 
 @pytest.fixture
@@ -47,7 +55,7 @@ def test_a_call_is_forwarded_and_recorded_with_the_servers_tokens(server):
     async def main():
         async with CaptureProxy(server.base_url, upstream_api_key="upstream-secret", request_extra=VLLM_TOKENS) as proxy:
             session = proxy.open_session("episode-1")
-            reply = await _client(proxy, session.api_key).chat.completions.create(model="solver", messages=_messages(), tools=TOOLS)
+            reply = await _ask(proxy, session.api_key, model="solver", messages=_messages(), tools=TOOLS)
             return session, reply
 
     session, reply = anyio.run(main)
@@ -70,14 +78,14 @@ def test_a_field_the_server_refuses_is_dropped_and_the_call_asked_again() -> Non
     async def main(server: ScriptedServer):
         async with CaptureProxy(server.base_url, request_extra=VLLM_TOKENS) as proxy:
             session = proxy.open_session("episode-1")
-            client = _client(proxy, session.api_key)
-            first = await client.chat.completions.create(model="solver", messages=_messages(), tools=TOOLS)
-            second = await client.chat.completions.create(  # an agent asking for the refused field itself is spared too
-                model="solver", messages=_messages(), tools=TOOLS, stream=True, extra_body={"return_token_ids": True}
-            )
-            async for _ in second:
-                pass
-            return session, first
+            async with _client(proxy, session.api_key) as client:
+                first = await client.chat.completions.create(model="solver", messages=_messages(), tools=TOOLS)
+                second = await client.chat.completions.create(  # an agent asking for the refused field itself is spared too
+                    model="solver", messages=_messages(), tools=TOOLS, stream=True, extra_body={"return_token_ids": True}
+                )
+                async for _ in second:
+                    pass
+                return session, first
 
     with ScriptedServer(refuse_fields=("return_token_ids",)) as server:
         session, first = anyio.run(main, server)
@@ -91,7 +99,7 @@ def test_without_the_servers_tokens_the_session_is_marked_for_retokenizing(serve
     async def main():
         async with CaptureProxy(server.base_url, upstream_api_key="upstream-secret") as proxy:
             session = proxy.open_session("e")
-            await _client(proxy, session.api_key).chat.completions.create(model="quitter", messages=_messages())
+            await _ask(proxy, session.api_key, model="quitter", messages=_messages())
             return session
 
     session = anyio.run(main)
@@ -102,16 +110,16 @@ def test_a_streamed_reply_reaches_the_agent_and_is_recorded_as_the_unstreamed_on
     async def main():
         async with CaptureProxy(server.base_url, upstream_api_key="upstream-secret", request_extra=VLLM_TOKENS) as proxy:
             session = proxy.open_session("e")
-            client = _client(proxy, session.api_key)
-            arguments = ""
-            async for chunk in await client.chat.completions.create(model="solver", messages=_messages(), tools=TOOLS, stream=True):
-                for part in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
-                    arguments += part.function.arguments or ""
-            plain = await client.chat.completions.create(model="quitter", messages=_messages())
-            streamed_text = ""
-            async for chunk in await client.chat.completions.create(model="quitter", messages=_messages(), stream=True):
-                streamed_text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
-            return session, arguments, plain, streamed_text
+            async with _client(proxy, session.api_key) as client:
+                arguments = ""
+                async for chunk in await client.chat.completions.create(model="solver", messages=_messages(), tools=TOOLS, stream=True):
+                    for part in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                        arguments += part.function.arguments or ""
+                plain = await client.chat.completions.create(model="quitter", messages=_messages())
+                streamed_text = ""
+                async for chunk in await client.chat.completions.create(model="quitter", messages=_messages(), stream=True):
+                    streamed_text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+                return session, arguments, plain, streamed_text
 
     session, arguments, plain, streamed_text = anyio.run(main)
     tool_call, unstreamed, text = session.calls
@@ -135,17 +143,17 @@ def test_sessions_never_mix_and_a_key_not_open_is_refused_before_the_server(serv
 
             async def agent(i: int) -> None:
                 for _ in range(i + 1):
-                    await _client(proxy, sessions[i].api_key).chat.completions.create(model="quitter", messages=_messages())
+                    await _ask(proxy, sessions[i].api_key, model="quitter", messages=_messages())
 
             async with anyio.create_task_group() as group:
                 for i in range(4):
                     group.start_soon(agent, i)
             seen = sum(server.requests.values())
             with pytest.raises(openai.AuthenticationError):
-                await _client(proxy, "sk-guessed").chat.completions.create(model="quitter", messages=_messages())
+                await _ask(proxy, "sk-guessed", model="quitter", messages=_messages())
             proxy.close_session(sessions[0])
             with pytest.raises(openai.AuthenticationError):
-                await _client(proxy, sessions[0].api_key).chat.completions.create(model="quitter", messages=_messages())
+                await _ask(proxy, sessions[0].api_key, model="quitter", messages=_messages())
             async with httpx.AsyncClient() as raw:
                 models = await raw.get(f"{proxy.base_url}/models", headers={"authorization": f"Bearer {sessions[1].api_key}"})
             return sessions, seen, models
@@ -163,15 +171,15 @@ def test_the_bounds_refuse_in_openais_shape_and_count(server):
     async def main():
         async with CaptureProxy(server.base_url, upstream_api_key="upstream-secret", limits=limits) as proxy:
             session = proxy.open_session("e")
-            client = _client(proxy, session.api_key)
-            with pytest.raises(openai.APIStatusError) as too_large:
-                await client.chat.completions.create(model="quitter", messages=[{"role": "user", "content": "x" * 10_000}])
-            await client.chat.completions.create(model="quitter", messages=_messages())
-            with pytest.raises(openai.APIStatusError) as too_slow:
-                await client.chat.completions.create(model="slow", messages=_messages())
-            with pytest.raises(openai.RateLimitError) as too_many:
+            async with _client(proxy, session.api_key) as client:
+                with pytest.raises(openai.APIStatusError) as too_large:
+                    await client.chat.completions.create(model="quitter", messages=[{"role": "user", "content": "x" * 10_000}])
                 await client.chat.completions.create(model="quitter", messages=_messages())
-            return session, too_large.value, too_slow.value, too_many.value
+                with pytest.raises(openai.APIStatusError) as too_slow:
+                    await client.chat.completions.create(model="slow", messages=_messages())
+                with pytest.raises(openai.RateLimitError) as too_many:
+                    await client.chat.completions.create(model="quitter", messages=_messages())
+                return session, too_large.value, too_slow.value, too_many.value
 
     server.slow_seconds = 3.0
     session, too_large, too_slow, too_many = anyio.run(main)
@@ -213,17 +221,17 @@ def test_a_servers_refusal_reaches_the_agent_and_the_record_streamed_or_not(serv
     async def main():
         async with CaptureProxy(server.base_url, upstream_api_key="upstream-secret") as proxy:
             session = proxy.open_session("e")
-            client = _client(proxy, session.api_key)
-            refusals = []
-            for stream in (False, True):
-                with pytest.raises(openai.NotFoundError) as refused:
-                    await client.chat.completions.create(model="no-such-model", messages=_messages(), stream=stream)
-                refusals.append(refused.value)
-            async with httpx.AsyncClient() as raw:
-                headers = {"authorization": f"Bearer {session.api_key}"}
-                malformed = await raw.post(f"{proxy.base_url}/chat/completions", content=b"{not json", headers=headers)
-                unknown = await raw.post(f"{proxy.base_url}/completions", json={"model": "solver"}, headers=headers)
-            return session, refusals, malformed, unknown
+            async with _client(proxy, session.api_key) as client:
+                refusals = []
+                for stream in (False, True):
+                    with pytest.raises(openai.NotFoundError) as refused:
+                        await client.chat.completions.create(model="no-such-model", messages=_messages(), stream=stream)
+                    refusals.append(refused.value)
+                async with httpx.AsyncClient() as raw:
+                    headers = {"authorization": f"Bearer {session.api_key}"}
+                    malformed = await raw.post(f"{proxy.base_url}/chat/completions", content=b"{not json", headers=headers)
+                    unknown = await raw.post(f"{proxy.base_url}/completions", json={"model": "solver"}, headers=headers)
+                return session, refusals, malformed, unknown
 
     session, refusals, malformed, unknown = anyio.run(main)
     assert [c.streamed for c in session.calls] == [False, True]
@@ -250,7 +258,7 @@ def test_a_client_gone_mid_call_ends_its_connection_only(server, backend):
                 raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 await client.aclose()  # gone before the answer, with a reset: the proxy's answer cannot be sent
             await anyio.sleep(1.2)  # the three slow answers arrive to closed connections
-            reply = await _client(proxy, session.api_key).chat.completions.create(model="quitter", messages=_messages())
+            reply = await _ask(proxy, session.api_key, model="quitter", messages=_messages())
             return session, reply
 
     session, reply = anyio.run(main, backend=backend)

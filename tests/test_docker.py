@@ -301,6 +301,27 @@ def test_reap_after_kill_9_in_the_middle_of_a_docker_batch():
     assert reaper.list_sandboxes(run_label=label) == []
 
 
+def test_a_live_owners_sandbox_built_from_the_cache_is_not_reaped(request):
+    """A compose build served from the cache gives the sandbox's image an earlier build's "Created": the reaper of
+    another run must still see the owner, started after that image but before the container, as alive."""
+    owner = subprocess.Popen(["sleep", "300"])
+    request.addfinalizer(owner.kill)
+    session = f"ha{owner.pid}x{os.urandom(3).hex()}-{os.urandom(5).hex()}"
+    image, container = f"{session}-main", f"{session}-main-1"
+    subprocess.run(["docker", "tag", "debian:bookworm-slim", image], check=True, timeout=60)  # dated at debian's build
+    request.addfinalizer(lambda: subprocess.run(["docker", "rmi", image], capture_output=True, timeout=60))
+    made = subprocess.run(["docker", "create", "--name", container, "--network", "none", image, "sleep", "60"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    request.addfinalizer(lambda: subprocess.run(["docker", "rm", "-f", container], capture_output=True, timeout=60))
+
+    (info,) = [i for i in reaper.list_sandboxes("docker") if i.id == session]
+    assert {r.kind for r in info.resources} == {"container", "image"}
+    assert info.owner_pid == owner.pid and info.owner_alive is True, info
+    assert reaper.reap(include_live_owners=False, backend="docker", run_label=session.split("-")[0]).reaped == []
+    assert _lines("ps", "-aq", "--filter", f"name=^{container}$")
+
+
 @pytest.mark.anyio
 async def test_a_docker_sandbox_is_confined_as_the_local_one(example_tasks, tmp_path):
     """The task's memory and cpus (Harbor applies them), and the overlay's pids limit and no-new-privileges."""

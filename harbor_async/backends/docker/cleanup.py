@@ -6,7 +6,8 @@ volumes (``<project>_*``) and built images (``<project>-main``) all carry it,
 and compose labels containers, networks and volumes with
 ``com.docker.compose.project``. The owner pid comes from the project name (or
 from the overlay's ``io.harbor-async.owner-pid`` / ``io.harbor-async.pid-ns``
-labels), the creation time from Docker's own ``Created``. The ``docker
+labels), the creation time from Docker's own ``Created`` of its containers, networks and volumes (an image's
+dates only a sandbox that left nothing else: a cached build carries an earlier build's time). The ``docker
 compose`` processes a killed owner left running are found by their
 ``--project-name`` and killed first, so that they cannot recreate what is being
 removed; so are Harbor's temporary compose override folders.
@@ -133,6 +134,7 @@ def scan() -> dict[str, SandboxInfo]:
     """Every docker object and compose process named after an engine session."""
     found: dict[str, SandboxInfo] = {}
     times: dict[str, list[datetime | None]] = {}
+    image_times: dict[str, list[datetime | None]] = {}
 
     def add(session: str, resource: Resource, created: datetime | None = None) -> None:
         info = found.get(session)
@@ -141,7 +143,9 @@ def scan() -> dict[str, SandboxInfo]:
             info = found[session] = SandboxInfo("docker", session, label, pid, None)
             times[session] = []
         info.resources.append(resource)
-        times[session].append(created)
+        # An image's "Created" is its last layer's: a build served from the cache dates it to whichever earlier build
+        # made that layer, before the owner started, which would take a live owner for a reused pid.
+        (image_times.setdefault(session, []) if resource.kind == "image" else times[session]).append(created)
 
     label = f'{{{{.Label "{COMPOSE_PROJECT_LABEL}"}}}}'
     labels = "\t".join(
@@ -206,7 +210,7 @@ def scan() -> dict[str, SandboxInfo]:
                 add(session, Resource("compose-dir", str(folder)))
 
     for session, info in found.items():
-        info.created_at = earliest(*times[session])
+        info.created_at = earliest(*times[session]) or earliest(*image_times.get(session, []))
         info.owned_by_live_process = has_live_parent(int(r.ref) for r in info.resources if r.kind == "process")
         # Duplicates (two containers naming the same compose folder): keep one.
         info.resources = list(dict.fromkeys(info.resources))
