@@ -68,12 +68,10 @@ from typing import Any, cast
 
 import torch
 import trl
-from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
 from transformers.trainer_utils import IntervalStrategy
 from trl import GRPOTrainer
 
-from harbor_async.cli.machine_checks import SUPPORTED
+from harbor_async.cli.machine_checks import SUPPORTED, in_range
 from harbor_async.core.errors import HarborAsyncError
 from harbor_async.core.logs import get_logger
 from shim import engines, prefetch
@@ -137,11 +135,7 @@ class UnsupportedTRLVersionError(HarborAsyncError, RuntimeError):
 def check_trl_version(version: str | None = None) -> None:
     """Raise :class:`UnsupportedTRLVersionError` unless ``version`` (default: TRL's) is within :data:`SUPPORTED_TRL`."""
     found = trl.__version__ if version is None else version
-    try:
-        release = Version(found)
-    except InvalidVersion as exc:
-        raise UnsupportedTRLVersionError(found) from exc
-    if not SpecifierSet(SUPPORTED_TRL).contains(release, prereleases=True):
+    if not in_range(found, SUPPORTED_TRL):
         raise UnsupportedTRLVersionError(found)
 
 

@@ -249,6 +249,15 @@ def test_require_supported_names_the_tested_range():
     assert caught.value.supported == SUPPORTED["trl"] and caught.value.version == "not installed"
 
 
+def test_an_installed_pre_release_in_the_range_counts_and_one_past_it_does_not():
+    """The doctor, require_supported and HarborGRPOTrainer's gate read a version with one rule."""
+    from harbor_async.cli.machine_checks import in_range
+
+    assert in_range("5.0.0rc1", ">=4.56,<6") and in_range("1.16.0.dev0", ">=1.7,<1.17")
+    assert not in_range("1.17.0.dev0", ">=1.7,<1.17") and not in_range("1.6.0", ">=1.7,<1.17")
+    assert not in_range("not-a-version", ">=1") and in_range("3.12.1", SUPPORTED["python"])
+
+
 @pytest.mark.slow
 def test_a_model_is_checked_with_a_chat_request_when_named():
     from tests.scripted_server import ScriptedServer

@@ -301,7 +301,8 @@ def test_a_trl_outside_the_supported_range_is_refused() -> None:
     for version in TESTED["trl"]:
         check_trl_version(version)
     check_trl_version("1.16.3")
-    for version in ("1.6.0", "0.29.1", "1.17.0", "2.0.0", "not-a-version"):
+    check_trl_version("1.16.0.dev0")  # a build of TRL's main branch before 1.16: installed, so it counts
+    for version in ("1.6.0", "0.29.1", "1.17.0", "1.17.0.dev0", "2.0.0", "not-a-version"):
         with pytest.raises(UnsupportedTRLVersionError) as info:
             check_trl_version(version)
         assert info.value.supported == SUPPORTED_TRL and info.value.found == version

@@ -180,9 +180,11 @@ def installed_version(dist: str) -> str | None:
         return None
 
 
-def _in_range(version: str, spec: str) -> bool:
+def in_range(version: str, spec: str) -> bool:
+    """Whether an installed ``version`` satisfies ``spec``; a pre-release counts (a build from a project's main
+    branch is what its user has installed), an unreadable version does not."""
     try:
-        return Version(version) in SpecifierSet(spec)
+        return SpecifierSet(spec).contains(Version(version), prereleases=True)
     except InvalidVersion:
         return False
 
@@ -200,7 +202,7 @@ def require_supported(dist: str, feature: str, range_name: str | None = None) ->
     """
     spec = SUPPORTED[range_name or dist]
     version = installed_version(dist)
-    if version is None or not _in_range(version, spec):
+    if version is None or not in_range(version, spec):
         raise UnsupportedVersionError(dist, version or "not installed", spec, feature)
     return version
 
@@ -208,7 +210,7 @@ def require_supported(dist: str, feature: str, range_name: str | None = None) ->
 def check_python() -> Check:
     """The interpreter against the supported range."""
     version = ".".join(map(str, sys.version_info[:3]))
-    ok = _in_range(version, SUPPORTED["python"])
+    ok = in_range(version, SUPPORTED["python"])
     return Check("python", ok, f"{version} ({sys.executable})", "" if ok else f"use Python {SUPPORTED['python']}")
 
 
@@ -219,7 +221,7 @@ def check_package(dist: str, spec: str | None = None) -> Check:
     install = _INSTALL.get(dist, f"{dist}{spec}")
     if version is None:
         return Check(dist, False, "not installed", f"pip install '{install}'  (or: uv add '{install}')")
-    if spec and not _in_range(version, spec):
+    if spec and not in_range(version, spec):
         return Check(dist, False, f"{version}, supported {spec}", f"pip install '{dist}{spec}'")
     return Check(dist, True, version + (f" (supported {spec})" if spec else ""))
 
