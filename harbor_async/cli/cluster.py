@@ -57,6 +57,24 @@ RayOpt = Annotated[
 ]
 
 
+def _check_options(
+    budget: str, ray_address: str | None, max_live: int | None, creates_per_second: float | None, on_ray: bool
+) -> bool:
+    """Whether the options ask for the Ray budget; ``typer.Exit(2)`` on a bad combination or Ray missing."""
+    if on_ray:
+        require_ray()
+    if budget not in ("local", "ray"):
+        raise fail(f"--budget must be 'local' or 'ray', got {budget!r}")
+    if budget == "local":
+        if max_live is not None or creates_per_second is not None or (ray_address is not None and not on_ray):
+            raise fail(
+                "--cluster-max-live, --cluster-creates-per-second and --ray-address are cluster caps: add --budget ray"
+            )
+        return False
+    require_ray()
+    return True
+
+
 def budget_from_options(
     budget: str,
     ray_address: str | None = None,
@@ -69,17 +87,8 @@ def budget_from_options(
     ``on_ray``: the episodes run on the Ray cluster (``--ray``), whose address ``ray_address`` is then too.
     Raises ``typer.Exit(2)`` on a bad combination, and when Ray is not installed.
     """
-    if on_ray:
-        require_ray()
-    if budget not in ("local", "ray"):
-        raise fail(f"--budget must be 'local' or 'ray', got {budget!r}")
-    if budget == "local":
-        if max_live is not None or creates_per_second is not None or (ray_address is not None and not on_ray):
-            raise fail(
-                "--cluster-max-live, --cluster-creates-per-second and --ray-address are cluster caps: add --budget ray"
-            )
+    if not _check_options(budget, ray_address, max_live, creates_per_second, on_ray):
         return None
-    require_ray()
     from harbor_async.cluster.ray_budget import factory
 
     # run/eval episodes need one sandbox each: per-sandbox leases cannot deadlock.
@@ -90,9 +99,10 @@ def cluster_settings(
     budget: str, ray_address: str | None, max_live: int | None, creates_per_second: float | None, on_ray: bool
 ) -> dict[str, Any]:
     """The options as run's and eval's settings (``RunSettings`` and ``EvaluateSettings`` share these names),
-    checked as a combination by :func:`budget_from_options` (``typer.Exit(2)``)."""
+    checked as a combination (``typer.Exit(2)``) before anything is loaded; :func:`budget_from_options` builds the
+    budget from the settings later (a resumed job's are the stored ones)."""
     warn_renamed_flags(RENAMED_FLAGS)
-    budget_from_options(budget, ray_address, max_live, creates_per_second, on_ray)
+    _check_options(budget, ray_address, max_live, creates_per_second, on_ray)
     return {
         "ray": on_ray, "ray_address": ray_address, "budget": budget,
         "cluster_max_live": max_live, "cluster_creates_per_second": creates_per_second,
