@@ -40,17 +40,21 @@ if uses_uvloop():  # HARBOR_ASYNC_UVLOOP=1 (.ci/run's second pass over the engin
 from harbor_async.suites import example_suite_path  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: `-m cluster_or_docker` sees the marker added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under ``pytest -n N --dist loadgroup`` (.ci/run), pin the tests that share one thing to one worker.
 
     The session's Ray cluster is one per process (a second on the same machine would fight over its
     ports), and the docker tests build, tag and delete the same task images (``sandboxes prune`` and
     ``--delete`` remove every idle one), some of them through the cluster: they all run in order on one
-    worker, beside the other worker's tests. Without xdist the marker does nothing.
+    worker, beside the other worker's tests. Without xdist the marker does nothing. They are also marked
+    ``cluster_or_docker``, which .ci/range selects by: its two environments run the other tests side by side, and
+    these one environment after the other.
     """
     for item in items:
         if _shares_the_cluster_or_the_daemon(item):
             item.add_marker(pytest.mark.xdist_group("ray-and-docker"))
+            item.add_marker(pytest.mark.cluster_or_docker)
 
 
 def _shares_the_cluster_or_the_daemon(item: pytest.Item) -> bool:

@@ -247,15 +247,22 @@ def row_suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return root, tag
 
 
-def _agent_at_work(tag: str) -> bool:
-    """Whether the slow solution's command runs now (in a sandbox of this test: the tag is its own)."""
+def _sleepers(tag: str) -> set[int]:
+    """The pids running the slow solution's command (in sandboxes of this test session: the tag is its own)."""
+    found = set()
     for proc in psutil.process_iter(["cmdline"]):
         try:
             if proc.info["cmdline"] == ["sleep", tag]:
-                return True
+                found.add(proc.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    return False
+    return found
+
+
+def _agent_at_work(tag: str, before: set[int]) -> bool:
+    """Whether a slow solution's command not among ``before`` runs now: an earlier column's sandbox (a Ray worker
+    stops it after its driver has exited) must not pass for this column's, which would be signalled too soon."""
+    return bool(_sleepers(tag) - before)
 
 
 # ── the columns ───────────────────────────────────────────────────────────────
@@ -277,6 +284,7 @@ def _command(
     """Run ``harbor-async ARGV`` to its end, or until the agent is at work and then send the row's signal."""
     from tests.cluster_helpers import child_env
 
+    before = _sleepers(tag) if tag is not None else set()
     proc = subprocess.Popen(
         [sys.executable, "-m", "harbor_async", *argv, "-o", str(job.parent), "--job-name", job.name],
         cwd=REPO, env=child_env(COLUMNS="200", **row.env, **(env or {})),
@@ -284,7 +292,7 @@ def _command(
     )  # fmt: skip
     if row.signal is not None:
         assert tag is not None
-        _wait_for(lambda: _agent_at_work(tag), proc, " ".join(argv))
+        _wait_for(lambda: _agent_at_work(tag, before), proc, " ".join(argv))
         proc.send_signal(row.signal)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == row.exit_code, f"{' '.join(argv)} exited {proc.returncode}: {err[-3000:]}"
@@ -326,8 +334,9 @@ def _shim(row: Row, job: Path, suite: tuple[Path, str], server_solutions: dict[s
         if row.shim_interrupt == "close":
             assert env.bash(command="true") == "(empty output, rc=0)"  # the sandbox is ready: the agent is at work
             tool = threading.Thread(target=lambda: texts.append(env.bash(command=commands[0])))
+            before = _sleepers(suite[1])
             tool.start()
-            _wait_for(lambda: _agent_at_work(suite[1]), None, "the shim")
+            _wait_for(lambda: _agent_at_work(suite[1], before), None, "the shim")
             env.close()  # what a trainer stopped mid-rollout does
             tool.join(timeout=60)
             assert not tool.is_alive() and texts  # the tool call came back (with an error text), nothing hangs
@@ -355,11 +364,12 @@ def _shim_in_a_trainer_process(spec: dict[str, Any], task_dir: Path, commands: l
     """SIGINT to a process training with the shim while a tool command runs (Ctrl-C in the trainer)."""
     from tests.cluster_helpers import child_env
 
+    before = _sleepers(tag)
     proc = subprocess.Popen(
         [sys.executable, "-c", SHIM_TRAINER, spec["type"], str(job), str(task_dir), commands[0]],
         cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    _wait_for(lambda: _agent_at_work(tag), proc, "the shim's trainer")
+    _wait_for(lambda: _agent_at_work(tag, before), proc, "the shim's trainer")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert "KeyboardInterrupt" in err, err[-3000:]  # the trainer's own interruption

@@ -298,3 +298,43 @@ async def test_the_pool_holds_the_run_label_the_sandboxes_get(tmp_path: Path) ->
         async with engine.sandbox(_task(), "local") as sandbox:
             assert POOL.taken == taken + 1
     assert not POOL.holds("my-run") and _mine(tmp_path) == []
+
+
+def _no_thread_may_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What Python 3.12 does from the start of its exit on: every ``Thread.start`` raises."""
+    import threading
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+
+
+def test_a_keeper_asked_for_at_interpreter_exit_is_refused_and_the_thread_starts_when_it_can(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C during a sandbox's start: the start asks for its keeper while Python exits. Once the thread could
+    not start, a later ask (the pool's piece) used to be queued for a thread that never ran, and the exit waited
+    60 s on it; now each such ask fails at once, and the thread starts on the first ask that may start it."""
+    from harbor_async.backends.local.keeper import KeeperThread
+
+    keepers = KeeperThread()
+    with monkeypatch.context() as patched:
+        _no_thread_may_start(patched)
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="interpreter shutdown"):
+                keepers.submit(lambda: "forked").result(timeout=5)
+    assert keepers.submit(lambda: "forked").result(timeout=5) == "forked"
+
+
+def test_the_pool_asked_for_more_at_interpreter_exit_fails_no_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from harbor_async.backends.local.pool import RootPool
+
+    pool = RootPool()
+    key = ("/nowhere", "ha1x000000", None, (), ())
+    release = pool.hold(key[1])
+    with monkeypatch.context() as patched:
+        _no_thread_may_start(patched)
+        assert pool.take(key, tools=object()) is None  # a miss asks for more: no thread, no error
+    assert pool.missed == 1 and pool._thread is None
+    release()

@@ -170,11 +170,18 @@ class KeeperThread:
         self._thread: threading.Thread | None = None
 
     def submit(self, function: Any) -> Future[Any]:
+        """A future of ``function()`` run on the thread; at interpreter exit, where no thread may start, a future
+        of that ``RuntimeError`` when the thread was not running yet (nothing would ever run what is queued)."""
         future: Future[Any] = Future()
         with self._lock:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="harbor-async-keepers", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="harbor-async-keepers", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError as exc:  # kept unset: a start that is allowed later starts it then
+                    future.set_exception(exc)
+                    return future
+                self._thread = thread
         self._queue.put((function, future))
         return future
 

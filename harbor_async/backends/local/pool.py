@@ -347,8 +347,12 @@ class RootPool:
 
     def _wake(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._refill, name="harbor-async-local-pool", daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._refill, name="harbor-async-local-pool", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # interpreter exit: nothing more is made, and no release waits for a piece
+                return
+            self._thread = thread
         self._lock.notify_all()
 
     def _short(self) -> list[Key]:
