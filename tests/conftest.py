@@ -31,7 +31,7 @@ LOCAL_ROOT = Path(os.environ["HARBOR_ASYNC_LOCAL_ROOT"])
 from harbor_async.backends.simulated import SimulatedEnvironment  # noqa: E402
 from harbor_async.engine.loop import uses_uvloop  # noqa: E402
 
-if uses_uvloop():  # HARBOR_ASYNC_UVLOOP=1 (.ci/run's second pass over the engine tests): every asyncio loop is uvloop's
+if uses_uvloop():  # HARBOR_ASYNC_UVLOOP=1 (.ci/run's second pass, the `uvloop_pass` tests): every asyncio loop is uvloop's
     import asyncio
 
     import uvloop

@@ -18,7 +18,7 @@ from harbor_async.core.errors import (
 from harbor_async.core.policy import Limits, RetryPolicy, Timeouts
 from harbor_async.engine.engine import Engine, EngineClosedError
 
-pytestmark = [pytest.mark.anyio, pytest.mark.range]
+pytestmark = [pytest.mark.anyio, pytest.mark.range, pytest.mark.uvloop_pass]
 
 FAST_RETRY = RetryPolicy(attempts=3, initial_wait=0.01, max_wait=0.02)
 

@@ -20,6 +20,8 @@ from harbor_async.engine.loop import LoopThread
 
 REPO = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.uvloop_pass  # .ci/run runs these again on uvloop
+
 
 @pytest.fixture
 def loop():

@@ -34,6 +34,8 @@ from tests.scripted_server import ScriptedServer
 
 REPO = Path(__file__).resolve().parent.parent
 
+pytestmark = pytest.mark.uvloop_pass  # .ci/run runs these again on uvloop
+
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(

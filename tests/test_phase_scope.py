@@ -11,7 +11,7 @@ from harbor_async.core.errors import ExecError, Phase, SandboxTimeout
 from harbor_async.core.logs import ROOT_LOGGER
 from harbor_async.engine.engine import Engine
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.uvloop_pass]
 
 
 class _Events(logging.Handler):

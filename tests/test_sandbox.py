@@ -11,7 +11,7 @@ from harbor_async.core.errors import Phase, SandboxClosedError, SandboxTimeout
 from harbor_async.engine.engine import Engine
 from harbor_async.engine.sandbox import SandboxState
 
-pytestmark = [pytest.mark.anyio, pytest.mark.range]
+pytestmark = [pytest.mark.anyio, pytest.mark.range, pytest.mark.uvloop_pass]
 
 
 @pytest.fixture

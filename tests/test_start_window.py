@@ -22,7 +22,7 @@ from harbor_async.core.policy import Limits, RetryPolicy
 from harbor_async.engine.engine import Engine
 from harbor_async.engine.start_window import StartOutcome, StartWindow
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.uvloop_pass]
 
 
 @pytest.fixture
