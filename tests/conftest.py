@@ -42,34 +42,39 @@ from harbor_async.suites import example_suite_path  # noqa: E402
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: `-m cluster_or_docker` sees the marker added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``pytest -n N --dist loadgroup`` (.ci/run), pin the tests that share one thing to one worker.
+    """Under ``pytest -n N --dist loadgroup`` (.ci/run), pin the tests that share one thing to one worker each.
 
     The session's Ray cluster is one per process (a second on the same machine would fight over its
-    ports), and the docker tests build, tag and delete the same task images (``sandboxes prune`` and
-    ``--delete`` remove every idle one), some of them through the cluster: they all run in order on one
-    worker, beside the other worker's tests. Without xdist the marker does nothing. They are also marked
-    ``cluster_or_docker``, which .ci/range selects by: its two environments run the other tests side by side, and
-    these one environment after the other.
+    ports): the tests on it run in order on one worker (group ``ray``). The docker tests build, tag and delete
+    the same task images (``sandboxes prune`` and ``--delete`` remove every idle one): they run in order on
+    one worker too (group ``docker``), which may be another. Should a test ever use both, every one of them
+    shares one group again (``ray-and-docker``). Without xdist the groups do nothing. They are also marked
+    ``cluster_or_docker``, which .ci/range selects by: its two environments run the other tests side by side,
+    and these one environment after the other.
     """
-    for item in items:
-        if _shares_the_cluster_or_the_daemon(item):
-            item.add_marker(pytest.mark.xdist_group("ray-and-docker"))
+    shared = {item: _shares(item) for item in items}
+    both = any(uses == {"ray", "docker"} for uses in shared.values())
+    for item, uses in shared.items():
+        if uses:
+            group = "ray-and-docker" if both else uses.pop()
+            item.add_marker(pytest.mark.xdist_group(group))
             item.add_marker(pytest.mark.cluster_or_docker)
 
 
-def _shares_the_cluster_or_the_daemon(item: pytest.Item) -> bool:
-    """A test on the session's Ray cluster, or one that runs docker (marked, named, or saying so in its code)."""
+def _shares(item: pytest.Item) -> set[str]:
+    """What of the session's shared things a test uses: ``ray`` (the session's cluster) and ``docker`` (the
+    daemon's images: marked, named, or saying so in its code)."""
     import inspect
 
-    if "ray_cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("docker") is not None:
-        return True
-    if "docker" in item.nodeid:
-        return True
+    uses = {"ray"} if "ray_cluster" in getattr(item, "fixturenames", ()) else set()
     function = getattr(item, "function", None)
     try:
-        return function is not None and "docker" in inspect.getsource(function)
+        source = inspect.getsource(function) if function is not None else ""
     except (OSError, TypeError):
-        return False
+        source = ""
+    if item.get_closest_marker("docker") is not None or "docker" in item.nodeid or "docker" in source:
+        uses.add("docker")
+    return uses
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
