@@ -227,3 +227,22 @@ async def test_an_engine_under_either_loop_keeps_the_cap_and_a_cancelled_wait_le
                 break
             await anyio.sleep(0.1)
         assert stats["live_used"] == 0 and stats["leases"] == 0
+
+
+def test_a_driver_that_imported_ray_first_still_keeps_sigterm(ray_cluster) -> None:
+    """Ray's native failure-signal handler (it prints a stack on SIGTERM, and the process may then abort) stays
+    off in a process that imported Ray before harbor-async: Ray reads its switch when it is imported."""
+    env = child_env()
+    env.pop("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+    child = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "ray_sigterm_child.py"), ray_cluster.address],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "connected"
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert "SIGTERM received" not in err, err[-2000:]
+    assert child.returncode == 143, err[-2000:]

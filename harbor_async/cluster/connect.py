@@ -13,6 +13,8 @@ DEFAULT_NAMESPACE = "harbor-async"
 DEFAULT_ACTOR_NAME = "harbor-async-budget"
 
 _init_lock = threading.Lock()
+#: Ray's switch for its native failure-signal handler (a SIGTERM would print a stack and may abort the process).
+FAILURE_SIGNAL_HANDLER_VARIABLE = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
 
 
 def import_ray() -> Any:
@@ -22,6 +24,10 @@ def import_ray() -> Any:
     # already run in the cluster's environment, so keep the interpreter as is
     # (a user who wants Ray's behaviour sets the variable to 1).
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    # Ray's native failure-signal handler takes SIGTERM from our interrupt policy (which records the episodes in
+    # flight and exits 143): it prints a stack and the process may then abort (-6). Ray reads the variable when
+    # it is imported, so it is set here, before; the user's own setting wins.
+    os.environ.setdefault(FAILURE_SIGNAL_HANDLER_VARIABLE, "1")
     try:
         import ray
     except ImportError as exc:
@@ -40,9 +46,7 @@ def ensure_connected(address: str | None = None, namespace: str = DEFAULT_NAMESP
     with _init_lock:
         if ray.is_initialized():
             return ray
-        # Ray's native failure-signal handler would take SIGTERM from our interrupt policy (which records the
-        # episodes in flight and exits 143) and abort the process instead; the user's own setting wins.
-        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+        _keep_sigterm_ours()
         try:
             ray.init(
                 address=address or "auto",
@@ -54,6 +58,22 @@ def ensure_connected(address: str | None = None, namespace: str = DEFAULT_NAMESP
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise ClusterUnavailableError(address, str(exc)) from exc
     return ray
+
+
+def _keep_sigterm_ours() -> None:
+    """Make the coming ``ray.init`` leave SIGTERM to us, also where Ray was imported before :func:`import_ray`.
+
+    Ray reads ``RAY_DISABLE_FAILURE_SIGNAL_HANDLER`` once, into a constant, when it is imported, and its core
+    worker reads the constant when ``ray.init`` makes it: a program that imported Ray before us (its own code,
+    a trainer) kept Ray's handler although the variable says otherwise. The variable is the setting.
+    """
+    import sys
+
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None and hasattr(constants, FAILURE_SIGNAL_HANDLER_VARIABLE):
+        os.environ.setdefault(FAILURE_SIGNAL_HANDLER_VARIABLE, "1")
+        value = os.environ[FAILURE_SIGNAL_HANDLER_VARIABLE].lower()  # as Ray's own env_bool reads it
+        setattr(constants, FAILURE_SIGNAL_HANDLER_VARIABLE, value in ("1", "true"))
 
 
 def node_name() -> str:
