@@ -290,7 +290,9 @@ def test_reap_after_kill_9_in_the_middle_of_a_docker_batch():
     listed = _harbor_async("sandboxes", "list", "--json", "--run-label", label)
     assert listed.returncode == 0, listed.stderr
     entries = [json.loads(line) for line in listed.stdout.splitlines() if line.startswith("{")]
-    assert len([e for e in entries if e["backend"] == "docker"]) >= 3, (listed.stdout, listed.stderr, docker_leftovers(label))
+    assert len([e for e in entries if e["backend"] == "docker"]) >= 3, (
+        f"stderr: {listed.stderr}\nstdout: {listed.stdout}\nleft: {docker_leftovers(label)}"
+    )  # the stderr first: a docker scan that failed says why there
     assert all(e["owner_alive"] is False and e["owner_pid"] == child.pid for e in entries)
 
     # Scoped to this run: a plain reap would also take what other runs' dead owners left.
