@@ -61,6 +61,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.cluster_or_docker)
 
 
+#: Set in an xdist worker whose loadgroup lost the groups: every grouped test fails with it (a worker's own
+#: errors at collection reach the user as an unexplained INTERNALERROR).
+_LOST_GROUPS: list[str] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """In an xdist worker under ``--dist loadgroup``: every grouped test's id must carry its group (``@ray``),
+    which is all xdist's scheduler reads. pytest 9.2 silently dropped that suffix (pytest-dev/pytest-xdist#1386):
+    the Ray tests then started a cluster on each worker and the docker tests pruned each other's images. The
+    grouped tests fail, saying so, instead of running with the groups quietly not holding."""
+    config = session.config
+    if not hasattr(config, "workerinput") or not config.getvalue("loadgroup"):
+        return
+    lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        _LOST_GROUPS.append(
+            f"pytest-xdist's loadgroup lost the xdist_group of {len(lost)} tests, which would then share a "
+            "worker's Ray cluster or Docker images with another: see pytest-dev/pytest-xdist#1386 and the "
+            "pytest pin in pyproject.toml"
+        )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _LOST_GROUPS and item.get_closest_marker("xdist_group"):
+        pytest.fail(_LOST_GROUPS[0], pytrace=False)
+
+
 def _shares(item: pytest.Item) -> set[str]:
     """What of the session's shared things a test uses: ``ray`` (the session's cluster) and ``docker`` (the
     daemon's images: marked, named, or saying so in its code)."""
