@@ -65,13 +65,13 @@ def _keep_sigterm_ours() -> None:
 
     Ray reads ``RAY_DISABLE_FAILURE_SIGNAL_HANDLER`` once, into a constant, when it is imported, and its core
     worker reads the constant when ``ray.init`` makes it: a program that imported Ray before us (its own code,
-    a trainer) kept Ray's handler although the variable says otherwise. The variable is the setting.
+    a trainer) kept Ray's handler although the variable (set by :func:`import_ray`, which runs first) says
+    otherwise. The variable is the setting.
     """
     import sys
 
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None and hasattr(constants, FAILURE_SIGNAL_HANDLER_VARIABLE):
-        os.environ.setdefault(FAILURE_SIGNAL_HANDLER_VARIABLE, "1")
         value = os.environ[FAILURE_SIGNAL_HANDLER_VARIABLE].lower()  # as Ray's own env_bool reads it
         setattr(constants, FAILURE_SIGNAL_HANDLER_VARIABLE, value in ("1", "true"))
 
