@@ -102,8 +102,8 @@ class EngineOptions(EngineSettings):
             and the trainer's ``env/cpu_seconds`` and ``env/memory_peak_mb``
             (default on; :mod:`harbor_async.core.usage`).
         reap_stale: when the engine opens, remove what killed runs left on this
-            machine (sandboxes, mounts, cgroups, containers of dead owners only;
-            logged). Default on.
+            machine (sandboxes, mounts, cgroups and folders of dead owners only;
+            their docker containers at the first docker sandbox; logged). Default on.
         job_dir: a job folder that every rollout's record is appended to when its
             sandbox stops (``episodes.jsonl``, as ``run`` and ``eval`` write it;
             made if missing, appended to if it exists). ``None``: records are

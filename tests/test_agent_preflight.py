@@ -3,7 +3,8 @@
 A real ``harbor-async run`` process against a port nothing listens on, and
 against the scripted OpenAI-compatible server (tests/scripted_server.py) when
 it refuses ``GET /v1/models`` (401): exit 2 in one line naming the server's
-URL and what it answered, fast, and no job folder. In-process, the probe
+URL and what it answered, before any episode (no job folder: no LiteLLM
+retries in every episode). In-process, the probe
 (:func:`harbor_async.agents.harbor.check_model_server`) sends the key Harbor
 resolves for the agent, and skips an agent with no base URL of its own.
 """
@@ -13,7 +14,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,15 +28,11 @@ SUITE = example_suite_path()
 REPO = Path(__file__).resolve().parent.parent
 
 
-
-
 def _run_terminus(tmp_path: Path, base_url: str, *extra: str, env: dict | None = None):
-    started = time.monotonic()
-    result = harbor_async(
+    return harbor_async(
         "run", "-p", str(SUITE), "-l", "1", "-a", "terminus-2", "-m", "hosted_vllm/terminus",
         "--ak", f"api_base={base_url}", "-e", "local", "-o", str(tmp_path / "jobs"), *extra, env=env, timeout=120,
     )  # fmt: skip
-    return result, time.monotonic() - started
 
 
 def _one_line(stderr: str) -> str:
@@ -48,9 +44,8 @@ def _one_line(stderr: str) -> str:
 @pytest.mark.slow
 def test_run_refuses_a_model_server_nothing_answers_at_before_any_job_folder(tmp_path: Path, host_tmux: None) -> None:
     url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
-    result, seconds = _run_terminus(tmp_path, url)
+    result = _run_terminus(tmp_path, url)
     assert result.returncode == 2, result.stderr
-    assert seconds < 20, f"took {seconds:.1f} s"  # not LiteLLM's retries in every episode
     line = _one_line(result.stderr)
     assert line.startswith("error:") and url in line and "unreachable" in line, line
     assert "Traceback" not in result.stderr + result.stdout
@@ -60,10 +55,9 @@ def test_run_refuses_a_model_server_nothing_answers_at_before_any_job_folder(tmp
 @pytest.mark.slow
 def test_run_refuses_a_model_server_that_answers_401_on_models(tmp_path: Path, host_tmux: None) -> None:
     with ScriptedServer(api_key="the-right-key", models="401") as server:
-        result, seconds = _run_terminus(tmp_path, server.base_url)
+        result = _run_terminus(tmp_path, server.base_url)
         assert server.requests == {}  # refused before any chat request
     assert result.returncode == 2, result.stderr
-    assert seconds < 20, f"took {seconds:.1f} s"
     line = _one_line(result.stderr)
     assert server.base_url in line and "HTTP 401" in line, line
     assert not (tmp_path / "jobs").exists()

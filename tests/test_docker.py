@@ -325,6 +325,31 @@ def test_a_live_owners_sandbox_built_from_the_cache_is_not_reaped(request):
 
 
 @pytest.mark.anyio
+async def test_an_engine_reaps_dead_owners_containers_at_its_first_docker_sandbox_not_before(
+    example_tasks, request, monkeypatch
+):
+    """``reap_stale``: opening the engine and starting local sandboxes leave the daemon alone (a run on local must
+    not take what a docker run killed a moment ago left, nor wait on the daemon); the first docker sandbox reaps."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a dead owner
+    session = f"ha{gone.pid}x{os.urandom(3).hex()}-{os.urandom(5).hex()}"
+    container = f"{session}-main-1"
+    made = subprocess.run(["docker", "create", "--name", container, "--network", "none", "debian:bookworm-slim",
+                           "sleep", "60"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    request.addfinalizer(lambda: subprocess.run(["docker", "rm", "-f", container], capture_output=True, timeout=60))
+    monkeypatch.setattr(reaper, "_REAPED", set())  # this worker's engines may have reaped already (once per process)
+
+    async with Engine(reap_stale=True) as engine:
+        async with engine.sandbox(example_tasks[0], "local") as local:
+            assert (await local.exec("echo ok")).output.strip() == "ok"
+        assert _lines("ps", "-aq", "--filter", f"name=^{container}$")  # still there
+        async with engine.sandbox(example_tasks[0], "docker") as docker:
+            assert (await docker.exec("echo ok")).output.strip() == "ok"
+    assert not _lines("ps", "-aq", "--filter", f"name=^{container}$")  # reaped beside the docker start
+
+
+@pytest.mark.anyio
 async def test_a_docker_sandbox_is_confined_as_the_local_one(example_tasks, tmp_path):
     """The task's memory and cpus (Harbor applies them), and the overlay's pids limit and no-new-privileges."""
     import shutil as _shutil

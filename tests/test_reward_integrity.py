@@ -183,8 +183,19 @@ for p in /proc/[0-9]*; do
   if [ "$(tr '\\0' ' ' < $p/cmdline 2>/dev/null)" = "sleep infinity " ]; then main=${p#/proc/}; fi
 done
 chmod +x /solution/inject
-/solution/inject "$main" 'while :; do echo 1 > /logs/verifier/reward.txt 2>/dev/null; sleep 0.02; done'
+/solution/inject "$main" 'v=/logs/verifier; while :; do echo 1 > $v/.r && mv -f $v/.r $v/reward.txt; sleep 0.02; done 2>/dev/null'
 """
+# (A rename, not `echo 1 > reward.txt`: a reader between that truncation and its write finds the file empty, and the
+# episode is then a verifier failure, 0, on a loaded machine.)
+
+
+def injected(job: Path, task: str = "ptrace") -> str:
+    """What the injector printed in ``job``'s episode of ``task`` (the writer's pid, or why it failed): an attack that
+    never ran proves nothing about the guard."""
+    (output,) = job.glob(f"{task}__*/agent/oracle.txt")
+    text = output.read_text()
+    assert text.strip().isdigit(), f"the injection failed: {text}"
+    return text
 
 
 def ptrace_task(tasks: Path, solve: str, test: str) -> None:
@@ -205,8 +216,10 @@ def ptrace_task(tasks: Path, solve: str, test: str) -> None:
 def test_on_docker_no_process_the_agent_hid_under_the_main_command_outlives_the_agent(tmp_path: Path) -> None:
     ptrace_task(tmp_path / "suite" / "tasks", INJECTOR, HONEST_TEST)
     found = run_job(tmp_path / "suite", tmp_path / "jobs", "-e", "docker", "--no-strict-verify")
-    assert found["ptrace"]["reward"] == 1.0  # the attack is real: where nothing ends it, it writes the reward
+    injected(tmp_path / "jobs" / "job")
+    assert found["ptrace"]["reward"] == 1.0, failure(found["ptrace"])  # the attack is real: nothing ends it
     found = run_job(tmp_path / "suite", tmp_path / "jobs-strict", "-e", "docker")
+    injected(tmp_path / "jobs-strict" / "job")
     assert found["ptrace"]["reward"] == 0.0 and found["ptrace"]["error_class"] is None, failure(found["ptrace"])
 
 
@@ -256,8 +269,10 @@ if [ -e /tmp/survivor ]; then echo 0 > /logs/verifier/reward.txt; else echo 1 > 
 def test_on_local_no_process_the_agent_hid_under_the_init_outlives_the_agent(tmp_path: Path) -> None:
     ptrace_task(tmp_path / "suite" / "tasks", LOCAL_INJECTOR, ALONE_TEST)
     found = run_job(tmp_path / "suite", tmp_path / "jobs", "--no-strict-verify")
+    injected(tmp_path / "jobs" / "job")
     assert found["ptrace"]["reward"] == 0.0, failure(found["ptrace"])  # the attack is real: the process ran on
     found = run_job(tmp_path / "suite", tmp_path / "jobs-strict")
+    injected(tmp_path / "jobs-strict" / "job")
     assert found["ptrace"]["reward"] == 1.0 and found["ptrace"]["error_class"] is None, failure(found["ptrace"])
 
 

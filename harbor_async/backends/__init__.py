@@ -56,6 +56,13 @@ class BackendSpec:
 
         return issubclass(self.environment_class(), (LocalEnvironment, DockerEnvironment))
 
+    @cached_property
+    def uses_docker(self) -> bool:
+        """Whether its sandboxes are this machine's Docker daemon's containers (what the reaper scans there)."""
+        from harbor.environments.docker.docker import DockerEnvironment
+
+        return issubclass(self.environment_class(), DockerEnvironment)
+
     def options(self) -> BackendOptions:
         """What this backend accepts as options, read off the installed Harbor (loads the class)."""
         from harbor_async.backends.options import options_of

@@ -163,6 +163,7 @@ def list_sandboxes(
     roots: Iterable[str | Path] = (),
     run_label: str | None = None,
     errors: list[str] | None = None,
+    docker: bool = True,
 ) -> list[SandboxInfo]:
     """Every sandbox harbor-async runs left on this machine (live ones included).
 
@@ -173,6 +174,8 @@ def list_sandboxes(
         run_label: only sandboxes of this run.
         errors: collects what could not be scanned (Docker absent, daemon
             down ...); without it those are logged.
+        docker: ``False`` leaves the Docker daemon unasked, whatever ``backend``
+            says (what an engine reaps as it opens: see :func:`reap_stale`).
 
     Sorted oldest first.
     """
@@ -183,14 +186,14 @@ def list_sandboxes(
     info: SandboxInfo | None
     trials = _scan_trial_dirs()
     nested = nested_pids()
-    if backend in ("docker", "all") and shutil.which("docker"):
+    if docker and backend in ("docker", "all") and shutil.which("docker"):
         try:
-            docker = docker_cleanup.scan()
+            containers = docker_cleanup.scan()
         except (ReaperError, OSError, subprocess.TimeoutExpired) as exc:
             problems.append(f"docker: {exc}")
-            docker = {}
+            containers = {}
         remote = not docker_cleanup.docker_is_local()
-        for info in docker.values():
+        for info in containers.values():
             info.owner_alive = True if remote else _alive(info, nested)
             sandboxes.append(info)
             by_session[info.id] = info
@@ -226,6 +229,7 @@ def reap(
     roots: Iterable[str | Path] = (),
     run_label: str | None = None,
     rounds: int = 3,
+    docker: bool = True,
 ) -> ReapReport:
     """Remove the sandboxes that killed runs left behind.
 
@@ -233,7 +237,7 @@ def reap(
         older_than: only sandboxes created at least this long ago.
         include_live_owners: also remove sandboxes whose owning process still
             runs (``--force``): that process loses them.
-        backend, roots, run_label: as for :func:`list_sandboxes`.
+        backend, roots, run_label, docker: as for :func:`list_sandboxes`.
         rounds: scans after the removal; a compose command killed mid-request
             can make Docker finish creating an object after the first scan.
 
@@ -242,7 +246,7 @@ def reap(
     roots = list(roots)
     report = ReapReport()
     chosen: dict[tuple[str, str], SandboxInfo] = {}
-    for info in list_sandboxes(backend, roots=roots, run_label=run_label, errors=report.unscanned):
+    for info in list_sandboxes(backend, roots=roots, run_label=run_label, errors=report.unscanned, docker=docker):
         reason = _keep_reason(info, older_than, include_live_owners)
         if reason is None:
             chosen[(info.backend, info.id if info.backend != "local" else _folder_of(info))] = info
@@ -261,7 +265,7 @@ def reap(
         rescan: list[str] = []
         pending = [
             info
-            for info in list_sandboxes(backend, roots=roots, errors=rescan)
+            for info in list_sandboxes(backend, roots=roots, errors=rescan, docker=docker)
             if (info.backend == "local" and _folder_of(info) in doomed_folders)
             or (info.backend != "local" and info.id in doomed_sessions)
         ]
@@ -316,17 +320,20 @@ def _remove(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
     _remove_folders(sandboxes, "trial-dir", errors)
 
 
-def reap_stale(roots: Iterable[str | Path] = (), *, backend_kwargs: dict[str, Any] | None = None) -> ReapReport:
-    """What an engine runs at start with ``reap_stale=True``: reap every sandbox
-    of this machine whose owner is dead. Never raises; problems are logged.
+def reap_stale(
+    roots: Iterable[str | Path] = (), *, backend_kwargs: dict[str, Any] | None = None, docker: bool = True
+) -> ReapReport:
+    """What an engine runs with ``reap_stale=True``: reap every sandbox of this
+    machine whose owner is dead. Never raises; problems are logged.
 
     ``backend_kwargs``: the engine's backend options; the local backend's
-    ``sandbox_root`` among them is scanned too.
+    ``sandbox_root`` among them is scanned too. ``docker``: ask the Docker
+    daemon too (an engine does so once it starts a docker sandbox).
     """
     root = (backend_kwargs or {}).get("sandbox_root")
     roots = [*roots, root] if root else list(roots)
     try:
-        report = reap(None, include_live_owners=False, roots=roots)
+        report = reap(None, include_live_owners=False, roots=roots, docker=docker)
     except Exception as exc:  # a start-up convenience must not stop the engine
         log.warning("reaping stale sandboxes failed", error=repr(exc))
         return ReapReport(errors=[repr(exc)])
@@ -339,20 +346,26 @@ def reap_stale(roots: Iterable[str | Path] = (), *, backend_kwargs: dict[str, An
     return report
 
 
-_REAPED: set[str | None] = set()  # sandbox roots this process has reaped at an engine's start
+_REAPED: set[tuple[str | None, bool]] = set()  # (sandbox root, docker) this process has reaped at an engine's start
 _REAPED_LOCK = threading.Lock()
 
 
-def reap_stale_once(*, backend_kwargs: dict[str, Any] | None = None) -> ReapReport | None:
-    """:func:`reap_stale`, once per process and sandbox root: what dead owners left goes before the
-    first engine opens; the shim's engines, one per option set, do not each scan the machine again."""
+def reap_stale_once(*, backend_kwargs: dict[str, Any] | None = None, docker: bool = False) -> ReapReport | None:
+    """:func:`reap_stale`, once per process, sandbox root and ``docker``: what dead owners left goes before the
+    first engine opens; the shim's engines, one per option set, do not each scan the machine again.
+
+    ``docker=False`` (as an engine opens): this host's folders and processes only; ``True`` (at an engine's
+    first docker sandbox): the daemon's leftovers too. A run that starts no docker sandbox leaves the daemon
+    alone: a run on ``local`` or a cloud backend neither waits on a slow or absent daemon nor removes
+    containers that only docker runs (and ``sandboxes reap``) are concerned with.
+    """
     root = (backend_kwargs or {}).get("sandbox_root")
-    key = str(root) if root else None
+    key = (str(root) if root else None, docker)
     with _REAPED_LOCK:
         if key in _REAPED:
             return None
         _REAPED.add(key)
-    return reap_stale(backend_kwargs=backend_kwargs)
+    return reap_stale(backend_kwargs=backend_kwargs, docker=docker)
 
 
 def parse_duration(text: str) -> timedelta:

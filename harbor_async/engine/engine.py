@@ -78,8 +78,9 @@ class Engine:
         truncation_marker: appended to cut output.
         run_label: label carried by every sandbox (default: a fresh one).
         backend_kwargs: extra constructor arguments for every Harbor environment.
-        reap_stale: at start, remove the sandboxes (docker and local) that dead
-            processes left on this machine (:func:`harbor_async.backends.reaper.reap_stale`).
+        reap_stale: remove the sandboxes that dead processes left on this machine
+            (:func:`harbor_async.backends.reaper.reap_stale`): local ones and trial
+            folders as the engine opens, docker ones beside its first docker sandbox's start.
         docker_overlay: give Harbor's docker sandboxes a Compose overlay with
             run labels and an init process (stops take 0.2 s instead of 10 s);
             see :mod:`harbor_async.backends.docker.overlay`.
@@ -157,6 +158,7 @@ class Engine:
         self.run_label = run_label or new_run_label()
         self.backend_kwargs = dict(backend_kwargs or {})
         self.reap_stale = reap_stale
+        self._docker_reaped = not reap_stale  # the daemon's leftovers go at the first docker sandbox (launch)
         self.docker_overlay = docker_overlay
         self.env_allow = frozenset(env_allow)
         self.strict_verify = strict_verify
@@ -383,8 +385,16 @@ class Engine:
         self._ledger[sandbox.id] = sandbox
         TUNING.add()  # the collector's young threshold follows the ledger (harbor_async.core.collector)
         self._stats.launched += 1
+        if not self._docker_reaped and spec.uses_docker:
+            self._docker_reaped = True  # beside the starts: they make sandboxes of a live owner, which it leaves alone
+            self._tg.start_soon(self._reap_docker, name="reap stale docker sandboxes")
         self._tg.start_soon(sandbox.run_start, name=f"start {sandbox.id}")
         return sandbox
+
+    async def _reap_docker(self) -> None:
+        from harbor_async.backends.reaper import reap_stale_once
+
+        await anyio.to_thread.run_sync(lambda: reap_stale_once(backend_kwargs=self.backend_kwargs, docker=True))
 
     def stop_soon(self, sandbox: Sandbox) -> None:
         """Schedule ``sandbox``'s stop in the background (call on the loop)."""
