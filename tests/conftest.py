@@ -50,7 +50,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     one worker too (group ``docker``), which may be another. Should a test ever use both, every one of them
     shares one group again (``ray-and-docker``). Without xdist the groups do nothing. They are also marked
     ``cluster_or_docker``, which .ci/range selects by: its two environments run the other tests side by side,
-    and these one environment after the other.
+    and these one environment after the other. A module whose module-scoped fixture is costly (a trainer's
+    runs, a model, a wheel's venv, a browser) pins itself with ``xdist_group(__name__)``: loadgroup hands
+    ungrouped tests out one by one, and every worker that got one of its tests would build that fixture again.
     """
     shared = {item: _shares(item) for item in items}
     both = any(uses == {"ray", "docker"} for uses in shared.values())
