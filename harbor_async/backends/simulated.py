@@ -47,6 +47,7 @@ from harbor_async.core.errors import (
     BackendRateLimitError,
     BackendStartError,
 )
+from harbor_async.core.token_bucket import TokenBucket
 from harbor_async.verification.reward_files import RESET_DONE
 
 
@@ -90,8 +91,7 @@ class Provider:
         self.burst_every = burst_every
         self.burst_seconds = burst_seconds
         self._rng = rng
-        self._tokens = self.create_burst
-        self._refilled: float | None = None
+        self._bucket = None if create_rate is None else TokenBucket(create_rate, self.create_burst, self.create_burst)
         self._next_burst: float | None = None
         self.live = 0
         self.rate_limited = 0
@@ -100,14 +100,9 @@ class Provider:
 
     def admit(self, now: float) -> str | None:
         """Take one create at ``now``: ``None`` when accepted, else why not (``rate``, ``quota``, ``burst``)."""
-        if self.create_rate is not None:
-            if self._refilled is not None:
-                self._tokens = min(self.create_burst, self._tokens + (now - self._refilled) * self.create_rate)
-            self._refilled = now
-            if self._tokens < 1.0:
-                self.rate_limited += 1
-                return "rate"
-            self._tokens -= 1.0
+        if self._bucket is not None and not self._bucket.take(now):
+            self.rate_limited += 1
+            return "rate"
         if self.quota is not None and self.live >= self.quota:
             self.quota_refused += 1
             return "quota"

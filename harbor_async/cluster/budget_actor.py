@@ -32,6 +32,7 @@ from harbor_async.cluster.connect import (
     ensure_connected,
 )
 from harbor_async.cluster.errors import ClusterBudgetConfigError
+from harbor_async.core.token_bucket import TokenBucket
 from harbor_async.engine.start_window import StartOutcome, StartTicket, StartWindow
 
 #: Seconds a holder may stay silent before its leases are taken back (sized for
@@ -110,8 +111,7 @@ class BudgetActor:
         self.orphans: deque[dict[str, Any]] = deque(maxlen=MAX_ORPHANS)
         self.expired_holders = 0
         self.grants = 0
-        self._tokens = 1.0
-        self._refilled = time.monotonic()
+        self._creates = TokenBucket(rate=0.0, burst=1.0, tokens=1.0, refilled=time.monotonic())
         self._reaper: asyncio.Task | None = None
         self.worlds: dict[str, dict[str, Any]] = {}  # distributed runs: group -> size, members, event
         self.start_window: StartWindow | None = None  # made on the first start that asks for it
@@ -292,12 +292,8 @@ class BudgetActor:
         rate = self.caps.creates_per_second
         if not rate:
             return 0.0
-        now = time.monotonic()
-        burst = max(1.0, rate)  # at most one second's worth of creates at once
-        self._tokens = min(burst, self._tokens + (now - self._refilled) * rate)
-        self._refilled = now
-        self._tokens -= 1.0
-        return 0.0 if self._tokens >= 0 else -self._tokens / rate
+        self._creates.rate, self._creates.burst = rate, max(1.0, rate)  # at most one second's worth at once
+        return self._creates.reserve(time.monotonic())
 
     # ── the start window, shared by every holder ─────────────────────────
 
