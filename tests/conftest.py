@@ -51,8 +51,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     shares one group again (``ray-and-docker``). Without xdist the groups do nothing. They are also marked
     ``cluster_or_docker``, which .ci/range selects by: its two environments run the other tests side by side,
     and these one environment after the other. A module whose module-scoped fixture is costly (a trainer's
-    runs, a model, a wheel's venv, a browser) pins itself with ``xdist_group(__name__)``: loadgroup hands
-    ungrouped tests out one by one, and every worker that got one of its tests would build that fixture again.
+    runs, a model, a wheel's venv, a browser) is marked ``one_worker``: its other tests share a group named
+    after it, since loadgroup hands ungrouped tests out one by one and every worker that got one of them would
+    build that fixture again. (A marker, not the module's own ``xdist_group``: xdist joins every group a test
+    has into one new name, which would take its Ray or docker tests out of those groups.)
     """
     shared = {item: _shares(item) for item in items}
     both = any(uses == {"ray", "docker"} for uses in shared.values())
@@ -61,6 +63,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             group = "ray-and-docker" if both else uses.pop()
             item.add_marker(pytest.mark.xdist_group(group))
             item.add_marker(pytest.mark.cluster_or_docker)
+        elif item.get_closest_marker("one_worker") is not None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 #: Set in an xdist worker whose loadgroup lost the groups: every grouped test fails with it (a worker's own

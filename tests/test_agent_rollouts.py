@@ -30,7 +30,7 @@ from shim.agent_rollouts import PromptTaskError, task_of
 from tests.requirements import needs_bwrap
 from tests.scripted_server import ScriptedServer, chat_ids, token_ids
 
-pytestmark = [pytest.mark.slow, needs_bwrap, pytest.mark.xdist_group(__name__)]  # one worker builds its model
+pytestmark = [pytest.mark.slow, needs_bwrap, pytest.mark.one_worker]  # one worker builds its model
 
 INDICES = [0, 1]
 

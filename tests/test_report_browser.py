@@ -23,7 +23,7 @@ from harbor_async.report import write_report
 from harbor_async.report.server import ReportServer
 from tests.test_report_jobs import EVIL, LONG_LINES, make_big_job, make_job
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(__name__)]  # a real browser, started by one worker
+pytestmark = [pytest.mark.slow, pytest.mark.one_worker]  # a real browser, started by one worker
 
 REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts"

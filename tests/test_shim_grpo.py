@@ -39,7 +39,7 @@ from shim import engines
 from shim.spec import _SPEC_ENVS
 from tests.conftest import needs_trl_get_reward  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.range, pytest.mark.xdist_group(__name__)]  # one worker builds its model
+pytestmark = [pytest.mark.slow, pytest.mark.range, pytest.mark.one_worker]  # one worker builds its model
 
 
 def _trainer_envs(trainer) -> list:

@@ -46,7 +46,7 @@ from shim.trainer import (
 )
 from tests.test_shim_grpo import _grpo_args
 
-pytestmark = [pytest.mark.slow, pytest.mark.trl_api, pytest.mark.xdist_group(__name__)]  # a real trainer; .ci/range trains
+pytestmark = [pytest.mark.slow, pytest.mark.trl_api, pytest.mark.one_worker]  # a real trainer; .ci/range trains
 # on both ends of TRL's range (the group: one worker builds the module's model)
 
 INDICES = [1, 3]  # csv-column-sum, csv-max-price: tasks with a gold answer

@@ -33,7 +33,7 @@ from shim.trainer import FAILED_KEY, METRIC_KEYS, HarborGRPOTrainer, select_rows
 from tests.test_trainer import grpo_args
 from tests.trainer_backend import OneFailedStart
 
-pytestmark = [pytest.mark.slow, pytest.mark.trl_api, pytest.mark.xdist_group(__name__)]  # a real trainer; .ci/range trains
+pytestmark = [pytest.mark.slow, pytest.mark.trl_api, pytest.mark.one_worker]  # a real trainer; .ci/range trains
 # on both ends of TRL's range (the group: one worker trains the module's failed step)
 
 MARKER = re.compile(r"\[r(\d)\]")

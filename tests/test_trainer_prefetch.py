@@ -38,7 +38,7 @@ from shim.trainer import PREFETCH_METRIC_KEYS, HarborGRPOTrainer
 from tests.test_shim_grpo import _grpo_args
 from tests.test_trainer_failures import Scripted, _turns
 
-pytestmark = [pytest.mark.slow, pytest.mark.trl_api, pytest.mark.xdist_group(__name__)]  # a real trainer; .ci/range trains on both ends of TRL's range
+pytestmark = [pytest.mark.slow, pytest.mark.trl_api, pytest.mark.one_worker]  # a real trainer; .ci/range trains on both ends of TRL's range
 # (the group: one worker trains the module's eight runs, not each worker that gets one of its tests)
 
 STEPS = 3

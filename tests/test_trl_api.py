@@ -25,7 +25,7 @@ import pytest
 import shim
 from harbor_async.suites import example_suite_path
 
-pytestmark = [pytest.mark.slow, pytest.mark.trl_api, pytest.mark.xdist_group(__name__)]  # one worker builds its model
+pytestmark = [pytest.mark.slow, pytest.mark.trl_api, pytest.mark.one_worker]  # one worker builds its model
 
 
 @pytest.fixture(scope="module")

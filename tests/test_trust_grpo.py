@@ -30,7 +30,7 @@ from harbor_async.suites import example_suite_path
 from shim import engines
 from tests.test_shim_grpo import TASKS, ScriptedGeneration, _grpo_args, _instructions
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(__name__)]  # a real trainer; one worker builds its model
+pytestmark = [pytest.mark.slow, pytest.mark.one_worker]  # a real trainer; one worker builds its model
 
 FAILING_TASK = "csv-max-price"
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests.wheel_env import REPO, wheel_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group(__name__)]  # one worker builds the venv
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.one_worker]  # one worker builds the venv
 
 
 @pytest.fixture(scope="module")
