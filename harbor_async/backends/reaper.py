@@ -321,19 +321,20 @@ def _remove(sandboxes: Sequence[SandboxInfo], errors: list[str]) -> None:
 
 
 def reap_stale(
-    roots: Iterable[str | Path] = (), *, backend_kwargs: dict[str, Any] | None = None, docker: bool = True
+    roots: Iterable[str | Path] = (), *, backend_kwargs: dict[str, Any] | None = None, docker: bool = False
 ) -> ReapReport:
     """What an engine runs with ``reap_stale=True``: reap every sandbox of this
     machine whose owner is dead. Never raises; problems are logged.
 
     ``backend_kwargs``: the engine's backend options; the local backend's
-    ``sandbox_root`` among them is scanned too. ``docker``: ask the Docker
-    daemon too (an engine does so once it starts a docker sandbox).
+    ``sandbox_root`` among them is scanned too. ``docker``: the Docker daemon's
+    leftovers only (what an engine reaps at its first docker sandbox, having
+    reaped this host's as it opened); ``False``: everything but the daemon's.
     """
     root = (backend_kwargs or {}).get("sandbox_root")
     roots = [*roots, root] if root else list(roots)
     try:
-        report = reap(None, include_live_owners=False, roots=roots, docker=docker)
+        report = reap(None, include_live_owners=False, backend="docker" if docker else "all", roots=roots, docker=docker)
     except Exception as exc:  # a start-up convenience must not stop the engine
         log.warning("reaping stale sandboxes failed", error=repr(exc))
         return ReapReport(errors=[repr(exc)])
@@ -355,7 +356,7 @@ def reap_stale_once(*, backend_kwargs: dict[str, Any] | None = None, docker: boo
     first engine opens; the shim's engines, one per option set, do not each scan the machine again.
 
     ``docker=False`` (as an engine opens): this host's folders and processes only; ``True`` (at an engine's
-    first docker sandbox): the daemon's leftovers too. A run that starts no docker sandbox leaves the daemon
+    first docker sandbox): the daemon's leftovers, not this host's again. A run that starts no docker sandbox leaves the daemon
     alone: a run on ``local`` or a cloud backend neither waits on a slow or absent daemon nor removes
     containers that only docker runs (and ``sandboxes reap``) are concerned with.
     """
