@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from harbor_async.agents.harbor_episode import CAPTURE_REQUEST, HarborAgentRunner
 from harbor_async.core.errors import HarborAsyncError
+from harbor_async.engine.loop import wait_result
 from harbor_async.episodes.runner import run_episode
 from shim import engines
 from shim.agent_rollouts import AgentRollouts, task_of
@@ -91,7 +92,7 @@ def session_factory(rollouts: AgentRollouts, sampling: Mapping[str, Any] | None 
         def wait_for_completion(self, timeout_s: float | None = None) -> int:
             """Wait for the episode (verified and stopped); 0 when it was judged, 1 otherwise."""
             try:
-                record = self.record.result(timeout=timeout_s)
+                record = wait_result(self.record, timeout_s)
             except FutureTimeout:
                 raise TimeoutError(f"episode {self.episode_id} still running after {timeout_s} s") from None
             return 0 if record.judged else 1
@@ -105,7 +106,7 @@ def session_factory(rollouts: AgentRollouts, sampling: Mapping[str, Any] | None 
         def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> Any:
             from openenv.core.harness import VerifyResult
 
-            record = self.record.result()
+            record = wait_result(self.record)
             reward = None if not record.judged else 0.0 if record.reward is None else float(record.reward)
             return VerifyResult(env_reward=reward, done=True, metrics={
                 "judged": record.judged, "error_class": record.error_class, "calls": len(self.capture.calls) if self.capture else 0,

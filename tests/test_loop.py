@@ -169,6 +169,42 @@ def test_process_exit_stops_live_sandboxes_and_never_hangs(tmp_path, how):
     assert left == "", f"bubblewrap processes left: {left}"
 
 
+SIGNAL_ELSEWHERE = textwrap.dedent(
+    """
+    import signal, sys, threading, anyio
+    from harbor_async.engine.loop import LoopThread
+
+    loop = LoopThread(name="signalled-loop")
+    loop.start()
+    target = {"loop": loop._thread, "main": threading.main_thread()}[sys.argv[1]]
+
+    async def long_call():
+        print("WAITING", flush=True)
+        await anyio.sleep(600)
+
+    def interrupt():  # what the kernel may do with a Ctrl-C: hand it to any thread that does not block it
+        signal.pthread_kill(target.ident, signal.SIGINT)
+
+    loop.submit(anyio.sleep, 0).result()
+    threading.Timer(0.5, interrupt).start()
+    try:
+        loop.call(long_call)
+    except KeyboardInterrupt:
+        print("INTERRUPTED", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("thread", ["loop", "main"])
+def test_ctrl_c_interrupts_a_call_whichever_thread_the_kernel_gives_it_to(thread):
+    """A SIGINT that a thread other than the main one takes still interrupts the main thread's wait (the shim's
+    tool call): before, the main thread slept on in an untimed wait and a trainer hit by Ctrl-C hung."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGNAL_ELSEWHERE, thread], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert proc.stdout.split() == ["WAITING", "INTERRUPTED"], proc.stderr[-3000:]
+
+
 @pytest.mark.range  # .ci/range: on the lowest and highest uvloop the extra allows
 def test_the_loop_runs_on_uvloop_exactly_when_asked(loop, monkeypatch):
     """HARBOR_ASYNC_UVLOOP=1 puts the loop thread (and run, eval) on uvloop; .ci/run runs the engine tests so too."""

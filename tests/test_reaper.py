@@ -19,6 +19,7 @@ import pytest
 
 from harbor_async.backends import leftovers, reaper
 from harbor_async.backends.docker import cleanup as docker_cleanup
+from harbor_async.backends.local.cleanup import read_marker
 from harbor_async.core import naming
 from harbor_async.engine.engine import Engine
 from tests.engine_child import kill_mid_batch
@@ -332,7 +333,8 @@ def test_the_next_run_removes_what_a_killed_run_left_and_says_so(tmp_path):
     ran = _harbor_async("run", "-p", str(suite.parent), "-o", str(tmp_path / "jobs"), env=env)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert "reaped sandboxes left by dead runs" in ran.stderr and label in ran.stderr  # it says what it removed
-    assert not any(folder.exists() for folder in left)
+    kept = {f.name: (sorted(p.name for p in f.iterdir()), read_marker(f)) for f in left if f.exists()}
+    assert kept == {}, ran.stderr[-3000:]  # each with what it holds and its marker: which piece was left, and why
     assert list(Path(tempfile.gettempdir()).glob(f"harbor-async-{label}-*")) == []  # its trial folders too
     assert _live_processes_mentioning(f"harbor-async-{label}-") == []
 

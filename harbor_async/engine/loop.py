@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -40,6 +41,8 @@ T = TypeVar("T")
 EXIT_BUDGET = float(os.environ.get("HARBOR_ASYNC_EXIT_BUDGET") or 60.0)
 #: Seconds the exit handler then waits for the loop itself to end.
 LOOP_STOP_BUDGET = 5.0
+#: Seconds between a waiting main thread's looks at its signal handlers (see :func:`wait_result`).
+SIGNAL_CHECK = 0.2
 #: Set to 1 to run every event loop of harbor-async (the loop thread, ``run``, ``eval``) on uvloop.
 UVLOOP_VARIABLE = "HARBOR_ASYNC_UVLOOP"
 
@@ -144,7 +147,7 @@ class LoopThread:
         self._check_caller("call()")
         future = self.submit(fn, *args)
         try:
-            return future.result(timeout)
+            return wait_result(future, timeout)
         except FutureTimeout:
             future.cancel()
             raise TimeoutError(f"no result from the loop thread within {timeout} s") from None
@@ -237,6 +240,29 @@ class LoopThread:
             # Cleanup is done: a late second SIGTERM must not kill the exit Python's
             # finalization is about to make (it puts default handlers back).
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def wait_result[T](future: Future[T], timeout: float | None = None) -> T:
+    """``future.result(timeout)`` that a signal interrupts on the main thread (Ctrl-C in a trainer).
+
+    The kernel gives a process's SIGINT to any of its threads that does not
+    block it. Python's handler then only flags it for the main thread, and a
+    main thread asleep in an untimed wait never looks at the flag: Ctrl-C
+    during a shim tool call hung the trainer whenever the loop thread or a
+    keeper thread took the signal (seen under load). So the main thread waits
+    in slices of :data:`SIGNAL_CHECK` seconds, and a flagged signal's handler
+    (``KeyboardInterrupt``, a program's own) runs between two of them.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return future.result(timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        try:
+            return future.result(SIGNAL_CHECK if left is None else max(0.0, min(SIGNAL_CHECK, left)))
+        except FutureTimeout:
+            if left is not None and left <= SIGNAL_CHECK:
+                raise
 
 
 async def await_future(future: Future[T]) -> T:
