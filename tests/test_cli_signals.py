@@ -89,3 +89,38 @@ def test_a_third_signal_forces_the_exit_and_names_what_is_left(tmp_path, leak_pr
     reaped = harbor_async("sandboxes", "reap", "--run-label", labels.pop())
     assert reaped.returncode == 0, reaped.stdout + reaped.stderr
     assert not leak_probe.sandbox_dirs()
+
+
+TAKEN_ELSEWHERE = """
+import signal, sys, threading, anyio
+from harbor_async.core.interrupts import Interrupts
+from harbor_async.engine.loop import run_loop
+
+
+async def batch(interrupts: Interrupts) -> None:
+    with anyio.CancelScope() as scope:
+        interrupts.arm(scope.cancel)
+        # What the kernel may do with a Ctrl-C: hand it to a thread that is not the main one.
+        threading.Timer(0.5, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGINT)).start()
+        await anyio.sleep(600)  # a batch whose episodes are all deep in long commands: no timer wakes the loop
+        print("SLEPT", flush=True)
+    print("CANCELLED" if scope.cancelled_caught else "NOT CANCELLED", flush=True)
+
+
+with Interrupts() as interrupts:
+    run_loop(batch, interrupts)
+print(interrupts.exit_code, flush=True)
+"""
+
+
+@pytest.mark.uvloop_pass
+def test_a_signal_another_thread_takes_still_stops_the_batch_at_once():
+    """The batch's loop wakes for a signal that a worker thread took: plain asyncio slept on in its selector
+    (until its next timer: here 600 s) and the Python handler, which runs on the main thread, never ran."""
+    import subprocess
+    import sys
+
+    from tests.cli_helpers import REPO
+
+    proc = subprocess.run([sys.executable, "-c", TAKEN_ELSEWHERE], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.stdout.split() == ["CANCELLED", "130"], proc.stderr[-3000:]

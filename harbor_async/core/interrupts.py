@@ -16,7 +16,11 @@ Handlers are Python ``signal`` handlers, not event-loop ones, so that the
 third signal still works when the loop is stuck; they write to the stderr
 file descriptor directly (no console lock can be held by the code they
 interrupt) and hand the cancellation to the loop with ``call_soon_threadsafe`` (trio:
-its token's ``run_sync_soon``).
+its token's ``run_sync_soon``). A Python handler runs on the main thread, and
+only once that thread runs Python code: when the kernel hands the signal to
+another thread (a worker thread, a keeper thread), plain asyncio would sleep
+on in its selector until its next timer. So on asyncio a wake-up file is set
+(``signal.set_wakeup_fd``) that the loop reads; trio and uvloop set their own.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable
 from types import FrameType
@@ -31,6 +36,15 @@ from types import FrameType
 import sniffio
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _drain(wakeup: socket.socket) -> None:
+    # Waking the loop is the whole job: the Python handler runs on the main thread as the loop returns to Python.
+    try:
+        while wakeup.recv(4096):
+            pass
+    except OSError:  # BlockingIOError: drained
+        pass
 
 
 def _write(text: str) -> None:
@@ -54,6 +68,7 @@ class Interrupts:
         self._cancel: Callable[[], None] | None = None
         self._soon: Callable[[Callable[[], None]], object] | None = None
         self._previous: dict[int, object] = {}
+        self._wakeup: tuple[asyncio.AbstractEventLoop, socket.socket, socket.socket] | None = None
 
     @property
     def exit_code(self) -> int | None:
@@ -72,7 +87,9 @@ class Interrupts:
 
             self._soon = trio.lowlevel.current_trio_token().run_sync_soon
         else:
-            self._soon = asyncio.get_running_loop().call_soon_threadsafe
+            loop = asyncio.get_running_loop()
+            self._soon = loop.call_soon_threadsafe
+            self._wake_on_signals(loop)
         self._cancel = cancel
         if self.signum is not None:
             cancel()
@@ -91,6 +108,38 @@ class Interrupts:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         self._previous.clear()
+        self._stop_waking()
+
+    def _wake_on_signals(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Make any signal wake ``loop`` (on the main thread, where the handlers are), whichever thread takes it."""
+        if not self._previous or threading.current_thread() is not threading.main_thread():
+            return
+        if self._wakeup is not None:
+            if self._wakeup[0] is loop:
+                return
+            self._stop_waking()  # a later loop of the same batch (run's cluster path, say)
+        read, write = socket.socketpair()
+        read.setblocking(False)
+        write.setblocking(False)
+        previous = signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+        if previous != -1:  # the loop keeps its own (uvloop): it wakes on signals already
+            signal.set_wakeup_fd(previous)
+            read.close()
+            write.close()
+            return
+        loop.add_reader(read.fileno(), _drain, read)
+        self._wakeup = (loop, read, write)
+
+    def _stop_waking(self) -> None:
+        if self._wakeup is None:
+            return
+        loop, read, write = self._wakeup
+        self._wakeup = None
+        signal.set_wakeup_fd(-1)
+        if not loop.is_closed():
+            loop.remove_reader(read.fileno())
+        read.close()
+        write.close()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.count += 1
