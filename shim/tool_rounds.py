@@ -32,11 +32,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ToolCallsAhead"]
+import anyio
+
+from harbor_async.engine.loop import wait_result
+from shim import engines
+
+__all__ = ["ToolCallsAhead", "worker_threads"]
 
 #: A rollout's sync tools by name, as TRL keeps them (``GRPOTrainer._sync_tool_dicts[i]``).
 ToolDict = Mapping[str, Callable[..., Any]]
@@ -58,17 +63,22 @@ class ToolCallsAhead:
         completions: each rollout's completion messages, as the tool loop
             grows them (read, never changed, here).
         tool_dicts: each rollout's sync tools by name (the originals).
-        pool: threads for the rollouts (one task per rollout per round); ``None``:
+        run_ahead: starts one rollout's calls of a round in another thread and
+            returns its future (``ThreadPoolExecutor.submit`` will do; the
+            trainer's, :func:`worker_threads`, do not hold up the exit); ``None``:
             nothing runs ahead, every call runs in the caller's thread (TRL's
             serial rounds), still timed.
     """
 
     def __init__(
-        self, completions: Sequence[list[dict[str, Any]]], tool_dicts: Sequence[ToolDict], pool: ThreadPoolExecutor | None
+        self,
+        completions: Sequence[list[dict[str, Any]]],
+        tool_dicts: Sequence[ToolDict],
+        run_ahead: Callable[..., Future[None]] | None,
     ) -> None:
         self._completions = completions
         self._originals = tool_dicts
-        self._pool = pool
+        self._run_ahead = run_ahead
         self._queues: list[deque[_Call]] = [deque() for _ in tool_dicts]
         # The messages whose calls ran ahead, kept alive so that an id is never reused for another message.
         self._answered: dict[int, dict[str, Any]] = {}
@@ -86,27 +96,40 @@ class ToolCallsAhead:
             for index, tools in enumerate(self._originals)
         ]
 
-    def close(self) -> None:
-        """Wait for every call that was started (none is left running behind the caller)."""
-        wait(self._running)
+    def __enter__(self) -> ToolCallsAhead:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        self.close(wait=kind is None)
+
+    def close(self, wait: bool = True) -> None:
+        """Wait for every call that was started (none is left running behind the caller).
+
+        ``wait=False`` (what leaving a ``with`` block on an exception does: Ctrl-C,
+        say): the calls still running end with their sandboxes, when the engine
+        is closed at exit.
+        """
+        if wait:
+            for running in self._running:
+                wait_result(running)
 
     def _call(self, index: int, name: str, **arguments: Any) -> Any:
         begin = time.perf_counter()
         try:
             with self._lock:
-                if not self._queues[index] and self._pool is not None:  # this rollout's first call of a round: it starts
+                if not self._queues[index] and self._run_ahead is not None:  # this rollout's first call of a round: it starts
                     self._start_round()
                 queue = self._queues[index]
                 call = queue.popleft() if queue and queue[0].name == name and queue[0].arguments == arguments else None
             if call is None:  # not foreseen: as TRL calls it
                 return self._originals[index][name](**arguments)
-            return call.result.result()  # the call's own exception, raised here as TRL would have met it
+            return wait_result(call.result)  # the call's own exception, raised here as TRL would have met it
         finally:
             self.waited += time.perf_counter() - begin
 
     def _start_round(self) -> None:
         """Start the calls of every rollout whose last message asks for tools not yet run ahead."""
-        assert self._pool is not None
+        assert self._run_ahead is not None
         self.rounds += 1
         for index, messages in enumerate(self._completions):
             message = messages[-1] if messages else None
@@ -117,7 +140,7 @@ class ToolCallsAhead:
                 continue
             self._answered[id(message)] = message
             self._queues[index] = deque(calls)
-            self._running.append(self._pool.submit(_run_in_order, calls, self._originals[index]))
+            self._running.append(self._run_ahead(_run_in_order, calls, self._originals[index]))
 
     @staticmethod
     def _foreseen(tool_calls: Sequence[Any], tools: ToolDict) -> list[_Call]:
@@ -131,6 +154,29 @@ class ToolCallsAhead:
             if isinstance(arguments, dict) and all(isinstance(key, str) for key in arguments):
                 calls.append(_Call(function["name"], dict(arguments)))
         return calls
+
+
+def worker_threads(workers: int) -> Callable[..., Future[None]] | None:
+    """A ``run_ahead`` for :class:`ToolCallsAhead`: anyio's worker threads of the loop thread, ``workers`` at once.
+
+    ``None`` for one worker (TRL's serial rounds). Not a ``ThreadPoolExecutor``:
+    the interpreter joins its threads before the exit handlers that close the
+    engines, so after Ctrl-C mid-round a trainer waited for every command still
+    running ahead (up to its timeout). anyio's worker threads are daemons, and
+    the engines' close at exit ends their commands.
+    """
+    if workers == 1:
+        return None
+    slots = anyio.CapacityLimiter(workers)
+
+    def run_ahead(fn: Callable[..., None], *args: Any) -> Future[None]:
+        return engines.submit(_in_worker_thread, functools.partial(fn, *args), slots)
+
+    return run_ahead
+
+
+async def _in_worker_thread(job: Callable[[], None], slots: anyio.CapacityLimiter) -> None:
+    await anyio.to_thread.run_sync(job, limiter=slots, abandon_on_cancel=True)
 
 
 def _run_in_order(calls: Sequence[_Call], tools: ToolDict) -> None:

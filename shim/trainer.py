@@ -61,9 +61,7 @@ the trainer's own steps and calls them.
 from __future__ import annotations
 
 import time
-import weakref
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import torch
@@ -78,7 +76,7 @@ from shim import engines, prefetch
 from shim.env import HarborEnv
 from shim.lookahead import TASK_COLUMN, GenerationLookahead, LookaheadSampler, task_key
 from shim.prefetch import PrefetchCounts
-from shim.tool_rounds import ToolCallsAhead
+from shim.tool_rounds import ToolCallsAhead, worker_threads
 
 log = get_logger("harbor_async.shim")
 
@@ -168,7 +166,7 @@ class HarborGRPOTrainer(GRPOTrainer):
         if tool_workers is not None and (isinstance(tool_workers, bool) or tool_workers < 1):
             raise ValueError(f"tool_workers must be a positive integer or None, got {tool_workers!r}")
         self._harbor_tool_workers = DEFAULT_TOOL_WORKERS if tool_workers is None else int(tool_workers)
-        self._harbor_pool: ThreadPoolExecutor | None = None
+        self._harbor_run_ahead = worker_threads(self._harbor_tool_workers)
         self._harbor_wait: dict[str, float] = defaultdict(float)
         self._harbor_batch_begin = time.perf_counter()
         self._harbor_rewards: torch.Tensor | None = None
@@ -189,23 +187,15 @@ class HarborGRPOTrainer(GRPOTrainer):
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, *rest):
         """TRL's own loop, with each round's sync calls of every rollout run at once ahead of it (:mod:`shim.tool_rounds`)."""
         originals = self._sync_tool_dicts
-        ahead = ToolCallsAhead(completions, originals, self._tool_pool())
+        ahead = ToolCallsAhead(completions, originals, self._harbor_run_ahead)
         self._sync_tool_dicts = ahead.tool_dicts()
         try:
-            return super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, *rest)
+            with ahead:
+                return super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, *rest)
         finally:
             self._sync_tool_dicts = originals
-            ahead.close()
             self._harbor_wait["tools"] += ahead.waited
 
-    def _tool_pool(self) -> ThreadPoolExecutor | None:
-        if self._harbor_tool_workers == 1:
-            return None
-        if self._harbor_pool is None:
-            self._harbor_pool = ThreadPoolExecutor(self._harbor_tool_workers, thread_name_prefix="harbor-tools")
-            # Idle threads only: let them go with the trainer, without waiting.
-            weakref.finalize(self, self._harbor_pool.shutdown, wait=False)
-        return self._harbor_pool
 
     # ── timing of the other environment calls ────────────────────────────
 

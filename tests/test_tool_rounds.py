@@ -7,13 +7,16 @@ real loop is exercised in ``tests/test_trainer.py`` against ``GRPOTrainer``.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import psutil
 import pytest
 
-from shim.tool_rounds import ToolCallsAhead
+from shim.tool_rounds import ToolCallsAhead, worker_threads
 
 
 def call(name: str, **arguments: Any) -> dict[str, Any]:
@@ -62,7 +65,8 @@ class Shell:
         return {"write": self.write, "read": self.read, "fail": self.fail}
 
 
-def test_a_rounds_rollouts_run_at_once_each_in_its_own_order():
+@pytest.mark.parametrize("runner", ["executor", "trainer"])
+def test_a_rounds_rollouts_run_at_once_each_in_its_own_order(runner: str):
     log: list[tuple[int, str]] = []
     started = threading.Event()
     first = Shell(log, 0, gate=started)  # its read needs rollout 1 to have begun: serially this waits 10 s and logs False
@@ -78,10 +82,9 @@ def test_a_rounds_rollouts_run_at_once_each_in_its_own_order():
         [{"role": "assistant", "tool_calls": [call("write", text="a"), call("read"), call("fail", reason="boom")]}],
         [{"role": "assistant", "tool_calls": [call("write", text="b"), call("nope"), call("read")]}],
     ]
-    with ThreadPoolExecutor(4) as pool:
-        ahead = ToolCallsAhead(completions, [first.tools(), second.tools()], pool)
-        results = as_trl_calls(ahead, completions)
-        ahead.close()
+    with ThreadPoolExecutor(4) as pool:  # the trainer's: anyio's worker threads of the loop thread
+        with ToolCallsAhead(completions, [first.tools(), second.tools()], pool.submit if runner == "executor" else worker_threads(4)) as ahead:
+            results = as_trl_calls(ahead, completions)
     assert results == [["ok", "a", {"error": "failed: boom"}], ["ok", {"error": "Tool nope not found."}, "b"]]
     assert (0, "waited True") in log  # rollout 1 ran while rollout 0 was still in its calls
     assert [entry for i, entry in log if i == 0] == ["write a", "waited True", "read"]  # each rollout's own order
@@ -103,7 +106,7 @@ def test_only_the_calls_trl_makes_run_ahead_and_an_answered_message_never_runs_a
     }
     completions = [[message]]
     with ThreadPoolExecutor(2) as pool:
-        ahead = ToolCallsAhead(completions, [shell.tools()], pool)
+        ahead = ToolCallsAhead(completions, [shell.tools()], pool.submit)
         tools = ahead.tool_dicts()
         assert tools[0]["write"](text="x") == "ok"
         # a rolled-back round leaves the same message last: the next round must not run its calls again
@@ -116,7 +119,7 @@ def test_the_callers_exception_is_the_tools_own():
     shell = Shell([], 0)
     completions = [[{"role": "assistant", "tool_calls": [call("fail", reason="why")]}]]
     with ThreadPoolExecutor(2) as pool:
-        ahead = ToolCallsAhead(completions, [shell.tools()], pool)
+        ahead = ToolCallsAhead(completions, [shell.tools()], pool.submit)
         with pytest.raises(RuntimeError, match="failed: why"):
             ahead.tool_dicts()[0]["fail"](reason="why")
         ahead.close()
@@ -129,3 +132,47 @@ def test_without_a_pool_nothing_runs_ahead():
     ahead = ToolCallsAhead(completions, [s.tools() for s in shells], None)
     assert as_trl_calls(ahead, completions) == [["ok", "0"], ["ok", "1"]]
     assert log == [(0, "write 0"), (0, "read"), (1, "write 1"), (1, "read")] and ahead.rounds == 0
+
+
+CTRL_C_MID_ROUND = """
+import signal, sys, threading, psutil
+import shim
+from shim.tool_rounds import ToolCallsAhead, worker_threads
+
+envs = [shim.HarborBashEnv("local", job_dir=f"{sys.argv[1]}/{i}") for i in range(2)]
+for env in envs:
+    env.reset(task_dir=sys.argv[2])
+command = "sleep 86399"  # longer than the exec timeout: an exit that waits for it waits for the timeout
+completions = [[{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "bash", "arguments": {"command": command}}}]}] for _ in envs]
+
+
+def interrupt_once_both_run():
+    while len([p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "86399"]]) < 2:
+        threading.Event().wait(0.05)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+threading.Thread(target=interrupt_once_both_run, daemon=True).start()
+with ToolCallsAhead(completions, [{"bash": env.bash} for env in envs], worker_threads(4)) as ahead:
+    for tools in ahead.tool_dicts():
+        print(tools["bash"](command=command), flush=True)  # as TRL's loop asks: interrupted in the first
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_round_ends_the_trainer_without_waiting_for_the_calls_ahead(tmp_path):
+    """SIGINT while both rollouts' commands run ahead: the process exits, its sandboxes stopped by the engine's
+    close at exit. A ``ThreadPoolExecutor`` kept it alive until every command ended (the exec timeout: minutes),
+    since the interpreter joins its threads before the exit handlers run."""
+    from harbor_async.suites import example_suite_path
+    from harbor_async.tasks.suite import load_suite
+    from tests.cluster_helpers import child_env
+
+    task = load_suite(example_suite_path()).tasks[0]
+    proc = subprocess.run(
+        [sys.executable, "-c", CTRL_C_MID_ROUND, str(tmp_path / "jobs"), str(task.task_dir)],
+        capture_output=True, text=True, env=child_env(), timeout=100,
+    )  # fmt: skip
+    assert "KeyboardInterrupt" in proc.stderr and proc.returncode != 0, proc.stderr[-3000:]
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "86399"]]
+    assert left == []  # both commands ended with their sandboxes
