@@ -72,6 +72,24 @@ class PromptTaskError(HarborAsyncError, ValueError):
     """A prompt that names no task of the spec (not a row of ``spec.train_dataset``)."""
 
 
+class TrainerToolsError(HarborAsyncError, ValueError):
+    """``rollout_func=spec.rollout_func`` given to a trainer that also has ``tools=`` or ``environment_factory=``."""
+
+
+def check_trainer(trainer: Any) -> None:
+    """Refuse a trainer whose own tool loop would run beside the Harbor agent (raises :class:`TrainerToolsError`).
+
+    With tools (an ``environment_factory``'s methods among them), GRPOTrainer runs its tool loop on what
+    ``rollout_func`` returned and ignores ``env_mask``: the environment's tokens would be trained on.
+    """
+    factories = getattr(trainer, "environment_factories", None) or getattr(trainer, "environments", None)
+    if getattr(trainer, "tools", None) or factories:
+        raise TrainerToolsError(
+            "rollout_func=spec.rollout_func runs the Harbor agent with its own tools: give GRPOTrainer neither "
+            "tools= nor environment_factory= beside it (TRL would run its tool loop and train the environment's tokens)"
+        )
+
+
 def task_of(prompt: Any) -> str:
     """The task folder a prompt of the agent path's dataset names (raises :class:`PromptTaskError`)."""
     if isinstance(prompt, list):
@@ -128,6 +146,8 @@ class AgentRollouts:
     def __call__(self, prompts: Sequence[Any], trainer: Any) -> dict[str, list[Any]]:
         """One row per prompt, in order: ``prompt_ids``, ``completion_ids``, ``logprobs``, ``env_mask`` and the episode's fields."""
         with self._lock:  # one batch at a time: the policy's model is switched to eval mode for it
+            if trainer is not None:
+                check_trainer(trainer)
             tasks = [task_of(prompt) for prompt in prompts]
             unknown = sorted(set(tasks) - set(self.tasks))
             if unknown:

@@ -49,7 +49,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-MODELS = ("solver", "quitter", "half", "misbehave", "flaky-429", "flaky-500", "always-500", "slow", "context", "terminus")
+MODELS = ("solver", "quitter", "half", "misbehave", "flaky-429", "flaky-500", "always-500", "slow", "context", "terminus", "terminus-forgetful")
 EXAMPLE_SUITE = Path(__file__).resolve().parent.parent / "harbor_async" / "suites" / "example" / "tasks"
 
 
@@ -155,7 +155,7 @@ class ScriptedServer:
         if model == "always-500" or (model in ("flaky-429", "flaky-500") and self._first_time(body)):
             code = 429 if model == "flaky-429" else 500
             return code, _error("try again later", "RateLimitError" if code == 429 else "InternalServerError", code)
-        if model == "terminus":
+        if model in ("terminus", "terminus-forgetful"):
             return 200, _reply(body, messages, None, self._terminus(messages))
         tools = [t["function"]["name"] for t in body.get("tools") or []]
         tool_turns = sum(1 for m in messages if m.get("role") == "tool")
@@ -257,7 +257,11 @@ def chat_ids(messages: list[dict[str, Any]]) -> list[int]:
 
 def _add_tokens(body: dict[str, Any], reply: dict[str, Any], choice: dict[str, Any], completion: str) -> None:
     if body.get("return_token_ids"):
-        reply["prompt_token_ids"] = chat_ids(body["messages"])
+        messages = body["messages"]
+        if body.get("model") == "terminus-forgetful":  # a template that drops earlier answers (as Qwen3's drops
+            # earlier reasoning): a later call's prompt no longer extends the earlier prompt and answer
+            messages = [{**m, "content": "..."} if m.get("role") == "assistant" else m for m in messages]
+        reply["prompt_token_ids"] = chat_ids(messages)
         choice["token_ids"] = token_ids(completion)
     if body.get("logprobs"):
         choice["logprobs"] = {"content": [{"token": str(b), "logprob": -0.125 * (b % 4)} for b in completion.encode()]}

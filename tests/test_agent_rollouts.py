@@ -26,7 +26,7 @@ from harbor_async.core.errors import AgentConfigError, InfrastructureBudgetError
 from harbor_async.jobs.folder import JobFolder
 from harbor_async.suites import example_suite_path
 from shim import engines
-from shim.agent_rollouts import PromptTaskError, task_of
+from shim.agent_rollouts import PromptTaskError, TrainerToolsError, task_of
 from tests.requirements import needs_bwrap
 from tests.scripted_server import ScriptedServer, chat_ids, token_ids
 
@@ -222,6 +222,51 @@ def test_episodes_without_a_verdict_leave_the_loss_and_stop_the_trainer_past_the
         with pytest.raises(InfrastructureBudgetError, match="model_server"):
             guarded.rollout_func(prompts, trainer)
         guarded.close()
+
+
+def test_an_episode_without_a_model_call_is_one_masked_eos_and_a_trainer_with_tools_is_refused(
+    tmp_path: Path, tiny_model, host_tmux: None
+) -> None:
+    from trl import GRPOTrainer
+
+    suite = example_suite_path()
+    with ScriptedServer(suite / "tasks") as server:
+        spec = shim.HarborSpec(
+            suite, agent="terminus-2", environment_type="local", indices=INDICES[:1], preflight=False,
+            model_name="hosted_vllm/terminus", agent_kwargs={"api_base": server.base_url, "max_turns": 0},
+        )  # fmt: skip
+        trainer = _trainer(spec, tiny_model, tmp_path / "out")
+        out = spec.rollout_func([spec.train_dataset[0]["prompt"]], trainer)
+        assert server.requests["terminus"] == 0 and out["harbor_calls"] == [0]
+        # judged (the verifier's 0 for an untouched sandbox) with nothing of the model's: TRL needs a completion,
+        # an empty one crashes it, so the row is one eos, masked out
+        assert out["harbor_reward"] == [0.0] and out["completion_ids"] == [[trainer.processing_class.eos_token_id]]
+        assert out["env_mask"] == [[0]] and out["logprobs"] == [[0.0]]
+        spec.close()
+
+        model_dir, tokenizer = tiny_model
+
+        def shell(command: str) -> str:
+            """Runs a command.
+
+            Args:
+                command: the command.
+            """
+            return ""
+
+        tooled = shim.HarborSpec(
+            suite, agent="terminus-2", environment_type="local", indices=INDICES, preflight=False,
+            model_name="hosted_vllm/terminus", agent_kwargs={"api_base": server.base_url},
+        )  # fmt: skip
+        both = GRPOTrainer(
+            model=str(model_dir), processing_class=tokenizer, args=cpu_grpo_config(tmp_path / "tools", 1, 4, 2, 64),
+            train_dataset=tooled.train_dataset, rollout_func=tooled.rollout_func, reward_funcs=tooled.reward_funcs,
+            tools=[shell],
+        )  # fmt: skip
+        with pytest.raises(TrainerToolsError, match="neither tools= nor environment_factory="):
+            both.train()  # TRL would run its own tool loop on the agent's rows and train the environment's tokens
+        assert server.requests["terminus"] == 0  # refused before any episode
+        tooled.close()
 
 
 def test_what_the_agent_path_cannot_do_is_refused_up_front(tmp_path: Path) -> None:

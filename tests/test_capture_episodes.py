@@ -21,11 +21,13 @@ from tests.test_harbor_agents import echo_suite
 pytestmark = pytest.mark.slow  # real sandboxes, a real agent, CLI processes
 
 
-def _captured_run(tmp_path: Path, *extra: str, multi_step: bool = False) -> tuple[dict, Path, ScriptedServer]:
+def _captured_run(
+    tmp_path: Path, *extra: str, multi_step: bool = False, model: str = "terminus"
+) -> tuple[dict, Path, ScriptedServer]:
     suite = echo_suite(tmp_path / "suite", multi_step=multi_step)
     with ScriptedServer(suite / "tasks") as server:
         result = harbor_async(
-            "run", "-p", str(suite), "-a", "terminus-2", "-m", "hosted_vllm/terminus", "--ak", f"api_base={server.base_url}",
+            "run", "-p", str(suite), "-a", "terminus-2", "-m", f"hosted_vllm/{model}", "--ak", f"api_base={server.base_url}",
             "--capture", "-o", str(tmp_path / "jobs"), *extra,
         )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -43,9 +45,19 @@ def test_run_capture_records_every_call_with_the_servers_tokens(tmp_path: Path, 
         "rollout_details": {"turns": 3, "mismatches": 0, "missing": 0},
         # and so does its ATIF trajectory (agent/trajectory.json), step by step
         "trajectory": {"steps": 3, "mismatches": 0},
+        "row": record["capture"]["row"],  # below, against the calls
     }  # fmt: skip
     capture = json.loads((trial / "agent" / "capture.json").read_text())
     calls = capture["calls"]
+    # The episode as one sequence: the model's tokens (1) and what the terminal and terminus-2 added between calls (0)
+    row, answers = capture["row"], [t for call in calls for t in call["completion_token_ids"]]
+    assert row["prompt_ids"] == calls[0]["prompt_token_ids"] and (row["calls"], row["dropped"]) == (3, 0)
+    assert row["prompt_ids"] + row["completion_ids"] == calls[-1]["prompt_token_ids"] + calls[-1]["completion_token_ids"]
+    assert [t for t, m in zip(row["completion_ids"], row["env_mask"], strict=True) if m] == answers
+    environment = len(row["env_mask"]) - len(answers)
+    assert environment > 0 and record["capture"]["row"] == {
+        "calls": 3, "dropped": 0, "model_tokens": len(answers), "environment_tokens": environment,
+    }  # fmt: skip
     assert len(calls) == server.requests["terminus"] == 3  # every call of the agent went through the proxy
     for call in calls:
         content = call["reply"]["choices"][0]["message"]["content"]
@@ -63,6 +75,18 @@ def test_run_capture_records_every_call_with_the_servers_tokens(tmp_path: Path, 
         assert step["message"] == f"Analysis: {answer['analysis']}\nPlan: {answer['plan']}"
     first_prompt = next(step["message"] for step in trajectory["steps"] if step["source"] == "user")
     assert calls[0]["request"]["messages"][0]["content"] == first_prompt
+
+
+def test_a_history_the_template_rewrites_ends_the_row_and_the_trace_counts_the_dropped_calls(
+    tmp_path: Path, host_tmux: None
+) -> None:
+    """A template that drops earlier answers (the server's ``terminus-forgetful``): the second call's prompt does not
+    extend the first call's prompt and answer, so the row holds the first call and the record counts two dropped."""
+    record, trial, _server = _captured_run(tmp_path, model="terminus-forgetful")
+    assert record["reward"] == 1.0 and record["capture"]["calls"] == 3
+    calls = json.loads((trial / "agent" / "capture.json").read_text())["calls"]
+    first = len(calls[0]["completion_token_ids"])
+    assert record["capture"]["row"] == {"calls": 1, "dropped": 2, "model_tokens": first, "environment_tokens": 0}
 
 
 def test_capture_keeps_each_steps_calls_beside_that_steps_trajectory(tmp_path: Path, host_tmux: None) -> None:

@@ -40,6 +40,7 @@ import anyio
 from harbor_async.agents.harbor import HarborAgentSpec
 from harbor_async.core.errors import Phase, SandboxError, SandboxTimeout
 from harbor_async.core.moved import renamed_attribute
+from harbor_async.models.capture.rows import token_row
 from harbor_async.models.capture.trace import check_rollout_details, check_trajectory
 from harbor_async.models.model_server import ServerVerdict, classify, model_server_error
 
@@ -174,6 +175,14 @@ class HarborAgentRunner:
         if checked is not None:  # the agent's own ids (terminus-2's collect_rollout_details) against this instruction's calls
             before = summary.get("rollout_details") or {"turns": 0, "mismatches": 0, "missing": 0}
             summary["rollout_details"] = {key: before[key] + checked[key] for key in checked}
+        row = None if session.retokenize else token_row([call.to_json() for call in session.calls])
+        # The episode as one training sequence so far (None: no answered call, or no server ids: the trainer and
+        # export re-tokenize): what the model generated (env_mask 1) and what the environment or the agent's
+        # scaffolding added between two calls (0); calls of a re-templated history left out count as dropped.
+        summary["row"] = None if row is None else {
+            "calls": row.calls, "dropped": row.dropped, "model_tokens": row.model_tokens,
+            "environment_tokens": len(row.env_mask) - row.model_tokens,
+        }  # fmt: skip
         if trial_dir is not None:
             checked = check_trajectory(calls, _read_json(Path(trial_dir) / TRAJECTORY_FILE))
             if checked is not None:  # the agent's ATIF trajectory (its steps' ids or token counts) against the calls
@@ -181,7 +190,11 @@ class HarborAgentRunner:
                 summary["trajectory"] = {key: before[key] + checked[key] for key in checked}
             path = Path(trial_dir) / CAPTURE_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({**session.to_json(), "calls": [call.to_json() for call in calls]}))
+            sequence = None if row is None else {
+                "prompt_ids": row.prompt_ids, "completion_ids": row.completion_ids,
+                "env_mask": row.env_mask, "calls": row.calls, "dropped": row.dropped,
+            }  # fmt: skip
+            path.write_text(json.dumps({**session.to_json(), "calls": [call.to_json() for call in calls], "row": sequence}))
             summary["files"] = [*summary["files"], str(Path("steps", step, CAPTURE_FILE) if step else CAPTURE_FILE)]
         record.capture = summary
 
