@@ -254,11 +254,17 @@ def agent_reward(
     return [None if reward is None else float(reward) for reward in harbor_reward]
 
 
-def retokenize(tokenizer: Any, request: dict[str, Any], reply: dict[str, Any]) -> tuple[list[int], list[int]]:
-    """A call's ids by the model's tokenizer and chat template, for a server that gave none (an ``eos`` ends it)."""
+def retokenize(tokenizer: Any, request: dict[str, Any], reply: dict[str, Any]) -> tuple[list[int], list[int]] | None:
+    """A call's ids by the model's tokenizer and chat template, for a server that gave none (an ``eos`` ends it).
+
+    ``None`` for a reply with tool calls: how the model wrote them (its template's tool-call syntax) is not in
+    the reply, so the row ends before that call (counted as dropped) rather than train on made-up tokens.
+    """
     prompt = _chat_ids(tokenizer, request.get("messages") or [], request.get("tools"))
     choice = (reply.get("choices") or [{}])[0]
     message = (choice.get("message") if isinstance(choice, dict) else None) or {}
+    if message.get("tool_calls"):
+        return None
     completion = tokenizer(str(message.get("content") or ""), add_special_tokens=False)["input_ids"]
     return prompt, [*completion, tokenizer.eos_token_id]
 

@@ -26,7 +26,7 @@ from harbor_async.core.errors import AgentConfigError, InfrastructureBudgetError
 from harbor_async.jobs.folder import JobFolder
 from harbor_async.suites import example_suite_path
 from shim import engines
-from shim.agent_rollouts import PromptTaskError, TrainerToolsError, task_of
+from shim.agent_rollouts import PromptTaskError, TrainerToolsError, retokenize, task_of
 from tests.requirements import needs_bwrap
 from tests.scripted_server import ScriptedServer, chat_ids, token_ids
 
@@ -243,6 +243,12 @@ def test_an_episode_without_a_model_call_is_one_masked_eos_and_a_trainer_with_to
         assert out["harbor_reward"] == [0.0] and out["completion_ids"] == [[trainer.processing_class.eos_token_id]]
         assert out["env_mask"] == [[0]] and out["logprobs"] == [[0.0]]
         spec.close()
+        # a reply with tool calls from a server that gave no ids: its tokens are not re-made from the text
+        request = {"messages": [{"role": "user", "content": "hi"}]}
+        calling = {"choices": [{"message": {"content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}}]}
+        assert retokenize(trainer.processing_class, request, calling) is None
+        talking = retokenize(trainer.processing_class, request, {"choices": [{"message": {"content": "ok"}}]})
+        assert talking is not None and talking[1][-1] == trainer.processing_class.eos_token_id
 
         model_dir, tokenizer = tiny_model
 

@@ -66,6 +66,8 @@ def test_a_call_without_the_servers_ids_is_retokenized_or_ends_the_row() -> None
     assert row is not None and seen == [(calls[1]["request"], calls[1]["reply"])]
     assert row.completion_ids == [2, 3, 4, 0] and row.env_mask == [1, 0, 1, 1] and row.retokenized == 1
     assert row.logprobs[:2] == [-0.5, 0.0] and all(math.isnan(x) for x in row.logprobs[2:])  # unknown, not made up
+    row = token_row(calls, retokenize=lambda request, reply: None)  # a reply it cannot render (tool calls)
+    assert row is not None and (row.calls, row.dropped, row.retokenized) == (1, 1, 0)
 
 
 def test_the_capture_is_checked_against_the_agents_own_record_of_its_ids() -> None:

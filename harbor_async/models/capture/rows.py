@@ -22,8 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-#: A call's ids by the model's tokenizer: (prompt ids, completion ids), for a call the server gave none.
-Retokenizer = Callable[[dict[str, Any], dict[str, Any]], tuple[list[int], list[int]]]
+#: A call's ids by the model's tokenizer: (prompt ids, completion ids), for a call the server gave none;
+#: ``None``: a reply the tokenizer cannot render as the model wrote it (the row ends there).
+Retokenizer = Callable[[dict[str, Any], dict[str, Any]], tuple[list[int], list[int]] | None]
 
 
 @dataclass(frozen=True)
@@ -102,5 +103,8 @@ def _ids(call: dict[str, Any], retokenize: Retokenizer | None) -> tuple[list[int
         return list(prompt), list(completion), logprobs, 0
     if retokenize is None or not isinstance(call.get("request"), dict) or not isinstance(call.get("reply"), dict):
         return None
-    prompt, completion = retokenize(call["request"], call["reply"])
+    ids = retokenize(call["request"], call["reply"])
+    if ids is None:
+        return None
+    prompt, completion = ids
     return prompt, completion, [math.nan] * len(completion), 1
