@@ -213,7 +213,8 @@ class AgentRollouts:
             row, reward = rollout.row, rollout.reward
             if row is None or not row.completion_ids:  # no model call: TRL needs a completion, so one masked eos
                 prompt_ids = row.prompt_ids if row is not None else _chat_ids(tokenizer, _plain_prompt(prompt))
-                row = TokenRow(prompt_ids, [eos], [0.0], [0])
+                answered = sum(1 for call in calls if call.get("status") == 200)  # none of them could start a row
+                row = TokenRow(prompt_ids, [eos], [0.0], [0], dropped=row.dropped if row is not None else answered)
             mask = row.env_mask if reward is not None else [0] * len(row.env_mask)  # not judged: out of the loss
             if reward is None and rollout.record is not None:
                 failed.append(rollout.record)
@@ -260,11 +261,11 @@ def retokenize(tokenizer: Any, request: dict[str, Any], reply: dict[str, Any]) -
     ``None`` for a reply with tool calls: how the model wrote them (its template's tool-call syntax) is not in
     the reply, so the row ends before that call (counted as dropped) rather than train on made-up tokens.
     """
-    prompt = _chat_ids(tokenizer, request.get("messages") or [], request.get("tools"))
     choice = (reply.get("choices") or [{}])[0]
     message = (choice.get("message") if isinstance(choice, dict) else None) or {}
     if message.get("tool_calls"):
         return None
+    prompt = _chat_ids(tokenizer, request.get("messages") or [], request.get("tools"))
     completion = tokenizer(str(message.get("content") or ""), add_special_tokens=False)["input_ids"]
     return prompt, [*completion, tokenizer.eos_token_id]
 

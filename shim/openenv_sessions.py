@@ -31,12 +31,11 @@ import threading
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 from harbor_async.agents.harbor_episode import CAPTURE_REQUEST, HarborAgentRunner
 from harbor_async.core.errors import HarborAsyncError
-from harbor_async.engine.loop import wait_result
+from harbor_async.engine.loop import wait_done, wait_result
 from harbor_async.episodes.runner import run_episode
 from shim import engines
 from shim.agent_rollouts import AgentRollouts, task_of
@@ -91,11 +90,9 @@ def session_factory(rollouts: AgentRollouts, sampling: Mapping[str, Any] | None 
 
         def wait_for_completion(self, timeout_s: float | None = None) -> int:
             """Wait for the episode (verified and stopped); 0 when it was judged, 1 otherwise."""
-            try:
-                record = wait_result(self.record, timeout_s)
-            except FutureTimeout:
-                raise TimeoutError(f"episode {self.episode_id} still running after {timeout_s} s") from None
-            return 0 if record.judged else 1
+            if not wait_done(self.record, timeout_s):
+                raise TimeoutError(f"episode {self.episode_id} still running after {timeout_s} s")
+            return 0 if self.record.result().judged else 1
 
         def fetch_training_trace(self) -> Any:
             """The captured calls as OpenEnv's ``TrainingTrace`` (see the module docs)."""

@@ -32,16 +32,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
-from harbor_async.engine.loop import wait_result
+from harbor_async.core.errors import HarborAsyncError
+from harbor_async.engine.loop import wait_done, wait_result
 from shim import engines
 
-__all__ = ["ToolCallsAhead", "worker_threads"]
+__all__ = ["CallNotRunError", "ToolCallsAhead", "worker_threads"]
 
 #: A rollout's sync tools by name, as TRL keeps them (``GRPOTrainer._sync_tool_dicts[i]``).
 ToolDict = Mapping[str, Callable[..., Any]]
@@ -100,18 +101,20 @@ class ToolCallsAhead:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
-        self.close(wait=kind is None)
+        # An error the program may catch and go on from waits (the envs are reset for the next batch); an exit
+        # (Ctrl-C, SystemExit) does not.
+        self.close(wait=kind is None or issubclass(kind, Exception))
 
     def close(self, wait: bool = True) -> None:
         """Wait for every call that was started (none is left running behind the caller).
 
-        ``wait=False`` (what leaving a ``with`` block on an exception does: Ctrl-C,
-        say): the calls still running end with their sandboxes, when the engine
-        is closed at exit.
+        ``wait=False`` (what leaving a ``with`` block on ``KeyboardInterrupt`` or
+        ``SystemExit`` does): the calls still running end with their sandboxes,
+        when the engine is closed at exit. The wait itself is interruptible.
         """
         if wait:
             for running in self._running:
-                wait_result(running)
+                wait_done(running)
 
     def _call(self, index: int, name: str, **arguments: Any) -> Any:
         begin = time.perf_counter()
@@ -140,7 +143,9 @@ class ToolCallsAhead:
                 continue
             self._answered[id(message)] = message
             self._queues[index] = deque(calls)
-            self._running.append(self._run_ahead(_run_in_order, calls, self._originals[index]))
+            running = self._run_ahead(_run_in_order, calls, self._originals[index])
+            running.add_done_callback(functools.partial(_fail_unanswered, calls))
+            self._running.append(running)
 
     @staticmethod
     def _foreseen(tool_calls: Sequence[Any], tools: ToolDict) -> list[_Call]:
@@ -167,22 +172,44 @@ def worker_threads(workers: int) -> Callable[..., Future[None]] | None:
     """
     if workers == 1:
         return None
-    slots = anyio.CapacityLimiter(workers)
+    slots: list[anyio.CapacityLimiter] = []  # made on the loop thread at the first round, for its event loop
+
+    async def in_worker_thread(job: Callable[[], None]) -> None:
+        if not slots:
+            slots.append(anyio.CapacityLimiter(workers))
+        await anyio.to_thread.run_sync(job, limiter=slots[0], abandon_on_cancel=True)
 
     def run_ahead(fn: Callable[..., None], *args: Any) -> Future[None]:
-        return engines.submit(_in_worker_thread, functools.partial(fn, *args), slots)
+        return engines.submit(in_worker_thread, functools.partial(fn, *args))
 
     return run_ahead
 
 
-async def _in_worker_thread(job: Callable[[], None], slots: anyio.CapacityLimiter) -> None:
-    await anyio.to_thread.run_sync(job, limiter=slots, abandon_on_cancel=True)
+class CallNotRunError(HarborAsyncError, RuntimeError):
+    """A call run ahead never ran: its round's worker was cancelled (the loop thread stopping, say)."""
 
 
 def _run_in_order(calls: Sequence[_Call], tools: ToolDict) -> None:
     """One rollout's calls of a round, one after another (a later call may read what an earlier one wrote)."""
     for call in calls:
         try:
-            call.result.set_result(tools[call.name](**call.arguments))
+            _settle(call.result, value=tools[call.name](**call.arguments))
         except BaseException as exc:  # noqa: BLE001 - handed to TRL's thread, which catches what it catches
-            call.result.set_exception(exc)
+            _settle(call.result, error=exc)
+
+
+def _fail_unanswered(calls: Sequence[_Call], running: Future[None]) -> None:
+    """Once a rollout's worker is done, however it ended: a call it left without an answer fails, never waits on."""
+    for call in calls:
+        _settle(call.result, error=CallNotRunError(f"{call.name} was not run: its round's worker ended first"))
+
+
+def _settle(result: Future[Any], *, value: Any = None, error: BaseException | None = None) -> None:
+    """Answer a call once (a worker abandoned on cancel may still finish after its calls were failed)."""
+    try:
+        if error is not None:
+            result.set_exception(error)
+        else:
+            result.set_result(value)
+    except InvalidStateError:
+        pass

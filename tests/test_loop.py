@@ -178,15 +178,14 @@ SIGNAL_ELSEWHERE = textwrap.dedent(
     loop.start()
     target = {"loop": loop._thread, "main": threading.main_thread()}[sys.argv[1]]
 
-    async def long_call():
-        print("WAITING", flush=True)
-        await anyio.sleep(600)
-
     def interrupt():  # what the kernel may do with a Ctrl-C: hand it to any thread that does not block it
         signal.pthread_kill(target.ident, signal.SIGINT)
 
-    loop.submit(anyio.sleep, 0).result()
-    threading.Timer(0.5, interrupt).start()
+    async def long_call():
+        print("WAITING", flush=True)
+        threading.Timer(0.5, interrupt).start()  # once the main thread waits on this call
+        await anyio.sleep(600)
+
     try:
         loop.call(long_call)
     except KeyboardInterrupt:
@@ -203,6 +202,30 @@ def test_ctrl_c_interrupts_a_call_whichever_thread_the_kernel_gives_it_to(thread
         [sys.executable, "-c", SIGNAL_ELSEWHERE, thread], capture_output=True, text=True, cwd=REPO, timeout=60
     )
     assert proc.stdout.split() == ["WAITING", "INTERRUPTED"], proc.stderr[-3000:]
+
+
+def test_a_calls_own_timeout_error_is_raised_as_it_is_not_taken_for_the_waits(loop):
+    """A call that raises TimeoutError (a SandboxTimeout is one) fails at once with that error, on the main thread
+    as on others: the wait's own timeout is told apart from it (a slice of the wait is not the call's end)."""
+
+    async def times_out() -> None:
+        raise TimeoutError("the call's own")
+
+    for timeout in (None, 30.0):  # before: a spin until a signal came; the wait's "no result within 30 s"
+        with pytest.raises(TimeoutError, match="the call's own"):
+            loop.call(times_out, timeout=timeout)
+    box: list[BaseException] = []
+
+    def elsewhere() -> None:
+        try:
+            loop.call(times_out)
+        except BaseException as exc:  # noqa: BLE001 - read below
+            box.append(exc)
+
+    worker = threading.Thread(target=elsewhere)
+    worker.start()
+    worker.join(30)
+    assert [str(e) for e in box] == ["the call's own"]
 
 
 @pytest.mark.range  # .ci/range: on the lowest and highest uvloop the extra allows

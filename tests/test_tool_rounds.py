@@ -7,16 +7,17 @@ real loop is exercised in ``tests/test_trainer.py`` against ``GRPOTrainer``.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import psutil
 import pytest
 
-from shim.tool_rounds import ToolCallsAhead, worker_threads
+from shim.tool_rounds import CallNotRunError, ToolCallsAhead, worker_threads
 
 
 def call(name: str, **arguments: Any) -> dict[str, Any]:
@@ -125,6 +126,34 @@ def test_the_callers_exception_is_the_tools_own():
         ahead.close()
 
 
+@pytest.mark.parametrize("runner", ["executor", "trainer"])
+def test_a_tools_timeout_error_reaches_the_caller_as_it_raised_it(runner: str):
+    """A TimeoutError of the tool's own (a socket's, a sandbox's) is the call's answer, not the wait's timeout."""
+
+    def wait() -> str:
+        raise TimeoutError("the tool's own")
+
+    completions = [[{"role": "assistant", "tool_calls": [call("wait")]}]]
+    with ThreadPoolExecutor(2) as pool:
+        with ToolCallsAhead(completions, [{"wait": wait}], pool.submit if runner == "executor" else worker_threads(2)) as ahead:
+            with pytest.raises(TimeoutError, match="the tool's own"):
+                ahead.tool_dicts()[0]["wait"]()
+
+
+def test_a_call_whose_worker_never_ran_it_fails_instead_of_waiting():
+    def cancelled(fn, *args) -> Future[None]:  # a round's worker cancelled before it took the calls
+        future: Future[None] = Future()
+        future.cancel()
+        return future
+
+    log: list[tuple[int, str]] = []
+    completions = [[{"role": "assistant", "tool_calls": [call("write", text="a")]}]]
+    with ToolCallsAhead(completions, [Shell(log, 0).tools()], cancelled) as ahead:
+        with pytest.raises(CallNotRunError, match="write was not run"):
+            ahead.tool_dicts()[0]["write"](text="a")
+    assert log == []
+
+
 def test_without_a_pool_nothing_runs_ahead():
     log: list[tuple[int, str]] = []
     shells = [Shell(log, 0), Shell(log, 1)]
@@ -137,17 +166,18 @@ def test_without_a_pool_nothing_runs_ahead():
 CTRL_C_MID_ROUND = """
 import signal, sys, threading, psutil
 import shim
-from shim.tool_rounds import ToolCallsAhead, worker_threads
+from shim.tool_rounds import CallNotRunError, ToolCallsAhead, worker_threads
 
 envs = [shim.HarborBashEnv("local", job_dir=f"{sys.argv[1]}/{i}") for i in range(2)]
 for env in envs:
     env.reset(task_dir=sys.argv[2])
-command = "sleep 86399"  # longer than the exec timeout: an exit that waits for it waits for the timeout
+seconds = sys.argv[3]  # this test's own: longer than the exec timeout (an exit that waits for it waits for that)
+command = f"sleep {seconds}"
 completions = [[{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "bash", "arguments": {"command": command}}}]}] for _ in envs]
 
 
 def interrupt_once_both_run():
-    while len([p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "86399"]]) < 2:
+    while len([p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", seconds]]) < 2:
         threading.Event().wait(0.05)
     signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
@@ -169,10 +199,11 @@ def test_ctrl_c_mid_round_ends_the_trainer_without_waiting_for_the_calls_ahead(t
     from tests.cluster_helpers import child_env
 
     task = load_suite(example_suite_path()).tasks[0]
+    seconds = str(80000 + os.getpid() % 6000)  # unique to this process: another run's sleeps are not counted
     proc = subprocess.run(
-        [sys.executable, "-c", CTRL_C_MID_ROUND, str(tmp_path / "jobs"), str(task.task_dir)],
+        [sys.executable, "-c", CTRL_C_MID_ROUND, str(tmp_path / "jobs"), str(task.task_dir), seconds],
         capture_output=True, text=True, env=child_env(), timeout=100,
     )  # fmt: skip
     assert "KeyboardInterrupt" in proc.stderr and proc.returncode != 0, proc.stderr[-3000:]
-    left = [p.pid for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "86399"]]
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", seconds]]
     assert left == []  # both commands ended with their sandboxes

@@ -135,7 +135,9 @@ class Interrupts:
             return
         loop, read, write = self._wakeup
         self._wakeup = None
-        signal.set_wakeup_fd(-1)
+        current = signal.set_wakeup_fd(-1)
+        if current != write.fileno():  # someone set their own meanwhile: theirs stays
+            signal.set_wakeup_fd(current)
         if not loop.is_closed():
             loop.remove_reader(read.fileno())
         read.close()

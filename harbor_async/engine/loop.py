@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from typing import Any, TypeVar, cast, overload
 
 import anyio
@@ -146,11 +147,10 @@ class LoopThread:
         """
         self._check_caller("call()")
         future = self.submit(fn, *args)
-        try:
-            return wait_result(future, timeout)
-        except FutureTimeout:
+        if not wait_done(future, timeout):
             future.cancel()
-            raise TimeoutError(f"no result from the loop thread within {timeout} s") from None
+            raise TimeoutError(f"no result from the loop thread within {timeout} s")
+        return future.result()  # the call's own error as it raised it (a SandboxTimeout is a TimeoutError too)
 
     @overload
     def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]: ...
@@ -242,8 +242,8 @@ class LoopThread:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def wait_result[T](future: Future[T], timeout: float | None = None) -> T:
-    """``future.result(timeout)`` that a signal interrupts on the main thread (Ctrl-C in a trainer).
+def wait_done(future: Future[Any], timeout: float | None = None) -> bool:
+    """Wait until ``future`` is done (``True``) or ``timeout`` passed (``False``); a signal interrupts the main thread's.
 
     The kernel gives a process's SIGINT to any of its threads that does not
     block it. Python's handler then only flags it for the main thread, and a
@@ -252,17 +252,31 @@ def wait_result[T](future: Future[T], timeout: float | None = None) -> T:
     keeper thread took the signal (seen under load). So the main thread waits
     in slices of :data:`SIGNAL_CHECK` seconds, and a flagged signal's handler
     (``KeyboardInterrupt``, a program's own) runs between two of them.
+    Waiting apart from ``future.result()`` keeps the wait's own timeout apart
+    from a ``TimeoutError`` that the call itself raised. Each slice also reads
+    ``future.done()``: a future cancelled by ``cancel()`` alone (no executor
+    took it) never wakes ``concurrent.futures.wait``.
     """
-    if threading.current_thread() is not threading.main_thread():
-        return future.result(timeout)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
+        if future.done():
+            return True
         left = None if deadline is None else deadline - time.monotonic()
-        try:
-            return future.result(SIGNAL_CHECK if left is None else max(0.0, min(SIGNAL_CHECK, left)))
-        except FutureTimeout:
-            if left is not None and left <= SIGNAL_CHECK:
-                raise
+        if wait_futures([future], SIGNAL_CHECK if left is None else max(0.0, min(SIGNAL_CHECK, left))).done:
+            return True
+        if left is not None and left <= SIGNAL_CHECK:
+            return future.done()
+
+
+def wait_result[T](future: Future[T], timeout: float | None = None) -> T:
+    """``future.result(timeout)`` that a signal interrupts on the main thread (see :func:`wait_done`).
+
+    Raises:
+        concurrent.futures.TimeoutError: not done within ``timeout``; else whatever the call raised.
+    """
+    if not wait_done(future, timeout):
+        raise FutureTimeout(f"not done within {timeout} s")
+    return future.result()
 
 
 async def await_future(future: Future[T]) -> T:
