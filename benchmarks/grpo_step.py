@@ -193,14 +193,10 @@ def run_grpo_steps(
 
 def _round(envs: Sequence[Any], commands: Sequence[str]) -> None:
     """One turn through HarborGRPOTrainer's dispatch: TRL's serial calls, each rollout's ``bash`` run ahead at once."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from shim.tool_rounds import ToolCallsAhead
+    from shim.tool_rounds import ToolCallsAhead, worker_threads
 
     calls = [{"type": "function", "function": {"name": "bash", "arguments": {"command": c}}} for c in commands]
     completions = [[{"role": "assistant", "tool_calls": [call]}] for call in calls]
-    with ThreadPoolExecutor(len(calls)) as pool:
-        ahead = ToolCallsAhead(completions, [{"bash": env.bash} for env in envs], pool)
+    with ToolCallsAhead(completions, [{"bash": env.bash} for env in envs], worker_threads(len(calls))) as ahead:
         for tools, call in zip(ahead.tool_dicts(), calls, strict=True):  # as TRL's loop asks, one after another
             tools["bash"](**call["function"]["arguments"])
-        ahead.close()
