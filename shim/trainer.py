@@ -196,7 +196,6 @@ class HarborGRPOTrainer(GRPOTrainer):
             self._sync_tool_dicts = originals
             self._harbor_wait["tools"] += ahead.waited
 
-
     # ── timing of the other environment calls ────────────────────────────
 
     def _generate(self, prompts: list):

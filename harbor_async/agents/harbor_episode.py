@@ -168,14 +168,16 @@ class HarborAgentRunner:
         """
         session = self._session
         assert session is not None
-        calls, self._written = session.calls[self._written :], len(session.calls)
+        first = self._written
+        calls, self._written = session.calls[first:], len(session.calls)
+        as_json = [call.to_json() for call in session.calls]  # once: the row reads them all, the file this part
         summary = dict(record.capture or {"files": []})
         summary.update(calls=len(session.calls), refused=session.refused, retokenize=session.retokenize)
         checked = check_rollout_details(calls, getattr(context, "rollout_details", None))
         if checked is not None:  # the agent's own ids (terminus-2's collect_rollout_details) against this instruction's calls
             before = summary.get("rollout_details") or {"turns": 0, "mismatches": 0, "missing": 0}
             summary["rollout_details"] = {key: before[key] + checked[key] for key in checked}
-        row = None if session.retokenize else token_row([call.to_json() for call in session.calls])
+        row = None if session.retokenize else token_row(as_json)
         # The episode as one training sequence so far (None: no answered call, or no server ids: the trainer and
         # export re-tokenize): what the model generated (env_mask 1) and what the environment or the agent's
         # scaffolding added between two calls (0); calls of a re-templated history left out count as dropped.
@@ -194,7 +196,7 @@ class HarborAgentRunner:
                 "prompt_ids": row.prompt_ids, "completion_ids": row.completion_ids,
                 "env_mask": row.env_mask, "calls": row.calls, "dropped": row.dropped,
             }  # fmt: skip
-            path.write_text(json.dumps({**session.to_json(), "calls": [call.to_json() for call in calls], "row": sequence}))
+            path.write_text(json.dumps({**session.to_json(as_json[first:]), "row": sequence}))
             summary["files"] = [*summary["files"], str(Path("steps", step, CAPTURE_FILE) if step else CAPTURE_FILE)]
         record.capture = summary
 

@@ -42,7 +42,7 @@ T = TypeVar("T")
 EXIT_BUDGET = float(os.environ.get("HARBOR_ASYNC_EXIT_BUDGET") or 60.0)
 #: Seconds the exit handler then waits for the loop itself to end.
 LOOP_STOP_BUDGET = 5.0
-#: Seconds between a waiting main thread's looks at its signal handlers (see :func:`wait_result`).
+#: Seconds between a waiting thread's looks at its signal handlers and its future (see :func:`wait_done`).
 SIGNAL_CHECK = 0.2
 #: Set to 1 to run every event loop of harbor-async (the loop thread, ``run``, ``eval``) on uvloop.
 UVLOOP_VARIABLE = "HARBOR_ASYNC_UVLOOP"

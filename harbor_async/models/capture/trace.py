@@ -59,10 +59,11 @@ class CaptureSession:
         """Some answered call lacks the server's token ids: the episode must be re-tokenized to be trained on."""
         return any(call.status == 200 and not call.tokens_from_server for call in self.calls)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The session as JSON; ``calls``: the calls as JSON already (a part of them, say), else all of them."""
         return {
             "name": self.name, "refused": self.refused, "retokenize": self.retokenize,
-            "calls": [call.to_json() for call in self.calls],
+            "calls": [call.to_json() for call in self.calls] if calls is None else calls,
         }  # fmt: skip
 
 
